@@ -1,0 +1,190 @@
+"""Typed config schemas. Registered in Hydra's ConfigStore so a mistyped key or a wrong type fails
+before any model loads; `validate` adds the range checks a type cannot express."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+SUPPORTED_BLOCK_SIZES = (8, 16, 32)
+
+
+@dataclass
+class AllocatorConfig:
+    name: str = MISSING
+    cls: str = MISSING
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: str | None = None
+    watermark: float = 0.01
+
+
+@dataclass
+class SchedulerConfig:
+    name: str = MISSING
+    policy: str = MISSING
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    max_model_len: int = 2048
+    aging_tokens_per_s: float = 256.0
+
+
+@dataclass
+class KernelConfig:
+    name: str = MISSING
+    version: str = "auto"
+    backend: str = "auto"
+    partition_size: int = 512
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    source: str = MISSING
+    path: str | None = None
+    dtype: str = "float32"
+    device: str = "auto"
+    chat_template: bool = False
+    arch: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class WorkloadConfig:
+    name: str = MISSING
+    kind: str = MISSING
+    path: str | None = None
+    num_requests: int = 48
+    seed: int = 0
+    prompt_len_mean: float = 161.31
+    output_len_mean: float = 337.99
+    prompt_len_min: int = 4
+    prompt_len_max: int = 512
+    output_len_min: int = 4
+    output_len_max: int = 256
+    length_scale: float = 1.0
+    arrival_rate: float = 0.0
+    time_scale: float = 1.0
+    temperature: float = 0.0
+    ignore_eos: bool = True
+    shared_prefix_len: int = 0
+
+
+@dataclass
+class LoggerConfig:
+    name: str = MISSING
+    backend: str = "none"
+    mode: str = "offline"
+    project: str = "paged"
+    entity: str | None = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ExecutorConfig:
+    name: str = MISSING
+    kind: str = "model"
+
+
+@dataclass
+class Config:
+    allocator: AllocatorConfig = field(default_factory=AllocatorConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kernel: KernelConfig = field(default_factory=KernelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    seed: int = 0
+    progress: bool = True
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="base_schema", node=Config)
+    for group, node in [
+        ("allocator", AllocatorConfig),
+        ("scheduler", SchedulerConfig),
+        ("kernel", KernelConfig),
+        ("model", ModelConfig),
+        ("workload", WorkloadConfig),
+        ("logger", LoggerConfig),
+        ("executor", ExecutorConfig),
+    ]:
+        cs.store(group=group, name=f"base_{group}", node=node)
+
+
+class ConfigError(ValueError):
+    """A config value that its type allows but the framework does not."""
+
+
+def _choice(key: str, value: Any, allowed: tuple[Any, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not supported; allowed: {', '.join(map(str, allowed))}")
+
+
+def _positive(key: str, value: float | int | None, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value <= 0:
+        raise ConfigError(f"{key}={value!r} must be > 0")
+
+
+def validate(cfg: Any) -> None:
+    """Range and choice checks on a composed config (a DictConfig or a `Config`)."""
+    a = cfg.allocator
+    _choice("allocator.block_size", a.block_size, SUPPORTED_BLOCK_SIZES)
+    _positive("allocator.num_blocks", a.num_blocks, allow_none=True)
+    if a.num_blocks is None and a.kv_cache_memory is None:
+        raise ConfigError("set allocator.num_blocks or allocator.kv_cache_memory (e.g. 256MiB)")
+    if a.kv_cache_memory is not None:
+        parse_bytes(a.kv_cache_memory)
+    if not 0.0 <= a.watermark < 1.0:
+        raise ConfigError(f"allocator.watermark={a.watermark!r} must be in [0, 1)")
+    s = cfg.scheduler
+    for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        _positive(f"scheduler.{key}", getattr(s, key))
+    k = cfg.kernel
+    _choice("kernel.version", k.version, ("auto", "v1", "v2"))
+    _choice("kernel.backend", k.backend, ("auto", "torch", "cuda", "emu"))
+    _positive("kernel.partition_size", k.partition_size)
+    if k.partition_size % a.block_size:
+        raise ConfigError(
+            f"kernel.partition_size={k.partition_size} must be a multiple of "
+            f"allocator.block_size={a.block_size}"
+        )
+    m = cfg.model
+    _choice("model.source", m.source, ("gguf", "hf", "random"))
+    _choice("model.dtype", m.dtype, ("float32", "float16", "bfloat16"))
+    _choice("model.device", m.device, ("auto", "cpu", "cuda"))
+    if m.source == "hf" and not m.path:
+        raise ConfigError("model=hf needs model.path=/path/to/a/local/hf/checkpoint")
+    w = cfg.workload
+    _choice("workload.kind", w.kind, ("synthetic", "prompts", "trace"))
+    _positive("workload.num_requests", w.num_requests)
+    if w.kind in ("prompts", "trace") and not w.path:
+        raise ConfigError(f"workload={w.kind} needs workload.path=FILE")
+    _choice("logger.backend", cfg.logger.backend, ("wandb", "none"))
+    _choice("logger.mode", cfg.logger.mode, ("offline", "disabled", "online"))
+    _choice("executor.kind", cfg.executor.kind, ("model",))
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'256MiB' / '1GB' / '1048576' -> bytes."""
+    s = str(text).strip().upper().replace(" ", "")
+    digits = s.rstrip("ABEGIKM")
+    unit = s[len(digits) :]
+    try:
+        value = float(digits)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or value <= 0:
+        raise ConfigError(
+            f"allocator.kv_cache_memory={text!r} is not a positive size; use e.g. 512MiB, 1GiB, 1048576"
+        )
+    return int(value * _UNITS[unit])

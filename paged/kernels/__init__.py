@@ -1,0 +1,152 @@
+"""Attention and cache ops front end: one signature, three backends (torch, cuda, emu).
+
+Tensors use vLLM's cache layout (DESIGN.md): key `[num_blocks, kv_heads, head_size/x, block_size, x]`
+with `x = 16 // element_size`, value `[num_blocks, kv_heads, head_size, block_size]`. Shapes, dtypes
+and devices are validated here, before any backend runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from paged.kernels import torch_ref
+from paged.kernels.validate import (
+    BACKENDS,
+    VERSIONS,
+    check_backend,
+    check_cache_pair,
+    check_copy_blocks,
+    check_paged_attention,
+    check_reshape_and_cache,
+)
+
+__all__ = [
+    "BACKENDS",
+    "VERSIONS",
+    "choose_version",
+    "copy_blocks",
+    "gather_kv",
+    "paged_attention",
+    "prefill_attention",
+    "reshape_and_cache",
+    "resolve_backend",
+]
+
+V1_MAX_SEQ_LEN = 8192
+V1_MIN_PARALLELISM = 512
+
+
+def choose_version(max_seq_len: int, num_seqs: int, num_heads: int, partition_size: int = 512) -> str:
+    """vLLM's rule: v1 when one partition suffices or the grid already has enough blocks."""
+    num_partitions = -(-max_seq_len // partition_size)
+    use_v1 = max_seq_len <= V1_MAX_SEQ_LEN and (
+        num_partitions == 1 or num_seqs * num_heads > V1_MIN_PARALLELISM
+    )
+    return "v1" if use_v1 else "v2"
+
+
+def resolve_backend(backend: str) -> str:
+    """`auto` is `cuda` where a CUDA device exists, else `torch`."""
+    check_backend(backend, allow_auto=True)
+    if backend == "auto":
+        return "cuda" if torch.cuda.is_available() else "torch"
+    return backend
+
+
+def _native(backend: str):  # noqa: ANN202 - returns a backend module
+    if backend == "cuda":
+        from paged.kernels import cuda_backend
+
+        return cuda_backend
+    if backend == "emu":
+        from paged.kernels import emu_backend
+
+        return emu_backend
+    raise AssertionError(backend)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    version: str = "v1",
+    backend: str = "torch",
+    partition_size: int = 512,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Decode attention, one query token per sequence: `[num_seqs, num_heads, head_size]`.
+
+    `max_seq_len` may be passed when the caller knows it, which saves a device-to-host sync.
+    """
+    check_backend(backend)
+    check_paged_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, version, partition_size, backend
+    )
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max()) if seq_lens.numel() else 0
+    if query.shape[0] == 0 or max_seq_len == 0:
+        return torch.zeros_like(query)
+    if backend == "torch":
+        if version == "v1":
+            return torch_ref.paged_attention_v1(
+                query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len
+            )
+        return torch_ref.paged_attention_v2(
+            query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, partition_size
+        )
+    return _native(backend).paged_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, scale, version, partition_size, max_seq_len
+    )
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    backend: str = "torch",
+) -> None:
+    """Write `key`/`value` `[num_tokens, kv_heads, head_size]` into the cache at `slot_mapping` (-1 skipped)."""
+    check_backend(backend)
+    check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, backend)
+    if backend == "torch":
+        torch_ref.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        _native(backend).reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def copy_blocks(
+    key_caches: list[torch.Tensor],
+    value_caches: list[torch.Tensor],
+    block_mapping: torch.Tensor | Sequence[tuple[int, int]],
+    *,
+    backend: str = "torch",
+) -> None:
+    """Copy-on-write: for every `(src, dst)` pair copy block src to dst in every layer's K and V."""
+    check_backend(backend)
+    if not isinstance(block_mapping, torch.Tensor):
+        block_mapping = torch.tensor(list(block_mapping), dtype=torch.int64).reshape(-1, 2)
+    check_copy_blocks(key_caches, value_caches, block_mapping)
+    if backend == "torch":
+        torch_ref.copy_blocks(key_caches, value_caches, block_mapping)
+    else:
+        _native(backend).copy_blocks(key_caches, value_caches, block_mapping)
+
+
+def gather_kv(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, context_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's K/V for positions `[0, context_len)`, read through its block table."""
+    check_cache_pair(key_cache, value_cache)
+    return torch_ref.gather_kv(key_cache, value_cache, block_table, context_len)
+
+
+prefill_attention = torch_ref.prefill_attention

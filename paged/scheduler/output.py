@@ -1,0 +1,48 @@
+"""What the scheduler hands the executor for one engine step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from paged.request import Request, Sequence
+
+
+@dataclass
+class ScheduledSeq:
+    """Compute `seq.token_ids[num_computed : num_computed + num_new_tokens]` this step.
+
+    `num_computed` is `seq.num_computed_tokens` before the step: the KV of those tokens is
+    already in the cache (earlier steps or prefix-cache hits). `num_samples` tokens are sampled
+    from the last position: 0 while a prompt is only partly computed, `n` when a request with
+    n > 1 samples its first tokens (the engine forks the other n - 1 sequences), else 1.
+    """
+
+    seq: Sequence
+    num_new_tokens: int
+    block_table: list[int]
+    num_samples: int = 1
+
+    @property
+    def num_computed(self) -> int:
+        return self.seq.num_computed_tokens
+
+    @property
+    def context_len(self) -> int:
+        return self.seq.num_computed_tokens + self.num_new_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    is_prefill: bool = False
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    aborted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
