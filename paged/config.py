@@ -146,6 +146,12 @@ def validate(cfg: Any) -> None:
     s = cfg.scheduler
     for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
         _positive(f"scheduler.{key}", getattr(s, key))
+    if s.max_num_batched_tokens < s.max_model_len:
+        # a preempted sequence is recomputed in one prefill, so the budget must hold the longest one
+        raise ConfigError(
+            f"scheduler.max_num_batched_tokens={s.max_num_batched_tokens} must be >= "
+            f"scheduler.max_model_len={s.max_model_len}"
+        )
     k = cfg.kernel
     _choice("kernel.version", k.version, ("auto", "v1", "v2"))
     _choice("kernel.backend", k.backend, ("auto", "torch", "cuda", "emu"))

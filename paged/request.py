@@ -127,11 +127,10 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs) and len(self.seqs) == self.expected_num_seqs
-
-    @property
-    def expected_num_seqs(self) -> int:
-        return 1 if self.abort_reason is not None else self.params.n
+        if self.abort_reason is not None:
+            return True
+        # before its first sample forks it, an n > 1 request has only one sequence
+        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
 
     @property
     def finish_reason(self) -> FinishReason | None:

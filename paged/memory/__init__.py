@@ -1,0 +1,17 @@
+"""The KV block layer: allocators hand out block ids, the BlockManager maps sequences onto them."""
+
+from paged.memory.allocator import BlockAllocator, NoFreeBlocksError
+from paged.memory.block_manager import AllocStatus, BlockManager
+from paged.memory.naive import NaiveAllocator
+from paged.memory.prefix import PrefixCachingAllocator
+from paged.memory.stats import KVStats
+
+__all__ = [
+    "AllocStatus",
+    "BlockAllocator",
+    "BlockManager",
+    "KVStats",
+    "NaiveAllocator",
+    "NoFreeBlocksError",
+    "PrefixCachingAllocator",
+]

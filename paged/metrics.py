@@ -1,0 +1,153 @@
+"""Per-step and per-request metrics, and the flat summary that `summary.json` carries (DESIGN.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from paged.request import FinishReason, Request
+
+
+@dataclass
+class StepRecord:
+    engine_step: int
+    time_s: float
+    is_prefill: bool
+    batch_size: int
+    num_scheduled_tokens: int
+    num_computed_tokens: int
+    step_time_s: float
+    overhead_s: float
+    num_running: int
+    num_waiting: int
+    num_preempted: int
+    kv_usage: float
+    token_state_fraction: float
+    num_allocated_blocks: int
+    num_cached_free_blocks: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class RequestMetrics:
+    request_id: str
+    prompt_len: int
+    output_len: int
+    finish_reason: str
+    abort_reason: str | None
+    ttft_s: float | None
+    tpot_s: float | None
+    e2e_latency_s: float | None
+    normalized_latency_s_per_token: float | None
+    num_preemptions: int
+
+    @classmethod
+    def of(cls, request: Request) -> RequestMetrics:
+        output_len = max((s.num_output_tokens for s in request.seqs), default=0)
+        reason = request.finish_reason
+        ttft = e2e = tpot = norm = None
+        if request.first_token_time is not None:
+            ttft = request.first_token_time - request.arrival_time
+        if request.finish_time is not None and reason is not FinishReason.ABORTED:
+            e2e = request.finish_time - request.arrival_time
+            if output_len > 0:
+                norm = e2e / output_len
+            if output_len > 1 and ttft is not None:
+                tpot = (e2e - ttft) / (output_len - 1)
+        return cls(
+            request_id=request.request_id,
+            prompt_len=request.num_prompt_tokens,
+            output_len=output_len,
+            finish_reason=reason.value if reason is not None else "unfinished",
+            abort_reason=request.abort_reason,
+            ttft_s=ttft,
+            tpot_s=tpot,
+            e2e_latency_s=e2e,
+            normalized_latency_s_per_token=norm,
+            num_preemptions=request.num_preemptions,
+        )
+
+
+def _mean(values: list[float]) -> float | None:
+    return float(np.mean(values)) if values else None
+
+
+def _p99(values: list[float]) -> float | None:
+    return float(np.percentile(values, 99)) if values else None
+
+
+class MetricsRecorder:
+    """Collects step and request records; listeners (console, W&B) see each step as it happens."""
+
+    def __init__(self) -> None:
+        self.requests: list[Request] = []
+        self.steps: list[StepRecord] = []
+        self.step_listeners: list[Callable[[StepRecord], None]] = []
+
+    def on_add(self, request: Request) -> None:
+        self.requests.append(request)
+
+    def on_finish(self, request: Request) -> None:
+        """Hook for subclasses and listeners; request records are built from `requests` at the end."""
+
+    def on_step(self, record: StepRecord) -> None:
+        self.steps.append(record)
+        for listener in self.step_listeners:
+            listener(record)
+
+    def request_metrics(self) -> list[RequestMetrics]:
+        return [RequestMetrics.of(r) for r in self.requests]
+
+    def summary(self, *, num_total_blocks: int, kv_blocks_in_use_end: int, caches_prefixes: bool) -> dict[str, Any]:
+        per_request = self.request_metrics()
+        done = [m for m in per_request if m.finish_reason in (FinishReason.LENGTH.value, FinishReason.STOP.value)]
+        finish_times = [r.finish_time for r in self.requests if r.finish_time is not None]
+        arrivals = [r.arrival_time for r in self.requests]
+        wall = (max(finish_times) - min(arrivals)) if finish_times and arrivals else 0.0
+        useful_tokens = sum(
+            sum(s.num_output_tokens for s in r.seqs) for r in self.requests if r.abort_reason is None
+        )
+        steps = self.steps
+        allocated_steps = [s.token_state_fraction for s in steps if s.num_allocated_blocks > 0]
+        step_time = sum(s.step_time_s for s in steps)
+        decode_steps = [s for s in steps if not s.is_prefill]
+        last = steps[-1] if steps else None
+        hit_rate = None
+        if caches_prefixes and last is not None and last.prefix_queried_tokens > 0:
+            hit_rate = last.prefix_hit_tokens / last.prefix_queried_tokens
+        return {
+            "num_requests": len(self.requests),
+            "num_finished": len(done),
+            "num_aborted": sum(m.finish_reason == FinishReason.ABORTED.value for m in per_request),
+            "num_preemptions": sum(m.num_preemptions for m in per_request),
+            "output_tokens": useful_tokens,
+            "prompt_tokens": sum(m.prompt_len for m in per_request),
+            "computed_tokens": sum(s.num_computed_tokens for s in steps),
+            "output_tokens_per_s": useful_tokens / wall if wall > 0 else 0.0,
+            "requests_per_s": len(done) / wall if wall > 0 else 0.0,
+            "ttft_mean_s": _mean([m.ttft_s for m in done if m.ttft_s is not None]),
+            "ttft_p99_s": _p99([m.ttft_s for m in done if m.ttft_s is not None]),
+            "tpot_mean_s": _mean([m.tpot_s for m in done if m.tpot_s is not None]),
+            "e2e_latency_mean_s": _mean([m.e2e_latency_s for m in done if m.e2e_latency_s is not None]),
+            "e2e_latency_p99_s": _p99([m.e2e_latency_s for m in done if m.e2e_latency_s is not None]),
+            "normalized_latency_s_per_token": _mean(
+                [m.normalized_latency_s_per_token for m in done if m.normalized_latency_s_per_token is not None]
+            ),
+            "kv_usage_mean": _mean([s.kv_usage for s in steps]) or 0.0,
+            "kv_usage_max": max((s.kv_usage for s in steps), default=0.0),
+            "token_state_fraction_mean": _mean(allocated_steps) if allocated_steps else 1.0,
+            "prefix_cache_hit_rate": hit_rate,
+            "wall_time_s": wall,
+            "num_engine_steps": len(steps),
+            "mean_decode_batch_size": _mean([float(s.batch_size) for s in decode_steps]),
+            "engine_overhead_fraction": (sum(s.overhead_s for s in steps) / step_time) if step_time > 0 else 0.0,
+            "kv_blocks_in_use_end": kv_blocks_in_use_end,
+            "num_total_blocks": num_total_blocks,
+        }

@@ -1,0 +1,101 @@
+"""`LlamaArch`: the shape of a Llama-family decoder, from GGUF metadata, an HF config.json or a dict."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+# Architectures whose math is the Llama decoder; Qwen2 adds a bias to q/k/v.
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class LlamaArch:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    qkv_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LlamaArch:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown LlamaArch keys {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**d)
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> LlamaArch:
+        """From a parsed HF config.json (Llama, SmolLM, Mistral or Qwen2)."""
+        model_type = cfg.get("model_type")
+        if model_type not in HF_MODEL_TYPES:
+            raise ValueError(f"model_type={model_type!r} is not supported; supported: {', '.join(HF_MODEL_TYPES)}")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise NotImplementedError(f"rope scaling {rope_type!r} is not implemented; only plain RoPE is")
+        num_heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=[] if eos is None else list(eos) if isinstance(eos, list) else [eos],
+            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+        )
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> LlamaArch:
+        """From GGUF scalar key/values (`llama.*`, `tokenizer.ggml.*`) and the stored tensors' shapes
+        (torch order, `[out, in]`)."""
+        arch = meta["general.architecture"]
+        if arch not in ("llama", "qwen2"):
+            raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: llama, qwen2")
+
+        def key(name: str, default: Any = None) -> Any:
+            return meta.get(f"{arch}.{name}", default)
+
+        num_heads = key("attention.head_count")
+        hidden = key("embedding_length")
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        return cls(
+            vocab_size=key("vocab_size") or tensor_shapes["token_embd.weight"][0],
+            hidden_size=hidden,
+            intermediate_size=key("feed_forward_length"),
+            num_layers=key("block_count"),
+            num_heads=num_heads,
+            num_kv_heads=key("attention.head_count_kv", num_heads),
+            head_dim=key("rope.dimension_count") or hidden // num_heads,
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+            tie_word_embeddings="output.weight" not in tensor_shapes,
+            max_position_embeddings=key("context_length", 2048),
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=[] if eos is None else [eos],
+            qkv_bias="blk.0.attn_q.bias" in tensor_shapes,
+        )

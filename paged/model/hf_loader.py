@@ -1,0 +1,27 @@
+"""Load a local HF checkpoint directory (config.json + *.safetensors)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from paged.model.config import LlamaArch
+
+
+def load_hf(path: str | Path) -> tuple[LlamaArch, dict[str, torch.Tensor]]:
+    """Architecture and weights of a Llama / SmolLM / Mistral / Qwen2 checkpoint, HF names kept."""
+    root = Path(path)
+    config = root / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"{root} is not an HF checkpoint directory: no config.json")
+    arch = LlamaArch.from_hf_config(json.loads(config.read_text()))
+    shards = sorted(root.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"{root} holds no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        state.update(load_file(shard))
+    return arch, state

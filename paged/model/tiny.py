@@ -1,0 +1,67 @@
+"""`model=tiny-random`: a two-layer Llama with seeded random weights and SmolLM2's vocabulary.
+
+Fast enough for unit tests of the whole engine, and its logits are peaked (weights scaled to keep
+activations O(1), embeddings tied), so greedy outputs do not hinge on near-ties between kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from paged.model.config import LlamaArch
+
+TINY_ARCH: dict[str, Any] = {
+    "vocab_size": 49152,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_layers": 2,
+    "num_heads": 2,
+    "num_kv_heads": 1,
+    "head_dim": 64,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 4096,
+    "bos_token_id": 1,
+    "eos_token_ids": [2],
+}
+
+
+def tiny_arch(overrides: dict[str, Any] | None = None) -> LlamaArch:
+    return LlamaArch.from_dict({**TINY_ARCH, **(overrides or {})})
+
+
+def random_state(arch: LlamaArch, seed: int = 0) -> dict[str, torch.Tensor]:
+    """HF-named weights, N(0, 1/fan_in) for projections, N(0, 1) for embeddings, ones for norms."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def linear(out_features: int, in_features: int) -> torch.Tensor:
+        return torch.randn(out_features, in_features, generator=gen) / math.sqrt(in_features)
+
+    h, d = arch.hidden_size, arch.head_dim
+    state = {
+        "model.embed_tokens.weight": torch.randn(arch.vocab_size, h, generator=gen),
+        "model.norm.weight": torch.ones(h),
+    }
+    if not arch.tie_word_embeddings:
+        state["lm_head.weight"] = linear(arch.vocab_size, h)
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        state |= {
+            p + "input_layernorm.weight": torch.ones(h),
+            p + "post_attention_layernorm.weight": torch.ones(h),
+            p + "self_attn.q_proj.weight": linear(arch.num_heads * d, h),
+            p + "self_attn.k_proj.weight": linear(arch.num_kv_heads * d, h),
+            p + "self_attn.v_proj.weight": linear(arch.num_kv_heads * d, h),
+            p + "self_attn.o_proj.weight": linear(h, arch.num_heads * d),
+            p + "mlp.gate_proj.weight": linear(arch.intermediate_size, h),
+            p + "mlp.up_proj.weight": linear(arch.intermediate_size, h),
+            p + "mlp.down_proj.weight": linear(h, arch.intermediate_size),
+        }
+        if arch.qkv_bias:
+            for n, width in (("q", arch.num_heads * d), ("k", arch.num_kv_heads * d), ("v", arch.num_kv_heads * d)):
+                state[f"{p}self_attn.{n}_proj.bias"] = 0.1 * torch.randn(width, generator=gen)
+    return state

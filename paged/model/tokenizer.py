@@ -1,0 +1,74 @@
+"""Text <-> token ids through a transformers tokenizer read from a GGUF file or an HF directory.
+
+Building a tokenizer from GGUF metadata takes ~10 s (transformers converts the BPE vocabulary in
+Python), so the converted tokenizer is saved once under the user cache dir and reloaded from there
+(~0.3 s); within a process it is loaded once per path.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PAGED_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "paged"
+    return Path(root)
+
+
+def _gguf_cache_key(gguf: Path) -> str:
+    st = gguf.stat()
+    digest = hashlib.sha1(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return f"{gguf.stem}-{digest}"
+
+
+@functools.lru_cache(maxsize=8)
+def load_hf_tokenizer(source: str) -> PreTrainedTokenizerBase:
+    """The transformers tokenizer of a `.gguf` file or an HF checkpoint directory."""
+    path = Path(source)
+    if path.suffix != ".gguf":
+        return AutoTokenizer.from_pretrained(path)
+    cached = cache_dir() / "tokenizers" / _gguf_cache_key(path)
+    if (cached / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(cached)
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    # Save beside the target and rename, so a concurrent process never reads a half-written copy.
+    tmp = Path(tempfile.mkdtemp(dir=cached.parent))
+    tok.save_pretrained(tmp)
+    try:
+        tmp.rename(cached)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tok
+
+
+class Tokenizer:
+    """Prompt encoding (optionally through the model's chat template) and output decoding."""
+
+    def __init__(self, hf: PreTrainedTokenizerBase, chat_template: bool = False) -> None:
+        if chat_template and not hf.chat_template:
+            raise ValueError("model.chat_template=true but this tokenizer has no chat template")
+        self.hf = hf
+        self.chat_template = chat_template
+        self.eos_token_id: int | None = hf.eos_token_id
+        self.vocab_size = len(hf)
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.chat_template:
+            messages = [{"role": "user", "content": prompt}]
+            return list(self.hf.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+        return self.hf.encode(prompt)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
+def load_tokenizer(source: str | Path, chat_template: bool = False) -> Tokenizer:
+    return Tokenizer(load_hf_tokenizer(str(source)), chat_template)

@@ -1,0 +1,69 @@
+"""Bad config fails before any model loads, with a message naming the value and what is allowed."""
+
+import pytest
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf.errors import ValidationError
+
+from paged.config import ConfigError, parse_bytes, validate
+from paged.llm import compose_config
+
+
+def test_default_config_is_valid_and_picks_documented_defaults():
+    cfg = compose_config()
+    validate(cfg)
+    assert (cfg.model.name, cfg.allocator.name, cfg.scheduler.name, cfg.kernel.name) == (
+        "smollm2-135m", "prefix", "fcfs", "auto",
+    )
+    assert cfg.kernel.partition_size == 512
+    assert cfg.logger.mode == "offline"
+
+
+def test_unknown_group_option_lists_available_options():
+    with pytest.raises(MissingConfigException, match="allocator/nope"):
+        compose_config(["allocator=nope"])
+
+
+def test_wrong_type_is_rejected_by_schema():
+    with pytest.raises((ConfigCompositionException, ValidationError), match="block_size"):
+        compose_config(["allocator.block_size=abc"])
+
+
+def test_mistyped_key_is_rejected_by_schema():
+    with pytest.raises((ConfigCompositionException, ValidationError), match="num_blokcs"):
+        compose_config(["allocator.num_blokcs=10"])
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("allocator.num_blocks=0", "allocator.num_blocks=0 must be > 0"),
+        ("allocator.num_blocks=-5", "allocator.num_blocks=-5 must be > 0"),
+        ("allocator.block_size=12", "allocator.block_size=12 is not supported; allowed: 8, 16, 32"),
+        ("allocator.block_size=64", "allowed: 8, 16, 32"),
+        ("kernel.backend=rocm", "kernel.backend='rocm' is not supported"),
+        ("kernel.partition_size=100", "multiple of allocator.block_size"),
+        ("scheduler.max_num_seqs=0", "scheduler.max_num_seqs=0 must be > 0"),
+        ("scheduler.max_num_batched_tokens=100", "must be >= scheduler.max_model_len"),
+        ("model.dtype=float8", "model.dtype='float8' is not supported"),
+        ("allocator.watermark=1.5", "allocator.watermark=1.5 must be in [0, 1)"),
+    ],
+)
+def test_out_of_range_values_raise_config_error(override, message):
+    cfg = compose_config([override])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert message in str(err.value)
+
+
+def test_kv_cache_memory_budget_parses_units():
+    assert parse_bytes("1MiB") == 2**20
+    assert parse_bytes("2GB") == 2 * 10**9
+    assert parse_bytes(4096) == 4096
+    for bad in ("-1MiB", "lots", "0"):
+        with pytest.raises(ConfigError, match="kv_cache_memory"):
+            parse_bytes(bad)
+
+
+def test_hf_model_needs_a_path():
+    with pytest.raises(Exception, match="model.path"):
+        validate(compose_config(["model=hf"]))
