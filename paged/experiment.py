@@ -21,7 +21,7 @@ def run_experiment(cfg: Any, run_dir: Path, *, group: str | None = None, name: s
     engine = build_engine(cfg)
     executor = engine.executor
     log.info("attention: %s", executor.kernel_description)
-    items = load_workload(cfg.workload, executor.prompt_encoder)
+    items = load_workload(cfg.workload, executor.tokenizer)
     config = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
     wb = WandbLogger(
         cfg.logger, run_dir, config, group=group, name=name,
@@ -36,7 +36,7 @@ def run_experiment(cfg: Any, run_dir: Path, *, group: str | None = None, name: s
         caches_prefixes=bm.allocator.caches_prefixes,
     )
     summary["attention_kernel"] = executor.kernel_description
-    write_outputs(run_dir, summary, requests, engine.metrics.request_metrics(), executor.decode)
+    write_outputs(run_dir, summary, requests, engine.metrics.request_metrics(), executor.tokenizer.decode)
     wb.finish(summary)
     title = f"paged: {cfg.model.name} | {cfg.allocator.name} | {cfg.scheduler.name} | {executor.kernel_description}"
     print_summary(summary, title)

@@ -84,7 +84,7 @@ class LLM:
         requests = []
         for prompt, p in zip(prompts, params):
             text = prompt if isinstance(prompt, str) else None
-            tokens = self.executor.prompt_encoder.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            tokens = self.executor.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             request = Request(f"llm-{self._counter}", tokens, p, arrival_time=self.engine.now(), prompt=text)
             self._counter += 1
             self.engine.add_request(request)
@@ -96,7 +96,7 @@ class LLM:
         outputs = [
             CompletionOutput(
                 s.index,
-                self.executor.decode(s.output_token_ids),
+                self.executor.tokenizer.decode(s.output_token_ids),
                 s.output_token_ids,
                 s.finish_reason.value if s.finish_reason else None,
             )

@@ -463,5 +463,5 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert all(self.alloc.refcount(b) == 0 for b in range(self.n))
 
 
-BlockManagerMachine.TestCase.settings = settings(max_examples=250, stateful_step_count=50, deadline=None)
+BlockManagerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
 TestBlockManagerMachine = BlockManagerMachine.TestCase

@@ -23,8 +23,7 @@ class TokenCacheExecutor:
     def __init__(self) -> None:
         self.cache = np.zeros((0, 0), dtype=np.int64)
         self.num_computed_tokens = 0
-        self.decode = None
-        self.prompt_encoder = None
+        self.tokenizer = None
 
     def bytes_per_block(self, block_size: int) -> int:
         return 8 * block_size

@@ -1,12 +1,107 @@
-"""The cuda backend arrives with the CUDA kernel issue; until then it refuses clearly."""
+"""The cuda backend: kernels_cu/ compiled by NVRTC for the current device, launched through
+cuda.core on torch's current stream."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+import torch
 
-def _unavailable(*_: Any, **__: Any) -> None:
-    raise NotImplementedError("kernel.backend=cuda is not available yet: use kernel.backend=torch")
+from paged.kernels import launch, nvrtc
+from paged.kernels.specs import Unit
+
+DEFAULT_SHARED_MEMORY = 48 * 1024
 
 
-paged_attention = reshape_and_cache = copy_blocks = _unavailable
+class _CudaRunner:
+    """Per-device kernel table; units compile (or load from the cache) on first use."""
+
+    def __init__(self, index: int) -> None:
+        from cuda.core import Device
+
+        self.device = Device(index)
+        self.device.set_current()
+        major, minor = torch.cuda.get_device_capability(index)
+        self.arch = f"sm_{major}{minor}"
+        self.max_shared_memory = int(self.device.properties.max_shared_memory_per_block_optin)
+        self._kernels: dict[str, Any] = {}
+        self._smem_limit: dict[str, int] = {}
+
+    def _load(self, unit: Unit) -> None:
+        from cuda.core import ObjectCode
+
+        compiled = nvrtc.compile_unit(unit, self.arch)
+        module = ObjectCode.from_cubin(compiled.cubin, symbol_mapping=compiled.symbol_mapping)
+        for name in unit.kernels:
+            self._kernels[name] = module.get_kernel(name)
+            self._smem_limit[name] = DEFAULT_SHARED_MEMORY
+
+    def _allow_shared_memory(self, name: str, needed: int) -> None:
+        """Opts a kernel into more than 48 KB of dynamic shared memory; the limit only ever rises."""
+        if needed <= self._smem_limit[name]:
+            return
+        from cuda.bindings import driver
+
+        (err,) = driver.cuKernelSetAttribute(
+            driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, needed,
+            self._kernels[name].handle, driver.CUdevice(self.device.device_id),
+        )
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cannot raise {name}'s dynamic shared memory to {needed} bytes: {err}")
+        self._smem_limit[name] = needed
+
+    def run(self, unit: Unit, launches: Sequence[launch.Launch]) -> None:
+        from cuda.core import LaunchConfig
+        from cuda.core import launch as cuda_launch
+
+        self.device.set_current()
+        if any(name not in self._kernels for name in unit.kernels):
+            self._load(unit)
+        stream = torch.cuda.current_stream()
+        for item in launches:
+            self._allow_shared_memory(item.kernel, item.shared_memory)
+            config = LaunchConfig(grid=item.grid, block=item.block, shmem_size=item.shared_memory)
+            args = [int(a) if isinstance(a, launch.Ptr) else a for a in item.args]
+            cuda_launch(stream, config, self._kernels[item.kernel], *args)
+
+
+_runners: dict[int, _CudaRunner] = {}
+
+
+def _runner(t: torch.Tensor) -> _CudaRunner:
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if index not in _runners:
+        _runners[index] = _CudaRunner(index)
+    return _runners[index]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    version: str,
+    partition_size: int,
+    max_seq_len: int,
+) -> torch.Tensor:
+    with torch.cuda.device(query.device):
+        return launch.paged_attention(
+            _runner(query), query, key_cache, value_cache, block_tables, seq_lens, scale, version,
+            partition_size, max_seq_len,
+        )
+
+
+def reshape_and_cache(
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    with torch.cuda.device(key.device):
+        launch.reshape_and_cache(_runner(key), key, value, key_cache, value_cache, slot_mapping)
+
+
+def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
+    with torch.cuda.device(key_caches[0].device):
+        launch.copy_blocks(_runner(key_caches[0]), key_caches, value_caches, block_mapping)

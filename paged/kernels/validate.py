@@ -9,6 +9,9 @@ VERSIONS = ("v1", "v2")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 NATIVE_HEAD_SIZES = (64, 80, 96, 112, 128, 256)
 NATIVE_BLOCK_SIZES = (8, 16, 32)
+# v2 partitions of the native kernels: whole blocks of every native block size, logits in 4 KB of
+# shared memory at most.
+NATIVE_PARTITION_SIZES = (32, 64, 128, 256, 512, 1024)
 
 
 def check_backend(backend: str, *, allow_auto: bool = False) -> None:
@@ -62,7 +65,7 @@ def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tupl
     return num_blocks, num_kv_heads, head_size, block_size
 
 
-def _check_native_shape(backend: str, head_size: int, block_size: int) -> None:
+def _check_native_shape(backend: str, head_size: int, block_size: int, partition_size: int | None = None) -> None:
     if backend == "torch":
         return
     if head_size not in NATIVE_HEAD_SIZES:
@@ -74,6 +77,11 @@ def _check_native_shape(backend: str, head_size: int, block_size: int) -> None:
         raise ValueError(
             f"block_size={block_size} is not supported by backend={backend!r}; supported: "
             f"{', '.join(map(str, NATIVE_BLOCK_SIZES))}"
+        )
+    if partition_size is not None and partition_size not in NATIVE_PARTITION_SIZES:
+        raise ValueError(
+            f"partition_size={partition_size} is not supported by backend={backend!r}; supported: "
+            f"{', '.join(map(str, NATIVE_PARTITION_SIZES))}"
         )
 
 
@@ -107,7 +115,7 @@ def check_paged_attention(
         )
     if partition_size <= 0 or partition_size % block_size:
         raise ValueError(f"partition_size={partition_size} must be a positive multiple of block_size={block_size}")
-    _check_native_shape(backend, head_size, block_size)
+    _check_native_shape(backend, head_size, block_size, partition_size if version == "v2" else None)
     _same_device(
         ("query", query), ("key_cache", key_cache), ("block_tables", block_tables), ("seq_lens", seq_lens)
     )

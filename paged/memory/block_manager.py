@@ -117,8 +117,7 @@ class BlockManager:
         num_new = self._cdiv(num_tokens) - len(table)
         if num_new + len(shared) > alloc.num_free_blocks:
             raise NoFreeBlocksError(
-                f"sequence {seq.seq_id} needs {num_new + len(shared)} blocks, "
-                f"{alloc.num_free_blocks} are free"
+                f"sequence {seq.seq_id} needs {num_new + len(shared)} blocks, {alloc.num_free_blocks} are free"
             )
         copies = []
         for i in shared:
@@ -165,7 +164,7 @@ class BlockManager:
         logits must be computed) so a shared cached block is never written."""
         if not self._caching:
             return []
-        max_blocks = max(seq.num_tokens, 0) // self.block_size
+        max_blocks = max(seq.num_tokens - 1, 0) // self.block_size
         if max_blocks == 0:
             return []
         chain = self._chain(seq, max_blocks)

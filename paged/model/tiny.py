@@ -1,7 +1,9 @@
 """`model=tiny-random`: a two-layer Llama with seeded random weights and SmolLM2's vocabulary.
 
-Fast enough for unit tests of the whole engine, and its logits are peaked (weights scaled to keep
-activations O(1), embeddings tied), so greedy outputs do not hinge on near-ties between kernels.
+Fast enough for unit tests of the whole engine. Weights are scaled to keep activations O(1) and the
+untied LM head gives logits of std ~3: peaked enough that greedy outputs never hinge on float
+near-ties between kernels, and (unlike tied embeddings, which make a random model echo its last
+token) the output depends on the whole context, so a cache bug changes it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import torch
 
 from paged.model.config import LlamaArch
 
+_LM_HEAD_GAIN = 3.0
+
 TINY_ARCH: dict[str, Any] = {
     "vocab_size": 49152,
     "hidden_size": 128,
@@ -23,7 +27,7 @@ TINY_ARCH: dict[str, Any] = {
     "head_dim": 64,
     "rope_theta": 10000.0,
     "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": True,
+    "tie_word_embeddings": False,
     "max_position_embeddings": 4096,
     "bos_token_id": 1,
     "eos_token_ids": [2],
@@ -35,7 +39,7 @@ def tiny_arch(overrides: dict[str, Any] | None = None) -> LlamaArch:
 
 
 def random_state(arch: LlamaArch, seed: int = 0) -> dict[str, torch.Tensor]:
-    """HF-named weights, N(0, 1/fan_in) for projections, N(0, 1) for embeddings, ones for norms."""
+    """HF-named weights: N(0, 1/fan_in) projections, N(0, 1) embeddings, ones for norms."""
     gen = torch.Generator().manual_seed(seed)
 
     def linear(out_features: int, in_features: int) -> torch.Tensor:
@@ -47,7 +51,7 @@ def random_state(arch: LlamaArch, seed: int = 0) -> dict[str, torch.Tensor]:
         "model.norm.weight": torch.ones(h),
     }
     if not arch.tie_word_embeddings:
-        state["lm_head.weight"] = linear(arch.vocab_size, h)
+        state["lm_head.weight"] = _LM_HEAD_GAIN * linear(arch.vocab_size, h)
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
         state |= {

@@ -1,0 +1,45 @@
+// KV cache writes (reshape_and_cache) and copy-on-write block copies (copy_blocks).
+#pragma once
+
+#include "compat.cuh"
+
+namespace paged {
+
+// Grid (num_tokens); slot -1 marks a padding token whose K/V must not be written.
+template <typename T>
+__global__ void reshape_and_cache_kernel(const T* __restrict__ key, const T* __restrict__ value,
+                                         T* __restrict__ key_cache, T* __restrict__ value_cache,
+                                         const int64* __restrict__ slot_mapping, int key_stride, int value_stride,
+                                         int num_heads, int head_size, int block_size, int x) {
+  const int64 token = blockIdx.x;
+  const int64 slot = slot_mapping[token];
+  if (slot < 0) return;
+  const int64 block = slot / block_size;
+  const int offset = static_cast<int>(slot % block_size);
+  const int n = num_heads * head_size;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const int head = i / head_size;
+    const int dim = i % head_size;
+    const int64 key_dst = (((block * num_heads + head) * (head_size / x) + dim / x) * block_size + offset) * x + dim % x;
+    const int64 value_dst = ((block * num_heads + head) * head_size + dim) * block_size + offset;
+    key_cache[key_dst] = key[token * key_stride + i];
+    value_cache[value_dst] = value[token * value_stride + i];
+  }
+}
+
+// Grid (num_layers, num_pairs): every layer's K and V caches in one launch. The cache pointers
+// arrive as int64 arrays because the number of layers is only known at run time.
+template <typename T>
+__global__ void copy_blocks_kernel(const int64* __restrict__ key_cache_ptrs, const int64* __restrict__ value_cache_ptrs,
+                                   const int64* __restrict__ block_mapping, int numel_per_block) {
+  T* key_cache = reinterpret_cast<T*>(key_cache_ptrs[blockIdx.x]);
+  T* value_cache = reinterpret_cast<T*>(value_cache_ptrs[blockIdx.x]);
+  const int64 src = block_mapping[2 * blockIdx.y] * numel_per_block;
+  const int64 dst = block_mapping[2 * blockIdx.y + 1] * numel_per_block;
+  for (int i = threadIdx.x; i < numel_per_block; i += blockDim.x) {
+    key_cache[dst + i] = key_cache[src + i];
+    value_cache[dst + i] = value_cache[src + i];
+  }
+}
+
+}  // namespace paged

@@ -1,0 +1,6 @@
+// The translation unit NVRTC compiles and the emulator includes: every kernel template, of which
+// only the requested instantiations are generated.
+#include "compat.cuh"
+
+#include "attention.cuh"
+#include "cache.cuh"

@@ -1,0 +1,36 @@
+"""Where the CUDA C++ sources live and the hash that keys every compiled artifact."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from functools import cache
+from pathlib import Path
+
+MAIN_FILE = "paged.cu"
+
+
+def source_dir() -> Path:
+    """`kernels_cu/` next to the package, or `$PAGED_KERNELS_DIR` for installs that moved it."""
+    override = os.environ.get("PAGED_KERNELS_DIR")
+    path = Path(override) if override else Path(__file__).resolve().parents[2] / "kernels_cu"
+    if not (path / MAIN_FILE).is_file():
+        raise FileNotFoundError(f"kernel sources not found: {path / MAIN_FILE} (set PAGED_KERNELS_DIR)")
+    return path
+
+
+@cache
+def _hash_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in {".cu", ".cuh", ".h", ".cpp"}):
+        digest.update(file.relative_to(path).as_posix().encode() + b"\0" + file.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def source_hash() -> str:
+    """Content hash of every kernel source file: an edit anywhere invalidates cached builds."""
+    return _hash_of(source_dir())
+
+
+def main_source() -> str:
+    return (source_dir() / MAIN_FILE).read_text()

@@ -1,0 +1,146 @@
+"""NVRTC builds of kernels_cu/ to cubin, with no GPU: every dispatchable instantiation, the cache,
+resource use of the default configurations, and the errors users see."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from paged.kernels import build, nvrtc, specs
+from paged.kernels.cache_dir import ENV_VAR
+
+ARCHS = ("sm_80", "sm_90")
+ELF = b"\x7fELF"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _needs_nvrtc() -> None:
+    try:
+        nvrtc.toolchain()
+    except nvrtc.NVRTCUnavailableError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture
+def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv(ENV_VAR, str(tmp_path))
+    return tmp_path
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_default_configurations_compile_cold_fast_without_spills_then_hit_the_cache(
+    arch: str, fresh_cache: Path
+) -> None:
+    units = specs.default_units()
+    start = time.perf_counter()
+    cold = nvrtc.compile_units(units, arch)
+    cold_s = time.perf_counter() - start
+    assert not any(c.cached for c in cold)
+    assert cold_s < 20, f"cold compile of the default configurations took {cold_s:.1f} s"
+    for compiled in cold:
+        assert compiled.cubin.startswith(ELF)
+        assert sorted(i.kernel for i in compiled.infos) == sorted(compiled.unit.kernels)
+        for info in compiled.infos:
+            assert (info.spill_stores, info.spill_loads) == (0, 0), info
+            assert 0 < info.registers <= 255
+    start = time.perf_counter()
+    warm = nvrtc.compile_units(units, arch)
+    warm_s = time.perf_counter() - start
+    assert all(c.cached for c in warm) and warm_s < 0.2, f"warm load took {warm_s:.3f} s"
+    assert [c.cubin for c in warm] == [c.cubin for c in cold]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_dispatchable_instantiation_compiles_to_cubin(arch: str) -> None:
+    """Uses the shared cache: the first run on a machine compiles ~110 units per arch."""
+    units = specs.dispatchable_units()
+    assert len(units) == 3 + 3 * 6 * 3 * 2
+    for compiled in nvrtc.compile_units(units, arch):
+        assert compiled.cubin.startswith(ELF), compiled.unit
+        assert {i.kernel for i in compiled.infos} == set(compiled.unit.kernels)
+        assert all(f"'{arch}'" in line for line in compiled.log.splitlines() if "Compiling entry" in line)
+
+
+def _cache_files(root: Path) -> tuple[Path, Path]:
+    (payload,) = (root / "cubin").glob("*.cubin")
+    return payload, payload.with_suffix(".json")
+
+
+@pytest.mark.parametrize("damage", ["payload", "sidecar", "missing"])
+def test_a_corrupt_cache_entry_is_recompiled(damage: str, fresh_cache: Path) -> None:
+    unit = specs.cache_unit(specs.CXX_TYPES[next(iter(specs.CXX_TYPES))])
+    first = nvrtc.compile_unit(unit, "sm_90")
+    payload, sidecar = _cache_files(fresh_cache)
+    if damage == "payload":
+        payload.write_bytes(payload.read_bytes()[:100])
+    elif damage == "sidecar":
+        sidecar.write_text("{not json")
+    else:
+        payload.unlink()
+    again = nvrtc.compile_unit(unit, "sm_90")
+    assert not again.cached and again.cubin == first.cubin
+    assert nvrtc.compile_unit(unit, "sm_90").cached
+    assert json.loads(sidecar.read_text())["unit"] == unit.label
+
+
+def test_a_source_edit_changes_the_cache_key(fresh_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    unit = specs.cache_unit("float")
+    assert not nvrtc.compile_unit(unit, "sm_80").cached
+    edited = tmp_path / "src"
+    shutil.copytree(Path(nvrtc.source_dir()), edited)
+    (edited / "cache.cuh").write_text((edited / "cache.cuh").read_text() + "\n// edited\n")
+    monkeypatch.setenv("PAGED_KERNELS_DIR", str(edited))
+    assert not nvrtc.compile_unit(unit, "sm_80").cached
+
+
+def test_compile_errors_carry_the_full_nvrtc_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    broken = tmp_path / "src"
+    shutil.copytree(Path(nvrtc.source_dir()), broken)
+    cache = broken / "cache.cuh"
+    cache.write_text(cache.read_text().replace("if (slot < 0) return;", "if (slot < 0) return undefined_name;"))
+    monkeypatch.setenv("PAGED_KERNELS_DIR", str(broken))
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "cache"))
+    with pytest.raises(nvrtc.KernelCompileError, match=r"(?s)cache float.*cache\.cuh.*undefined_name"):
+        nvrtc.compile_unit(specs.cache_unit("float"), "sm_90")
+
+
+def test_missing_nvrtc_names_the_packages_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    nvrtc.toolchain.cache_clear()
+    monkeypatch.setitem(sys.modules, "cuda.bindings.nvrtc", None)
+    try:
+        with pytest.raises(nvrtc.NVRTCUnavailableError, match="pip install nvidia-cuda-nvrtc nvidia-cuda-runtime"):
+            nvrtc.toolchain()
+    finally:
+        nvrtc.toolchain.cache_clear()
+
+
+def test_missing_headers_name_the_packages_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import cuda.pathfinder
+
+    nvrtc.toolchain.cache_clear()
+    monkeypatch.setattr(cuda.pathfinder, "find_nvidia_header_directory", lambda _: None)
+    try:
+        with pytest.raises(nvrtc.NVRTCUnavailableError, match="cuda_fp16.h.*pip install .*nvidia-cuda-runtime"):
+            nvrtc.toolchain()
+    finally:
+        nvrtc.toolchain.cache_clear()
+
+
+def test_build_cli_prints_the_resource_report(capsys: pytest.CaptureFixture[str]) -> None:
+    assert build.main(["--arch", "sm_90", "--default-only", "--report"]) == 0
+    out = capsys.readouterr().out
+    assert "regs" in out and "spill st" in out and "compile s" in out
+    row = next(line for line in out.splitlines() if line.startswith("paged::paged_attention_v1_kernel<__half, 128, 16"))
+    regs, spill_st, spill_ld, smem, seconds = row.split()[-5:]
+    assert int(regs) > 0 and (spill_st, spill_ld) == ("0", "0") and int(smem) > 0 and float(seconds) > 0
+    assert "6 units (10 kernels) for sm_90" in out
+
+
+def test_build_cli_refuses_an_unknown_arch(capsys: pytest.CaptureFixture[str]) -> None:
+    assert build.main(["--arch", "sm_70"]) == 2
+    assert "sm_80" in capsys.readouterr().err
