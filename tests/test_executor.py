@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 
 from paged.config import KernelConfig, ModelConfig
 from paged.executor.model_executor import ModelExecutor
 from paged.model.llama import LlamaModel
-from paged.request import Request, SamplingParams, Sequence
+from paged.request import Request, SamplingParams
 from paged.scheduler.output import ScheduledSeq, SchedulerOutput
 
 BLOCK = 16
@@ -159,8 +160,12 @@ def test_first_step_of_n_draws_num_samples_tokens(tiny: ModelExecutor) -> None:
     assert len(set(out.sampled[0])) > 1
 
 
-def test_random_arch_overrides_and_qkv_bias() -> None:
-    ex = make_executor(num_layers=1, num_kv_heads=2, qkv_bias=True)
+def test_random_arch_overrides_from_a_hydra_config_and_qkv_bias() -> None:
+    model_cfg = OmegaConf.structured(
+        ModelConfig(name="tiny-random", source="random", arch={"num_layers": 1, "num_kv_heads": 2, "qkv_bias": True})
+    )
+    ex = ModelExecutor(model_cfg, OmegaConf.structured(KernelConfig(name="test")))
+    ex.init_kv_cache(num_blocks=8, block_size=BLOCK)
     assert ex.arch.num_layers == 1 and ex.arch.qkv_bias
     assert generate(ex, [[1, 2, 3, 4]], 5)[0] == recompute_greedy(ex.model, [1, 2, 3, 4], 5)
 

@@ -79,7 +79,8 @@ def prepare_batch(sched: SchedulerOutput, block_size: int, device: torch.device)
 
 
 class PagedAttention:
-    """The model's attention callback for one step: `(layer, q, k, v) -> out`."""
+    """The model's attention callback for one step: `(layer, q, k, v) -> out`. `version` (v1/v2)
+    picks the decode kernel; a prefill batch has none."""
 
     def __init__(
         self,
@@ -88,7 +89,7 @@ class PagedAttention:
         value_caches: list[torch.Tensor],
         scale: float,
         *,
-        version: str,
+        version: str | None,
         backend: str,
         partition_size: int,
     ) -> None:
@@ -104,7 +105,7 @@ class PagedAttention:
         b = self.batch
         key_cache, value_cache = self.key_caches[layer], self.value_caches[layer]
         kernels.reshape_and_cache(k, v, key_cache, value_cache, b.slot_mapping, backend=self.backend)
-        if b.is_decode:
+        if self.version is not None:
             return kernels.paged_attention(
                 q, key_cache, value_cache, b.block_tables, b.seq_lens, self.scale,
                 version=self.version, backend=self.backend, partition_size=self.partition_size,

@@ -20,7 +20,7 @@ from paged.model.gguf_loader import load_gguf
 from paged.model.hf_loader import load_hf
 from paged.model.llama import LlamaModel
 from paged.model.locate import locate_smollm2
-from paged.model.sampler import Sampler, SampleRow
+from paged.model.sampler import SampleRow, sample
 from paged.model.tiny import random_state, tiny_arch
 from paged.model.tokenizer import load_tokenizer
 from paged.scheduler.output import ScheduledSeq, SchedulerOutput
@@ -54,6 +54,11 @@ def load_weights(model_cfg: ModelConfig) -> tuple[LlamaArch, dict[str, torch.Ten
 
 
 class ModelExecutor:
+    """Implements `Executor`. Public state: `arch`, `model`, `tokenizer`, `eos_token_id`, `device`,
+    `dtype`, `kernel_description`, the per-layer `key_caches` / `value_caches`, and the counters
+    `num_prefill_tokens_computed` / `num_decode_tokens_computed` (tokens run through the model in
+    prefill / decode steps, so a prefix-cache hit shows up as tokens never computed)."""
+
     def __init__(self, model_cfg: ModelConfig, kernel_cfg: KernelConfig, seed: int = 0) -> None:
         if model_cfg.device == "auto":
             self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -67,7 +72,6 @@ class ModelExecutor:
         self.tokenizer = load_tokenizer(tokenizer_source, chat_template=model_cfg.chat_template)
         eos = self.tokenizer.eos_token_id
         self.eos_token_id: int | None = eos if eos is not None else (arch.eos_token_ids or [None])[0]
-        self.sampler = Sampler()
         self.scale = arch.head_dim**-0.5
 
         self.version = kernel_cfg.version
@@ -88,13 +92,12 @@ class ModelExecutor:
 
     def bytes_per_block(self, block_size: int) -> int:
         a = self.arch
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * element
+        return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """vLLM's layout per layer; zeroed so padding slots a kernel may read hold no NaNs."""
         a = self.arch
-        x = 16 // torch.empty((), dtype=self.dtype).element_size()
+        x = 16 // self.dtype.itemsize
         if a.head_dim % x:
             raise ValueError(f"head_dim={a.head_dim} is not a multiple of the key cache's x={x}")
         key_shape = (num_blocks, a.num_kv_heads, a.head_dim // x, block_size, x)
@@ -146,11 +149,10 @@ class ModelExecutor:
             if sched.blocks_to_copy:
                 kernels.copy_blocks(self.key_caches, self.value_caches, sched.blocks_to_copy, backend=self.backend)
             batch = prepare_batch(sched, self.block_size, self.device)
-            if batch.is_decode:
-                version = self._choose_version(batch)
+            version = self._choose_version(batch) if batch.is_decode else None
+            if version:
                 self._announce(f"decode: paged_attention {version} on backend {self.backend}")
             else:
-                version = self.version
                 self._announce(f"prefill: gather_kv + prefill_attention, cache writes on backend {self.backend}")
             attn = PagedAttention(
                 batch, self.key_caches, self.value_caches, self.scale,
@@ -158,7 +160,7 @@ class ModelExecutor:
             )
             hidden = self.model.forward(batch.input_ids, batch.positions, attn)
             rows = self._sample_rows(sched)
-            tokens = self.sampler(self.model.compute_logits(hidden[batch.sample_rows]), rows) if rows else []
+            tokens = sample(self.model.compute_logits(hidden[batch.sample_rows]), rows) if rows else []
         it = iter(tokens)
         sampled = [next(it) if s.num_samples > 0 else [] for s in sched.scheduled]
         if sched.is_prefill:

@@ -63,7 +63,8 @@ class ArtifactCache:
     def temp_path(self, suffix: str | None = None) -> Path:
         """A fresh path inside the cache directory for a compiler to write into."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=self.suffix if suffix is None else suffix)
+        suffix = self.suffix if suffix is None else suffix
+        fd, name = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=suffix)
         os.close(fd)
         return Path(name)
 

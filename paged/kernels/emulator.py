@@ -36,6 +36,7 @@ MAX_SHARED_MEMORY = 227 * 1024
 _STATUS = {1: "block size must be 1..1024 threads", 2: "grid dimensions must be positive"}
 
 _CACHE = ArtifactCache("emu", ".so")
+_BIN_CACHE = ArtifactCache("emu-bin", ".bin")
 _LOCK = threading.Lock()  # the runtime's globals (gridDim, shared memory) hold one launch at a time
 _loaded: dict[str, ctypes._CFuncPtr] = {}
 
@@ -85,14 +86,23 @@ def translation_unit(units: Iterable[Unit], defines: Sequence[str] = ()) -> str:
 
 def compile_shared_library(source: str, flags: Sequence[str] = FLAGS) -> Path:
     """Builds (or finds in the cache) a shared library from generated C++ `source`."""
+    return _compile(source, flags, _CACHE)
+
+
+def compile_executable(source: str, flags: Sequence[str]) -> Path:
+    """Builds (or finds in the cache) a program, e.g. the ThreadSanitizer driver."""
+    return _compile(source, flags, _BIN_CACHE)
+
+
+def _compile(source: str, flags: Sequence[str], cache: ArtifactCache) -> Path:
     compiler = find_compiler()
-    key = make_key("emu", source_hash(), source, compiler.path, compiler.version, list(flags))
-    hit = _CACHE.get(key)
+    key = make_key(cache.kind, source_hash(), source, compiler.path, compiler.version, list(flags))
+    hit = cache.get(key)
     if hit is not None:
         return hit[0]
-    tu = _CACHE.temp_path(".cpp")
+    tu = cache.temp_path(".cpp")
     tu.write_text(source)
-    out = _CACHE.temp_path()
+    out = cache.temp_path()
     cmd = [compiler.path, *flags, "-I", str(source_dir()), str(tu), "-o", str(out)]
     start = time.perf_counter()
     result = subprocess.run(cmd, capture_output=True, text=True)
@@ -100,7 +110,7 @@ def compile_shared_library(source: str, flags: Sequence[str] = FLAGS) -> Path:
     if result.returncode != 0:
         out.unlink(missing_ok=True)
         raise EmulatorBuildError(f"{' '.join(cmd)} failed:\n{result.stderr}")
-    return _CACHE.put_file(key, out, {"compile_s": time.perf_counter() - start, "command": cmd})
+    return cache.put_file(key, out, {"compile_s": time.perf_counter() - start, "command": cmd})
 
 
 def _load(units: list[Unit]) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Union
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -23,7 +23,7 @@ class Ptr(int):
     """A device (or host, for the emulator) address passed as a pointer argument."""
 
 
-Arg = Union[Ptr, np.int32, np.float32]
+Arg = Ptr | np.int32 | np.float32
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ instantiations it launches. Headers come from the nvidia-cuda-runtime wheel via 
 
 from __future__ import annotations
 
+import importlib
 import io
 import os
 import re
@@ -44,19 +45,18 @@ class Toolchain:
 @cache
 def toolchain() -> Toolchain:
     try:
-        from cuda.bindings import nvrtc
-        from cuda.core import Program, ProgramOptions
-        from cuda.pathfinder import find_nvidia_header_directory
-
+        nvrtc = importlib.import_module("cuda.bindings.nvrtc")
+        core = importlib.import_module("cuda.core")
+        pathfinder = importlib.import_module("cuda.pathfinder")
         status, major, minor = nvrtc.nvrtcVersion()
     except Exception as e:  # ImportError, or the loader's error when libnvrtc is absent
         raise NVRTCUnavailableError(f"NVRTC is not available ({e}); install it with: {PIP_HINT}") from e
     if int(status) != 0:
         raise NVRTCUnavailableError(f"NVRTC failed to report its version ({status}); reinstall with: {PIP_HINT}")
-    include = find_nvidia_header_directory("cudart")
+    include = pathfinder.find_nvidia_header_directory("cudart")
     if include is None:
         raise NVRTCUnavailableError(f"CUDA runtime headers (cuda_fp16.h) not found; install them with: {PIP_HINT}")
-    return Toolchain(Program, ProgramOptions, include, (major, minor))
+    return Toolchain(core.Program, core.ProgramOptions, include, (major, minor))
 
 
 def supported_archs() -> list[str]:
@@ -145,10 +145,11 @@ def compile_unit(unit: Unit, arch: str, *, use_cache: bool = True) -> CompiledUn
     mapping = {name: _text(mangled) for name, mangled in obj.symbol_mapping.items()}
     cubin = bytes(obj.code)
     if not cubin:
-        raise KernelCompileError(f"NVRTC produced an empty cubin for {unit.label} ({arch}); cubin needs an sm_XX arch")
+        raise KernelCompileError(f"NVRTC produced an empty cubin for {unit.label} ({arch}); use an sm_XX arch")
     meta = {"symbol_mapping": mapping, "log": log.getvalue(), "compile_s": elapsed, "unit": unit.label}
     _CACHE.put_bytes(key, cubin, meta)
-    return CompiledUnit(unit, arch, cubin, mapping, log.getvalue(), elapsed, False, parse_ptxas(log.getvalue(), mapping))
+    text = log.getvalue()
+    return CompiledUnit(unit, arch, cubin, mapping, text, elapsed, False, parse_ptxas(text, mapping))
 
 
 def _text(value: str | bytes) -> str:

@@ -56,33 +56,29 @@ def gather_kv(
     return k[:context_len], v[:context_len]
 
 
-def _gather_padded(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor, max_len: int
+def _blocks(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """All sequences' K/V, padded to `max_len`: `[num_seqs, num_kv_heads, max_len, head_size]`."""
-    block_size = key_cache.shape[3]
-    num_blocks = -(-max_len // block_size)
-    blocks = block_tables[:, :num_blocks].long()
-    num_seqs = blocks.shape[0]
-    k = key_cache[blocks]  # [S, nb, H, D/x, bs, x]
-    k = k.permute(0, 2, 1, 4, 3, 5).reshape(num_seqs, k.shape[2], num_blocks * block_size, -1)
-    v = value_cache[blocks]  # [S, nb, H, D, bs]
-    v = v.permute(0, 2, 1, 4, 3).reshape(num_seqs, v.shape[2], num_blocks * block_size, -1)
-    return k[:, :, :max_len], v[:, :, :max_len]
+    """Each sequence's first `num_blocks` blocks, kept in the cache layout (no permuted copies):
+    K `[S, nb, Hk, D/x, bs, x]`, V `[S, nb, Hk, D, bs]`. Table columns past the end read block 0."""
+    cols = block_tables.shape[1]
+    blocks = block_tables[:, : min(num_blocks, cols)].long()
+    if cols < num_blocks:
+        blocks = torch.nn.functional.pad(blocks, (0, num_blocks - cols))
+    return key_cache[blocks].float(), value_cache[blocks].float()
 
 
 def _logits(
     query: torch.Tensor, k: torch.Tensor, seq_lens: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, int]:
-    """fp32 logits `[S, kv_heads, group, L]` with positions past each seq_len set to -inf."""
+) -> torch.Tensor:
+    """fp32 logits `[S, Hk, G, nb, bs]` with positions at or past each seq_len set to -inf."""
     num_seqs, num_heads, head_size = query.shape
-    num_kv_heads, max_len = k.shape[1], k.shape[2]
-    group = num_heads // num_kv_heads
-    q = query.float().view(num_seqs, num_kv_heads, group, head_size)
-    logits = torch.matmul(q, k.float().transpose(-1, -2)) * scale
-    pos = torch.arange(max_len, device=query.device)
-    mask = pos[None, :] >= seq_lens.to(query.device).long()[:, None]
-    return logits.masked_fill_(mask[:, None, None, :], _NEG_INF), group
+    _, num_blocks, num_kv_heads, d_over_x, block_size, x = k.shape
+    q = query.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, d_over_x, x)
+    logits = torch.einsum("shgdx,snhdtx->shgnt", q, k) * scale
+    pos = torch.arange(num_blocks * block_size, device=query.device).view(num_blocks, block_size)
+    mask = pos[None] >= seq_lens.to(query.device).long()[:, None, None]
+    return logits.masked_fill_(mask[:, None, None], _NEG_INF)
 
 
 def paged_attention_v1(
@@ -94,10 +90,12 @@ def paged_attention_v1(
     scale: float,
     max_seq_len: int,
 ) -> torch.Tensor:
-    k, v = _gather_padded(key_cache, value_cache, block_tables, max_seq_len)
-    logits, _ = _logits(query, k, seq_lens, scale)
-    probs = torch.softmax(logits, dim=-1)
-    out = torch.matmul(probs, v.float())
+    block_size = key_cache.shape[3]
+    k, v = _blocks(key_cache, value_cache, block_tables, -(-max_seq_len // block_size))
+    logits = _logits(query, k, seq_lens, scale)
+    s, hk, g, nb, bs = logits.shape
+    probs = torch.softmax(logits.view(s, hk, g, nb * bs), dim=-1).view(s, hk, g, nb, bs)
+    out = torch.einsum("shgnt,snhdt->shgd", probs, v)
     return out.reshape(query.shape).to(query.dtype)
 
 
@@ -111,20 +109,20 @@ def paged_attention_v2(
     max_seq_len: int,
     partition_size: int,
 ) -> torch.Tensor:
+    block_size = key_cache.shape[3]
     num_partitions = -(-max_seq_len // partition_size)
-    padded = num_partitions * partition_size
-    k, v = _gather_padded(key_cache, value_cache, block_tables, max_seq_len)
-    logits, _ = _logits(query, k, seq_lens, scale)
-    logits = torch.nn.functional.pad(logits, (0, padded - max_seq_len), value=_NEG_INF)
-    v = torch.nn.functional.pad(v.float(), (0, 0, 0, padded - max_seq_len))
-    s, hk, g, _ = logits.shape
-    parts = logits.view(s, hk, g, num_partitions, partition_size)
+    blocks_per_partition = partition_size // block_size
+    k, v = _blocks(key_cache, value_cache, block_tables, num_partitions * blocks_per_partition)
+    logits = _logits(query, k, seq_lens, scale)
+    s, hk, g, _, bs = logits.shape
+    parts = logits.view(s, hk, g, num_partitions, blocks_per_partition * bs)
     max_logits = parts.amax(dim=-1)  # [S, Hk, G, P]; -inf for partitions past seq_len
     safe_max = torch.where(torch.isinf(max_logits), torch.zeros_like(max_logits), max_logits)
     exp = torch.exp(parts - safe_max[..., None])
     exp_sums = exp.sum(dim=-1)
-    v_parts = v.view(s, hk, 1, num_partitions, partition_size, -1)
-    tmp_out = torch.einsum("shgpt,shgptd->shgpd", exp, v_parts.expand(-1, -1, g, -1, -1, -1))
+    v_parts = v.view(s, num_partitions, blocks_per_partition, hk, -1, bs)
+    exp_blocks = exp.view(s, hk, g, num_partitions, blocks_per_partition, bs)
+    tmp_out = torch.einsum("shgpnt,spnhdt->shgpd", exp_blocks, v_parts)
     tmp_out = tmp_out / exp_sums.clamp_min(1e-30)[..., None]
     global_max = max_logits.amax(dim=-1, keepdim=True)
     rescaled = exp_sums * torch.exp(max_logits - global_max)  # exp(-inf) = 0 for empty partitions

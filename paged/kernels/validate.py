@@ -58,14 +58,18 @@ def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tupl
     head_size = d_over_x * x
     expected_v = (num_blocks, num_kv_heads, head_size, block_size)
     if tuple(value_cache.shape) != expected_v:
-        raise ValueError(f"value_cache shape {tuple(value_cache.shape)} does not match key_cache; expected {expected_v}")
+        raise ValueError(
+            f"value_cache shape {tuple(value_cache.shape)} does not match key_cache; expected {expected_v}"
+        )
     if value_cache.dtype != key_cache.dtype:
         raise TypeError(f"value_cache dtype {value_cache.dtype} != key_cache dtype {key_cache.dtype}")
     _same_device(("key_cache", key_cache), ("value_cache", value_cache))
     return num_blocks, num_kv_heads, head_size, block_size
 
 
-def _check_native_shape(backend: str, head_size: int, block_size: int, partition_size: int | None = None) -> None:
+def _check_native_shape(
+    backend: str, head_size: int, block_size: int, partition_size: int | None = None
+) -> None:
     if backend == "torch":
         return
     if head_size not in NATIVE_HEAD_SIZES:
@@ -134,7 +138,8 @@ def check_reshape_and_cache(
     expected = (key.shape[0], num_kv_heads, head_size)
     if key.dim() != 3 or tuple(key.shape) != expected or tuple(value.shape) != expected:
         raise ValueError(
-            f"key/value must be [num_tokens, {num_kv_heads}, {head_size}], got {tuple(key.shape)} and {tuple(value.shape)}"
+            f"key/value must be [num_tokens, {num_kv_heads}, {head_size}], "
+            f"got {tuple(key.shape)} and {tuple(value.shape)}"
         )
     if key.dtype != key_cache.dtype or value.dtype != key_cache.dtype:
         raise TypeError(f"key/value dtypes {key.dtype}/{value.dtype} != cache dtype {key_cache.dtype}")

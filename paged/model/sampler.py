@@ -59,26 +59,26 @@ def sample_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     return probs.masked_fill(~torch.zeros_like(keep).scatter_(1, order, keep), 0.0)
 
 
-class Sampler:
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[list[int]]:
-        """Token ids per row (`num_samples` of them) from fp32 logits `[len(rows), vocab]`."""
-        out: list[list[int]] = [[] for _ in rows]
-        if any(r.params.greedy for r in rows):
-            best = logits.argmax(dim=-1).tolist()
-            for i, r in enumerate(rows):
-                if r.params.greedy:
-                    out[i] = [best[i]] * r.num_samples
-        rand = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if rand:
-            cdf = sample_probs(logits[rand], [rows[i].params for i in rand]).double().cumsum(dim=-1)
-            width = max(rows[i].num_samples for i in rand)
-            u = np.zeros((len(rand), width))
-            for j, i in enumerate(rand):
-                u[j, : rows[i].num_samples] = uniforms(rows[i])
-            targets = torch.from_numpy(u).to(cdf.device) * cdf[:, -1:]
-            # First column whose cumulative mass exceeds the target: zero-probability columns never win.
-            cols = torch.searchsorted(cdf, targets, right=True).clamp_(max=cdf.shape[1] - 1)
-            ids = cols.tolist()
-            for j, i in enumerate(rand):
-                out[i] = ids[j][: rows[i].num_samples]
-        return out
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[list[int]]:
+    """Token ids per row (`num_samples` of them) from fp32 logits `[len(rows), vocab]`; greedy rows
+    take one batched argmax, the others one batched inverse-CDF lookup."""
+    out: list[list[int]] = [[] for _ in rows]
+    if any(r.params.greedy for r in rows):
+        best = logits.argmax(dim=-1).tolist()
+        for i, r in enumerate(rows):
+            if r.params.greedy:
+                out[i] = [best[i]] * r.num_samples
+    rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if rand:
+        cdf = sample_probs(logits[rand], [rows[i].params for i in rand]).double().cumsum(dim=-1)
+        width = max(rows[i].num_samples for i in rand)
+        u = np.zeros((len(rand), width))
+        for j, i in enumerate(rand):
+            u[j, : rows[i].num_samples] = uniforms(rows[i])
+        targets = torch.from_numpy(u).to(cdf.device) * cdf[:, -1:]
+        # First column whose cumulative mass exceeds the target: zero-probability columns never win.
+        cols = torch.searchsorted(cdf, targets, right=True).clamp_(max=cdf.shape[1] - 1)
+        ids = cols.tolist()
+        for j, i in enumerate(rand):
+            out[i] = ids[j][: rows[i].num_samples]
+    return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import shutil
 import tempfile
@@ -16,10 +17,14 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+log = logging.getLogger(__name__)
+
 
 def cache_dir() -> Path:
-    root = os.environ.get("PAGED_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "paged"
-    return Path(root)
+    """`$PAGED_CACHE_DIR`, else `$XDG_CACHE_HOME/paged`, else `~/.cache/paged`."""
+    if os.environ.get("PAGED_CACHE_DIR"):
+        return Path(os.environ["PAGED_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "paged"
 
 
 def _gguf_cache_key(gguf: Path) -> str:
@@ -38,14 +43,17 @@ def load_hf_tokenizer(source: str) -> PreTrainedTokenizerBase:
     if (cached / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(cached)
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    # Save beside the target and rename, so a concurrent process never reads a half-written copy.
-    tmp = Path(tempfile.mkdtemp(dir=cached.parent))
-    tok.save_pretrained(tmp)
+    tmp = None
     try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        # Save beside the target and rename, so a concurrent process never reads a half-written copy.
+        tmp = Path(tempfile.mkdtemp(dir=cached.parent))
+        tok.save_pretrained(tmp)
         tmp.rename(cached)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:  # a read-only home or a lost race: the cache is only an optimisation
+        log.debug("tokenizer cache not written to %s: %s", cached, e)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return tok
 
 

@@ -1,0 +1,108 @@
+"""`from paged import LLM, SamplingParams`: vLLM's offline API, on the tiny random model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from paged import LLM, SamplingParams
+from paged.build import build_executor
+from paged.experiment import run_experiment
+from paged.llm import compose_config
+
+PROMPTS = ["The capital of France is", "Hello", "Once upon a time, in a land far away,"]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("tiny-random")
+
+
+def test_generate_on_strings_returns_decoded_outputs_of_max_tokens(llm: LLM) -> None:
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=5, ignore_eos=True))
+    assert len(outs) == len(PROMPTS)
+    tokenizer = llm.executor.tokenizer
+    for out, prompt in zip(outs, PROMPTS, strict=True):
+        assert out.prompt == prompt
+        assert out.prompt_token_ids == tokenizer.encode(prompt)
+        (completion,) = out.outputs
+        assert len(completion.token_ids) == 5 and completion.finish_reason == "length"
+        assert completion.text == tokenizer.decode(completion.token_ids)
+        assert (out.text, out.token_ids) == (completion.text, completion.token_ids)
+        assert out.abort_reason is None
+
+
+def test_generate_on_token_ids_equals_generate_on_the_text(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    ids = [llm.executor.tokenizer.encode(p) for p in PROMPTS]
+    from_ids = llm.generate(ids, params)
+    assert [o.prompt for o in from_ids] == [None] * len(PROMPTS)
+    assert [o.prompt_token_ids for o in from_ids] == ids
+    assert [o.token_ids for o in from_ids] == [o.token_ids for o in llm.generate(PROMPTS, params)]
+
+
+def test_per_prompt_params_are_honoured(llm: LLM) -> None:
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (1, 7, 3)]
+    assert [len(o.token_ids) for o in llm.generate(PROMPTS, params)] == [1, 7, 3]
+    with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
+        llm.generate(PROMPTS, params[:2])
+
+
+def test_n_2_gives_two_distinct_sampled_outputs(llm: LLM) -> None:
+    (out,) = llm.generate("Hello", SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True))
+    assert [c.index for c in out.outputs] == [0, 1]
+    assert [len(c.token_ids) for c in out.outputs] == [6, 6]
+    assert out.outputs[0].token_ids != out.outputs[1].token_ids
+
+
+def test_seeded_request_is_reproducible_across_instances_and_batches(llm: LLM) -> None:
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=8, ignore_eos=True)
+    other = SamplingParams(max_tokens=4, ignore_eos=True)
+    batched = llm.generate(PROMPTS, [other, seeded, other])[1].token_ids
+    alone = LLM("tiny-random").generate(PROMPTS[1], seeded)[0].token_ids
+    assert alone == batched
+    reseeded = SamplingParams(temperature=1.0, seed=4321, max_tokens=8, ignore_eos=True)
+    assert llm.generate(PROMPTS[1], reseeded)[0].token_ids != batched
+
+
+def test_eos_stops_generation_unless_ignore_eos(llm: LLM) -> None:
+    greedy = llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+    k = next(i for i in range(2, 8) if greedy[i] not in greedy[:i])
+    executor = build_executor(llm.config)
+    executor.eos_token_id = greedy[k]  # make a token the model is about to emit its EOS
+    eos_llm = LLM("tiny-random", executor=executor)
+
+    (stopped,) = eos_llm.generate(PROMPTS[0], SamplingParams(max_tokens=8)).pop().outputs
+    assert (stopped.token_ids, stopped.finish_reason) == (greedy[: k + 1], "stop")
+    (ignored,) = eos_llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True)).pop().outputs
+    assert (ignored.token_ids, ignored.finish_reason) == (greedy, "length")
+    (stop_token,) = llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, stop_token_ids=[greedy[k]])).pop().outputs
+    assert (stop_token.token_ids, stop_token.finish_reason) == (greedy[: k + 1], "stop")
+
+
+def test_bad_prompt_is_aborted_with_reason_and_others_finish(llm: LLM) -> None:
+    empty, good = llm.generate(["", "Hello"], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert empty.abort_reason == "empty prompt"
+    assert [c.finish_reason for c in empty.outputs] == ["aborted"] and empty.token_ids == []
+    assert good.abort_reason is None and len(good.token_ids) == 3
+
+
+def test_llm_runs_the_same_engine_as_run_py(llm: LLM, tmp_path: Path) -> None:
+    records = [
+        {"prompt": PROMPTS[0], "max_tokens": 5, "ignore_eos": True},
+        {"prompt": PROMPTS[1], "max_tokens": 7, "temperature": 0.8, "seed": 11, "ignore_eos": True},
+        {"prompt": PROMPTS[2], "max_tokens": 3, "ignore_eos": True},
+    ]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = compose_config(["model=tiny-random", "logger=none", "progress=false", "workload=prompts",
+                          f"workload.path={path}"])
+    run_experiment(cfg, tmp_path / "run")
+    lines = [json.loads(line) for line in (tmp_path / "run" / "requests.jsonl").read_text().splitlines()]
+
+    params = [SamplingParams(**{k: v for k, v in r.items() if k != "prompt"}) for r in records]
+    outs = llm.generate([r["prompt"] for r in records], params)
+    assert [line["output_token_ids"] for line in lines] == [o.token_ids for o in outs]
+    assert [line["output_text"] for line in lines] == [o.text for o in outs]
