@@ -3,7 +3,7 @@ prefix caching, with the requests batched so continuous batching with mixed leng
 
 The HF reference is transformers' own GGUF conversion (`load_gguf_checkpoint`, the code behind
 `from_pretrained(gguf_file=...)`, which additionally insists on `accelerate`) into a
-`LlamaForCausalLM` built from the config transformers reads out of the same GGUF.
+`LlamaForCausalLM`; test_model_parity.py checks our architecture against transformers' GGUF config.
 
 Each kernel version loads the model once; engines for the allocator configurations share that
 executor (`LLM(executor=...)` re-initialises its KV cache), one at a time.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.initialization import no_init_weights
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
@@ -36,6 +36,8 @@ PROMPTS = [
     "A good experiment changes one thing at a time. It fixes the model, the requests and the hardware, and "
     "swaps only the allocator, the scheduling policy or the attention kernel. It records the throughput and "
     "the latency of every request. Write a short list of three things such an experiment should record:",
+    "Water boils at a temperature of",
+    "Once upon a time, in a small village by the sea, there lived",
 ]
 
 
@@ -62,12 +64,18 @@ def prompt_ids(executors) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 @torch.inference_mode()
-def hf_greedy(prompt_ids) -> list[list[int]]:
-    path = str(locate_smollm2())
-    config = AutoConfig.for_model(**load_gguf_checkpoint(path)["config"])
+def hf_greedy(executors, prompt_ids) -> list[list[int]]:
+    a = executors["v1"].arch
+    config = LlamaConfig(
+        vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
+        num_hidden_layers=a.num_layers, num_attention_heads=a.num_heads, num_key_value_heads=a.num_kv_heads,
+        head_dim=a.head_dim, rope_theta=a.rope_theta, rms_norm_eps=a.rms_norm_eps,
+        max_position_embeddings=a.max_position_embeddings, tie_word_embeddings=a.tie_word_embeddings,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )
     with no_init_weights():
-        hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=hf)["tensors"]
+        hf = LlamaForCausalLM(config)
+    tensors = load_gguf_checkpoint(str(locate_smollm2()), return_tensors=True, model_to_load=hf)["tensors"]
     missing, unexpected = hf.load_state_dict(tensors, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     hf.tie_weights()
@@ -86,22 +94,13 @@ def test_batched_greedy_outputs_equal_hf_generate(executors, prompt_ids, hf_gree
     assert llm.engine.block_manager.stats().num_allocated_blocks == 0
 
 
-PREEMPT_PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def unconstrained(executors, prompt_ids) -> list[list[int]]:
-    return [o.token_ids for o in llm_on(executors["v1"], "naive", ROOMY).generate(prompt_ids, PREEMPT_PARAMS)]
-
-
 @pytest.mark.parametrize("allocator", ["naive", "prefix"])
-def test_repeated_preemption_keeps_greedy_outputs(executors, prompt_ids, unconstrained, allocator) -> None:
-    # 12 blocks of 16 for four sequences that grow to 29, 42, 63 and 86 tokens (15 blocks in all)
-    llm = llm_on(executors["v1"], allocator, "allocator.num_blocks=12", "allocator.block_size=16")
-    outs = llm.generate(prompt_ids, PREEMPT_PARAMS)
-    assert [o.token_ids for o in outs] == unconstrained
-    assert all(o.outputs[0].finish_reason == "length" for o in outs)
-    assert llm.engine.scheduler.counters.num_preemptions > 1
+def test_repeated_preemption_keeps_greedy_outputs(executors, prompt_ids, hf_greedy, allocator) -> None:
+    # 13 blocks of 16 for six sequences that grow to 21..78 tokens (19 blocks in all)
+    llm = llm_on(executors["v2"], allocator, "allocator.num_blocks=13", "allocator.block_size=16")
+    outs = llm.generate(prompt_ids, SamplingParams(max_tokens=MAX_NEW))
+    assert [o.token_ids for o in outs] == hf_greedy  # what the unconstrained runs above produce
+    assert llm.engine.scheduler.counters.num_preemptions >= 2
     assert llm.engine.block_manager.stats().num_allocated_blocks == 0
 
 

@@ -2,8 +2,10 @@
 // check that the barriers and shuffles order every shared-memory access. Built as an executable
 // (TSan must start before any thread exists, which a library loaded into Python cannot promise).
 // Exit status 0 means every launch ran; TSan reports races on stderr and exits with 66.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <iterator>
 #include <random>
 #include <vector>
 

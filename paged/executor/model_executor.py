@@ -89,6 +89,8 @@ class ModelExecutor:
         self.block_size = 0
         self.num_prefill_tokens_computed = 0
         self.num_decode_tokens_computed = 0
+        # input preparation is engine overhead, not model time; the engine's metrics read this
+        self.last_prep_time_s = 0.0
 
     def bytes_per_block(self, block_size: int) -> int:
         a = self.arch
@@ -148,7 +150,9 @@ class ModelExecutor:
         with torch.inference_mode():
             if sched.blocks_to_copy:
                 kernels.copy_blocks(self.key_caches, self.value_caches, sched.blocks_to_copy, backend=self.backend)
+            prep_start = time.perf_counter()
             batch = prepare_batch(sched, self.block_size, self.device)
+            self.last_prep_time_s = time.perf_counter() - prep_start
             version = self._choose_version(batch) if batch.is_decode else None
             if version:
                 self._announce(f"decode: paged_attention {version} on backend {self.backend}")
