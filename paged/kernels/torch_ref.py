@@ -59,26 +59,46 @@ def gather_kv(
 def _blocks(
     key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's first `num_blocks` blocks, kept in the cache layout (no permuted copies):
-    K `[S, nb, Hk, D/x, bs, x]`, V `[S, nb, Hk, D, bs]`. Table columns past the end read block 0."""
+    """Each sequence's first `num_blocks` blocks, KV-head major so attention needs no further copy:
+    K `[Hk, S, nb * bs, D]` and V `[Hk, S, nb, D, bs]`. Table columns past the end read block 0.
+
+    K is reordered token-major (it moves x-element, 16-byte runs); V keeps its `[D, bs]` tiles
+    because transposing them element by element costs more than multiplying against the
+    transposed tile.
+    """
     cols = block_tables.shape[1]
     blocks = block_tables[:, : min(num_blocks, cols)].long()
     if cols < num_blocks:
         blocks = torch.nn.functional.pad(blocks, (0, num_blocks - cols))
-    return key_cache[blocks].float(), value_cache[blocks].float()
+    num_seqs = blocks.shape[0]
+    _, num_kv_heads, _, block_size, _ = key_cache.shape
+    k = key_cache[blocks].float().permute(2, 0, 1, 4, 3, 5)
+    v = value_cache.permute(1, 0, 2, 3)[:, blocks].float()
+    return k.reshape(num_kv_heads, num_seqs, num_blocks * block_size, -1), v
 
 
-def _logits(
-    query: torch.Tensor, k: torch.Tensor, seq_lens: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """fp32 logits `[S, Hk, G, nb, bs]` with positions at or past each seq_len set to -inf."""
+def _logits(query: torch.Tensor, k: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """fp32 logits `[Hk, S, G, L]` with positions at or past each seq_len set to -inf."""
     num_seqs, num_heads, head_size = query.shape
-    _, num_blocks, num_kv_heads, d_over_x, block_size, x = k.shape
-    q = query.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, d_over_x, x)
-    logits = torch.einsum("shgdx,snhdtx->shgnt", q, k) * scale
-    pos = torch.arange(num_blocks * block_size, device=query.device).view(num_blocks, block_size)
-    mask = pos[None] >= seq_lens.to(query.device).long()[:, None, None]
-    return logits.masked_fill_(mask[:, None, None], _NEG_INF)
+    num_kv_heads, _, max_len, _ = k.shape
+    q = query.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_size).transpose(0, 1)
+    logits = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    mask = torch.arange(max_len, device=query.device)[None, :] >= seq_lens.to(query.device).long()[:, None]
+    return logits.masked_fill_(mask[None, :, None, :], _NEG_INF)
+
+
+def _weighted_values(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """`sum_t weights[..., g, t] * v[t, d]` per block, summed over a block group.
+
+    weights `[Hk, S, G, P, nbp, bs]`, v `[Hk, S, P, nbp, D, bs]` -> `[Hk, S, P, G, D]`.
+    """
+    per_block = torch.matmul(weights.permute(0, 1, 3, 4, 2, 5), v.transpose(-1, -2))
+    return per_block.sum(dim=3)
+
+
+def _finish(out: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """`[Hk, S, G, D]` -> `[S, H, D]` in the query dtype."""
+    return out.transpose(0, 1).reshape(query.shape).to(query.dtype)
 
 
 def paged_attention_v1(
@@ -90,13 +110,12 @@ def paged_attention_v1(
     scale: float,
     max_seq_len: int,
 ) -> torch.Tensor:
-    block_size = key_cache.shape[3]
-    k, v = _blocks(key_cache, value_cache, block_tables, -(-max_seq_len // block_size))
-    logits = _logits(query, k, seq_lens, scale)
-    s, hk, g, nb, bs = logits.shape
-    probs = torch.softmax(logits.view(s, hk, g, nb * bs), dim=-1).view(s, hk, g, nb, bs)
-    out = torch.einsum("shgnt,snhdt->shgd", probs, v)
-    return out.reshape(query.shape).to(query.dtype)
+    num_blocks = -(-max_seq_len // key_cache.shape[3])
+    k, v = _blocks(key_cache, value_cache, block_tables, num_blocks)
+    probs = torch.softmax(_logits(query, k, seq_lens, scale), dim=-1)
+    hk, s, g, _ = probs.shape
+    out = _weighted_values(probs.view(hk, s, g, 1, num_blocks, -1), v.unsqueeze(2))
+    return _finish(out.squeeze(2), query)
 
 
 def paged_attention_v2(
@@ -114,21 +133,21 @@ def paged_attention_v2(
     blocks_per_partition = partition_size // block_size
     k, v = _blocks(key_cache, value_cache, block_tables, num_partitions * blocks_per_partition)
     logits = _logits(query, k, seq_lens, scale)
-    s, hk, g, _, bs = logits.shape
-    parts = logits.view(s, hk, g, num_partitions, blocks_per_partition * bs)
-    max_logits = parts.amax(dim=-1)  # [S, Hk, G, P]; -inf for partitions past seq_len
+    hk, s, g, _ = logits.shape
+    parts = logits.view(hk, s, g, num_partitions, partition_size)
+    max_logits = parts.amax(dim=-1)  # [Hk, S, G, P]; -inf for partitions past seq_len
     safe_max = torch.where(torch.isinf(max_logits), torch.zeros_like(max_logits), max_logits)
     exp = torch.exp(parts - safe_max[..., None])
     exp_sums = exp.sum(dim=-1)
-    v_parts = v.view(s, num_partitions, blocks_per_partition, hk, -1, bs)
-    exp_blocks = exp.view(s, hk, g, num_partitions, blocks_per_partition, bs)
-    tmp_out = torch.einsum("shgpnt,spnhdt->shgpd", exp_blocks, v_parts)
+    tmp_out = _weighted_values(
+        exp.view(hk, s, g, num_partitions, blocks_per_partition, block_size),
+        v.view(hk, s, num_partitions, blocks_per_partition, -1, block_size),
+    ).transpose(2, 3)  # [Hk, S, G, P, D]
     tmp_out = tmp_out / exp_sums.clamp_min(1e-30)[..., None]
     global_max = max_logits.amax(dim=-1, keepdim=True)
     rescaled = exp_sums * torch.exp(max_logits - global_max)  # exp(-inf) = 0 for empty partitions
     weights = rescaled / rescaled.sum(dim=-1, keepdim=True)
-    out = (tmp_out * weights[..., None]).sum(dim=-2)
-    return out.reshape(query.shape).to(query.dtype)
+    return _finish((tmp_out * weights[..., None]).sum(dim=-2), query)
 
 
 def prefill_attention(
