@@ -94,7 +94,8 @@ def main() -> None:
         best = max(best, tps)
         rows.append((f"HF generate, static batch {bs}", f"{hf_elapsed:.1f}", hf_tokens, f"{tps:.1f}"))
 
-    table = Table(title=f"Throughput, {args.num_requests} requests, SmolLM2-135M fp32, {torch.get_num_threads()} threads")
+    threads = torch.get_num_threads()
+    table = Table(title=f"Throughput, {args.num_requests} requests, SmolLM2-135M fp32, {threads} threads")
     for col in ("system", "time (s)", "useful output tokens", "tokens/s"):
         table.add_column(col)
     for row in rows:

@@ -60,6 +60,8 @@ def build_engine(cfg: Any, executor: Any | None = None) -> Engine:
     validate(cfg)
     if executor is None:
         executor = build_executor(cfg)
+    elif hasattr(executor, "configure_kernel"):
+        executor.configure_kernel(cfg.kernel)
     num_blocks = num_blocks_for(cfg, executor.bytes_per_block(cfg.allocator.block_size))
     executor.init_kv_cache(num_blocks, cfg.allocator.block_size)
     scheduler = build_scheduler(cfg, num_blocks)

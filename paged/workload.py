@@ -137,31 +137,33 @@ def trace(cfg: WorkloadConfig, tokenizer: Tokenizer) -> list[WorkloadItem]:
     return _length_items(cfg, tokenizer, prompt_lens, output_lens, arrivals, rng)
 
 
-def parse_prompt_line(line: str, index: int, tokenizer: Tokenizer, defaults: WorkloadConfig) -> WorkloadItem:
+def parse_prompt_line(
+    line: str, index: int, line_no: int, tokenizer: Tokenizer, defaults: WorkloadConfig
+) -> WorkloadItem:
     """One JSONL line -> an item; anything wrong with it becomes the item's `error`."""
     request_id = f"req-{index}"
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
-        return WorkloadItem(request_id, [], None, error=f"line {index + 1} is not valid JSON: {e.msg}")
+        return WorkloadItem(request_id, [], None, error=f"line {line_no} is not valid JSON: {e.msg}")
     if not isinstance(record, dict):
-        return WorkloadItem(request_id, [], None, error=f"line {index + 1} is not a JSON object")
+        return WorkloadItem(request_id, [], None, error=f"line {line_no} is not a JSON object")
     unknown = sorted(set(record) - set(_PROMPT_FILE_KEYS))
     if unknown:
         return WorkloadItem(
             request_id, [], None,
-            error=f"unknown keys {unknown}; allowed: {', '.join(_PROMPT_FILE_KEYS)}",
+            error=f"line {line_no}: unknown keys {unknown}; allowed: {', '.join(_PROMPT_FILE_KEYS)}",
         )
     prompt = record.get("prompt")
     if not isinstance(prompt, str):
-        return WorkloadItem(request_id, [], None, error=f"'prompt' must be a string, got {prompt!r}")
+        return WorkloadItem(request_id, [], None, error=f"line {line_no}: 'prompt' must be a string, got {prompt!r}")
+    tokens = tokenizer.encode(prompt) if prompt else []
     options = {k: record[k] for k in _PROMPT_FILE_KEYS[1:-1] if k in record}
     options.setdefault("temperature", defaults.temperature)
     try:
         params = SamplingParams(**options)
     except (TypeError, ValueError) as e:
-        return WorkloadItem(request_id, [], None, prompt=prompt, error=str(e))
-    tokens = tokenizer.encode(prompt) if prompt else []
+        return WorkloadItem(request_id, tokens, None, prompt=prompt, error=f"line {line_no}: {e}")
     return WorkloadItem(request_id, tokens, params, prompt=prompt, priority=int(record.get("priority", 0)))
 
 
@@ -169,8 +171,8 @@ def prompt_file(cfg: WorkloadConfig, tokenizer: Tokenizer) -> list[WorkloadItem]
     path = Path(str(cfg.path)).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"workload.path={cfg.path!r}: no such prompt file")
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    items = [parse_prompt_line(line, i, tokenizer, cfg) for i, line in enumerate(lines)]
+    numbered = [(n, line) for n, line in enumerate(path.read_text().splitlines(), start=1) if line.strip()]
+    items = [parse_prompt_line(line, i, n, tokenizer, cfg) for i, (n, line) in enumerate(numbered)]
     rng = np.random.default_rng(cfg.seed)
     for item, t in zip(items, _arrivals(rng, cfg.arrival_rate, len(items))):
         item.arrival_time = float(t)

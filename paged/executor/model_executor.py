@@ -74,15 +74,10 @@ class ModelExecutor:
         self.eos_token_id: int | None = eos if eos is not None else (arch.eos_token_ids or [None])[0]
         self.scale = arch.head_dim**-0.5
 
-        self.version = kernel_cfg.version
-        self.backend = kernels.resolve_backend(kernel_cfg.backend)
-        self.partition_size = kernel_cfg.partition_size
-        why = " (cuda unavailable)" if kernel_cfg.backend == "auto" and self.backend == "torch" else ""
-        version = "auto(v1/v2)" if self.version == "auto" else self.version
-        self.kernel_description = f"{version}/{self.backend}{why}"
+        self._announced: set[str] = set()
+        self.configure_kernel(kernel_cfg)
         log.info("model %s on %s (%s); attention %s", model_cfg.name, self.device, model_cfg.dtype,
                  self.kernel_description)
-        self._announced: set[str] = set()
 
         self.key_caches: list[torch.Tensor] = []
         self.value_caches: list[torch.Tensor] = []
@@ -91,6 +86,15 @@ class ModelExecutor:
         self.num_decode_tokens_computed = 0
         # input preparation is engine overhead, not model time; the engine's metrics read this
         self.last_prep_time_s = 0.0
+
+    def configure_kernel(self, kernel_cfg: KernelConfig) -> None:
+        """Pick the decode algorithm and backend; an engine reusing this executor calls it again."""
+        self.version = kernel_cfg.version
+        self.backend = kernels.resolve_backend(kernel_cfg.backend)
+        self.partition_size = kernel_cfg.partition_size
+        why = " (cuda unavailable)" if kernel_cfg.backend == "auto" and self.backend == "torch" else ""
+        version = "auto(v1/v2)" if self.version == "auto" else self.version
+        self.kernel_description = f"{version}/{self.backend}{why}"
 
     def bytes_per_block(self, block_size: int) -> int:
         a = self.arch
