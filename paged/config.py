@@ -145,7 +145,7 @@ def validate(cfg: Any) -> None:
         )
     k = cfg.kernel
     _choice("kernel.version", k.version, ("auto", "v1", "v2"))
-    _choice("kernel.backend", k.backend, ("auto", "torch", "cuda", "emu"))
+    _choice("kernel.backend", k.backend, ("auto", "torch", "cuda", "emu", "cpu"))
     _positive("kernel.partition_size", k.partition_size)
     if k.partition_size % a.block_size:
         raise ConfigError(

@@ -92,7 +92,10 @@ class ModelExecutor:
         self.version = kernel_cfg.version
         self.backend = kernels.resolve_backend(kernel_cfg.backend)
         self.partition_size = kernel_cfg.partition_size
-        why = " (cuda unavailable)" if kernel_cfg.backend == "auto" and self.backend == "torch" else ""
+        why = {
+            "cpu": " (native C++; cuda unavailable)",
+            "torch": " (cuda unavailable, native cpu library unavailable)",
+        }.get(self.backend, "") if kernel_cfg.backend == "auto" else ""
         version = "auto(v1/v2)" if self.version == "auto" else self.version
         self.kernel_description = f"{version}/{self.backend}{why}"
 

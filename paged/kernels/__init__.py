@@ -1,4 +1,4 @@
-"""Attention and cache ops front end: one signature, three backends (torch, cuda, emu).
+"""Attention and cache ops front end: one signature, four backends (torch, cuda, emu, cpu).
 
 Tensors use vLLM's cache layout (DESIGN.md): key `[num_blocks, kv_heads, head_size/x, block_size, x]`
 with `x = 16 // element_size`, value `[num_blocks, kv_heads, head_size, block_size]`. Shapes, dtypes
@@ -7,7 +7,9 @@ and devices are validated here, before any backend runs.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from functools import cache
 
 import torch
 
@@ -31,8 +33,11 @@ __all__ = [
     "paged_attention",
     "prefill_attention",
     "reshape_and_cache",
+    "cpu_available",
     "resolve_backend",
 ]
+
+log = logging.getLogger(__name__)
 
 V1_MAX_SEQ_LEN = 8192
 V1_MIN_PARALLELISM = 512
@@ -47,11 +52,30 @@ def choose_version(max_seq_len: int, num_seqs: int, num_heads: int, partition_si
     return "v1" if use_v1 else "v2"
 
 
+@cache
+def cpu_available() -> bool:
+    """Whether the cpu backend's native library builds and loads here; checked once per process.
+
+    A failure (no compiler, compiler error) is logged as a warning with its reason.
+    """
+    from paged.kernels import cpu_backend
+
+    try:
+        cpu_backend.load()
+    except Exception as exc:  # noqa: BLE001 - any failure means: fall back to torch
+        log.warning("native cpu attention unavailable, falling back to backend 'torch': %s", exc)
+        return False
+    return True
+
+
 def resolve_backend(backend: str) -> str:
-    """`auto` is `cuda` where a CUDA device exists, else `torch`."""
+    """`auto` is `cuda` where a CUDA device exists, else `cpu` where its native library builds,
+    else `torch`."""
     check_backend(backend, allow_auto=True)
     if backend == "auto":
-        return "cuda" if torch.cuda.is_available() else "torch"
+        if torch.cuda.is_available():
+            return "cuda"
+        return "cpu" if cpu_available() else "torch"
     return backend
 
 
@@ -64,6 +88,10 @@ def _native(backend: str):  # noqa: ANN202 - returns a backend module
         from paged.kernels import emu_backend
 
         return emu_backend
+    if backend == "cpu":
+        from paged.kernels import cpu_backend
+
+        return cpu_backend
     raise AssertionError(backend)
 
 

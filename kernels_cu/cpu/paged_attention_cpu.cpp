@@ -1,0 +1,402 @@
+// Native CPU decode attention over vLLM's paged KV cache (backend "cpu").
+//
+// Plain C++17 + OpenMP, no torch headers: paged/kernels/cpu_backend.py builds this file with the
+// host compiler and calls the extern "C" entry points through ctypes with raw data pointers.
+//
+// Layouts (elements, all contiguous except the query):
+//   key_cache   [num_blocks, num_kv_heads, head_size / x, block_size, x], x = 16 / element_size
+//   value_cache [num_blocks, num_kv_heads, head_size, block_size]
+//   block_tables int32 [num_seqs, >= ceil(seq_len / block_size)], row stride passed
+//   seq_lens    int32 [num_seqs]
+//   query       [num_seqs, num_heads, head_size] with arbitrary strides (e.g. a view of fused qkv)
+//   out         [num_seqs, num_heads, head_size], contiguous, query dtype
+//
+// Work is split over (seq, kv_head); the G = num_heads / num_kv_heads query heads of a GQA group
+// are handled together, so every K/V element is read from the cache once per group. Each block's
+// K and V tiles are converted to fp32 into small per-thread tiles (K as [head_size][block_size],
+// V as [block_size][head_size]) so the inner loops run over contiguous floats without a
+// floating-point reduction in the vectorised dimension: results stay IEEE (no -ffast-math) and
+// match the torch reference to ~1e-6 in fp32.
+//
+// v1: one softmax over the whole context (fp32 logits in a per-thread buffer).
+// v2: partitions of partition_size tokens, each with its max logit, exp-sum and normalised partial
+//     output; then the partials are rescaled by exp(max_p - max) * sum_p and reduced
+//     (the math of torch_ref.paged_attention_v2).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+
+namespace {
+
+enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+
+// ---- 16-bit conversions -----------------------------------------------------------------------
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, like torch
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu)) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+#if defined(__FLT16_MAX__)
+using half_t = _Float16;
+inline float f16_to_float(half_t h) { return static_cast<float>(h); }
+inline half_t float_to_f16(float f) { return static_cast<half_t>(f); }
+#else
+#error "this compiler has no _Float16; use g++ >= 12 on x86-64 or aarch64"
+#endif
+
+struct F32 {
+  using storage = float;
+  static float load(storage v) { return v; }
+  static storage store(float v) { return v; }
+};
+struct F16 {
+  using storage = half_t;
+  static float load(storage v) { return f16_to_float(v); }
+  static storage store(float v) { return float_to_f16(v); }
+};
+struct BF16 {
+  using storage = uint16_t;
+  static float load(storage v) { return bf16_to_float(v); }
+  static storage store(float v) { return float_to_bf16(v); }
+};
+
+struct Args {
+  void* out;
+  const void* query;
+  int64_t q_stride_seq, q_stride_head, q_stride_dim;
+  const void* key_cache;
+  const void* value_cache;
+  const int32_t* block_tables;
+  int64_t bt_stride;
+  const int32_t* seq_lens;
+  int num_seqs, num_heads, num_kv_heads, head_size, block_size;
+  float scale;
+  int partition_size;  // v2 only
+  int max_seq_len;
+  int num_threads;
+};
+
+// Per-thread scratch, sized once per call.
+struct Scratch {
+  std::vector<float> qx;       // [G][D/x][BS][x]: each head's query chunk repeated for every slot
+  std::vector<float> kt, vt;   // fp32 copies of one block's K and V tiles (16-bit caches only for K)
+  std::vector<float> logits;   // v1: [G][max_len]; v2: [G][partition_size]
+  std::vector<float> vacc;     // [G][D][BS]: per-slot partial sums of the weighted values
+  std::vector<float> acc;      // [G][D]
+  std::vector<float> part_max, part_sum, part_out;  // v2: [G][P], [G][P], [G][P][D]
+  std::vector<float> weights;  // v1: per-head exp-sums [G]; v2: partition weights [P]
+
+  void init(int G, int D, int BS, int64_t logits_len) {
+    qx.resize(static_cast<size_t>(G) * D * BS);
+    kt.resize(static_cast<size_t>(D) * BS);
+    vt.resize(static_cast<size_t>(D) * BS);
+    logits.resize(static_cast<size_t>(G) * logits_len);
+    vacc.resize(static_cast<size_t>(G) * D * BS);
+    acc.resize(static_cast<size_t>(G) * D);
+  }
+};
+
+template <typename T>
+constexpr int x_of() { return 16 / static_cast<int>(sizeof(typename T::storage)); }
+
+template <typename T>
+inline const typename T::storage* tile_ptr(const void* cache, const Args& a, int64_t blk, int kv_head) {
+  const int64_t tile = static_cast<int64_t>(a.head_size) * a.block_size;
+  return static_cast<const typename T::storage*>(cache) + (blk * a.num_kv_heads + kv_head) * tile;
+}
+
+// Query of the G heads of kv head `kvh`, laid out like a key tile ([D/x][BS][x]) with each x-chunk
+// repeated for every slot, so a block's logits are one elementwise multiply-add over the K tile.
+template <typename T, int BS_T>
+inline void load_query(const Args& a, int seq, int head0, int G, float* qx) {
+  using S = typename T::storage;
+  constexpr int x = x_of<T>();
+  const int BS = BS_T ? BS_T : a.block_size, D = a.head_size;
+  const S* base = static_cast<const S*>(a.query);
+  for (int g = 0; g < G; ++g) {
+    const S* qh = base + seq * a.q_stride_seq + (head0 + g) * a.q_stride_head;
+    float* dst = qx + static_cast<int64_t>(g) * D * BS;
+    for (int c = 0; c < D / x; ++c)
+      for (int off = 0; off < BS; ++off)
+        for (int i = 0; i < x; ++i) dst[(c * BS + off) * x + i] = T::load(qh[(c * x + i) * a.q_stride_dim]);
+  }
+}
+
+// logits[g][off] = scale * q[g] . k[off] for off < valid, reading the K tile in cache order.
+template <typename T, int BS_T>
+inline void block_logits(const Args& a, int G, const typename T::storage* k, Scratch& s, int valid,
+                         float* logits, int64_t logits_stride) {
+  constexpr int x = x_of<T>();
+  const int BS = BS_T ? BS_T : a.block_size, D = a.head_size;
+  const int n = D * BS;
+  const float* kf;
+  if constexpr (std::is_same_v<T, F32>) {
+    kf = k;
+  } else {
+    for (int j = 0; j < n; ++j) s.kt[j] = T::load(k[j]);
+    kf = s.kt.data();
+  }
+  const int chunk = BS * x;
+  float part[64 * 8];  // [BS][x], BS <= 64
+  for (int g = 0; g < G; ++g) {
+    const float* q = s.qx.data() + static_cast<int64_t>(g) * n;
+    for (int j = 0; j < chunk; ++j) part[j] = 0.f;
+    for (int c = 0; c < D / x; ++c) {
+      const float* qc = q + c * chunk;
+      const float* kc = kf + c * chunk;
+      for (int j = 0; j < chunk; ++j) part[j] += qc[j] * kc[j];
+    }
+    float* lg = logits + g * logits_stride;
+    for (int off = 0; off < valid; ++off) {
+      float dot = 0.f;
+      for (int i = 0; i < x; ++i) dot += part[off * x + i];
+      lg[off] = dot * a.scale;
+    }
+  }
+}
+
+// vacc[g][d][off] += w[g][off] * v[d][off] for off < valid (slots past valid contribute nothing,
+// even where the cache holds NaN there).
+template <typename T, int BS_T>
+inline void block_values(const Args& a, int G, const typename T::storage* v, Scratch& s, int valid,
+                         const float* w, int64_t w_stride) {
+  const int BS = BS_T ? BS_T : a.block_size, D = a.head_size;
+  const float* vf;
+  if (std::is_same_v<T, F32> && valid == BS) {
+    vf = reinterpret_cast<const float*>(v);
+  } else {
+    for (int d = 0; d < D; ++d)
+      for (int off = 0; off < BS; ++off) s.vt[d * BS + off] = off < valid ? T::load(v[d * BS + off]) : 0.f;
+    vf = s.vt.data();
+  }
+  float p[64];
+  for (int g = 0; g < G; ++g) {
+    const float* wg = w + g * w_stride;
+    for (int off = 0; off < BS; ++off) p[off] = off < valid ? wg[off] : 0.f;
+    float* acc = s.vacc.data() + static_cast<int64_t>(g) * D * BS;
+    for (int d = 0; d < D; ++d)
+      for (int off = 0; off < BS; ++off) acc[d * BS + off] += p[off] * vf[d * BS + off];
+  }
+}
+
+// acc[g][d] = sum_off vacc[g][d][off] * inv[g]; clears vacc.
+inline void reduce_values(int G, int D, int BS, Scratch& s, const float* inv) {
+  for (int g = 0; g < G; ++g) {
+    float* src = s.vacc.data() + static_cast<int64_t>(g) * D * BS;
+    for (int d = 0; d < D; ++d) {
+      float sum = 0.f;
+      for (int off = 0; off < BS; ++off) sum += src[d * BS + off];
+      s.acc[g * D + d] = sum * inv[g];
+    }
+    std::fill(src, src + static_cast<int64_t>(D) * BS, 0.f);
+  }
+}
+
+template <typename T>
+inline void store_out(const Args& a, int seq, int head0, int G, const float* o) {
+  using S = typename T::storage;
+  S* out = static_cast<S*>(a.out) + (static_cast<int64_t>(seq) * a.num_heads + head0) * a.head_size;
+  for (int i = 0; i < G * a.head_size; ++i) out[i] = T::store(o[i]);
+}
+
+// Softmax numerator over `n` logits in place: returns the max, writes exp(l - max), sets the sum.
+inline float exp_in_place(float* l, int n, float* sum_out) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int i = 0; i < n; ++i) m = l[i] > m ? l[i] : m;
+  float s = 0.f;
+  for (int i = 0; i < n; ++i) {
+    l[i] = std::exp(l[i] - m);
+    s += l[i];
+  }
+  *sum_out = s;
+  return m;
+}
+
+template <typename T, int BS_T>
+void run_v1(const Args& a) {
+  const int G = a.num_heads / a.num_kv_heads, D = a.head_size, bs = a.block_size;
+  const int64_t L_max = a.max_seq_len;
+#pragma omp parallel num_threads(a.num_threads)
+  {
+    Scratch s;
+    s.init(G, D, bs, L_max);
+    s.weights.resize(G);
+#pragma omp for collapse(2) schedule(dynamic, 1)
+    for (int seq = 0; seq < a.num_seqs; ++seq) {
+      for (int kvh = 0; kvh < a.num_kv_heads; ++kvh) {
+        const int L = std::min(a.seq_lens[seq], a.max_seq_len);  // never past the scratch buffers
+        const int head0 = kvh * G;
+        if (L <= 0) {
+          std::fill(s.acc.begin(), s.acc.end(), 0.f);
+          store_out<T>(a, seq, head0, G, s.acc.data());
+          continue;
+        }
+        load_query<T, BS_T>(a, seq, head0, G, s.qx.data());
+        const int32_t* table = a.block_tables + seq * a.bt_stride;
+        const int nblocks = (L + bs - 1) / bs;
+        for (int b = 0; b < nblocks; ++b)
+          block_logits<T, BS_T>(a, G, tile_ptr<T>(a.key_cache, a, table[b], kvh), s, std::min(bs, L - b * bs),
+                                s.logits.data() + b * bs, L_max);
+        float* inv = s.weights.data();
+        for (int g = 0; g < G; ++g) {
+          float sum;
+          exp_in_place(s.logits.data() + g * L_max, L, &sum);
+          inv[g] = 1.f / sum;
+        }
+        for (int b = 0; b < nblocks; ++b)
+          block_values<T, BS_T>(a, G, tile_ptr<T>(a.value_cache, a, table[b], kvh), s, std::min(bs, L - b * bs),
+                                s.logits.data() + b * bs, L_max);
+        reduce_values(G, D, bs, s, inv);
+        store_out<T>(a, seq, head0, G, s.acc.data());
+      }
+    }
+  }
+}
+
+template <typename T, int BS_T>
+void run_v2(const Args& a) {
+  const int G = a.num_heads / a.num_kv_heads, D = a.head_size, bs = a.block_size;
+  const int PS = a.partition_size;
+  const int P_max = (a.max_seq_len + PS - 1) / PS;
+  const int blocks_per_part = PS / bs;
+#pragma omp parallel num_threads(a.num_threads)
+  {
+    Scratch s;
+    s.init(G, D, bs, PS);
+    s.part_max.resize(static_cast<size_t>(G) * P_max);
+    s.part_sum.resize(static_cast<size_t>(G) * P_max);
+    s.part_out.resize(static_cast<size_t>(G) * P_max * D);
+    s.weights.resize(std::max(P_max, G));
+#pragma omp for collapse(2) schedule(dynamic, 1)
+    for (int seq = 0; seq < a.num_seqs; ++seq) {
+      for (int kvh = 0; kvh < a.num_kv_heads; ++kvh) {
+        const int L = std::min(a.seq_lens[seq], a.max_seq_len);  // never past the scratch buffers
+        const int head0 = kvh * G;
+        if (L <= 0) {
+          std::fill(s.acc.begin(), s.acc.end(), 0.f);
+          store_out<T>(a, seq, head0, G, s.acc.data());
+          continue;
+        }
+        load_query<T, BS_T>(a, seq, head0, G, s.qx.data());
+        const int32_t* table = a.block_tables + seq * a.bt_stride;
+        const int P = (L + PS - 1) / PS;
+        for (int p = 0; p < P; ++p) {
+          const int n = std::min(PS, L - p * PS);
+          const int nb = (n + bs - 1) / bs;
+          const int32_t* ptable = table + p * blocks_per_part;
+          for (int b = 0; b < nb; ++b)
+            block_logits<T, BS_T>(a, G, tile_ptr<T>(a.key_cache, a, ptable[b], kvh), s, std::min(bs, n - b * bs),
+                                  s.logits.data() + b * bs, PS);
+          float* inv_sum = s.weights.data();  // reused per partition; the reduce below overwrites it
+          for (int g = 0; g < G; ++g) {
+            float sum;
+            s.part_max[g * P_max + p] = exp_in_place(s.logits.data() + g * PS, n, &sum);
+            s.part_sum[g * P_max + p] = sum;
+            inv_sum[g] = 1.f / std::max(sum, 1e-30f);
+          }
+          for (int b = 0; b < nb; ++b)
+            block_values<T, BS_T>(a, G, tile_ptr<T>(a.value_cache, a, ptable[b], kvh), s, std::min(bs, n - b * bs),
+                                  s.logits.data() + b * bs, PS);
+          reduce_values(G, D, bs, s, inv_sum);  // normalised partial output of partition p
+          for (int g = 0; g < G; ++g)
+            std::copy(s.acc.begin() + g * D, s.acc.begin() + (g + 1) * D,
+                      s.part_out.begin() + (static_cast<int64_t>(g) * P_max + p) * D);
+        }
+        // Reduce: weight_p = sum_p * exp(max_p - max) / sum over partitions of the same.
+        std::fill(s.acc.begin(), s.acc.end(), 0.f);
+        for (int g = 0; g < G; ++g) {
+          const float* mx = s.part_max.data() + g * P_max;
+          const float* sm = s.part_sum.data() + g * P_max;
+          float gmax = -std::numeric_limits<float>::infinity();
+          for (int p = 0; p < P; ++p) gmax = mx[p] > gmax ? mx[p] : gmax;
+          float* w = s.weights.data();
+          float total = 0.f;
+          for (int p = 0; p < P; ++p) {
+            w[p] = sm[p] * std::exp(mx[p] - gmax);
+            total += w[p];
+          }
+          float* ag = s.acc.data() + g * D;
+          for (int p = 0; p < P; ++p) {
+            const float wp = w[p] / total;
+            const float* src = s.part_out.data() + (static_cast<int64_t>(g) * P_max + p) * D;
+            for (int d = 0; d < D; ++d) ag[d] += src[d] * wp;
+          }
+        }
+        store_out<T>(a, seq, head0, G, s.acc.data());
+      }
+    }
+  }
+}
+
+template <typename T>
+int dispatch_bs(const Args& a, int version) {
+  auto go = [&](auto bs_tag) {
+    constexpr int BS = decltype(bs_tag)::value;
+    if (version == 1) run_v1<T, BS>(a); else run_v2<T, BS>(a);
+  };
+  switch (a.block_size) {
+    case 8: go(std::integral_constant<int, 8>{}); break;
+    case 16: go(std::integral_constant<int, 16>{}); break;
+    case 32: go(std::integral_constant<int, 32>{}); break;
+    default: go(std::integral_constant<int, 0>{}); break;
+  }
+  return 0;
+}
+
+int run(int dtype, int version, const Args& a) {
+  if (a.block_size <= 0 || a.block_size > 64) return 1;
+  if (a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads) return 2;
+  const int x = dtype == kF32 ? 4 : 8;
+  if (a.head_size <= 0 || a.head_size % x) return 3;
+  if (version == 2) {
+    if (a.partition_size <= 0 || a.partition_size % a.block_size) return 4;
+  }
+  if (a.num_threads <= 0) return 6;
+  switch (dtype) {
+    case kF32: return dispatch_bs<F32>(a, version);
+    case kF16: return dispatch_bs<F16>(a, version);
+    case kBF16: return dispatch_bs<BF16>(a, version);
+    default: return 7;
+  }
+}
+
+}  // namespace
+
+#define PAGED_CPU_ARGS                                                                                   \
+  int dtype, void *out, const void *query, int64_t q_stride_seq, int64_t q_stride_head,                  \
+      int64_t q_stride_dim, const void *key_cache, const void *value_cache, const int32_t *block_tables, \
+      int64_t bt_stride, const int32_t *seq_lens, int num_seqs, int num_heads, int num_kv_heads,         \
+      int head_size, int block_size, float scale, int partition_size, int max_seq_len, int num_threads
+
+#define PAGED_CPU_PACK                                                                                 \
+  Args a{out,       query,     q_stride_seq, q_stride_head, q_stride_dim, key_cache,      value_cache, \
+         block_tables, bt_stride, seq_lens,  num_seqs,      num_heads,    num_kv_heads,   head_size,   \
+         block_size, scale,     partition_size, max_seq_len, num_threads}
+
+// Returns 0 on success; a nonzero code names the rejected argument (see cpu_backend.py).
+extern "C" int paged_attention_v1_cpu(PAGED_CPU_ARGS) {
+  PAGED_CPU_PACK;
+  return run(dtype, 1, a);
+}
+
+extern "C" int paged_attention_v2_cpu(PAGED_CPU_ARGS) {
+  PAGED_CPU_PACK;
+  return run(dtype, 2, a);
+}
