@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from paged import kernels
-from paged.kernels import cpu_backend
+from paged.kernels import cpu_backend, host_compiler
 from paged.kernels.testing import AttentionCase, attention_inputs, edge_seq_lens, tolerance
 
 
 def _compiler_reason() -> str | None:
     try:
         cpu_backend.find_compiler()
-    except cpu_backend.CompilerNotFoundError as exc:
+    except host_compiler.CompilerNotFoundError as exc:
         return str(exc)
     return None
 
@@ -106,7 +106,7 @@ def test_missing_compiler_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_backend, "_library", None)
     cpu_backend.find_compiler.cache_clear()
     try:
-        with pytest.raises(cpu_backend.CompilerNotFoundError, match="'no-such-cxx-compiler'"):
+        with pytest.raises(host_compiler.CompilerNotFoundError, match="'no-such-cxx-compiler'"):
             kernels.paged_attention(x.query, x.key_cache, x.value_cache, x.block_tables, x.seq_lens, x.scale,
                                     backend="cpu")
     finally:

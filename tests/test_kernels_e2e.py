@@ -7,7 +7,7 @@ import pytest
 
 from paged.config import KernelConfig, ModelConfig
 from paged.executor.model_executor import ModelExecutor
-from paged.kernels import emulator, specs
+from paged.kernels import emulator, host_compiler, specs
 from paged.model.locate import INSTALL_HINT, locate_smollm2
 from tests.test_executor import generate
 
@@ -27,7 +27,7 @@ def _requirements() -> None:
         pytest.skip(f"SmolLM2 weights not installed ({INSTALL_HINT})")
     try:
         emulator.find_compiler()
-    except emulator.CompilerNotFoundError as e:
+    except host_compiler.CompilerNotFoundError as e:
         pytest.skip(f"emu backend unavailable: {e}")
 
 

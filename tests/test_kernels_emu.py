@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from paged import kernels
-from paged.kernels import emulator, specs, torch_ref
+from paged.kernels import emulator, host_compiler, specs, torch_ref
 from paged.kernels.testing import (
     DTYPES,
     AttentionCase,
@@ -31,7 +31,7 @@ def emu_library() -> None:
     """One parallel build of every unit the module uses instead of one compiler run per test."""
     try:
         emulator.find_compiler()
-    except emulator.CompilerNotFoundError as e:
+    except host_compiler.CompilerNotFoundError as e:
         pytest.skip(f"emu backend unavailable: {e}")
     units = [u for case in GRID for u in _units(case)] + [specs.cache_unit(d) for d in DTYPES]
     emulator.prepare(units)

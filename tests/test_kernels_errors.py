@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from paged import kernels
-from paged.kernels import emulator
+from paged.kernels import emulator, host_compiler
 from paged.kernels.testing import AttentionCase, attention_inputs, random_cache
 
 NATIVE = ["emu", "cuda"]
@@ -111,7 +111,7 @@ def test_missing_compiler_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     emulator.find_compiler.cache_clear()
     monkeypatch.setenv("CXX", "g++-that-does-not-exist")
     try:
-        with pytest.raises(emulator.CompilerNotFoundError, match="looked for 'g\\+\\+-that-does-not-exist'"):
+        with pytest.raises(host_compiler.CompilerNotFoundError, match="looked for 'g\\+\\+-that-does-not-exist'"):
             emulator.find_compiler()
     finally:
         emulator.find_compiler.cache_clear()
@@ -124,7 +124,7 @@ def test_too_old_compiler_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path) 
     emulator.find_compiler.cache_clear()
     monkeypatch.setenv("CXX", str(fake))
     try:
-        with pytest.raises(emulator.CompilerNotFoundError, match="g\\+\\+ >= 12.*'11.4.0'"):
+        with pytest.raises(host_compiler.CompilerNotFoundError, match="g\\+\\+ >= 12.*'11.4.0'"):
             emulator.find_compiler()
     finally:
         emulator.find_compiler.cache_clear()

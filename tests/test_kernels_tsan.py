@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from paged.kernels import emulator
+from paged.kernels import emulator, host_compiler
 
 FLAGS = ("-std=c++20", "-O1", "-g", "-fsanitize=thread", "-pthread", "-fno-strict-aliasing", "-Wno-unknown-pragmas")
 TSAN_EXIT = 66
@@ -21,7 +21,7 @@ def drivers() -> dict[str, Path]:
     """Both variants, built concurrently (and cached like the emulator libraries)."""
     try:
         emulator.find_compiler()
-    except emulator.CompilerNotFoundError as e:
+    except host_compiler.CompilerNotFoundError as e:
         pytest.skip(f"emu backend unavailable: {e}")
 
     def build(defines: tuple[str, ...]) -> Path:

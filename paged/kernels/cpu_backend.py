@@ -11,26 +11,21 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import os
 import platform
-import re
-import shutil
 import subprocess
 import threading
 import time
-from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 
 import torch
 
 from paged.kernels import torch_ref
 from paged.kernels.cache_dir import ArtifactCache, make_key
+from paged.kernels.host_compiler import find_compiler
 from paged.kernels.source import source_dir
 
 SOURCE = Path("cpu") / "paged_attention_cpu.cpp"
 FLAGS = ("-std=c++17", "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
-MIN_VERSION = 12  # _Float16 on x86-64
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _STATUS = {
     1: "block_size must be 1..64",
@@ -46,37 +41,8 @@ _LOCK = threading.Lock()
 _library: ctypes.CDLL | None = None
 
 
-class CompilerNotFoundError(RuntimeError):
-    """No usable host C++ compiler for the cpu backend."""
-
-
 class CpuBuildError(RuntimeError):
     """The host compiler rejected the cpu backend's source; the message holds its output."""
-
-
-@dataclass(frozen=True)
-class Compiler:
-    path: str
-    version: str
-
-
-@cache
-def find_compiler() -> Compiler:
-    """`$CXX` if set, else `g++`; g++ must be >= 12 (_Float16)."""
-    wanted = os.environ.get("CXX") or "g++"
-    path = shutil.which(wanted)
-    if path is None:
-        raise CompilerNotFoundError(
-            f"the cpu backend needs a C++17 compiler with OpenMP (g++ >= {MIN_VERSION}); looked for {wanted!r} "
-            "($CXX, else g++) on PATH and found none"
-        )
-    version = subprocess.run([path, "-dumpfullversion", "-dumpversion"], capture_output=True, text=True).stdout.strip()
-    major = re.match(r"(\d+)", version)
-    if major is None or int(major.group(1)) < MIN_VERSION:
-        raise CompilerNotFoundError(
-            f"the cpu backend needs g++ >= {MIN_VERSION}; {path} reports version {version!r} (set $CXX)"
-        )
-    return Compiler(path, version)
 
 
 def _host_id() -> str:

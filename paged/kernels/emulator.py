@@ -11,25 +11,21 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-import re
-import shutil
 import subprocess
 import threading
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 
 import numpy as np
 
 from paged.kernels.cache_dir import ArtifactCache, make_key
+from paged.kernels.host_compiler import find_compiler
 from paged.kernels.launch import Launch, Ptr
 from paged.kernels.source import MAIN_FILE, source_dir, source_hash
 from paged.kernels.specs import Unit
 
-MIN_VERSION = 12
 FLAGS = ("-std=c++20", "-O2", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing", "-Wno-unknown-pragmas")
 # Same opt-in limit as an H100, so a launch the GPU would refuse fails here too.
 MAX_SHARED_MEMORY = 227 * 1024
@@ -41,37 +37,8 @@ _LOCK = threading.Lock()  # the runtime's globals (gridDim, shared memory) hold 
 _loaded: dict[str, ctypes._CFuncPtr] = {}
 
 
-class CompilerNotFoundError(RuntimeError):
-    """No usable host C++ compiler for the emulator."""
-
-
 class EmulatorBuildError(RuntimeError):
     """The host compiler rejected the kernel sources; the message holds its full output."""
-
-
-@dataclass(frozen=True)
-class Compiler:
-    path: str
-    version: str
-
-
-@cache
-def find_compiler() -> Compiler:
-    """`$CXX` if set, else `g++`; it must be version >= 12 (C++20 <barrier>, _Float16)."""
-    wanted = os.environ.get("CXX") or "g++"
-    path = shutil.which(wanted)
-    if path is None:
-        raise CompilerNotFoundError(
-            f"the emu backend needs a C++20 compiler (g++ >= {MIN_VERSION}); looked for {wanted!r} "
-            "($CXX, else g++) on PATH and found none"
-        )
-    version = subprocess.run([path, "-dumpfullversion", "-dumpversion"], capture_output=True, text=True).stdout.strip()
-    major = re.match(r"(\d+)", version)
-    if major is None or int(major.group(1)) < MIN_VERSION:
-        raise CompilerNotFoundError(
-            f"the emu backend needs g++ >= {MIN_VERSION}; {path} reports version {version!r} (set $CXX)"
-        )
-    return Compiler(path, version)
 
 
 def symbol(kernel: str) -> str:
