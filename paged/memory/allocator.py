@@ -64,3 +64,31 @@ class BlockAllocator(ABC):
     def insert(self, block_id: int, block_hash: bytes) -> None:
         """Publish a full, computed block under its content hash; allocators without a cache ignore it."""
         return None
+
+
+class RefCountedAllocator(BlockAllocator):
+    """Reference counting shared by the built-in allocators; subclasses say where a block goes
+    when its last reference is dropped (`_release`)."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        super().__init__(num_blocks, block_size)
+        self._refcounts = [0] * num_blocks
+
+    def incref(self, block_id: int) -> None:
+        assert self._refcounts[block_id] > 0, f"incref of free block {block_id}"
+        self._refcounts[block_id] += 1
+
+    def free(self, block_id: int) -> None:
+        count = self._refcounts[block_id]
+        if count <= 0:
+            raise RuntimeError(f"double free of block {block_id}")
+        self._refcounts[block_id] = count - 1
+        if count == 1:
+            self._release(block_id)
+
+    def refcount(self, block_id: int) -> int:
+        return self._refcounts[block_id]
+
+    @abstractmethod
+    def _release(self, block_id: int) -> None:
+        """`block_id` just lost its last reference."""

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from collections import deque
 
-from paged.memory.allocator import BlockAllocator, NoFreeBlocksError
+from paged.memory.allocator import NoFreeBlocksError, RefCountedAllocator
 
 
-class NaiveAllocator(BlockAllocator):
+class NaiveAllocator(RefCountedAllocator):
     def __init__(self, num_blocks: int, block_size: int) -> None:
         super().__init__(num_blocks, block_size)
         self._free: deque[int] = deque(range(num_blocks))
-        self._refcounts = [0] * num_blocks
 
     def allocate(self) -> int:
         if not self._free:
@@ -20,21 +19,9 @@ class NaiveAllocator(BlockAllocator):
         self._refcounts[block_id] = 1
         return block_id
 
-    def incref(self, block_id: int) -> None:
-        assert self._refcounts[block_id] > 0, f"incref of free block {block_id}"
-        self._refcounts[block_id] += 1
-
-    def free(self, block_id: int) -> None:
-        count = self._refcounts[block_id]
-        if count <= 0:
-            raise RuntimeError(f"double free of block {block_id}")
-        self._refcounts[block_id] = count - 1
-        if count == 1:
-            # LIFO reuse, as vLLM's NaiveBlockAllocator: a just-freed block is likely still in cache.
-            self._free.appendleft(block_id)
-
-    def refcount(self, block_id: int) -> int:
-        return self._refcounts[block_id]
+    def _release(self, block_id: int) -> None:
+        # LIFO reuse, as vLLM's NaiveBlockAllocator: a just-freed block is likely still in cache.
+        self._free.appendleft(block_id)
 
     @property
     def num_free_blocks(self) -> int:

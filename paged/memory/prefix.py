@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from paged.memory.allocator import BlockAllocator, NoFreeBlocksError
+from paged.memory.allocator import NoFreeBlocksError, RefCountedAllocator
 from paged.memory.free_queue import FreeBlockQueue
 
 
-class PrefixCachingAllocator(BlockAllocator):
+class PrefixCachingAllocator(RefCountedAllocator):
     """vLLM V1's BlockPool without the request bookkeeping.
 
     A block whose refcount reaches zero keeps its hash and waits in the free queue, so a later
@@ -22,7 +22,6 @@ class PrefixCachingAllocator(BlockAllocator):
     def __init__(self, num_blocks: int, block_size: int) -> None:
         super().__init__(num_blocks, block_size)
         self._queue = FreeBlockQueue(num_blocks)
-        self._refcounts = [0] * num_blocks
         self._hashes: list[bytes | None] = [None] * num_blocks
         self._cached: dict[bytes, int] = {}
         self._num_cached_free = 0
@@ -41,24 +40,12 @@ class PrefixCachingAllocator(BlockAllocator):
         self._refcounts[block_id] = 1
         return block_id
 
-    def incref(self, block_id: int) -> None:
-        assert self._refcounts[block_id] > 0, f"incref of free block {block_id}"
-        self._refcounts[block_id] += 1
-
-    def free(self, block_id: int) -> None:
-        count = self._refcounts[block_id]
-        if count <= 0:
-            raise RuntimeError(f"double free of block {block_id}")
-        self._refcounts[block_id] = count - 1
-        if count == 1:
-            if self._hashes[block_id] is None:
-                self._queue.appendleft(block_id)
-            else:
-                self._queue.append(block_id)
-                self._num_cached_free += 1
-
-    def refcount(self, block_id: int) -> int:
-        return self._refcounts[block_id]
+    def _release(self, block_id: int) -> None:
+        if self._hashes[block_id] is None:
+            self._queue.appendleft(block_id)
+        else:
+            self._queue.append(block_id)
+            self._num_cached_free += 1
 
     @property
     def num_free_blocks(self) -> int:
