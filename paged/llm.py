@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from paged.assets import asset_dir
 from paged.build import build_engine
 from paged.config import register_configs
 from paged.engine import Engine
 from paged.request import Request, SamplingParams
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = asset_dir("conf")
 
 
 @dataclass
@@ -45,7 +45,7 @@ def compose_config(overrides: Sequence[str] = ()) -> Any:
     from hydra import compose, initialize_config_dir
 
     if not CONF_DIR.is_dir():
-        raise FileNotFoundError(f"config dir {CONF_DIR} not found; install paged from a checkout (pip install -e .)")
+        raise FileNotFoundError(f"config dir {CONF_DIR} not found; reinstall paged (pip install -e .)")
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose("config", overrides=list(overrides))
@@ -91,6 +91,10 @@ class LLM:
             requests.append(request)
         self.engine.run_until_done()
         return [self._output(r) for r in requests]
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop all cached prefix blocks; False (and nothing dropped) while requests hold blocks."""
+        return self.engine.block_manager.allocator.reset_prefix_cache()
 
     def _output(self, request: Request) -> RequestOutput:
         outputs = [

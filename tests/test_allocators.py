@@ -195,6 +195,28 @@ def test_insert_of_an_already_cached_hash_keeps_the_existing_block():
     assert a.num_cached_free_blocks == 0  # the duplicate stayed hashless
 
 
+@pytest.mark.parametrize("cls", ALLOCATORS)
+def test_reset_prefix_cache_refuses_while_blocks_are_referenced(cls):
+    a = cls(num_blocks=2, block_size=16)
+    b = a.allocate()
+    a.insert(b, h("x"))
+    assert not a.reset_prefix_cache()
+    a.free(b)
+    assert a.reset_prefix_cache()
+
+
+def test_reset_prefix_cache_forgets_every_cached_block():
+    a = PrefixCachingAllocator(num_blocks=3, block_size=16)
+    blocks = [a.allocate() for _ in range(2)]
+    for b, name in zip(blocks, "ab", strict=True):
+        a.insert(b, h(name))
+        a.free(b)
+    assert a.reset_prefix_cache()
+    assert a.num_cached_free_blocks == 0 and a.num_free_blocks == 3
+    assert a.peek(h("a")) is None and a.match(h("b")) is None
+    assert sorted(a.allocate() for _ in range(3)) == [0, 1, 2] and a.num_evictions == 0
+
+
 # -- allocator vs a reference model ----------------------------------------------------------------
 
 

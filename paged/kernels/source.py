@@ -7,13 +7,15 @@ import os
 from functools import cache
 from pathlib import Path
 
+from paged.assets import asset_dir
+
 MAIN_FILE = "paged.cu"
 
 
 def source_dir() -> Path:
-    """`kernels_cu/` next to the package, or `$PAGED_KERNELS_DIR` for installs that moved it."""
+    """The shipped `kernels_cu/`, or `$PAGED_KERNELS_DIR` to build sources kept elsewhere."""
     override = os.environ.get("PAGED_KERNELS_DIR")
-    path = Path(override) if override else Path(__file__).resolve().parents[2] / "kernels_cu"
+    path = Path(override) if override else asset_dir("kernels_cu")
     if not (path / MAIN_FILE).is_file():
         raise FileNotFoundError(f"kernel sources not found: {path / MAIN_FILE} (set PAGED_KERNELS_DIR)")
     return path

@@ -65,6 +65,11 @@ class BlockAllocator(ABC):
         """Publish a full, computed block under its content hash; allocators without a cache ignore it."""
         return None
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's `reset_prefix_cache`: after a weight update, or so a
+        benchmark starts cold). Only possible while no block is referenced; returns whether it ran."""
+        return self.num_free_blocks == self.num_blocks
+
 
 class RefCountedAllocator(BlockAllocator):
     """Reference counting shared by the built-in allocators; subclasses say where a block goes

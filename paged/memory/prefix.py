@@ -79,3 +79,11 @@ class PrefixCachingAllocator(RefCountedAllocator):
         if block_hash not in self._cached:
             self._cached[block_hash] = block_id
             self._hashes[block_id] = block_hash
+
+    def reset_prefix_cache(self) -> bool:
+        if len(self._queue) != self.num_blocks:
+            return False
+        self._cached.clear()
+        self._hashes = [None] * self.num_blocks
+        self._num_cached_free = 0
+        return True

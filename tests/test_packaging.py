@@ -1,0 +1,45 @@
+"""A built wheel carries kernels_cu/ and conf/, and the installed package finds them inside itself."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from paged.kernels.source import source_hash
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PROBE = """
+import json
+from paged.assets import asset_dir
+from paged.kernels.source import source_hash
+from paged.llm import compose_config
+print(json.dumps({"kernels": str(asset_dir("kernels_cu")), "conf": str(asset_dir("conf")),
+                  "hash": source_hash(), "allocator": compose_config(["allocator=naive"]).allocator.name}))
+"""
+
+
+def test_wheel_ships_kernel_sources_and_configs(tmp_path):
+    pytest.importorskip("setuptools", reason="building the wheel without network needs setuptools installed")
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        capture_output=True, text=True,
+    )
+    assert build.returncode == 0, build.stderr
+    (wheel,) = tmp_path.glob("paged-*.whl")
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    probe = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, cwd=tmp_path,
+                           env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"})
+    assert probe.returncode == 0, probe.stderr
+    found = json.loads(probe.stdout)
+    assert found["kernels"] == str(site / "paged" / "_kernels_cu")
+    assert found["conf"] == str(site / "paged" / "_conf")
+    assert found["hash"] == source_hash()  # every CUDA source made it into the wheel
+    assert (site / "paged" / "_kernels_cu" / "cpu" / "paged_attention_cpu.cpp").is_file()
+    assert found["allocator"] == "naive"
