@@ -76,7 +76,7 @@ def main() -> None:
                         f"median of {args.repeats} cold-cache passes")
     for col in ("workload", "allocator", "time (s)", "output tokens/s", "prompt tokens computed", "hit rate"):
         table.add_column(col)
-    console = Console()
+    console = Console(width=120)
     summary = []
     for wl_name, prompts in suites.items():
         runs: dict[str, list[dict]] = {name: [] for name in llms}

@@ -26,10 +26,8 @@ print(json.dumps({"kernels": str(asset_dir("kernels_cu")), "conf": str(asset_dir
 
 def test_wheel_ships_kernel_sources_and_configs(tmp_path):
     pytest.importorskip("setuptools", reason="building the wheel without network needs setuptools installed")
-    build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
-        capture_output=True, text=True,
-    )
+    pip = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+    build = subprocess.run([*pip, "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True)
     assert build.returncode == 0, build.stderr
     (wheel,) = tmp_path.glob("paged-*.whl")
     site = tmp_path / "site"

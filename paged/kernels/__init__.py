@@ -14,6 +14,7 @@ from functools import cache
 import torch
 
 from paged.kernels import torch_ref
+from paged.kernels.backend import KernelBackend
 from paged.kernels.validate import (
     BACKENDS,
     VERSIONS,
@@ -79,20 +80,22 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
-def _native(backend: str):  # noqa: ANN202 - returns a backend module
-    if backend == "cuda":
+def _backend(name: str) -> KernelBackend:
+    if name == "torch":
+        return torch_ref.BACKEND
+    if name == "cuda":
         from paged.kernels import cuda_backend
 
-        return cuda_backend
-    if backend == "emu":
+        return cuda_backend.BACKEND
+    if name == "emu":
         from paged.kernels import emu_backend
 
-        return emu_backend
-    if backend == "cpu":
+        return emu_backend.BACKEND
+    if name == "cpu":
         from paged.kernels import cpu_backend
 
-        return cpu_backend
-    raise AssertionError(backend)
+        return cpu_backend.BACKEND
+    raise AssertionError(name)
 
 
 def paged_attention(
@@ -120,15 +123,7 @@ def paged_attention(
         max_seq_len = int(seq_lens.max()) if seq_lens.numel() else 0
     if query.shape[0] == 0 or max_seq_len == 0:
         return torch.zeros_like(query)
-    if backend == "torch":
-        if version == "v1":
-            return torch_ref.paged_attention_v1(
-                query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len
-            )
-        return torch_ref.paged_attention_v2(
-            query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, partition_size
-        )
-    return _native(backend).paged_attention(
+    return _backend(backend).paged_attention(
         query, key_cache, value_cache, block_tables, seq_lens, scale, version, partition_size, max_seq_len
     )
 
@@ -145,10 +140,7 @@ def reshape_and_cache(
     """Write `key`/`value` `[num_tokens, kv_heads, head_size]` into the cache at `slot_mapping` (-1 skipped)."""
     check_backend(backend)
     check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, backend)
-    if backend == "torch":
-        torch_ref.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-    else:
-        _native(backend).reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    _backend(backend).reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
 def copy_blocks(
@@ -163,10 +155,7 @@ def copy_blocks(
     if not isinstance(block_mapping, torch.Tensor):
         block_mapping = torch.tensor(list(block_mapping), dtype=torch.int64).reshape(-1, 2)
     check_copy_blocks(key_caches, value_caches, block_mapping)
-    if backend == "torch":
-        torch_ref.copy_blocks(key_caches, value_caches, block_mapping)
-    else:
-        _native(backend).copy_blocks(key_caches, value_caches, block_mapping)
+    _backend(backend).copy_blocks(key_caches, value_caches, block_mapping)
 
 
 def gather_kv(

@@ -96,49 +96,45 @@ def load() -> ctypes.CDLL:
         return _library
 
 
-def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    version: str,
-    partition_size: int,
-    max_seq_len: int,
-) -> torch.Tensor:
-    library = load()
-    num_seqs, num_heads, head_size = query.shape
-    _, num_kv_heads, _, block_size, _ = key_cache.shape
-    # no-ops for the executor's tensors: the caches are allocated contiguous, tables are fresh
-    key_cache, value_cache = key_cache.contiguous(), value_cache.contiguous()
-    seq_lens = seq_lens.contiguous()
-    if block_tables.stride(1) != 1:
-        block_tables = block_tables.contiguous()
-    if block_tables.shape[1] * block_size < max_seq_len:
-        raise ValueError(
-            f"block_tables has {block_tables.shape[1]} columns of {block_size} tokens, fewer than "
-            f"max_seq_len={max_seq_len} needs"
+class CpuBackend(torch_ref.TorchBackend):
+    """Native decode attention; the cache ops are the torch reference's."""
+
+    def paged_attention(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        version: str,
+        partition_size: int,
+        max_seq_len: int,
+    ) -> torch.Tensor:
+        library = load()
+        num_seqs, num_heads, head_size = query.shape
+        _, num_kv_heads, _, block_size, _ = key_cache.shape
+        # no-ops for the executor's tensors: the caches are allocated contiguous, tables are fresh
+        key_cache, value_cache = key_cache.contiguous(), value_cache.contiguous()
+        seq_lens = seq_lens.contiguous()
+        if block_tables.stride(1) != 1:
+            block_tables = block_tables.contiguous()
+        if block_tables.shape[1] * block_size < max_seq_len:
+            raise ValueError(
+                f"block_tables has {block_tables.shape[1]} columns of {block_size} tokens, fewer than "
+                f"max_seq_len={max_seq_len} needs"
+            )
+        out = torch.empty((num_seqs, num_heads, head_size), dtype=query.dtype)
+        fn = library.paged_attention_v1_cpu if version == "v1" else library.paged_attention_v2_cpu
+        status = fn(
+            _DTYPES[query.dtype], out.data_ptr(), query.data_ptr(), *query.stride(),
+            key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+            seq_lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_size, block_size, float(scale),
+            partition_size, max_seq_len, torch.get_num_threads(),
         )
-    out = torch.empty((num_seqs, num_heads, head_size), dtype=query.dtype)
-    fn = library.paged_attention_v1_cpu if version == "v1" else library.paged_attention_v2_cpu
-    status = fn(
-        _DTYPES[query.dtype], out.data_ptr(), query.data_ptr(), *query.stride(),
-        key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-        seq_lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_size, block_size, float(scale),
-        partition_size, max_seq_len, torch.get_num_threads(),
-    )
-    if status:
-        raise ValueError(f"cpu paged_attention_{version} refused its arguments: {_STATUS.get(status, status)}")
-    return out
+        if status:
+            raise ValueError(f"cpu paged_attention_{version} refused its arguments: {_STATUS.get(status, status)}")
+        return out
 
 
-def reshape_and_cache(
-    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    torch_ref.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-
-
-def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
-    torch_ref.copy_blocks(key_caches, value_caches, block_mapping)
+BACKEND = CpuBackend()

@@ -76,32 +76,4 @@ def _runner(t: torch.Tensor) -> _CudaRunner:
     return _runners[index]
 
 
-def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    version: str,
-    partition_size: int,
-    max_seq_len: int,
-) -> torch.Tensor:
-    with torch.cuda.device(query.device):
-        return launch.paged_attention(
-            _runner(query), query, key_cache, value_cache, block_tables, seq_lens, scale, version,
-            partition_size, max_seq_len,
-        )
-
-
-def reshape_and_cache(
-    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    with torch.cuda.device(key.device):
-        launch.reshape_and_cache(_runner(key), key, value, key_cache, value_cache, slot_mapping)
-
-
-def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
-    with torch.cuda.device(key_caches[0].device):
-        launch.copy_blocks(_runner(key_caches[0]), key_caches, value_caches, block_mapping)
+BACKEND = launch.RunnerBackend(_runner, scope=torch.cuda.device)

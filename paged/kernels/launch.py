@@ -5,7 +5,8 @@ the emulator tests these launchers too.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -158,3 +159,49 @@ def copy_blocks(
     grid = (len(key_caches), mapping.shape[0], 1)
     args = (_ptr(key_ptrs), _ptr(value_ptrs), _ptr(mapping), np.int32(numel_per_block))
     runner.run(unit, [Launch(unit.kernels[1], grid, min(numel_per_block, MAX_COPY_THREADS), 0, args)])
+
+
+class RunnerBackend:
+    """The three ops as a `KernelBackend` for runners that execute `Launch`es (cuda, emu).
+
+    `runner_for` picks the runner owning a tensor's device; `scope` makes that device current.
+    """
+
+    def __init__(
+        self,
+        runner_for: Callable[[torch.Tensor], Runner],
+        scope: Callable[[torch.device], AbstractContextManager] = lambda device: nullcontext(),
+    ) -> None:
+        self._runner_for = runner_for
+        self._scope = scope
+
+    def paged_attention(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        version: str,
+        partition_size: int,
+        max_seq_len: int,
+    ) -> torch.Tensor:
+        with self._scope(query.device):
+            return paged_attention(
+                self._runner_for(query), query, key_cache, value_cache, block_tables, seq_lens, scale, version,
+                partition_size, max_seq_len,
+            )
+
+    def reshape_and_cache(
+        self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        with self._scope(key.device):
+            reshape_and_cache(self._runner_for(key), key, value, key_cache, value_cache, slot_mapping)
+
+    def copy_blocks(
+        self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor
+    ) -> None:
+        with self._scope(key_caches[0].device):
+            copy_blocks(self._runner_for(key_caches[0]), key_caches, value_caches, block_mapping)

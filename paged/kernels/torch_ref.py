@@ -150,6 +150,34 @@ def paged_attention_v2(
     return _finish((tmp_out * weights[..., None]).sum(dim=-2), query)
 
 
+class TorchBackend:
+    """The reference as a `KernelBackend`; `cpu` subclasses it for its native attention."""
+
+    def paged_attention(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        version: str,
+        partition_size: int,
+        max_seq_len: int,
+    ) -> torch.Tensor:
+        if version == "v1":
+            return paged_attention_v1(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len)
+        return paged_attention_v2(
+            query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, partition_size
+        )
+
+    reshape_and_cache = staticmethod(reshape_and_cache)
+    copy_blocks = staticmethod(copy_blocks)
+
+
+BACKEND = TorchBackend()
+
+
 def prefill_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
 ) -> torch.Tensor:
