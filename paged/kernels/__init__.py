@@ -7,6 +7,7 @@ and devices are validated here, before any backend runs.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Sequence
 from functools import cache
@@ -80,22 +81,12 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
+# Imported on first use: cuda needs cuda-python, emu and cpu a host compiler.
+_BACKEND_MODULES = {"torch": "torch_ref", "cpu": "cpu_backend", "cuda": "cuda_backend", "emu": "emu_backend"}
+
+
 def _backend(name: str) -> KernelBackend:
-    if name == "torch":
-        return torch_ref.BACKEND
-    if name == "cuda":
-        from paged.kernels import cuda_backend
-
-        return cuda_backend.BACKEND
-    if name == "emu":
-        from paged.kernels import emu_backend
-
-        return emu_backend.BACKEND
-    if name == "cpu":
-        from paged.kernels import cpu_backend
-
-        return cpu_backend.BACKEND
-    raise AssertionError(name)
+    return importlib.import_module(f"paged.kernels.{_BACKEND_MODULES[name]}").BACKEND
 
 
 def paged_attention(
