@@ -229,15 +229,16 @@ inline float exp_in_place(float* l, int n, float* sum_out) {
   return m;
 }
 
-template <typename T, int BS_T>
-void run_v1(const Args& a) {
-  const int G = a.num_heads / a.num_kv_heads, D = a.head_size, bs = a.block_size;
-  const int64_t L_max = a.max_seq_len;
+// Runs `body(s, seq, kvh, L, table)` for every (sequence, KV head) with L > 0 tokens, in parallel,
+// each OpenMP thread with its own scratch from `init`; `body` leaves the G query heads' output in
+// s.acc. Empty sequences get zeros.
+template <typename T, int BS_T, typename Init, typename Body>
+void for_each_kv_head(const Args& a, Init init, Body body) {
+  const int G = a.num_heads / a.num_kv_heads;
 #pragma omp parallel num_threads(a.num_threads)
   {
     Scratch s;
-    s.init(G, D, bs, L_max);
-    s.weights.resize(G);
+    init(s);
 #pragma omp for collapse(2) schedule(dynamic, 1)
     for (int seq = 0; seq < a.num_seqs; ++seq) {
       for (int kvh = 0; kvh < a.num_kv_heads; ++kvh) {
@@ -245,104 +246,98 @@ void run_v1(const Args& a) {
         const int head0 = kvh * G;
         if (L <= 0) {
           std::fill(s.acc.begin(), s.acc.end(), 0.f);
-          store_out<T>(a, seq, head0, G, s.acc.data());
-          continue;
+        } else {
+          load_query<T, BS_T>(a, seq, head0, G, s.qx.data());
+          body(s, seq, kvh, L, a.block_tables + seq * a.bt_stride);
         }
-        load_query<T, BS_T>(a, seq, head0, G, s.qx.data());
-        const int32_t* table = a.block_tables + seq * a.bt_stride;
-        const int nblocks = (L + bs - 1) / bs;
-        for (int b = 0; b < nblocks; ++b)
-          block_logits<T, BS_T>(a, G, tile_ptr<T>(a.key_cache, a, table[b], kvh), s, std::min(bs, L - b * bs),
-                                s.logits.data() + b * bs, L_max);
-        float* inv = s.weights.data();
-        for (int g = 0; g < G; ++g) {
-          float sum;
-          exp_in_place(s.logits.data() + g * L_max, L, &sum);
-          inv[g] = 1.f / sum;
-        }
-        for (int b = 0; b < nblocks; ++b)
-          block_values<T, BS_T>(a, G, tile_ptr<T>(a.value_cache, a, table[b], kvh), s, std::min(bs, L - b * bs),
-                                s.logits.data() + b * bs, L_max);
-        reduce_values(G, D, bs, s, inv);
         store_out<T>(a, seq, head0, G, s.acc.data());
       }
     }
   }
 }
 
+// Softmax attention of the G query heads over the `n` tokens that `table` points at: the
+// normalised output goes to s.acc, each head's max logit and exp-sum to max_out / sum_out
+// (stride `out_stride`) when given. `stride` is the logits row length in the scratch.
+template <typename T, int BS_T>
+void attend_span(const Args& a, Scratch& s, int kvh, const int32_t* table, int n, int stride, float* max_out,
+                 float* sum_out, int out_stride) {
+  const int G = a.num_heads / a.num_kv_heads, bs = a.block_size;
+  const int nb = (n + bs - 1) / bs;
+  for (int b = 0; b < nb; ++b)
+    block_logits<T, BS_T>(a, G, tile_ptr<T>(a.key_cache, a, table[b], kvh), s, std::min(bs, n - b * bs),
+                          s.logits.data() + b * bs, stride);
+  float* inv_sum = s.weights.data();
+  for (int g = 0; g < G; ++g) {
+    float sum;
+    const float m = exp_in_place(s.logits.data() + g * stride, n, &sum);
+    if (max_out) {
+      max_out[g * out_stride] = m;
+      sum_out[g * out_stride] = sum;
+    }
+    inv_sum[g] = 1.f / std::max(sum, 1e-30f);
+  }
+  for (int b = 0; b < nb; ++b)
+    block_values<T, BS_T>(a, G, tile_ptr<T>(a.value_cache, a, table[b], kvh), s, std::min(bs, n - b * bs),
+                          s.logits.data() + b * bs, stride);
+  reduce_values(G, a.head_size, bs, s, inv_sum);
+}
+
+template <typename T, int BS_T>
+void run_v1(const Args& a) {
+  const int G = a.num_heads / a.num_kv_heads;
+  auto init = [&](Scratch& s) {
+    s.init(G, a.head_size, a.block_size, a.max_seq_len);
+    s.weights.resize(G);
+  };
+  for_each_kv_head<T, BS_T>(a, init, [&](Scratch& s, int, int kvh, int L, const int32_t* table) {
+    attend_span<T, BS_T>(a, s, kvh, table, L, a.max_seq_len, nullptr, nullptr, 0);
+  });
+}
+
 template <typename T, int BS_T>
 void run_v2(const Args& a) {
-  const int G = a.num_heads / a.num_kv_heads, D = a.head_size, bs = a.block_size;
+  const int G = a.num_heads / a.num_kv_heads, D = a.head_size;
   const int PS = a.partition_size;
   const int P_max = (a.max_seq_len + PS - 1) / PS;
-  const int blocks_per_part = PS / bs;
-#pragma omp parallel num_threads(a.num_threads)
-  {
-    Scratch s;
-    s.init(G, D, bs, PS);
+  const int blocks_per_part = PS / a.block_size;
+  auto init = [&](Scratch& s) {
+    s.init(G, D, a.block_size, PS);
     s.part_max.resize(static_cast<size_t>(G) * P_max);
     s.part_sum.resize(static_cast<size_t>(G) * P_max);
     s.part_out.resize(static_cast<size_t>(G) * P_max * D);
     s.weights.resize(std::max(P_max, G));
-#pragma omp for collapse(2) schedule(dynamic, 1)
-    for (int seq = 0; seq < a.num_seqs; ++seq) {
-      for (int kvh = 0; kvh < a.num_kv_heads; ++kvh) {
-        const int L = std::min(a.seq_lens[seq], a.max_seq_len);  // never past the scratch buffers
-        const int head0 = kvh * G;
-        if (L <= 0) {
-          std::fill(s.acc.begin(), s.acc.end(), 0.f);
-          store_out<T>(a, seq, head0, G, s.acc.data());
-          continue;
-        }
-        load_query<T, BS_T>(a, seq, head0, G, s.qx.data());
-        const int32_t* table = a.block_tables + seq * a.bt_stride;
-        const int P = (L + PS - 1) / PS;
-        for (int p = 0; p < P; ++p) {
-          const int n = std::min(PS, L - p * PS);
-          const int nb = (n + bs - 1) / bs;
-          const int32_t* ptable = table + p * blocks_per_part;
-          for (int b = 0; b < nb; ++b)
-            block_logits<T, BS_T>(a, G, tile_ptr<T>(a.key_cache, a, ptable[b], kvh), s, std::min(bs, n - b * bs),
-                                  s.logits.data() + b * bs, PS);
-          float* inv_sum = s.weights.data();  // reused per partition; the reduce below overwrites it
-          for (int g = 0; g < G; ++g) {
-            float sum;
-            s.part_max[g * P_max + p] = exp_in_place(s.logits.data() + g * PS, n, &sum);
-            s.part_sum[g * P_max + p] = sum;
-            inv_sum[g] = 1.f / std::max(sum, 1e-30f);
-          }
-          for (int b = 0; b < nb; ++b)
-            block_values<T, BS_T>(a, G, tile_ptr<T>(a.value_cache, a, ptable[b], kvh), s, std::min(bs, n - b * bs),
-                                  s.logits.data() + b * bs, PS);
-          reduce_values(G, D, bs, s, inv_sum);  // normalised partial output of partition p
-          for (int g = 0; g < G; ++g)
-            std::copy(s.acc.begin() + g * D, s.acc.begin() + (g + 1) * D,
-                      s.part_out.begin() + (static_cast<int64_t>(g) * P_max + p) * D);
-        }
-        // Reduce: weight_p = sum_p * exp(max_p - max) / sum over partitions of the same.
-        std::fill(s.acc.begin(), s.acc.end(), 0.f);
-        for (int g = 0; g < G; ++g) {
-          const float* mx = s.part_max.data() + g * P_max;
-          const float* sm = s.part_sum.data() + g * P_max;
-          float gmax = -std::numeric_limits<float>::infinity();
-          for (int p = 0; p < P; ++p) gmax = mx[p] > gmax ? mx[p] : gmax;
-          float* w = s.weights.data();
-          float total = 0.f;
-          for (int p = 0; p < P; ++p) {
-            w[p] = sm[p] * std::exp(mx[p] - gmax);
-            total += w[p];
-          }
-          float* ag = s.acc.data() + g * D;
-          for (int p = 0; p < P; ++p) {
-            const float wp = w[p] / total;
-            const float* src = s.part_out.data() + (static_cast<int64_t>(g) * P_max + p) * D;
-            for (int d = 0; d < D; ++d) ag[d] += src[d] * wp;
-          }
-        }
-        store_out<T>(a, seq, head0, G, s.acc.data());
+  };
+  for_each_kv_head<T, BS_T>(a, init, [&](Scratch& s, int, int kvh, int L, const int32_t* table) {
+    const int P = (L + PS - 1) / PS;
+    for (int p = 0; p < P; ++p) {
+      attend_span<T, BS_T>(a, s, kvh, table + p * blocks_per_part, std::min(PS, L - p * PS), PS,
+                           s.part_max.data() + p, s.part_sum.data() + p, P_max);
+      for (int g = 0; g < G; ++g)
+        std::copy(s.acc.begin() + g * D, s.acc.begin() + (g + 1) * D,
+                  s.part_out.begin() + (static_cast<int64_t>(g) * P_max + p) * D);
+    }
+    // Reduce: weight_p = sum_p * exp(max_p - max) / sum over partitions of the same.
+    std::fill(s.acc.begin(), s.acc.end(), 0.f);
+    for (int g = 0; g < G; ++g) {
+      const float* mx = s.part_max.data() + g * P_max;
+      const float* sm = s.part_sum.data() + g * P_max;
+      float gmax = -std::numeric_limits<float>::infinity();
+      for (int p = 0; p < P; ++p) gmax = mx[p] > gmax ? mx[p] : gmax;
+      float* w = s.weights.data();
+      float total = 0.f;
+      for (int p = 0; p < P; ++p) {
+        w[p] = sm[p] * std::exp(mx[p] - gmax);
+        total += w[p];
+      }
+      float* ag = s.acc.data() + g * D;
+      for (int p = 0; p < P; ++p) {
+        const float wp = w[p] / total;
+        const float* src = s.part_out.data() + (static_cast<int64_t>(g) * P_max + p) * D;
+        for (int d = 0; d < D; ++d) ag[d] += src[d] * wp;
       }
     }
-  }
+  });
 }
 
 template <typename T>
