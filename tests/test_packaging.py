@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -13,6 +14,9 @@ import pytest
 from paged.kernels.source import source_hash
 
 ROOT = Path(__file__).resolve().parents[1]
+UNSHIPPED = (
+    ".git", ".venv", "build", "*.egg-info", "__pycache__", "outputs", "multirun", "wandb", ".*cache", ".hypothesis"
+)
 
 PROBE = """
 import json
@@ -26,8 +30,11 @@ print(json.dumps({"kernels": str(asset_dir("kernels_cu")), "conf": str(asset_dir
 
 def test_wheel_ships_kernel_sources_and_configs(tmp_path):
     pytest.importorskip("setuptools", reason="building the wheel without network needs setuptools installed")
+    # A copy, so setuptools' build/ cannot leak stale files into the wheel or litter the checkout.
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(*UNSHIPPED))
     pip = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
-    build = subprocess.run([*pip, "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True)
+    build = subprocess.run([*pip, "-w", str(tmp_path), str(src)], capture_output=True, text=True)
     assert build.returncode == 0, build.stderr
     (wheel,) = tmp_path.glob("paged-*.whl")
     site = tmp_path / "site"
