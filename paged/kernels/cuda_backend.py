@@ -58,7 +58,8 @@ class _CudaRunner:
         self.device.set_current()
         if any(name not in self._kernels for name in unit.kernels):
             self._load(unit)
-        stream = torch.cuda.current_stream()
+        # This device's stream, whichever device torch has current.
+        stream = torch.cuda.current_stream(self.device.device_id)
         for item in launches:
             self._allow_shared_memory(item.kernel, item.shared_memory)
             config = LaunchConfig(grid=item.grid, block=item.block, shmem_size=item.shared_memory)
@@ -76,4 +77,4 @@ def _runner(t: torch.Tensor) -> _CudaRunner:
     return _runners[index]
 
 
-BACKEND = launch.RunnerBackend(_runner, scope=torch.cuda.device)
+BACKEND = launch.RunnerBackend(_runner)

@@ -6,7 +6,6 @@ the emulator tests these launchers too.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -67,113 +66,14 @@ def _check_shared_memory(runner: Runner, needed: int, what: str) -> None:
         )
 
 
-def paged_attention(
-    runner: Runner,
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    version: str,
-    partition_size: int,
-    max_seq_len: int,
-) -> torch.Tensor:
-    num_seqs, num_heads, head_size = query.shape
-    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[3]
-    _require_contiguous(key_cache=key_cache, value_cache=value_cache)
-    if seq_lens.device.type == "cpu" and int(seq_lens.max()) > max_seq_len:
-        # Kernels size shared memory and partitions from max_seq_len; a short one overflows them.
-        raise ValueError(f"max_seq_len={max_seq_len} is below the longest sequence ({int(seq_lens.max())})")
-    query = _rows_contiguous(query)
-    block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()
-    out = torch.empty_like(query)
-    unit = attention_unit(query.dtype, head_size, block_size, version, partition_size)
-    common = (
-        _ptr(query), _ptr(key_cache), _ptr(value_cache), np.int32(num_kv_heads), np.float32(scale),
-        _ptr(block_tables), _ptr(seq_lens), np.int32(block_tables.shape[1]), np.int32(query.stride(0)),
-        np.int32(key_cache.stride(0)), np.int32(key_cache.stride(1)),
-    )
-    # The logits buffer doubles as the cross-warp output buffer.
-    outputs_smem = (NUM_THREADS // WARP_SIZE // 2) * head_size * 4
-    if version == "v1":
-        padded_len = -(-max_seq_len // block_size) * block_size
-        smem = max(padded_len * 4, outputs_smem)
-        _check_shared_memory(runner, smem, f"v1 attention over {max_seq_len} tokens")
-        launches = [Launch(unit.kernels[0], (num_heads, num_seqs, 1), NUM_THREADS, smem, (_ptr(out), *common))]
-    else:
-        num_partitions = -(-max_seq_len // partition_size)
-        exp_sums = torch.empty((num_seqs, num_heads, num_partitions), dtype=torch.float32, device=query.device)
-        max_logits = torch.empty_like(exp_sums)
-        tmp_out = torch.empty((num_seqs, num_heads, num_partitions, head_size), dtype=torch.float32,
-                              device=query.device)
-        smem = max(partition_size * 4, outputs_smem)
-        reduce_smem = num_partitions * 4
-        _check_shared_memory(runner, max(smem, reduce_smem), f"v2 attention over {max_seq_len} tokens")
-        scratch = (_ptr(exp_sums), _ptr(max_logits), _ptr(tmp_out))
-        launches = [
-            Launch(unit.kernels[0], (num_heads, num_seqs, num_partitions), NUM_THREADS, smem, (*scratch, *common)),
-            Launch(unit.kernels[1], (num_heads, num_seqs, 1), NUM_THREADS, reduce_smem,
-                   (_ptr(out), *scratch, _ptr(seq_lens), np.int32(num_partitions))),
-        ]
-    runner.run(unit, launches)
-    return out
-
-
-def reshape_and_cache(
-    runner: Runner,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    num_tokens, num_heads, head_size = key.shape
-    if num_tokens == 0:
-        return
-    _require_contiguous(key_cache=key_cache, value_cache=value_cache)
-    key, value, slot_mapping = _rows_contiguous(key), _rows_contiguous(value), slot_mapping.contiguous()
-    unit = cache_unit(key.dtype)
-    args = (
-        _ptr(key), _ptr(value), _ptr(key_cache), _ptr(value_cache), _ptr(slot_mapping),
-        np.int32(key.stride(0)), np.int32(value.stride(0)), np.int32(num_heads), np.int32(head_size),
-        np.int32(key_cache.shape[3]), np.int32(key_cache.shape[4]),
-    )
-    threads = min(num_heads * head_size, MAX_CACHE_THREADS)
-    runner.run(unit, [Launch(unit.kernels[0], (num_tokens, 1, 1), threads, 0, args)])
-
-
-def copy_blocks(
-    runner: Runner, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor
-) -> None:
-    if block_mapping.numel() == 0:
-        return
-    for layer, (k, v) in enumerate(zip(key_caches, value_caches)):
-        _require_contiguous(**{f"key_caches[{layer}]": k, f"value_caches[{layer}]": v})
-    device = key_caches[0].device
-    key_ptrs = torch.tensor([c.data_ptr() for c in key_caches], dtype=torch.int64, device=device)
-    value_ptrs = torch.tensor([c.data_ptr() for c in value_caches], dtype=torch.int64, device=device)
-    mapping = block_mapping.to(device).contiguous()
-    numel_per_block = key_caches[0][0].numel()
-    unit = cache_unit(key_caches[0].dtype)
-    grid = (len(key_caches), mapping.shape[0], 1)
-    args = (_ptr(key_ptrs), _ptr(value_ptrs), _ptr(mapping), np.int32(numel_per_block))
-    runner.run(unit, [Launch(unit.kernels[1], grid, min(numel_per_block, MAX_COPY_THREADS), 0, args)])
-
-
 class RunnerBackend:
     """The three ops as a `KernelBackend` for runners that execute `Launch`es (cuda, emu).
 
-    `runner_for` picks the runner owning a tensor's device; `scope` makes that device current.
+    `runner_for` picks the runner owning a tensor's device.
     """
 
-    def __init__(
-        self,
-        runner_for: Callable[[torch.Tensor], Runner],
-        scope: Callable[[torch.device], AbstractContextManager] = lambda device: nullcontext(),
-    ) -> None:
+    def __init__(self, runner_for: Callable[[torch.Tensor], Runner]) -> None:
         self._runner_for = runner_for
-        self._scope = scope
 
     def paged_attention(
         self,
@@ -187,21 +87,84 @@ class RunnerBackend:
         partition_size: int,
         max_seq_len: int,
     ) -> torch.Tensor:
-        with self._scope(query.device):
-            return paged_attention(
-                self._runner_for(query), query, key_cache, value_cache, block_tables, seq_lens, scale, version,
-                partition_size, max_seq_len,
-            )
+        runner = self._runner_for(query)
+        num_seqs, num_heads, head_size = query.shape
+        num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[3]
+        _require_contiguous(key_cache=key_cache, value_cache=value_cache)
+        if seq_lens.device.type == "cpu" and int(seq_lens.max()) > max_seq_len:
+            # Kernels size shared memory and partitions from max_seq_len; a short one overflows them.
+            raise ValueError(f"max_seq_len={max_seq_len} is below the longest sequence ({int(seq_lens.max())})")
+        query = _rows_contiguous(query)
+        block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()
+        out = torch.empty_like(query)
+        unit = attention_unit(query.dtype, head_size, block_size, version, partition_size)
+        common = (
+            _ptr(query), _ptr(key_cache), _ptr(value_cache), np.int32(num_kv_heads), np.float32(scale),
+            _ptr(block_tables), _ptr(seq_lens), np.int32(block_tables.shape[1]), np.int32(query.stride(0)),
+            np.int32(key_cache.stride(0)), np.int32(key_cache.stride(1)),
+        )
+        # The logits buffer doubles as the cross-warp output buffer.
+        outputs_smem = (NUM_THREADS // WARP_SIZE // 2) * head_size * 4
+        if version == "v1":
+            padded_len = -(-max_seq_len // block_size) * block_size
+            smem = max(padded_len * 4, outputs_smem)
+            _check_shared_memory(runner, smem, f"v1 attention over {max_seq_len} tokens")
+            launches = [Launch(unit.kernels[0], (num_heads, num_seqs, 1), NUM_THREADS, smem, (_ptr(out), *common))]
+        else:
+            num_partitions = -(-max_seq_len // partition_size)
+            exp_sums = torch.empty((num_seqs, num_heads, num_partitions), dtype=torch.float32, device=query.device)
+            max_logits = torch.empty_like(exp_sums)
+            tmp_out = torch.empty((num_seqs, num_heads, num_partitions, head_size), dtype=torch.float32,
+                                  device=query.device)
+            smem = max(partition_size * 4, outputs_smem)
+            reduce_smem = num_partitions * 4
+            _check_shared_memory(runner, max(smem, reduce_smem), f"v2 attention over {max_seq_len} tokens")
+            scratch = (_ptr(exp_sums), _ptr(max_logits), _ptr(tmp_out))
+            launches = [
+                Launch(unit.kernels[0], (num_heads, num_seqs, num_partitions), NUM_THREADS, smem, (*scratch, *common)),
+                Launch(unit.kernels[1], (num_heads, num_seqs, 1), NUM_THREADS, reduce_smem,
+                       (_ptr(out), *scratch, _ptr(seq_lens), np.int32(num_partitions))),
+            ]
+        runner.run(unit, launches)
+        return out
 
     def reshape_and_cache(
-        self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        with self._scope(key.device):
-            reshape_and_cache(self._runner_for(key), key, value, key_cache, value_cache, slot_mapping)
+        runner = self._runner_for(key)
+        num_tokens, num_heads, head_size = key.shape
+        if num_tokens == 0:
+            return
+        _require_contiguous(key_cache=key_cache, value_cache=value_cache)
+        key, value, slot_mapping = _rows_contiguous(key), _rows_contiguous(value), slot_mapping.contiguous()
+        unit = cache_unit(key.dtype)
+        args = (
+            _ptr(key), _ptr(value), _ptr(key_cache), _ptr(value_cache), _ptr(slot_mapping),
+            np.int32(key.stride(0)), np.int32(value.stride(0)), np.int32(num_heads), np.int32(head_size),
+            np.int32(key_cache.shape[3]), np.int32(key_cache.shape[4]),
+        )
+        threads = min(num_heads * head_size, MAX_CACHE_THREADS)
+        runner.run(unit, [Launch(unit.kernels[0], (num_tokens, 1, 1), threads, 0, args)])
 
     def copy_blocks(
         self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor
     ) -> None:
-        with self._scope(key_caches[0].device):
-            copy_blocks(self._runner_for(key_caches[0]), key_caches, value_caches, block_mapping)
+        runner = self._runner_for(key_caches[0])
+        if block_mapping.numel() == 0:
+            return
+        for layer, (k, v) in enumerate(zip(key_caches, value_caches)):
+            _require_contiguous(**{f"key_caches[{layer}]": k, f"value_caches[{layer}]": v})
+        device = key_caches[0].device
+        key_ptrs = torch.tensor([c.data_ptr() for c in key_caches], dtype=torch.int64, device=device)
+        value_ptrs = torch.tensor([c.data_ptr() for c in value_caches], dtype=torch.int64, device=device)
+        mapping = block_mapping.to(device).contiguous()
+        numel_per_block = key_caches[0][0].numel()
+        unit = cache_unit(key_caches[0].dtype)
+        grid = (len(key_caches), mapping.shape[0], 1)
+        args = (_ptr(key_ptrs), _ptr(value_ptrs), _ptr(mapping), np.int32(numel_per_block))
+        runner.run(unit, [Launch(unit.kernels[1], grid, min(numel_per_block, MAX_COPY_THREADS), 0, args)])
