@@ -16,14 +16,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from paged.config import ConfigError, register_configs
+from paged.experiment import run_experiment
 
 register_configs()
 log = logging.getLogger("paged")
 
 
 def _run(cfg: DictConfig) -> float:
-    from paged.experiment import run_experiment
-
     hc = HydraConfig.get()
     multirun = hc.mode.name == "MULTIRUN"
     summary = run_experiment(

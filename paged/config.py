@@ -7,29 +7,43 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 
 
 @dataclass
+class PluginConfig:
+    """A pluggable part: `_target_` is its class's import path, every other key a constructor setting."""
+
+    _target_: str = MISSING
+
+
+def _plugin(target: str) -> Any:
+    return field(default_factory=lambda: PluginConfig(target))
+
+
+@dataclass
 class AllocatorConfig:
+    """Core keys; the YAML's other keys are settings of the `_target_` allocator class."""
+
     name: str = MISSING
-    cls: str = MISSING
+    _target_: str = MISSING
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory: str | None = None
     watermark: float = 0.01
+    reservation: PluginConfig = _plugin("paged.memory.reservation.ExactReservation")
 
 
 @dataclass
 class SchedulerConfig:
     name: str = MISSING
-    policy: str = MISSING
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
     max_model_len: int = 2048
-    aging_tokens_per_s: float = 256.0
+    policy: PluginConfig = field(default_factory=PluginConfig)
+    preemption: PluginConfig = _plugin("paged.scheduler.preemption.RecomputePreemption")
 
 
 @dataclass
@@ -84,8 +98,10 @@ class LoggerConfig:
 
 @dataclass
 class ExecutorConfig:
+    """Core keys; the YAML's other keys are settings of the `_target_` executor class."""
+
     name: str = MISSING
-    kind: str = "model"
+    _target_: str = MISSING
 
 
 @dataclass
@@ -101,10 +117,18 @@ class Config:
     progress: bool = True
 
 
+# Nodes whose keys beyond the schema's are a plugin's own settings (checked against its class).
+PLUGIN_NODES = ("allocator", "allocator.reservation", "scheduler.policy", "scheduler.preemption", "executor")
+
+
 def register_configs() -> None:
     """The top-level schema types every group's node, so group YAMLs need no schema of their own
-    (and no schema shows up as a selectable option)."""
-    ConfigStore.instance().store(name="base_schema", node=Config)
+    (and no schema shows up as a selectable option). Plugin nodes stay open to extra keys; their
+    schema keys are still typed."""
+    schema = OmegaConf.structured(Config)
+    for key in PLUGIN_NODES:
+        OmegaConf.set_struct(OmegaConf.select(schema, key), False)
+    ConfigStore.instance().store(name="base_schema", node=schema)
 
 
 class ConfigError(ValueError):
@@ -165,7 +189,6 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"workload={w.kind} needs workload.path=FILE")
     _choice("logger.backend", cfg.logger.backend, ("wandb", "none"))
     _choice("logger.mode", cfg.logger.mode, ("offline", "disabled", "online"))
-    _choice("executor.kind", cfg.executor.kind, ("model",))
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}

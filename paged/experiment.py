@@ -19,8 +19,7 @@ log = logging.getLogger(__name__)
 
 def run_experiment(cfg: Any, run_dir: Path, *, group: str | None = None, name: str | None = None) -> dict[str, Any]:
     engine = build_engine(cfg)
-    executor = engine.executor
-    log.info("attention: %s", executor.kernel_description)
+    executor, scheduler = engine.executor, engine.scheduler
     items = load_workload(cfg.workload, executor.tokenizer)
     config = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
     wb = WandbLogger(
@@ -29,16 +28,29 @@ def run_experiment(cfg: Any, run_dir: Path, *, group: str | None = None, name: s
     )
     engine.metrics.step_listeners.append(wb.log_step)
     requests = run_workload(engine, items, progress=cfg.progress)
-    bm = engine.block_manager
+    allocator = scheduler.block_manager.allocator
     summary = engine.metrics.summary(
-        num_total_blocks=bm.num_total_blocks,
-        kv_blocks_in_use_end=bm.stats().num_allocated_blocks,
-        caches_prefixes=bm.allocator.caches_prefixes,
+        kv_end=scheduler.block_manager.stats(), caches_prefixes=allocator.caches_prefixes
     )
-    summary["attention_kernel"] = executor.kernel_description
-    write_outputs(run_dir, summary, requests, engine.metrics.request_metrics(), executor.tokenizer.decode)
+    summary |= {
+        "allocator": cfg.allocator.name,
+        "allocator_class": _qualname(allocator),
+        "policy": cfg.scheduler.name,
+        "policy_class": _qualname(scheduler.policy),
+        "preemption_class": _qualname(scheduler.preemption),
+        "executor": cfg.executor.name,
+        "executor_class": _qualname(executor),
+        "executor_description": executor.description,
+        "attention_kernel": executor.kernel_description,
+    }
+    decode = executor.tokenizer.decode if executor.tokenizer is not None else None
+    write_outputs(run_dir, summary, requests, engine.metrics.request_metrics(), decode)
     wb.finish(summary)
-    title = f"paged: {cfg.model.name} | {cfg.allocator.name} | {cfg.scheduler.name} | {executor.kernel_description}"
+    title = f"paged: {cfg.allocator.name} | {cfg.scheduler.name} | {executor.description}"
     print_summary(summary, title)
     log.info("wrote %s", run_dir)
     return summary
+
+
+def _qualname(obj: object) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"

@@ -6,10 +6,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hydra import compose, initialize_config_dir
+
 from paged.assets import asset_dir
 from paged.build import build_engine
 from paged.config import register_configs
 from paged.engine import Engine
+from paged.executor.base import Executor
 from paged.request import Request, SamplingParams
 
 CONF_DIR = asset_dir("conf")
@@ -42,8 +45,6 @@ class RequestOutput:
 
 def compose_config(overrides: Sequence[str] = ()) -> Any:
     """The same config `run.py` would see for these overrides (Hydra's compose API)."""
-    from hydra import compose, initialize_config_dir
-
     if not CONF_DIR.is_dir():
         raise FileNotFoundError(f"config dir {CONF_DIR} not found; reinstall paged (pip install -e .)")
     register_configs()
@@ -60,7 +61,7 @@ class LLM:
         scheduler: str = "fcfs",
         kernel: str = "auto",
         overrides: Sequence[str] = (),
-        executor: Any | None = None,
+        executor: Executor | None = None,
     ) -> None:
         self.config = compose_config(
             [f"model={model}", f"allocator={allocator}", f"scheduler={scheduler}", f"kernel={kernel}",
@@ -81,11 +82,14 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        tokenizer = self.executor.tokenizer
+        if tokenizer is None and any(isinstance(p, str) for p in prompts):
+            raise ValueError(f"{self.executor.description} has no tokenizer: pass prompts as token id lists")
         requests = []
         for prompt, p in zip(prompts, params):
             text = prompt if isinstance(prompt, str) else None
-            tokens = self.executor.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            request = Request(f"llm-{self._counter}", tokens, p, arrival_time=self.engine.now(), prompt=text)
+            tokens = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            request = Request(f"llm-{self._counter}", tokens, p, arrival_time=self.engine.clock.now(), prompt=text)
             self._counter += 1
             self.engine.add_request(request)
             requests.append(request)
@@ -94,13 +98,16 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         """Drop all cached prefix blocks; False (and nothing dropped) while requests hold blocks."""
-        return self.engine.block_manager.allocator.reset_prefix_cache()
+        return self.engine.scheduler.block_manager.allocator.reset_prefix_cache()
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.executor.tokenizer.decode(token_ids) if self.executor.tokenizer is not None else ""
 
     def _output(self, request: Request) -> RequestOutput:
         outputs = [
             CompletionOutput(
                 s.index,
-                self.executor.tokenizer.decode(s.output_token_ids),
+                self._decode(s.output_token_ids),
                 s.output_token_ids,
                 s.finish_reason.value if s.finish_reason else None,
             )

@@ -8,7 +8,11 @@ from typing import Any
 
 import numpy as np
 
+from paged.executor.output import ExecutorOutput
+from paged.memory import KVStats
 from paged.request import FinishReason, Request
+from paged.scheduler.core import SchedulerStats
+from paged.scheduler.output import SchedulerOutput
 
 
 @dataclass
@@ -30,6 +34,7 @@ class StepRecord:
     num_cached_free_blocks: int
     prefix_queried_tokens: int
     prefix_hit_tokens: int
+    attention_version: str | None  # decode kernel that ran (v1/v2); None in a step without decode rows
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -94,10 +99,33 @@ class MetricsRecorder:
     def on_add(self, request: Request) -> None:
         self.requests.append(request)
 
-    def on_finish(self, request: Request) -> None:
-        """Hook for subclasses and listeners; request records are built from `requests` at the end."""
+    def on_finish(self, requests: list[Request]) -> None:
+        """Hook for subclasses; request records are built from `requests` at the end."""
 
-    def on_step(self, record: StepRecord) -> None:
+    def on_step(
+        self, sched: SchedulerOutput, output: ExecutorOutput, stats: SchedulerStats, start: float, end: float
+    ) -> None:
+        kv = stats.kv
+        record = StepRecord(
+            engine_step=len(self.steps) + 1,
+            time_s=end,
+            is_prefill=sched.is_prefill,
+            batch_size=len(sched.scheduled),
+            num_scheduled_tokens=sched.num_batched_tokens,
+            num_computed_tokens=output.num_computed_tokens,
+            step_time_s=end - start,
+            overhead_s=max(0.0, end - start - output.model_time_s),
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            num_preempted=len(sched.preempted),
+            kv_usage=kv.kv_usage,
+            token_state_fraction=kv.token_state_fraction,
+            num_allocated_blocks=kv.num_allocated_blocks,
+            num_cached_free_blocks=kv.num_cached_free_blocks,
+            prefix_queried_tokens=kv.num_queried_tokens,
+            prefix_hit_tokens=kv.num_hit_tokens,
+            attention_version=output.attention_version,
+        )
         self.steps.append(record)
         for listener in self.step_listeners:
             listener(record)
@@ -105,7 +133,8 @@ class MetricsRecorder:
     def request_metrics(self) -> list[RequestMetrics]:
         return [RequestMetrics.of(r) for r in self.requests]
 
-    def summary(self, *, num_total_blocks: int, kv_blocks_in_use_end: int, caches_prefixes: bool) -> dict[str, Any]:
+    def summary(self, *, kv_end: KVStats, caches_prefixes: bool) -> dict[str, Any]:
+        """The flat summary.json metrics; `kv_end` is the cache after the run."""
         per_request = self.request_metrics()
         done = [m for m in per_request if m.finish_reason in (FinishReason.LENGTH.value, FinishReason.STOP.value)]
         finish_times = [r.finish_time for r in self.requests if r.finish_time is not None]
@@ -118,10 +147,9 @@ class MetricsRecorder:
         allocated_steps = [s.token_state_fraction for s in steps if s.num_allocated_blocks > 0]
         step_time = sum(s.step_time_s for s in steps)
         decode_steps = [s for s in steps if not s.is_prefill]
-        last = steps[-1] if steps else None
         hit_rate = None
-        if caches_prefixes and last is not None and last.prefix_queried_tokens > 0:
-            hit_rate = last.prefix_hit_tokens / last.prefix_queried_tokens
+        if caches_prefixes and kv_end.num_queried_tokens > 0:
+            hit_rate = kv_end.num_hit_tokens / kv_end.num_queried_tokens
         return {
             "num_requests": len(self.requests),
             "num_finished": len(done),
@@ -148,6 +176,8 @@ class MetricsRecorder:
             "num_engine_steps": len(steps),
             "mean_decode_batch_size": _mean([float(s.batch_size) for s in decode_steps]),
             "engine_overhead_fraction": (sum(s.overhead_s for s in steps) / step_time) if step_time > 0 else 0.0,
-            "kv_blocks_in_use_end": kv_blocks_in_use_end,
-            "num_total_blocks": num_total_blocks,
+            "decode_steps_v1": sum(s.attention_version == "v1" for s in steps),
+            "decode_steps_v2": sum(s.attention_version == "v2" for s in steps),
+            "kv_blocks_in_use_end": kv_end.num_allocated_blocks,
+            "num_total_blocks": kv_end.num_total_blocks,
         }

@@ -58,7 +58,10 @@ class WandbLogger:
     def log_step(self, record: StepRecord) -> None:
         if self.run is None:
             return
-        data = {f"step/{k}": v for k, v in record.as_dict().items() if k != "engine_step"}
+        # W&B charts numbers; the step's kernel version is counted in the summary instead
+        data = {
+            f"step/{k}": v for k, v in record.as_dict().items() if k != "engine_step" and isinstance(v, int | float)
+        }
         data["engine_step"] = record.engine_step
         self._call(self.run.log, data)
 

@@ -10,7 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from paged.memory import BlockAllocator, NaiveAllocator, NoFreeBlocksError, PrefixCachingAllocator
 from paged.memory.free_queue import FreeBlockQueue
 from paged.memory.hashing import block_hash
-from paged.registry import load_object
+from paged.plugins import check_plugin
 
 ALLOCATORS = [NaiveAllocator, PrefixCachingAllocator]
 
@@ -131,8 +131,11 @@ def test_double_free_raises(cls):
 
 @pytest.mark.parametrize("cls", ALLOCATORS)
 def test_loads_by_config_import_path(cls):
-    loaded = load_object(f"{cls.__module__}:{cls.__name__}")
-    a = loaded(num_blocks=3, block_size=8)
+    plugin = check_plugin(
+        {"_target_": f"{cls.__module__}.{cls.__name__}"}, "allocator", BlockAllocator,
+        provided=("num_blocks", "block_size"),
+    )
+    a = plugin.build(num_blocks=3, block_size=8)
     assert isinstance(a, BlockAllocator) and a.num_blocks == 3 and a.block_size == 8
 
 

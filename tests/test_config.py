@@ -4,6 +4,7 @@ import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import ValidationError
 
+from paged.build import check_config
 from paged.config import ConfigError, parse_bytes, validate
 from paged.llm import compose_config
 
@@ -29,8 +30,19 @@ def test_wrong_type_is_rejected_by_schema():
 
 
 def test_mistyped_key_is_rejected_by_schema():
-    with pytest.raises((ConfigCompositionException, ValidationError), match="num_blokcs"):
-        compose_config(["allocator.num_blokcs=10"])
+    with pytest.raises((ConfigCompositionException, ValidationError), match="partiton_size"):
+        compose_config(["kernel.partiton_size=10"])
+
+
+def test_mistyped_key_in_a_plugin_node_is_rejected_naming_the_key_and_the_close_one():
+    # plugin nodes take a plugin's own settings, so the key is checked against the class
+    cfg = compose_config(["allocator.num_blokcs=10"])
+    with pytest.raises(ConfigError) as err:
+        check_config(cfg)
+    assert str(err.value) == (
+        "allocator.num_blokcs=10 is not a setting of PrefixCachingAllocator (its settings: none); "
+        "did you mean allocator.num_blocks?"
+    )
 
 
 @pytest.mark.parametrize(

@@ -89,7 +89,7 @@ def test_batched_greedy_outputs_equal_hf_generate(executor, prompt_ids, hf_greed
     outs = llm.generate(prompt_ids, SamplingParams(max_tokens=MAX_NEW))
     assert [o.token_ids for o in outs] == hf_greedy  # HF stops at EOS too, and keeps it
     assert "Paris" in outs[0].text
-    assert llm.engine.block_manager.stats().num_allocated_blocks == 0
+    assert llm.engine.scheduler.block_manager.stats().num_allocated_blocks == 0
 
 
 @pytest.mark.parametrize("allocator", ["naive", "prefix"])
@@ -99,7 +99,7 @@ def test_repeated_preemption_keeps_greedy_outputs(executor, prompt_ids, hf_greed
     outs = llm.generate(prompt_ids, SamplingParams(max_tokens=MAX_NEW))
     assert [o.token_ids for o in outs] == hf_greedy  # what the unconstrained runs above produce
     assert llm.engine.scheduler.counters.num_preemptions >= 2
-    assert llm.engine.block_manager.stats().num_allocated_blocks == 0
+    assert llm.engine.scheduler.block_manager.stats().num_allocated_blocks == 0
 
 
 def test_prefix_cache_computes_only_uncached_tokens_with_naive_outputs(executor) -> None:
@@ -119,5 +119,5 @@ def test_prefix_cache_computes_only_uncached_tokens_with_naive_outputs(executor)
     before = executor.num_prefill_tokens_computed
     rest = prefix.generate(prompts[1:], params)
     assert executor.num_prefill_tokens_computed - before == sum(len(p) - 96 for p in prompts[1:])
-    assert prefix.engine.block_manager.num_hit_tokens == 3 * 96
+    assert prefix.engine.scheduler.block_manager.num_hit_tokens == 3 * 96
     assert [o.token_ids for o in first + rest] == expected

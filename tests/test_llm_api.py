@@ -71,7 +71,7 @@ def test_eos_stops_generation_unless_ignore_eos(llm: LLM) -> None:
     greedy = llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
     k = next(i for i in range(2, 8) if greedy[i] not in greedy[:i])
     executor = build_executor(llm.config)
-    executor.eos_token_id = greedy[k]  # make a token the model is about to emit its EOS
+    executor.eos_token_ids = frozenset([greedy[k]])  # make a token the model is about to emit its EOS
     eos_llm = LLM("tiny-random", executor=executor)
 
     (stopped,) = eos_llm.generate(PROMPTS[0], SamplingParams(max_tokens=8)).pop().outputs

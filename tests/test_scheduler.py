@@ -37,7 +37,7 @@ def test_preemption_keeps_outputs_identical_and_leaks_nothing(allocator, policy)
     assert tight.scheduler.counters.num_preemptions > 0
     assert sum(r.num_preemptions for r in got_requests) == tight.scheduler.counters.num_preemptions
     for engine in (roomy, tight):
-        assert engine.block_manager.stats().num_allocated_blocks == 0
+        assert engine.scheduler.block_manager.stats().num_allocated_blocks == 0
 
 
 def test_prefix_caching_computes_only_uncached_tokens_with_same_outputs():
@@ -52,7 +52,7 @@ def test_prefix_caching_computes_only_uncached_tokens_with_same_outputs():
     assert outputs(first + rest) == outputs(run_requests(naive, prompts, params))
     prompt_tokens_rest = prefix.executor.num_computed_tokens - computed_before - 5 * 4
     assert prompt_tokens_rest == 5 * 2  # only the 2 unshared tokens of each later prompt
-    assert prefix.block_manager.num_hit_tokens == 5 * 64
+    assert prefix.scheduler.block_manager.num_hit_tokens == 5 * 64
     assert naive.executor.num_computed_tokens == 6 * 66 + 6 * 4
 
 
@@ -64,7 +64,7 @@ def test_fork_shares_prompt_blocks_and_copies_on_write():
     outs = outputs([request])[0]
     assert len(outs) == 3 and all(len(o) == 6 for o in outs)
     assert len({tuple(o) for o in outs}) == 3
-    assert engine.block_manager.stats().num_allocated_blocks == 0
+    assert engine.scheduler.block_manager.stats().num_allocated_blocks == 0
     reference = make_engine("allocator=naive", "allocator.block_size=8", "allocator.num_blocks=8")
     assert outputs(run_requests(reference, [prompt], [params])) == [outs]
 
@@ -87,7 +87,7 @@ def test_invalid_requests_are_aborted_with_reasons():
     assert requests[0].abort_reason == "empty prompt"
     assert "40 tokens, more than max_model_len=32" in requests[1].abort_reason
     assert requests[2].finish_reason.value == "length"
-    assert engine.block_manager.stats().num_allocated_blocks == 0
+    assert engine.scheduler.block_manager.stats().num_allocated_blocks == 0
 
 
 def test_generation_stops_at_max_model_len_and_on_stop_tokens():
@@ -133,8 +133,8 @@ def test_sjf_admits_shortest_prompt_first_and_aging_lets_long_ones_in():
 def test_toy_allocator_and_policy_plug_in_through_config():
     CountingAllocator.calls = 0
     engine = make_engine(
-        "allocator.cls=tests.toy_plugins:CountingAllocator",
-        "scheduler.policy=tests.toy_plugins:LongestPromptFirstPolicy",
+        "allocator._target_=tests.toy_plugins.CountingAllocator",
+        "scheduler.policy._target_=tests.toy_plugins.LongestPromptFirstPolicy",
         "scheduler.max_num_seqs=1",
     )
     requests = run_requests(engine, [[1] * 3, [2] * 20], [SamplingParams(max_tokens=2, ignore_eos=True)] * 2)
@@ -146,13 +146,16 @@ def test_toy_allocator_and_policy_plug_in_through_config():
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("allocator.cls=tests.toy_plugins:Nope", "has no attribute 'Nope'"),
-        ("allocator.cls=no_such_module:X", "cannot import module 'no_such_module'"),
-        ("allocator.cls=collections:OrderedDict", "is not a BlockAllocator"),
-        ("scheduler.policy=paged.memory.naive", "not a 'package.module:ClassName' path"),
+        ("allocator._target_=tests.toy_plugins.Nope", "allocator._target_='tests.toy_plugins.Nope' cannot be loaded"),
+        ("allocator._target_=no_such_module.X", "No module named 'no_such_module'"),
+        ("allocator._target_=collections.OrderedDict", "'collections.OrderedDict' is not a subclass of BlockAllocator"),
+        ("scheduler.policy._target_=paged.memory.naive", "Located non-class of type 'module'"),
+        ("scheduler.preemption._target_=paged.scheduler.fcfs.FCFSPolicy", "is not a subclass of PreemptionMode"),
+        ("allocator.reservation._target_=''", "allocator.reservation._target_ is not set"),
     ],
 )
 def test_bad_plugin_paths_fail_clearly(override, message):
-    with pytest.raises((ConfigError, TypeError)) as err:
+    with pytest.raises(ConfigError) as err:
         make_engine(override)
     assert message in str(err.value)
+    assert "expected the import path of a" in str(err.value)

@@ -9,24 +9,30 @@ import time
 
 import numpy as np
 
-from paged.executor.base import ExecutorOutput
+from paged.executor.base import Executor, KVCacheSpec
+from paged.executor.output import ExecutorOutput
 from paged.scheduler.output import SchedulerOutput
 
 VOCAB = 1000
-EOS = 999
 
 
-class TokenCacheExecutor:
-    eos_token_id = EOS
+class TokenCacheExecutor(Executor):
+    """Samples ids below `vocab_size - 1` (never its EOS, the last id) from a hash of the context."""
+
     kernel_description = "token-cache test executor"
 
-    def __init__(self) -> None:
+    def __init__(self, vocab_size: int = VOCAB) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset([vocab_size - 1])
         self.cache = np.zeros((0, 0), dtype=np.int64)
         self.num_computed_tokens = 0
-        self.tokenizer = None
 
-    def bytes_per_block(self, block_size: int) -> int:
-        return 8 * block_size
+    @property
+    def description(self) -> str:
+        return "token-cache test executor"
+
+    def kv_cache_spec(self, block_size: int) -> KVCacheSpec:
+        return KVCacheSpec(block_size, 8 * block_size, "int64 token ids [blocks, block_size]")
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.cache = np.full((num_blocks, block_size), -1, dtype=np.int64)
@@ -44,6 +50,6 @@ class TokenCacheExecutor:
                 self.cache[table[pos // bs], pos % bs] = seq.token_ids[pos]
             self.num_computed_tokens += item.num_new_tokens
             context = [int(self.cache[table[p // bs], p % bs]) for p in range(item.context_len)]
-            base = (sum(t * (i + 1) for i, t in enumerate(context)) * 7919 + seq.index) % (VOCAB - 1)
-            sampled.append([(base + k * 13) % (VOCAB - 1) for k in range(item.num_samples)])
+            base = (sum(t * (i + 1) for i, t in enumerate(context)) * 7919 + seq.index) % (self.vocab_size - 1)
+            sampled.append([(base + k * 13) % (self.vocab_size - 1) for k in range(item.num_samples)])
         return ExecutorOutput(sampled, sched.num_batched_tokens, time.perf_counter() - start)

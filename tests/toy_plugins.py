@@ -1,10 +1,15 @@
-"""A toy allocator and a toy policy that plug in through config alone, proving the seams are open."""
+"""Toy plugins, each with a constructor setting of its own, that plug in through config alone
+(`_target_` plus their settings in a YAML), proving the seams are open."""
 
 from __future__ import annotations
 
-from paged.memory import NaiveAllocator
+from paged.config import KernelConfig, ModelConfig
+from paged.memory import NaiveAllocator, Reservation
+from paged.model.locate import locate_smollm2
+from paged.model.tokenizer import load_tokenizer
 from paged.request import Sequence
 from paged.scheduler.policy import SchedulingPolicy
+from tests.token_cache_executor import TokenCacheExecutor
 
 
 class CountingAllocator(NaiveAllocator):
@@ -17,11 +22,48 @@ class CountingAllocator(NaiveAllocator):
         return super().allocate()
 
 
-class LongestPromptFirstPolicy(SchedulingPolicy):
-    """The opposite of SJF: admit the longest prompt first; preempt the shortest."""
+class CappedAllocator(NaiveAllocator):
+    """Manages only the first `max_blocks` blocks of the cache, however many it holds."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_blocks: int) -> None:
+        if max_blocks <= 0:
+            raise ValueError(f"max_blocks must be > 0, got {max_blocks}")
+        super().__init__(min(num_blocks, max_blocks), block_size)
+
+
+class PromptLengthPolicy(SchedulingPolicy):
+    """Admits by prompt length, longest first unless `longest_first=false`; preempts the other end."""
+
+    def __init__(self, longest_first: bool = True) -> None:
+        self.sign = -1 if longest_first else 1
 
     def admission_key(self, seq: Sequence, now: float) -> tuple[int, int]:
-        return (-seq.num_tokens, seq.seq_id)
+        return (self.sign * seq.num_prompt_tokens, seq.seq_id)
 
     def victim_key(self, seq: Sequence, now: float) -> tuple[int, int]:
-        return (-seq.num_tokens, seq.seq_id)
+        return (self.sign * seq.num_prompt_tokens, seq.seq_id)
+
+
+class LongestPromptFirstPolicy(PromptLengthPolicy):
+    """The opposite of SJF, with no settings."""
+
+    def __init__(self) -> None:
+        super().__init__(longest_first=True)
+
+
+class ReserveMaxLen(Reservation):
+    """Orca-style: reserve `max_model_len` slots at admission, so growth never allocates."""
+
+    def __init__(self, max_model_len: int) -> None:
+        self.max_model_len = max_model_len
+
+    def admission_slots(self, seq: Sequence) -> int:
+        return self.max_model_len
+
+
+class ToyExecutor(TokenCacheExecutor):
+    """The token-cache executor as a config plugin: the SmolLM2 tokenizer, `vocab_size` ids."""
+
+    def __init__(self, model: ModelConfig, kernel: KernelConfig, seed: int = 0, vocab_size: int = 1000) -> None:
+        super().__init__(vocab_size)
+        self.tokenizer = load_tokenizer(locate_smollm2())

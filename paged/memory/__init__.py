@@ -4,14 +4,17 @@ from paged.memory.allocator import BlockAllocator, NoFreeBlocksError
 from paged.memory.block_manager import AllocStatus, BlockManager
 from paged.memory.naive import NaiveAllocator
 from paged.memory.prefix import PrefixCachingAllocator
+from paged.memory.reservation import ExactReservation, Reservation
 from paged.memory.stats import KVStats
 
 __all__ = [
     "AllocStatus",
     "BlockAllocator",
     "BlockManager",
+    "ExactReservation",
     "KVStats",
     "NaiveAllocator",
     "NoFreeBlocksError",
     "PrefixCachingAllocator",
+    "Reservation",
 ]

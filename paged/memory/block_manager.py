@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from paged.memory.allocator import BlockAllocator, NoFreeBlocksError
 from paged.memory.hashing import block_hash
+from paged.memory.reservation import ExactReservation, Reservation
 from paged.memory.stats import KVStats
 from paged.request import Sequence
 
@@ -21,7 +22,7 @@ class AllocStatus(enum.Enum):
 @dataclass(slots=True)
 class _SeqBlocks:
     table: list[int]
-    num_slots: int  # token slots the table covers, i.e. seq.num_tokens at the last allocate/append
+    num_slots: int  # token slots filled, i.e. seq.num_tokens at the last allocate/append
     num_published: int = 0  # leading blocks already inserted into the prefix cache
 
 
@@ -32,12 +33,18 @@ class BlockManager:
     `seq.num_computed_tokens = h`; after a step writes KV it advances `num_computed_tokens` and
     calls `mark_computed`. Writes only ever go to positions >= `num_computed_tokens`, which is
     what `append_slots` makes private (copy-on-write) before a step.
+
+    How many slots a table covers beyond the tokens (none for paged allocation) is the
+    `reservation`'s decision, at admission and before each growth step.
     """
 
-    def __init__(self, allocator: BlockAllocator, watermark: float = 0.01) -> None:
+    def __init__(
+        self, allocator: BlockAllocator, watermark: float = 0.01, reservation: Reservation | None = None
+    ) -> None:
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
         self.allocator = allocator
+        self.reservation = reservation or ExactReservation()
         self.block_size = allocator.block_size
         self.num_total_blocks = allocator.num_blocks
         self.watermark_blocks = int(watermark * self.num_total_blocks)
@@ -56,7 +63,7 @@ class BlockManager:
     # -- admission -------------------------------------------------------------------------------
 
     def can_allocate(self, seq: Sequence) -> AllocStatus:
-        required = self._cdiv(seq.num_tokens)
+        required = self._admission_blocks(seq)
         if self.num_total_blocks - required < self.watermark_blocks:
             return AllocStatus.NEVER
         hits = self._peek_hits(seq)
@@ -72,7 +79,7 @@ class BlockManager:
             raise ValueError(f"sequence {seq.seq_id} already has blocks")
         bs, alloc = self.block_size, self.allocator
         num_tokens = seq.num_tokens
-        required = self._cdiv(num_tokens)
+        required = self._admission_blocks(seq)
         hits = self._peek_hits(seq)
         needed = required - sum(1 for b in hits if alloc.refcount(b) > 0)
         if needed > alloc.num_free_blocks:
@@ -90,7 +97,7 @@ class BlockManager:
             table.append(block_id)
         for i in range(len(hits), required):
             block_id = alloc.allocate()
-            fill = min(bs, num_tokens - i * bs)
+            fill = min(bs, max(num_tokens - i * bs, 0))
             self._fill[block_id] = fill
             self._slots_used += fill
             table.append(block_id)
@@ -105,7 +112,7 @@ class BlockManager:
 
     def can_append_slots(self, seq: Sequence) -> bool:
         state = self._seqs[seq.seq_id]
-        num_new = self._cdiv(seq.num_tokens) - len(state.table)
+        num_new = self._growth_blocks(seq, state)
         return num_new + len(self._shared_write_targets(seq, state)) <= self.allocator.num_free_blocks
 
     def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
@@ -114,7 +121,7 @@ class BlockManager:
         table, bs, alloc = state.table, self.block_size, self.allocator
         num_tokens = seq.num_tokens
         shared = self._shared_write_targets(seq, state)
-        num_new = self._cdiv(num_tokens) - len(table)
+        num_new = self._growth_blocks(seq, state)
         if num_new + len(shared) > alloc.num_free_blocks:
             raise NoFreeBlocksError(
                 f"sequence {seq.seq_id} needs {num_new + len(shared)} blocks, {alloc.num_free_blocks} are free"
@@ -129,8 +136,8 @@ class BlockManager:
             self._slots_used += self._fill[src]
             copies.append((src, dst))
         table.extend(alloc.allocate() for _ in range(num_new))
-        # Only the old last block and the new ones gain filled slots.
-        for i in range(max(state.num_slots - 1, 0) // bs, len(table)):
+        # Only the old last block and the blocks after it gain filled slots.
+        for i in range(max(state.num_slots - 1, 0) // bs, self._cdiv(num_tokens)):
             block_id = table[i]
             fill = min(bs, num_tokens - i * bs)
             self._slots_used += fill - self._fill[block_id]
@@ -139,10 +146,19 @@ class BlockManager:
         return copies
 
     def _shared_write_targets(self, seq: Sequence, state: _SeqBlocks) -> list[int]:
-        """Indices of existing blocks that this step may write into but other tables also hold."""
+        """Indices of existing blocks that this step writes into but other tables also hold."""
         refcount, table = self.allocator.refcount, state.table
         first = seq.num_computed_tokens // self.block_size
-        return [i for i in range(first, len(table)) if refcount(table[i]) > 1]
+        last = min(self._cdiv(seq.num_tokens), len(table))
+        return [i for i in range(first, last) if refcount(table[i]) > 1]
+
+    def _admission_blocks(self, seq: Sequence) -> int:
+        return self._cdiv(max(seq.num_tokens, self.reservation.admission_slots(seq)))
+
+    def _growth_blocks(self, seq: Sequence, state: _SeqBlocks) -> int:
+        """Blocks to add to the table before the step that grows `seq` to `seq.num_tokens`."""
+        covered = max(seq.num_tokens, self.reservation.growth_slots(seq))
+        return max(self._cdiv(covered) - len(state.table), 0)
 
     # -- prefix cache ----------------------------------------------------------------------------
 
@@ -228,6 +244,8 @@ class BlockManager:
             num_cached_free_blocks=self.allocator.num_cached_free_blocks,
             num_token_slots_used=self._slots_used,
             block_size=self.block_size,
+            num_queried_tokens=self.num_queried_tokens,
+            num_hit_tokens=self.num_hit_tokens,
         )
 
     def _cdiv(self, num_tokens: int) -> int:

@@ -13,6 +13,9 @@ class KVStats:
     num_cached_free_blocks: int
     num_token_slots_used: int
     block_size: int
+    # cumulative since the manager was built: prompt tokens looked up in / found in the prefix cache
+    num_queried_tokens: int = 0
+    num_hit_tokens: int = 0
 
     @property
     def kv_usage(self) -> float:

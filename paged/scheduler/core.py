@@ -1,20 +1,27 @@
-"""Continuous (iteration-level) batching, prefill-first as in vLLM V0, with recompute preemption.
+"""Continuous (iteration-level) batching, prefill-first as in vLLM V0, and the one place where
+sequence state changes.
 
 Each step is either a prefill step (admit waiting sequences while the token, sequence and block
 budgets allow) or, when nothing can be admitted, a decode step over every running sequence. When a
-running sequence cannot get a slot for its next token, the policy picks a victim whose blocks are
-freed; it rejoins the waiting queue and its generated tokens are recomputed as part of its prompt.
+running sequence cannot get a slot for its next token, the policy picks a victim and the preemption
+mode takes its blocks; it rejoins the waiting queue. `update_from_output` applies what the executor
+computed and sampled: it advances sequences, publishes prefix blocks, lets each request's sequence
+group fork its samples, checks stop conditions, and finishes and frees sequences.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from paged.config import SchedulerConfig
-from paged.memory import AllocStatus, BlockManager
+from paged.executor.output import ExecutorOutput
+from paged.memory import AllocStatus, BlockManager, KVStats
 from paged.request import FinishReason, Request, SeqStatus, Sequence
 from paged.scheduler.output import ScheduledSeq, SchedulerOutput
 from paged.scheduler.policy import SchedulingPolicy
+from paged.scheduler.preemption import PreemptionMode, RecomputePreemption
+from paged.scheduler.sequence_group import GroupUpdate, ParallelSampling, SequenceGroup
 
 
 @dataclass
@@ -23,15 +30,35 @@ class SchedulerCounters:
     num_aborted: int = 0
 
 
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv: KVStats
+
+
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, block_manager: BlockManager, policy: SchedulingPolicy) -> None:
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        block_manager: BlockManager,
+        policy: SchedulingPolicy,
+        *,
+        preemption: PreemptionMode | None = None,
+        eos_token_ids: Collection[int] = (),
+    ) -> None:
         self.cfg = cfg
         self.block_manager = block_manager
         self.policy = policy
+        self.preemption = preemption or RecomputePreemption()
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
+        self._groups: dict[Request, SequenceGroup] = {}
         self._pending_aborts: list[Request] = []
+
+    # -- requests --------------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         """Queue a request, or abort it at once with a reason when it can never run."""
@@ -39,6 +66,7 @@ class Scheduler:
         if reason is not None:
             self.abort(request, reason)
             return
+        self._groups[request] = ParallelSampling(request)
         self.waiting.extend(request.seqs)
 
     def _rejection(self, request: Request) -> str | None:
@@ -64,12 +92,18 @@ class Scheduler:
                 self.running.remove(seq)
             seq.status = SeqStatus.FINISHED
             seq.finish_reason = FinishReason.ABORTED
+        self._groups.pop(request, None)
         self.counters.num_aborted += 1
         self._pending_aborts.append(request)
 
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._pending_aborts)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.running), len(self.waiting), self.block_manager.stats())
+
+    # -- schedule --------------------------------------------------------------------------------
 
     def schedule(self, now: float) -> SchedulerOutput:
         out = self._schedule_prefills(now)
@@ -84,44 +118,35 @@ class Scheduler:
             return out
         token_budget = self.cfg.max_num_batched_tokens
         admitted: list[Sequence] = []
+        bm = self.block_manager
         for seq in self.policy.order(self.waiting, now):
             if len(self.running) + len(admitted) >= self.cfg.max_num_seqs:
                 break
             if seq.num_tokens > token_budget:
                 break
-            status = self.block_manager.can_allocate(seq)
+            status = self.preemption.can_admit(seq, bm)
             if status is AllocStatus.NEVER:
-                bm = self.block_manager
                 self.abort(
                     seq.request,
                     f"needs {-(-seq.num_tokens // bm.block_size)} blocks for {seq.num_tokens} tokens but "
                     f"the cache has {bm.num_total_blocks} blocks (watermark {bm.watermark_blocks})",
                 )
                 continue
+            if status is AllocStatus.LATER and not (self.running or admitted):
+                # nothing runs, so nothing will free blocks: waiting cannot help
+                self.abort(seq.request, f"cannot be admitted with {seq.num_tokens} tokens even into an idle cache")
+                continue
             if status is AllocStatus.LATER:
                 break
-            seq.num_computed_tokens = self.block_manager.allocate(seq)
+            seq.num_computed_tokens = self.preemption.admit(seq, bm, out)
             seq.status = SeqStatus.RUNNING
             token_budget -= seq.num_tokens
             admitted.append(seq)
-            out.scheduled.append(
-                ScheduledSeq(
-                    seq,
-                    seq.num_tokens - seq.num_computed_tokens,
-                    self.block_manager.block_table(seq),
-                    num_samples=self._num_samples(seq),
-                )
-            )
+            out.scheduled.append(self._scheduled(seq, seq.num_tokens - seq.num_computed_tokens))
         for seq in admitted:
             self.waiting.remove(seq)
         self.running.extend(admitted)
         return out
-
-    @staticmethod
-    def _num_samples(seq: Sequence) -> int:
-        request = seq.request
-        first_sample = seq.num_output_tokens == 0 and len(request.seqs) == 1
-        return request.params.n if first_sample else 1
 
     def _schedule_decodes(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput(is_prefill=False)
@@ -130,30 +155,71 @@ class Scheduler:
             seq = queue.pop(0)
             while not self.block_manager.can_append_slots(seq):
                 victim = self.policy.choose_victim([*queue, seq], now)
-                self._preempt(victim)
-                out.preempted.append(victim)
+                self._preempt(victim, out)
                 if victim is seq:
                     break
                 queue.remove(victim)
             else:
                 out.blocks_to_copy.extend(self.block_manager.append_slots(seq))
-                out.scheduled.append(ScheduledSeq(seq, 1, self.block_manager.block_table(seq)))
+                out.scheduled.append(self._scheduled(seq, 1))
         return out
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.block_manager.free(seq)
+    def _scheduled(self, seq: Sequence, num_new_tokens: int) -> ScheduledSeq:
+        num_samples = self._groups[seq.request].num_samples(seq)
+        return ScheduledSeq(seq, num_new_tokens, self.block_manager.block_table(seq), num_samples)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.preemption.preempt(seq, self.block_manager, out)
         self.running.remove(seq)
         seq.status = SeqStatus.WAITING
-        seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.request.num_preemptions += 1
         self.counters.num_preemptions += 1
         self.waiting.append(seq)
+        out.preempted.append(seq)
 
-    def add_forked(self, child: Sequence) -> None:
-        self.running.append(child)
+    # -- update ----------------------------------------------------------------------------------
 
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+    def update_from_output(self, sched: SchedulerOutput, output: ExecutorOutput, now: float) -> list[Request]:
+        """Apply one executed step; returns the requests that finished (or were aborted) in it."""
+        finished = list(sched.aborted)
+        samples: dict[Request, list[tuple[Sequence, list[int]]]] = {}
+        for item, tokens in zip(sched.scheduled, output.sampled, strict=True):
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.mark_computed(seq)
+            if tokens:
+                samples.setdefault(seq.request, []).append((seq, tokens))
+        for request, group_samples in samples.items():
+            if request.first_token_time is None:
+                request.first_token_time = now
+            self._apply(request, self._groups[request].process(group_samples))
+            if request.is_finished:
+                del self._groups[request]
+                finished.append(request)
+        for request in finished:
+            request.finish_time = now
+        return finished
+
+    def _apply(self, request: Request, update: GroupUpdate) -> None:
+        for parent, token in update.forks:
+            child = parent.fork(len(request.seqs))
+            self.block_manager.fork(parent, child)
+            request.seqs.append(child)
+            self.running.append(child)
+            self._append(child, token)
+        for seq, token in update.appends:
+            self._append(seq, token)
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        seq.token_ids.append(token)
+        params = seq.request.params
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            self._finish(seq, FinishReason.STOP)
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.cfg.max_model_len:
+            self._finish(seq, FinishReason.LENGTH)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         self.block_manager.free(seq)

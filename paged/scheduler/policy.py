@@ -1,7 +1,7 @@
 """The policy seam: which waiting sequence is admitted first and which running one is preempted.
 
-A new policy is one subclass plus one YAML in conf/scheduler naming it by import path; the
-scheduling core never changes.
+A new policy is one subclass plus one YAML in conf/scheduler whose `policy._target_` names it; the
+YAML's other `policy.*` keys are its constructor settings. The scheduling core never changes.
 """
 
 from __future__ import annotations
@@ -9,14 +9,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-from paged.config import SchedulerConfig
 from paged.request import Sequence
 
 
 class SchedulingPolicy(ABC):
-    def __init__(self, cfg: SchedulerConfig) -> None:
-        self.cfg = cfg
-
     @abstractmethod
     def admission_key(self, seq: Sequence, now: float) -> Any:
         """Waiting sequences are admitted in ascending key order."""

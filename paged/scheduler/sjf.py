@@ -11,9 +11,14 @@ from paged.scheduler.policy import SchedulingPolicy
 
 
 class SJFPolicy(SchedulingPolicy):
+    def __init__(self, aging_tokens_per_s: float = 256.0) -> None:
+        if aging_tokens_per_s < 0:
+            raise ValueError(f"aging_tokens_per_s must be >= 0, got {aging_tokens_per_s!r}")
+        self.aging_tokens_per_s = aging_tokens_per_s
+
     def admission_key(self, seq: Sequence, now: float) -> tuple[float, float, int]:
         waited = max(0.0, now - seq.request.arrival_time)
-        effective = seq.num_tokens - self.cfg.aging_tokens_per_s * waited
+        effective = seq.num_tokens - self.aging_tokens_per_s * waited
         return (effective, seq.request.arrival_time, seq.seq_id)
 
     def victim_key(self, seq: Sequence, now: float) -> tuple[int, float, int]:
