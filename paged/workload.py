@@ -22,7 +22,8 @@ from paged.config import WorkloadConfig
 from paged.request import SamplingParams
 
 _LOGNORMAL_SIGMA = 1.0
-_PROMPT_FILE_KEYS = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "n", "priority")
+_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "n")
+_PROMPT_FILE_KEYS = ("prompt", *_SAMPLING_KEYS, "priority")
 
 
 class Tokenizer(Protocol):
@@ -158,7 +159,7 @@ def parse_prompt_line(
     if not isinstance(prompt, str):
         return WorkloadItem(request_id, [], None, error=f"line {line_no}: 'prompt' must be a string, got {prompt!r}")
     tokens = tokenizer.encode(prompt) if prompt else []
-    options = {k: record[k] for k in _PROMPT_FILE_KEYS[1:-1] if k in record}
+    options = {k: record[k] for k in _SAMPLING_KEYS if k in record}
     options.setdefault("temperature", defaults.temperature)
     try:
         params = SamplingParams(**options)
