@@ -126,13 +126,6 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
-    def is_finished(self) -> bool:
-        if self.abort_reason is not None:
-            return True
-        # before its first sample forks it, an n > 1 request has only one sequence
-        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
-
-    @property
     def finish_reason(self) -> FinishReason | None:
         if self.abort_reason is not None:
             return FinishReason.ABORTED

@@ -193,8 +193,9 @@ class Scheduler:
         for request, group_samples in samples.items():
             if request.first_token_time is None:
                 request.first_token_time = now
-            self._apply(request, self._groups[request].process(group_samples))
-            if request.is_finished:
+            group = self._groups[request]
+            self._apply(request, group.process(group_samples))
+            if group.is_finished:
                 del self._groups[request]
                 finished.append(request)
         for request in finished:

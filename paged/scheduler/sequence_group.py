@@ -32,6 +32,10 @@ class SequenceGroup(ABC):
     def process(self, samples: list[tuple[Sequence, list[int]]]) -> GroupUpdate:
         """One step's samples of this group's sequences -> the forks and appends to apply."""
 
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.request.seqs)
+
 
 class ParallelSampling(SequenceGroup):
     """`n` independent samples (n = 1: plain generation). The first step samples n tokens from the
@@ -40,6 +44,11 @@ class ParallelSampling(SequenceGroup):
     def num_samples(self, seq: Sequence) -> int:
         first_step = len(self.request.seqs) == 1 and seq.num_output_tokens == 0
         return self.request.params.n if first_step else 1
+
+    @property
+    def is_finished(self) -> bool:
+        # before its first sample forks it, an n > 1 request has only one sequence
+        return len(self.request.seqs) == self.request.params.n and super().is_finished
 
     def process(self, samples: list[tuple[Sequence, list[int]]]) -> GroupUpdate:
         update = GroupUpdate()
