@@ -39,7 +39,7 @@ def workloads(corpus: list[int], n: int, prefix_len: int, suffix_len: int, seed:
 def timed_run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
     """One cold-cache pass: the prefix cache is reset first so repeats do not hit each other."""
     assert llm.reset_prefix_cache(), "blocks still referenced before a timed run"
-    executor, bm = llm.executor, llm.engine.block_manager
+    executor, bm = llm.executor, llm.engine.scheduler.block_manager
     computed, queried, hits = executor.num_prefill_tokens_computed, bm.num_queried_tokens, bm.num_hit_tokens
     start = time.perf_counter()
     out = llm.generate(prompts, params)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from rich.console import Console
 from rich.table import Table
+from transformers import AutoModelForCausalLM
 
 from paged import LLM, SamplingParams
 from paged.model.locate import locate_smollm2
@@ -40,9 +41,7 @@ def run_paged(llm: LLM, prompts: list[list[int]], outputs: list[int]) -> tuple[f
     results = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     tokens = sum(len(r.token_ids) for r in results)
-    summary = llm.engine.metrics.summary(
-        num_total_blocks=llm.engine.block_manager.num_total_blocks, kv_blocks_in_use_end=0, caches_prefixes=True
-    )
+    summary = llm.engine.metrics.summary(kv_end=llm.engine.scheduler.block_manager.stats(), caches_prefixes=True)
     return elapsed, tokens, summary
 
 
@@ -81,8 +80,6 @@ def main() -> None:
     assert tokens == sum(outputs)
     paged_tps = tokens / elapsed
     rows.append(("paged (continuous batching)", f"{elapsed:.1f}", tokens, f"{paged_tps:.1f}"))
-
-    from transformers import AutoModelForCausalLM
 
     gguf = locate_smollm2()
     hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
