@@ -13,8 +13,9 @@ class ScheduledSeq:
 
     `num_computed` is `seq.num_computed_tokens` before the step: the KV of those tokens is
     already in the cache (earlier steps or prefix-cache hits). `num_samples` tokens are sampled
-    from the last position: 0 while a prompt is only partly computed, `n` when a request with
-    n > 1 samples its first tokens (the engine forks the other n - 1 sequences), else 1.
+    from the last position, as the request's sequence group decides: 0 while a prompt is only
+    partly computed, `n` when a request with n > 1 samples its first tokens (the group then forks
+    the other n - 1 sequences), else 1.
     """
 
     seq: Sequence
