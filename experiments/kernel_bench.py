@@ -20,9 +20,9 @@ from unittest import mock
 import torch
 
 from paged import kernels
-from paged.kernels import nvrtc, specs
-from paged.kernels.cache_dir import ENV_VAR
 from paged.kernels.testing import random_cache
+from paged.kernels.toolchain import nvrtc, specs
+from paged.kernels.toolchain.cache_dir import ENV_VAR
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 64, 8, 128, 16
 TORCH_MAX_BYTES = 2 << 30  # the reference gathers K/V into fp32 copies; beyond this it would not fit

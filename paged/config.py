@@ -9,7 +9,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-SUPPORTED_BLOCK_SIZES = (8, 16, 32)
+from paged.kernels.limits import BLOCK_SIZES, DEFAULT_PARTITION_SIZE, DTYPE_NAMES, VERSIONS
+from paged.kernels.registry import BACKENDS
 
 
 @dataclass
@@ -51,7 +52,7 @@ class KernelConfig:
     name: str = MISSING
     version: str = "auto"
     backend: str = "auto"
-    partition_size: int = 512
+    partition_size: int = DEFAULT_PARTITION_SIZE
 
 
 @dataclass
@@ -150,7 +151,7 @@ def _positive(key: str, value: float | int | None, *, allow_none: bool = False) 
 def validate(cfg: Any) -> None:
     """Range and choice checks on a composed config (a DictConfig or a `Config`)."""
     a = cfg.allocator
-    _choice("allocator.block_size", a.block_size, SUPPORTED_BLOCK_SIZES)
+    _choice("allocator.block_size", a.block_size, BLOCK_SIZES)
     _positive("allocator.num_blocks", a.num_blocks, allow_none=True)
     if a.num_blocks is None and a.kv_cache_memory is None:
         raise ConfigError("set allocator.num_blocks or allocator.kv_cache_memory (e.g. 256MiB)")
@@ -168,8 +169,8 @@ def validate(cfg: Any) -> None:
             f"scheduler.max_model_len={s.max_model_len}"
         )
     k = cfg.kernel
-    _choice("kernel.version", k.version, ("auto", "v1", "v2"))
-    _choice("kernel.backend", k.backend, ("auto", "torch", "cuda", "emu", "cpu"))
+    _choice("kernel.version", k.version, ("auto", *VERSIONS))
+    _choice("kernel.backend", k.backend, ("auto", *BACKENDS))
     _positive("kernel.partition_size", k.partition_size)
     if k.partition_size % a.block_size:
         raise ConfigError(
@@ -178,7 +179,7 @@ def validate(cfg: Any) -> None:
         )
     m = cfg.model
     _choice("model.source", m.source, ("gguf", "hf", "random"))
-    _choice("model.dtype", m.dtype, ("float32", "float16", "bfloat16"))
+    _choice("model.dtype", m.dtype, DTYPE_NAMES)
     _choice("model.device", m.device, ("auto", "cpu", "cuda"))
     if m.source == "hf" and not m.path:
         raise ConfigError("model=hf needs model.path=/path/to/a/local/hf/checkpoint")

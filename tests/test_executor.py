@@ -97,7 +97,7 @@ def test_cache_layout_and_block_bytes() -> None:
     assert ex.key_caches[0].shape == (256, a.num_kv_heads, a.head_dim // 8, BLOCK, 8)
     assert ex.value_caches[0].shape == (256, a.num_kv_heads, a.head_dim, BLOCK)
     assert len(ex.key_caches) == a.num_layers
-    assert ex.bytes_per_block(BLOCK) == 2 * a.num_layers * BLOCK * a.num_kv_heads * a.head_dim * 2
+    assert ex.kv_cache_spec(BLOCK).bytes_per_block == 2 * a.num_layers * BLOCK * a.num_kv_heads * a.head_dim * 2
     assert generate(ex, [[1, 2, 3]], max_tokens=3)[0]
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from paged.kernels import build, nvrtc, specs
-from paged.kernels.cache_dir import ENV_VAR
+from paged.kernels.toolchain import build, nvrtc, specs
+from paged.kernels.toolchain.cache_dir import ENV_VAR
 
 ARCHS = ("sm_80", "sm_90")
 ELF = b"\x7fELF"

@@ -1,29 +1,19 @@
-"""The native cpu backend (kernels_cu/cpu/) against the torch reference, and how `auto` picks it."""
+"""The native cpu backend's decode attention (kernels_cu/cpu/) against the torch reference."""
 
 from __future__ import annotations
-
-import logging
 
 import pytest
 import torch
 
 from paged import kernels
-from paged.kernels import cpu_backend, host_compiler
+from paged.kernels.backends import cpu as cpu_backend
+from paged.kernels.backends.base import DTYPES
 from paged.kernels.testing import AttentionCase, attention_inputs, edge_seq_lens, tolerance
+from paged.kernels.toolchain import host_compiler
 
-
-def _compiler_reason() -> str | None:
-    try:
-        cpu_backend.find_compiler()
-    except host_compiler.CompilerNotFoundError as exc:
-        return str(exc)
-    return None
-
-
-_NO_COMPILER = _compiler_reason()
+_NO_COMPILER = host_compiler.unavailable_reason()
 needs_compiler = pytest.mark.skipif(_NO_COMPILER is not None, reason=f"cpu backend not buildable: {_NO_COMPILER}")
 
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCKS = (8, 16, 32)
 HEADS = (64, 128)
 GROUPS = ((1, 2), (3, 3), (8, 1))  # (query heads per kv head, kv heads): MHA, SmolLM2's GQA, MQA
@@ -104,13 +94,13 @@ def test_missing_compiler_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
     x = attention_inputs(AttentionCase(torch.float32, 64, 16, 1, 1, 32, (5,)))
     monkeypatch.setenv("CXX", "no-such-cxx-compiler")
     monkeypatch.setattr(cpu_backend, "_library", None)
-    cpu_backend.find_compiler.cache_clear()
+    host_compiler.find_compiler.cache_clear()
     try:
         with pytest.raises(host_compiler.CompilerNotFoundError, match="'no-such-cxx-compiler'"):
             kernels.paged_attention(x.query, x.key_cache, x.value_cache, x.block_tables, x.seq_lens, x.scale,
                                     backend="cpu")
     finally:
-        cpu_backend.find_compiler.cache_clear()
+        host_compiler.find_compiler.cache_clear()
 
 
 def test_partition_must_be_whole_blocks() -> None:
@@ -118,28 +108,3 @@ def test_partition_must_be_whole_blocks() -> None:
     with pytest.raises(ValueError, match="partition_size=24 must be a positive multiple of block_size=16"):
         kernels.paged_attention(x.query, x.key_cache, x.value_cache, x.block_tables, x.seq_lens, x.scale,
                                 backend="cpu", version="v2", partition_size=24)
-
-
-def test_auto_prefers_cuda_then_cpu_then_torch(monkeypatch: pytest.MonkeyPatch, caplog) -> None:  # noqa: ANN001
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert kernels.resolve_backend("auto") == "cuda"
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-
-    kernels.cpu_available.cache_clear()
-    monkeypatch.setattr(kernels, "cpu_available", lambda: True)
-    assert kernels.resolve_backend("auto") == "cpu"
-    monkeypatch.undo()
-
-    def broken() -> None:
-        raise cpu_backend.CpuBuildError("g++ said no")
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(cpu_backend, "load", broken)
-    kernels.cpu_available.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING, logger="paged.kernels"):
-            assert kernels.resolve_backend("auto") == "torch"
-        assert "falling back to backend 'torch': g++ said no" in caplog.text
-    finally:
-        kernels.cpu_available.cache_clear()
-    assert kernels.resolve_backend("cpu") == "cpu"

@@ -7,13 +7,15 @@ import pytest
 import torch
 
 from paged import kernels
-from paged.kernels import torch_ref
+from paged.kernels.backends import torch_ref
 from paged.kernels.testing import (
     DTYPES,
     AttentionCase,
     attention_grid,
     attention_inputs,
     default_partition_grid,
+    prefill_inputs,
+    prefill_reference,
     random_cache,
     tolerance,
 )
@@ -65,3 +67,12 @@ def test_cache_ops_match_reference(dtype: torch.dtype) -> None:
     torch_ref.copy_blocks(expected_k, expected_v, mapping)
     kernels.copy_blocks([key_cache], [value_cache], mapping, backend="cuda")
     assert torch.equal(key_cache, expected_k[0]) and torch.equal(value_cache, expected_v[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_prefill_matches_reference(dtype: torch.dtype) -> None:
+    case = AttentionCase(dtype, 128, 16, 4, 2, 512, (40, 17, 300))
+    x = prefill_inputs(case, (40, 1, 77))
+    query, *rest = (a.cuda() if isinstance(a, torch.Tensor) else a for a in x.args)
+    got = kernels.prefill_attention(query, *rest, backend="cuda")
+    torch.testing.assert_close(got.cpu().float(), prefill_reference(x).float(), **tolerance(dtype))

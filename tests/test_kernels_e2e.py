@@ -7,7 +7,7 @@ import pytest
 
 from paged.config import KernelConfig, ModelConfig
 from paged.executor.model_executor import ModelExecutor
-from paged.kernels import emulator, host_compiler, specs
+from paged.kernels.toolchain import emulator, host_compiler, specs
 from paged.model.locate import INSTALL_HINT, locate_smollm2
 from tests.test_executor import generate
 
@@ -26,7 +26,7 @@ def _requirements() -> None:
     except FileNotFoundError:
         pytest.skip(f"SmolLM2 weights not installed ({INSTALL_HINT})")
     try:
-        emulator.find_compiler()
+        host_compiler.find_compiler()
     except host_compiler.CompilerNotFoundError as e:
         pytest.skip(f"emu backend unavailable: {e}")
 

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from paged import kernels
-from paged.kernels import emulator, host_compiler, specs, torch_ref
+from paged.kernels.backends import torch_ref
+from paged.kernels.backends.base import CacheView
+from paged.kernels.limits import BLOCK_SIZES, NATIVE_HEAD_SIZES
 from paged.kernels.testing import (
     DTYPES,
     AttentionCase,
@@ -16,7 +18,7 @@ from paged.kernels.testing import (
     random_cache,
     tolerance,
 )
-from paged.kernels.validate import NATIVE_BLOCK_SIZES, NATIVE_HEAD_SIZES
+from paged.kernels.toolchain import emulator, host_compiler, specs
 
 GRID = attention_grid() + default_partition_grid()
 
@@ -30,7 +32,7 @@ def _units(case: AttentionCase) -> list[specs.Unit]:
 def emu_library() -> None:
     """One parallel build of every unit the module uses instead of one compiler run per test."""
     try:
-        emulator.find_compiler()
+        host_compiler.find_compiler()
     except host_compiler.CompilerNotFoundError as e:
         pytest.skip(f"emu backend unavailable: {e}")
     units = [u for case in GRID for u in _units(case)] + [specs.cache_unit(d) for d in DTYPES]
@@ -42,7 +44,7 @@ def test_grid_covers_every_value_and_pair() -> None:
     axes = [
         lambda c: c.head_size, lambda c: c.block_size, lambda c: c.dtype, lambda c: (c.group, c.num_kv_heads),
     ]
-    sizes = [len(NATIVE_HEAD_SIZES), len(NATIVE_BLOCK_SIZES), len(DTYPES), 4]
+    sizes = [len(NATIVE_HEAD_SIZES), len(BLOCK_SIZES), len(DTYPES), 4]
     for a in range(len(axes)):
         for b in range(a + 1, len(axes)):
             pairs = {(axes[a](c), axes[b](c)) for c in cases}
@@ -76,9 +78,8 @@ def test_paged_attention_reads_query_through_its_row_stride() -> None:
     query = qkv[:, : case.num_heads]
     got = kernels.paged_attention(query, x.key_cache, x.value_cache, x.block_tables, x.seq_lens, x.scale,
                                   backend="emu", version="v2", partition_size=32)
-    expected = torch_ref.paged_attention_v1(
-        x.query, x.clean_key_cache, x.clean_value_cache, x.block_tables, x.seq_lens, x.scale, 40
-    )
+    clean = CacheView(x.clean_key_cache, x.clean_value_cache, x.block_tables, x.seq_lens)
+    expected = torch_ref.paged_attention_v1(x.query, clean, x.scale, 40)
     torch.testing.assert_close(got, expected, **tolerance(case.dtype))
 
 
@@ -92,7 +93,7 @@ def test_max_seq_len_shorter_than_a_sequence_is_refused() -> None:
 CACHE_GRID = [
     (DTYPES[(i + j) % 3], head, block)
     for i, head in enumerate(NATIVE_HEAD_SIZES)
-    for j, block in enumerate(NATIVE_BLOCK_SIZES)
+    for j, block in enumerate(BLOCK_SIZES)
     if (i + j) % 2 == 0 or head in (80, 256)
 ]
 

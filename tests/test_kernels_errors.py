@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from paged import kernels
-from paged.kernels import emulator, host_compiler
+from paged.kernels.backends.emu import EmuRunner
 from paged.kernels.testing import AttentionCase, attention_inputs, random_cache
+from paged.kernels.toolchain import host_compiler
 
 NATIVE = ["emu", "cuda"]
 
@@ -19,7 +20,7 @@ def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*_: object) -> None:
         raise AssertionError("a kernel was launched")
 
-    monkeypatch.setattr(emulator, "run", refuse)
+    monkeypatch.setattr(EmuRunner, "run", refuse)
 
 
 def _inputs(dtype: torch.dtype = torch.float16, head: int = 64, block: int = 16):  # noqa: ANN202
@@ -78,14 +79,14 @@ def test_mismatched_shapes_and_dtypes_fail_before_launch() -> None:
 
 def test_wrong_devices_fail_before_launch() -> None:
     x = _inputs()
-    with pytest.raises(ValueError, match="backend='emu' runs on the CPU"):
+    with pytest.raises(ValueError, match="backend='emu' needs cpu tensors, got tensors on meta"):
         kernels.paged_attention(x.query.to("meta"), x.key_cache.to("meta"), x.value_cache.to("meta"),
                                 x.block_tables.to("meta"), x.seq_lens.to("meta"), x.scale, backend="emu",
                                 max_seq_len=20)
     with pytest.raises(ValueError, match="tensors must share one device"):
         kernels.paged_attention(x.query, x.key_cache, x.value_cache, x.block_tables.to("meta"), x.seq_lens,
                                 x.scale, backend="emu", max_seq_len=20)
-    with pytest.raises(ValueError, match="backend='cuda' needs CUDA tensors"):
+    with pytest.raises(ValueError, match="backend='cuda' needs cuda tensors, got tensors on cpu"):
         kernels.paged_attention(x.query, x.key_cache, x.value_cache, x.block_tables, x.seq_lens, x.scale,
                                 backend="cuda")
 
@@ -108,23 +109,23 @@ def test_v1_context_beyond_shared_memory_points_to_v2() -> None:
 
 
 def test_missing_compiler_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    emulator.find_compiler.cache_clear()
+    host_compiler.find_compiler.cache_clear()
     monkeypatch.setenv("CXX", "g++-that-does-not-exist")
     try:
         with pytest.raises(host_compiler.CompilerNotFoundError, match="looked for 'g\\+\\+-that-does-not-exist'"):
-            emulator.find_compiler()
+            host_compiler.find_compiler()
     finally:
-        emulator.find_compiler.cache_clear()
+        host_compiler.find_compiler.cache_clear()
 
 
 def test_too_old_compiler_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
     fake = tmp_path / "old-g++"
     fake.write_text("#!/bin/sh\necho 11.4.0\n")
     fake.chmod(0o755)
-    emulator.find_compiler.cache_clear()
+    host_compiler.find_compiler.cache_clear()
     monkeypatch.setenv("CXX", str(fake))
     try:
         with pytest.raises(host_compiler.CompilerNotFoundError, match="g\\+\\+ >= 12.*'11.4.0'"):
-            emulator.find_compiler()
+            host_compiler.find_compiler()
     finally:
-        emulator.find_compiler.cache_clear()
+        host_compiler.find_compiler.cache_clear()

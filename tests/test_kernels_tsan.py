@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from paged.kernels import emulator, host_compiler
+from paged.kernels.toolchain import emulator, host_compiler
 
 FLAGS = ("-std=c++20", "-O1", "-g", "-fsanitize=thread", "-pthread", "-fno-strict-aliasing", "-Wno-unknown-pragmas")
 TSAN_EXIT = 66
@@ -20,7 +20,7 @@ VARIANTS = {"clean": (), "dropped_barrier": ("PAGED_TEST_DROP_BARRIER",)}
 def drivers() -> dict[str, Path]:
     """Both variants, built concurrently (and cached like the emulator libraries)."""
     try:
-        emulator.find_compiler()
+        host_compiler.find_compiler()
     except host_compiler.CompilerNotFoundError as e:
         pytest.skip(f"emu backend unavailable: {e}")
 
@@ -28,7 +28,7 @@ def drivers() -> dict[str, Path]:
         source = "".join(f"#define {d}\n" for d in defines) + '#include "emu/tsan_driver.cpp"\n'
         try:
             return emulator.compile_executable(source, FLAGS)
-        except emulator.EmulatorBuildError as e:
+        except host_compiler.HostBuildError as e:
             if "sanitize" in str(e):
                 pytest.skip(f"the compiler cannot build with -fsanitize=thread: {str(e)[-500:]}")
             raise

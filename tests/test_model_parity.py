@@ -67,7 +67,7 @@ def test_gguf_arch_matches_transformers_config(smollm: ModelExecutor, reference)
     assert (a.num_heads, a.num_kv_heads, a.head_dim, a.vocab_size) == (9, 3, 64, 49152)
     assert a.rope_theta == config["rope_theta"] and a.rms_norm_eps == config["rms_norm_eps"]
     assert a.tie_word_embeddings == config["tie_word_embeddings"]
-    assert smollm.eos_token_id == config["eos_token_id"] == 2
+    assert smollm.eos_token_ids == {config["eos_token_id"]} == {2}
 
 
 @torch.inference_mode()

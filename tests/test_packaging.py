@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from paged.kernels.source import source_hash
+from paged.kernels.toolchain.source import source_hash
 
 ROOT = Path(__file__).resolve().parents[1]
 UNSHIPPED = (
@@ -21,7 +21,7 @@ UNSHIPPED = (
 PROBE = """
 import json
 from paged.assets import asset_dir
-from paged.kernels.source import source_hash
+from paged.kernels.toolchain.source import source_hash
 from paged.llm import compose_config
 print(json.dumps({"kernels": str(asset_dir("kernels_cu")), "conf": str(asset_dir("conf")),
                   "hash": source_hash(), "allocator": compose_config(["allocator=naive"]).allocator.name}))

@@ -1,15 +1,9 @@
-// Native CPU decode attention over vLLM's paged KV cache (backend "cpu").
+// Native CPU attention over vLLM's paged KV cache (backend "cpu"): decode (here) and prefill
+// (prefill.h), and the extern "C" entry points of both.
 //
-// Plain C++17 + OpenMP, no torch headers: paged/kernels/cpu_backend.py builds this file with the
-// host compiler and calls the extern "C" entry points through ctypes with raw data pointers.
-//
-// Layouts (elements, all contiguous except the query):
-//   key_cache   [num_blocks, num_kv_heads, head_size / x, block_size, x], x = 16 / element_size
-//   value_cache [num_blocks, num_kv_heads, head_size, block_size]
-//   block_tables int32 [num_seqs, >= ceil(seq_len / block_size)], row stride passed
-//   seq_lens    int32 [num_seqs]
-//   query       [num_seqs, num_heads, head_size] with arbitrary strides (e.g. a view of fused qkv)
-//   out         [num_seqs, num_heads, head_size], contiguous, query dtype
+// Plain C++17 + OpenMP, no torch headers: paged/kernels/backends/cpu.py builds this file with the
+// host compiler and calls the entry points through ctypes with raw data pointers. Layouts are in
+// common.h; decode's query and output have one row per sequence.
 //
 // Work is split over (seq, kv_head); the G = num_heads / num_kv_heads query heads of a GQA group
 // are handled together, so every K/V element is read from the cache once per group. Each block's
@@ -23,75 +17,10 @@
 //     output; then the partials are rescaled by exp(max_p - max) * sum_p and reduced
 //     (the math of torch_ref.paged_attention_v2).
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <type_traits>
-#include <vector>
+#include "common.h"
+#include "prefill.h"
 
-
-namespace {
-
-enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
-
-// ---- 16-bit conversions -----------------------------------------------------------------------
-
-inline float bf16_to_float(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, like torch
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu)) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-#if defined(__FLT16_MAX__)
-using half_t = _Float16;
-inline float f16_to_float(half_t h) { return static_cast<float>(h); }
-inline half_t float_to_f16(float f) { return static_cast<half_t>(f); }
-#else
-#error "this compiler has no _Float16; use g++ >= 12 on x86-64 or aarch64"
-#endif
-
-struct F32 {
-  using storage = float;
-  static float load(storage v) { return v; }
-  static storage store(float v) { return v; }
-};
-struct F16 {
-  using storage = half_t;
-  static float load(storage v) { return f16_to_float(v); }
-  static storage store(float v) { return float_to_f16(v); }
-};
-struct BF16 {
-  using storage = uint16_t;
-  static float load(storage v) { return bf16_to_float(v); }
-  static storage store(float v) { return float_to_bf16(v); }
-};
-
-struct Args {
-  void* out;
-  const void* query;
-  int64_t q_stride_seq, q_stride_head, q_stride_dim;
-  const void* key_cache;
-  const void* value_cache;
-  const int32_t* block_tables;
-  int64_t bt_stride;
-  const int32_t* seq_lens;
-  int num_seqs, num_heads, num_kv_heads, head_size, block_size;
-  float scale;
-  int partition_size;  // v2 only
-  int max_seq_len;
-  int num_threads;
-};
+namespace paged_cpu {
 
 // Per-thread scratch, sized once per call.
 struct Scratch {
@@ -113,22 +42,13 @@ struct Scratch {
   }
 };
 
-template <typename T>
-constexpr int x_of() { return 16 / static_cast<int>(sizeof(typename T::storage)); }
-
-template <typename T>
-inline const typename T::storage* tile_ptr(const void* cache, const Args& a, int64_t blk, int kv_head) {
-  const int64_t tile = static_cast<int64_t>(a.head_size) * a.block_size;
-  return static_cast<const typename T::storage*>(cache) + (blk * a.num_kv_heads + kv_head) * tile;
-}
-
 // Query of the G heads of kv head `kvh`, laid out like a key tile ([D/x][BS][x]) with each x-chunk
 // repeated for every slot, so a block's logits are one elementwise multiply-add over the K tile.
 template <typename T, int BS_T>
 inline void load_query(const Args& a, int seq, int head0, int G, float* qx) {
   using S = typename T::storage;
   constexpr int x = x_of<T>();
-  const int BS = BS_T ? BS_T : a.block_size, D = a.head_size;
+  const int BS = BS_T, D = a.head_size;
   const S* base = static_cast<const S*>(a.query);
   for (int g = 0; g < G; ++g) {
     const S* qh = base + seq * a.q_stride_seq + (head0 + g) * a.q_stride_head;
@@ -144,7 +64,7 @@ template <typename T, int BS_T>
 inline void block_logits(const Args& a, int G, const typename T::storage* k, Scratch& s, int valid,
                          float* logits, int64_t logits_stride) {
   constexpr int x = x_of<T>();
-  const int BS = BS_T ? BS_T : a.block_size, D = a.head_size;
+  const int BS = BS_T, D = a.head_size;
   const int n = D * BS;
   const float* kf;
   if constexpr (std::is_same_v<T, F32>) {
@@ -154,7 +74,7 @@ inline void block_logits(const Args& a, int G, const typename T::storage* k, Scr
     kf = s.kt.data();
   }
   const int chunk = BS * x;
-  float part[64 * 8];  // [BS][x], BS <= 64
+  float part[BS_T * x];  // [BS][x]
   for (int g = 0; g < G; ++g) {
     const float* q = s.qx.data() + static_cast<int64_t>(g) * n;
     for (int j = 0; j < chunk; ++j) part[j] = 0.f;
@@ -177,7 +97,7 @@ inline void block_logits(const Args& a, int G, const typename T::storage* k, Scr
 template <typename T, int BS_T>
 inline void block_values(const Args& a, int G, const typename T::storage* v, Scratch& s, int valid,
                          const float* w, int64_t w_stride) {
-  const int BS = BS_T ? BS_T : a.block_size, D = a.head_size;
+  const int BS = BS_T, D = a.head_size;
   const float* vf;
   if (std::is_same_v<T, F32> && valid == BS) {
     vf = reinterpret_cast<const float*>(v);
@@ -186,7 +106,7 @@ inline void block_values(const Args& a, int G, const typename T::storage* v, Scr
       for (int off = 0; off < BS; ++off) s.vt[d * BS + off] = off < valid ? T::load(v[d * BS + off]) : 0.f;
     vf = s.vt.data();
   }
-  float p[64];
+  float p[BS_T];
   for (int g = 0; g < G; ++g) {
     const float* wg = w + g * w_stride;
     for (int off = 0; off < BS; ++off) p[off] = off < valid ? wg[off] : 0.f;
@@ -340,58 +260,65 @@ void run_v2(const Args& a) {
   });
 }
 
-template <typename T>
-int dispatch_bs(const Args& a, int version) {
-  auto go = [&](auto bs_tag) {
-    constexpr int BS = decltype(bs_tag)::value;
-    if (version == 1) run_v1<T, BS>(a); else run_v2<T, BS>(a);
-  };
-  switch (a.block_size) {
-    case 8: go(std::integral_constant<int, 8>{}); break;
-    case 16: go(std::integral_constant<int, 16>{}); break;
-    case 32: go(std::integral_constant<int, 32>{}); break;
-    default: go(std::integral_constant<int, 0>{}); break;
+enum Op : int { kDecodeV1 = 1, kDecodeV2 = 2, kPrefill = 3 };
+
+template <typename T, int BS>
+void run_op(Op op, const Args& a) {
+  switch (op) {
+    case kDecodeV1: run_v1<T, BS>(a); break;
+    case kDecodeV2: run_v2<T, BS>(a); break;
+    case kPrefill: run_prefill<T, BS>(a); break;
   }
-  return 0;
 }
 
-int run(int dtype, int version, const Args& a) {
-  if (a.block_size <= 0 || a.block_size > 64) return 1;
+template <typename T>
+int dispatch_bs(Op op, const Args& a) {
+  switch (a.block_size) {
+    case 8: run_op<T, 8>(op, a); return 0;
+    case 16: run_op<T, 16>(op, a); return 0;
+    case 32: run_op<T, 32>(op, a); return 0;
+    default: return 1;
+  }
+}
+
+int run(int dtype, Op op, const Args& a) {
   if (a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads) return 2;
   const int x = dtype == kF32 ? 4 : 8;
   if (a.head_size <= 0 || a.head_size % x) return 3;
-  if (version == 2) {
-    if (a.partition_size <= 0 || a.partition_size % a.block_size) return 4;
-  }
+  if (op == kDecodeV2 && (a.partition_size <= 0 || a.partition_size % a.block_size)) return 4;
   if (a.num_threads <= 0) return 6;
   switch (dtype) {
-    case kF32: return dispatch_bs<F32>(a, version);
-    case kF16: return dispatch_bs<F16>(a, version);
-    case kBF16: return dispatch_bs<BF16>(a, version);
+    case kF32: return dispatch_bs<F32>(op, a);
+    case kF16: return dispatch_bs<F16>(op, a);
+    case kBF16: return dispatch_bs<BF16>(op, a);
     default: return 7;
   }
 }
 
-}  // namespace
+}  // namespace paged_cpu
 
-#define PAGED_CPU_ARGS                                                                                   \
-  int dtype, void *out, const void *query, int64_t q_stride_seq, int64_t q_stride_head,                  \
+using paged_cpu::Args;
+
+#define PAGED_CPU_COMMON_ARGS                                                                          \
+  int dtype, void *out, const void *query, int64_t q_stride_row, int64_t q_stride_head,                \
       int64_t q_stride_dim, const void *key_cache, const void *value_cache, const int32_t *block_tables, \
-      int64_t bt_stride, const int32_t *seq_lens, int num_seqs, int num_heads, int num_kv_heads,         \
-      int head_size, int block_size, float scale, int partition_size, int max_seq_len, int num_threads
+      int64_t bt_stride, const int32_t *seq_lens, int num_seqs, int num_heads, int num_kv_heads,       \
+      int head_size, int block_size, float scale
 
-#define PAGED_CPU_PACK                                                                                 \
-  Args a{out,       query,     q_stride_seq, q_stride_head, q_stride_dim, key_cache,      value_cache, \
-         block_tables, bt_stride, seq_lens,  num_seqs,      num_heads,    num_kv_heads,   head_size,   \
-         block_size, scale,     partition_size, max_seq_len, num_threads}
-
-// Returns 0 on success; a nonzero code names the rejected argument (see cpu_backend.py).
-extern "C" int paged_attention_v1_cpu(PAGED_CPU_ARGS) {
-  PAGED_CPU_PACK;
-  return run(dtype, 1, a);
+// The entry points return 0 on success; a nonzero code names the rejected argument (see
+// paged/kernels/backends/cpu.py). Decode's max_seq_len bounds its scratch buffers.
+extern "C" int paged_attention_cpu(PAGED_CPU_COMMON_ARGS, int version, int partition_size, int max_seq_len,
+                                   int num_threads) {
+  const Args a{out, query, q_stride_row, q_stride_head, q_stride_dim, key_cache, value_cache, block_tables,
+               bt_stride, seq_lens, nullptr, num_seqs, num_heads, num_kv_heads, head_size, block_size, scale,
+               partition_size, max_seq_len, 0, num_threads};
+  return paged_cpu::run(dtype, version == 1 ? paged_cpu::kDecodeV1 : paged_cpu::kDecodeV2, a);
 }
 
-extern "C" int paged_attention_v2_cpu(PAGED_CPU_ARGS) {
-  PAGED_CPU_PACK;
-  return run(dtype, 2, a);
+extern "C" int prefill_attention_cpu(PAGED_CPU_COMMON_ARGS, const int32_t *query_start_loc, int max_query_len,
+                                     int num_threads) {
+  const Args a{out, query, q_stride_row, q_stride_head, q_stride_dim, key_cache, value_cache, block_tables,
+               bt_stride, seq_lens, query_start_loc, num_seqs, num_heads, num_kv_heads, head_size, block_size,
+               scale, 0, 0, max_query_len, num_threads};
+  return paged_cpu::run(dtype, paged_cpu::kPrefill, a);
 }

@@ -2,9 +2,10 @@
 
 `prepare_batch` turns a `SchedulerOutput` into flat tensors with numpy (no per-token Python), and
 `PagedAttention` is the per-layer callback the model calls: it writes the step's new K/V into the
-cache, then reads the context back through the block tables. Prefill reads each sequence's whole
-context from the cache, so tokens a prefix-cache hit already holds are never recomputed; decode
-runs the `paged_attention` kernel (v1 or v2).
+cache, then reads the context back through the block tables. A step may mix decode rows (one new
+token) and prefill rows (several, possibly after cached ones): decode rows run the
+`paged_attention` kernel (v1 or v2), prefill rows `prefill_attention`, one call each, so tokens a
+prefix-cache hit already holds are never recomputed.
 """
 
 from __future__ import annotations
@@ -16,7 +17,24 @@ import numpy as np
 import torch
 
 from paged import kernels
+from paged.kernels.backends.base import KernelBackend
 from paged.scheduler.output import SchedulerOutput
+
+
+@dataclass
+class AttentionRows:
+    """The sequences of a step that one attention op runs: the decode rows or the prefill rows."""
+
+    tokens: torch.Tensor | None  # int64 flat indices of their query rows; None: all rows, in order
+    block_tables: torch.Tensor  # int32 [n, max_blocks], zero padded
+    seq_lens: torch.Tensor  # int32 [n], context length after this step
+    query_start_loc: torch.Tensor  # int32 [n + 1], offsets of each sequence's rows within `tokens`
+    max_seq_len: int
+    max_query_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
 
 
 @dataclass
@@ -24,17 +42,32 @@ class BatchInput:
     input_ids: torch.Tensor  # int64 [T], all scheduled tokens, sequence after sequence
     positions: torch.Tensor  # int64 [T]
     slot_mapping: torch.Tensor  # int64 [T]
-    block_tables: torch.Tensor  # int32 [S, max_blocks], zero padded
-    seq_lens: torch.Tensor  # int32 [S], context length after this step
-    query_starts: list[int]  # S + 1 offsets of each sequence's tokens in the flat batch
-    context_lens: list[int]
-    max_seq_len: int
-    is_decode: bool  # every sequence runs exactly one new token
     sample_rows: torch.Tensor  # int64 [R], flat index of the last token of each sequence that samples
+    num_tokens: int
+    decode: AttentionRows | None  # sequences with one new token
+    prefill: AttentionRows | None  # sequences with more
 
     @property
-    def num_tokens(self) -> int:
-        return self.query_starts[-1]
+    def is_decode(self) -> bool:
+        return self.prefill is None
+
+
+def _rows(
+    picked: np.ndarray, num_new: np.ndarray, context: np.ndarray, tables: np.ndarray, device: torch.device
+) -> AttentionRows | None:
+    """The `AttentionRows` of the sequences `picked` (a boolean mask over the batch)."""
+    if not picked.any():
+        return None
+    q_lens, lens = num_new[picked], context[picked]
+    tokens = None if picked.all() else torch.from_numpy(np.flatnonzero(np.repeat(picked, num_new))).to(device)
+    return AttentionRows(
+        tokens=tokens,
+        block_tables=torch.from_numpy(tables[picked]).to(device),
+        seq_lens=torch.from_numpy(lens.astype(np.int32)).to(device),
+        query_start_loc=torch.from_numpy(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)).to(device),
+        max_seq_len=int(lens.max()),
+        max_query_len=int(q_lens.max()),
+    )
 
 
 def prepare_batch(sched: SchedulerOutput, block_size: int, device: torch.device) -> BatchInput:
@@ -44,8 +77,8 @@ def prepare_batch(sched: SchedulerOutput, block_size: int, device: torch.device)
     num_new = np.fromiter((it.num_new_tokens for it in items), dtype=np.int64, count=num_seqs)
     context = computed + num_new
     ends = np.cumsum(num_new)
-    is_decode = bool((num_new == 1).all())
-    if is_decode:
+    starts = ends - num_new
+    if bool((num_new == 1).all()):
         token_ids = [it.seq.token_ids[c] for it, c in zip(items, computed.tolist(), strict=True)]
         positions = computed
         owner = np.arange(num_seqs)
@@ -56,7 +89,7 @@ def prepare_batch(sched: SchedulerOutput, block_size: int, device: torch.device)
             )
         )
         owner = np.repeat(np.arange(num_seqs), num_new)
-        positions = np.arange(int(ends[-1])) - np.repeat(ends - num_new, num_new) + computed[owner]
+        positions = np.arange(int(ends[-1])) - starts[owner] + computed[owner]
     table_lens = np.fromiter((len(it.block_table) for it in items), dtype=np.int64, count=num_seqs)
     assert (table_lens * block_size >= context).all(), "a block table is shorter than its context"
     tables = np.zeros((num_seqs, int(table_lens.max())), dtype=np.int32)
@@ -64,23 +97,21 @@ def prepare_batch(sched: SchedulerOutput, block_size: int, device: torch.device)
         row[: len(it.block_table)] = it.block_table
     slots = tables[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
     samples = [i for i, it in enumerate(items) if it.num_samples > 0]
+    decode = num_new == 1
     return BatchInput(
         input_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
         positions=torch.from_numpy(positions).to(device),
         slot_mapping=torch.from_numpy(slots).to(device),
-        block_tables=torch.from_numpy(tables).to(device),
-        seq_lens=torch.from_numpy(context.astype(np.int32)).to(device),
-        query_starts=[0, *ends.tolist()],
-        context_lens=context.tolist(),
-        max_seq_len=int(context.max()),
-        is_decode=is_decode,
         sample_rows=torch.from_numpy(ends[samples] - 1).to(device),
+        num_tokens=int(ends[-1]),
+        decode=_rows(decode, num_new, context, tables, device),
+        prefill=_rows(~decode, num_new, context, tables, device),
     )
 
 
 class PagedAttention:
-    """The model's attention callback for one step: `(layer, q, k, v) -> out`. `version` (v1/v2)
-    picks the decode kernel; a prefill batch has none."""
+    """The model's attention callback for one step: `(layer, q, k, v) -> out`, rows in batch order.
+    `decode_version` (v1/v2) is the kernel the decode rows run, `None` when the step has none."""
 
     def __init__(
         self,
@@ -89,31 +120,44 @@ class PagedAttention:
         value_caches: list[torch.Tensor],
         scale: float,
         *,
-        version: str | None,
-        backend: str,
+        decode_version: str | None,
+        backend: str | KernelBackend,
         partition_size: int,
     ) -> None:
+        assert (decode_version is None) == (batch.decode is None), "decode rows need a version, and only they"
         self.batch = batch
         self.key_caches = key_caches
         self.value_caches = value_caches
         self.scale = scale
-        self.version = version
-        self.backend = backend
+        self.decode_version = decode_version
+        self.backend = kernels.get_backend(backend)
         self.partition_size = partition_size
+
+    def _decode(self, rows: AttentionRows, q: torch.Tensor, key_cache: torch.Tensor,
+                value_cache: torch.Tensor) -> torch.Tensor:
+        assert self.decode_version is not None
+        return kernels.paged_attention(
+            q, key_cache, value_cache, rows.block_tables, rows.seq_lens, self.scale,
+            version=self.decode_version, backend=self.backend, partition_size=self.partition_size,
+            max_seq_len=rows.max_seq_len,
+        )
+
+    def _prefill(self, rows: AttentionRows, q: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor) -> torch.Tensor:
+        return kernels.prefill_attention(
+            q, key_cache, value_cache, rows.block_tables, rows.query_start_loc, rows.seq_lens, self.scale,
+            backend=self.backend, max_query_len=rows.max_query_len, max_seq_len=rows.max_seq_len,
+        )
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b = self.batch
         key_cache, value_cache = self.key_caches[layer], self.value_caches[layer]
         kernels.reshape_and_cache(k, v, key_cache, value_cache, b.slot_mapping, backend=self.backend)
-        if self.version is not None:
-            return kernels.paged_attention(
-                q, key_cache, value_cache, b.block_tables, b.seq_lens, self.scale,
-                version=self.version, backend=self.backend, partition_size=self.partition_size,
-                max_seq_len=b.max_seq_len,
-            )
+        if b.prefill is None:
+            return self._decode(b.decode, q, key_cache, value_cache)
+        if b.decode is None:
+            return self._prefill(b.prefill, q, key_cache, value_cache)
         out = torch.empty_like(q)
-        for i, context_len in enumerate(b.context_lens):
-            start, end = b.query_starts[i], b.query_starts[i + 1]
-            keys, values = kernels.gather_kv(key_cache, value_cache, b.block_tables[i], context_len)
-            out[start:end] = kernels.prefill_attention(q[start:end], keys, values, self.scale)
+        out[b.decode.tokens] = self._decode(b.decode, q[b.decode.tokens], key_cache, value_cache)
+        out[b.prefill.tokens] = self._prefill(b.prefill, q[b.prefill.tokens], key_cache, value_cache)
         return out

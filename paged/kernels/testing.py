@@ -1,4 +1,5 @@
-"""Inputs and the covering grid for checking a native backend against the torch reference.
+"""Inputs and the covering grid for checking a native backend against the torch reference, and a
+per-sequence prefill reference.
 
 The grid is pairwise, not cartesian: every pair of values of (head size, GQA ratio, block size,
 dtype) appears in some case, each case runs v1 and v2 over sequence lengths that hit the edges
@@ -8,13 +9,14 @@ tables are random with shared blocks.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from paged.kernels.validate import NATIVE_BLOCK_SIZES, NATIVE_HEAD_SIZES
+from paged.kernels.backends.base import DTYPES
+from paged.kernels.limits import BLOCK_SIZES, NATIVE_HEAD_SIZES
 
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # (query heads per KV head, KV heads); the last is MQA.
 GQA = ((1, 2), (4, 2), (8, 2), (4, 1))
 SMALL_PARTITIONS = (32, 64)
@@ -50,7 +52,7 @@ def attention_grid() -> list[AttentionCase]:
     cases = []
     for i, head in enumerate(NATIVE_HEAD_SIZES):
         for r, (group, kv_heads) in enumerate(GQA):
-            block = NATIVE_BLOCK_SIZES[(i + r) % len(NATIVE_BLOCK_SIZES)]
+            block = BLOCK_SIZES[(i + r) % len(BLOCK_SIZES)]
             dtype = DTYPES[(i + 2 * r) % len(DTYPES)]
             partition = SMALL_PARTITIONS[(i + r) % len(SMALL_PARTITIONS)]
             cases.append(AttentionCase(dtype, head, block, group, kv_heads, partition,
@@ -62,7 +64,7 @@ def default_partition_grid() -> list[AttentionCase]:
     """A few cases at vLLM's partition size 512, one per dtype."""
     return [
         AttentionCase(dtype, 128, block, 4, 2, 512, (1, 511, 513, 1100))
-        for dtype, block in zip(DTYPES, NATIVE_BLOCK_SIZES)
+        for dtype, block in zip(DTYPES, BLOCK_SIZES)
     ]
 
 
@@ -127,3 +129,69 @@ def attention_inputs(case: AttentionCase, seed: int = 0, device: str | torch.dev
     tensors = [query, key, value, tables, seq_lens, clean_key, clean_value]
     query, key, value, tables, seq_lens, clean_key, clean_value = (t.to(device) for t in tensors)
     return AttentionInputs(query, key, value, tables, seq_lens, scale, clean_key, clean_value)
+
+
+@dataclass
+class PrefillInputs:
+    """`paged` holds the caches, block tables, seq_lens and scale (its decode query is unused)."""
+
+    paged: AttentionInputs
+    query: torch.Tensor  # [sum(q_lens), num_heads, head_size]
+    query_start_loc: torch.Tensor  # int32 [S + 1]
+
+    @property
+    def args(self) -> tuple[torch.Tensor | float, ...]:
+        """The positional arguments of `prefill_attention`, with the NaN-tailed caches."""
+        p = self.paged
+        return (self.query, p.key_cache, p.value_cache, p.block_tables, self.query_start_loc, p.seq_lens, p.scale)
+
+
+def prefill_inputs(case: AttentionCase, q_lens: Sequence[int], seed: int = 0) -> PrefillInputs:
+    """`attention_inputs` for `case.seq_lens` contexts, with `q_lens[i]` queries for the last
+    positions of sequence i, spread wide enough that the softmax is far from uniform."""
+    assert len(q_lens) == len(case.seq_lens) and all(0 < q <= n for q, n in zip(q_lens, case.seq_lens))
+    paged = attention_inputs(case, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    query = torch.randn(sum(q_lens), case.num_heads, case.head_size, generator=gen) * (3 * case.head_size**0.5)
+    starts = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return PrefillInputs(paged, query.to(case.dtype), starts)
+
+
+def gather_kv(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, context_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's first `context_len` tokens as `[L, num_kv_heads, head_size]` K and V."""
+    block_size = key_cache.shape[3]
+    num_blocks = -(-context_len // block_size)
+    blocks = block_table[:num_blocks].long()
+    k = key_cache[blocks]
+    k = k.permute(0, 3, 1, 2, 4).reshape(num_blocks * block_size, k.shape[1], -1)
+    v = value_cache[blocks].permute(0, 3, 1, 2).reshape(num_blocks * block_size, k.shape[1], -1)
+    return k[:context_len], v[:context_len]
+
+
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of the last `T` of `L` positions to positions up to their own, in fp32:
+    q `[T, H, D]`, k/v `[L, Hk, D]`."""
+    num_new, num_heads, _ = query.shape
+    context_len, num_kv_heads, _ = key.shape
+    group = num_heads // num_kv_heads
+    q = query.float().transpose(0, 1)
+    k = key.float().transpose(0, 1).repeat_interleave(group, dim=0)
+    v = value.float().transpose(0, 1).repeat_interleave(group, dim=0)
+    scores = q @ k.transpose(1, 2) * scale
+    positions = torch.arange(context_len - num_new, context_len)
+    future = torch.arange(context_len)[None, :] > positions[:, None]
+    weights = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+    return (weights @ v).transpose(0, 1).to(query.dtype)
+
+
+def prefill_reference(x: PrefillInputs) -> torch.Tensor:
+    """Sequence by sequence: gather the context from the NaN-free caches, then `causal_attention`."""
+    p = x.paged
+    out = torch.empty_like(x.query)
+    starts = x.query_start_loc.tolist()
+    for i, context_len in enumerate(p.seq_lens.tolist()):
+        k, v = gather_kv(p.clean_key_cache, p.clean_value_cache, p.block_tables[i], context_len)
+        out[starts[i] : starts[i + 1]] = causal_attention(x.query[starts[i] : starts[i + 1]], k, v, p.scale)
+    return out

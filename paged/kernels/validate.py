@@ -1,28 +1,22 @@
-"""Argument checks shared by every backend, run before any launch so errors name the bad value."""
+"""Backend-agnostic argument checks, run before any backend so errors name the bad value.
+
+What a particular backend supports (head sizes, block sizes, devices) is its own declaration
+(`KernelBackend.unsupported_reason`); here is only what every backend needs: vLLM's cache layout,
+matching dtypes and shapes, one device. Checks that read tensor values run only on CPU tensors,
+where they cost no device synchronisation.
+"""
 
 from __future__ import annotations
 
 import torch
 
-BACKENDS = ("torch", "cuda", "emu", "cpu")
-VERSIONS = ("v1", "v2")
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-NATIVE_HEAD_SIZES = (64, 80, 96, 112, 128, 256)
-NATIVE_BLOCK_SIZES = (8, 16, 32)
-# v2 partitions of the native kernels: whole blocks of every native block size, logits in 4 KB of
-# shared memory at most.
-NATIVE_PARTITION_SIZES = (32, 64, 128, 256, 512, 1024)
-
-
-def check_backend(backend: str, *, allow_auto: bool = False) -> None:
-    allowed = (*BACKENDS, "auto") if allow_auto else BACKENDS
-    if backend not in allowed:
-        raise ValueError(f"backend={backend!r} is not supported; allowed: {', '.join(allowed)}")
+from paged.kernels.backends.base import DTYPES, CacheView, listing
+from paged.kernels.limits import VERSIONS
 
 
 def _dtype(name: str, t: torch.Tensor) -> None:
     if t.dtype not in DTYPES:
-        raise TypeError(f"{name} has dtype {t.dtype}; supported: float32, float16, bfloat16")
+        raise TypeError(f"{name} has dtype {t.dtype}; supported: {listing(DTYPES)}")
 
 
 def _index(name: str, t: torch.Tensor, dtype: torch.dtype, ndim: int) -> None:
@@ -33,15 +27,8 @@ def _index(name: str, t: torch.Tensor, dtype: torch.dtype, ndim: int) -> None:
 def _same_device(*named: tuple[str, torch.Tensor]) -> None:
     devices = {t.device for _, t in named}
     if len(devices) > 1:
-        listing = ", ".join(f"{n} on {t.device}" for n, t in named)
-        raise ValueError(f"tensors must share one device: {listing}")
-
-
-def _native_device(backend: str, t: torch.Tensor) -> None:
-    if backend == "cuda" and t.device.type != "cuda":
-        raise ValueError(f"backend='cuda' needs CUDA tensors, got tensors on {t.device}")
-    if backend in ("emu", "cpu") and t.device.type != "cpu":
-        raise ValueError(f"backend={backend!r} runs on the CPU and needs CPU tensors, got {t.device}")
+        listed = ", ".join(f"{n} on {t.device}" for n, t in named)
+        raise ValueError(f"tensors must share one device: {listed}")
 
 
 def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int, int, int, int]:
@@ -67,67 +54,76 @@ def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tupl
     return num_blocks, num_kv_heads, head_size, block_size
 
 
-def _check_native_shape(
-    backend: str, head_size: int, block_size: int, partition_size: int | None = None
-) -> None:
-    if backend == "torch":
-        return
-    if backend == "cpu":
-        # the C++ loops take any head_size (a multiple of x, checked with the cache) and block size;
-        # partitions need only be whole blocks, checked by the caller
-        return
-    if head_size not in NATIVE_HEAD_SIZES:
-        raise ValueError(
-            f"head_size={head_size} is not supported by backend={backend!r}; supported: "
-            f"{', '.join(map(str, NATIVE_HEAD_SIZES))}"
-        )
-    if block_size not in NATIVE_BLOCK_SIZES:
-        raise ValueError(
-            f"block_size={block_size} is not supported by backend={backend!r}; supported: "
-            f"{', '.join(map(str, NATIVE_BLOCK_SIZES))}"
-        )
-    if partition_size is not None and partition_size not in NATIVE_PARTITION_SIZES:
-        raise ValueError(
-            f"partition_size={partition_size} is not supported by backend={backend!r}; supported: "
-            f"{', '.join(map(str, NATIVE_PARTITION_SIZES))}"
-        )
-
-
-def check_paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    version: str,
-    partition_size: int,
-    backend: str,
-) -> None:
-    if version not in VERSIONS:
-        raise ValueError(f"version={version!r} is not supported; allowed: v1, v2")
-    _, num_kv_heads, head_size, block_size = check_cache_pair(key_cache, value_cache)
+def _check_attention(query: torch.Tensor, cache: CacheView, rows: str) -> None:
+    """What decode and prefill share; `rows` names query's first dimension."""
+    _, num_kv_heads, head_size, _ = check_cache_pair(cache.key_cache, cache.value_cache)
     _dtype("query", query)
-    if query.dtype != key_cache.dtype:
-        raise TypeError(f"query dtype {query.dtype} != cache dtype {key_cache.dtype}")
+    if query.dtype != cache.key_cache.dtype:
+        raise TypeError(f"query dtype {query.dtype} != cache dtype {cache.key_cache.dtype}")
     if query.dim() != 3 or query.shape[2] != head_size:
-        raise ValueError(f"query must be [num_seqs, num_heads, {head_size}], got {tuple(query.shape)}")
+        raise ValueError(f"query must be [{rows}, num_heads, {head_size}], got {tuple(query.shape)}")
     if query.shape[1] % num_kv_heads:
         raise ValueError(f"num_heads={query.shape[1]} is not a multiple of num_kv_heads={num_kv_heads}")
-    _index("block_tables", block_tables, torch.int32, 2)
-    _index("seq_lens", seq_lens, torch.int32, 1)
-    num_seqs = query.shape[0]
-    if block_tables.shape[0] != num_seqs or seq_lens.shape[0] != num_seqs:
+    _index("block_tables", cache.block_tables, torch.int32, 2)
+    _index("seq_lens", cache.seq_lens, torch.int32, 1)
+    _same_device(("query", query), ("key_cache", cache.key_cache), ("block_tables", cache.block_tables),
+                 ("seq_lens", cache.seq_lens))
+
+
+def check_paged_attention(query: torch.Tensor, cache: CacheView, version: str, partition_size: int) -> None:
+    if version not in VERSIONS:
+        raise ValueError(f"version={version!r} is not supported; allowed: {listing(VERSIONS)}")
+    _check_attention(query, cache, "num_seqs")
+    num_seqs, tables, lens = query.shape[0], cache.block_tables.shape[0], cache.seq_lens.shape[0]
+    if tables != num_seqs or lens != num_seqs:
         raise ValueError(
-            f"query has {num_seqs} sequences but block_tables has {block_tables.shape[0]} rows "
-            f"and seq_lens {seq_lens.shape[0]} entries"
+            f"query has {num_seqs} sequences but block_tables has {tables} rows and seq_lens {lens} entries"
         )
-    if partition_size <= 0 or partition_size % block_size:
-        raise ValueError(f"partition_size={partition_size} must be a positive multiple of block_size={block_size}")
-    _check_native_shape(backend, head_size, block_size, partition_size if version == "v2" else None)
-    _same_device(
-        ("query", query), ("key_cache", key_cache), ("block_tables", block_tables), ("seq_lens", seq_lens)
-    )
-    _native_device(backend, query)
+    if partition_size <= 0 or partition_size % cache.block_size:
+        raise ValueError(
+            f"partition_size={partition_size} must be a positive multiple of block_size={cache.block_size}"
+        )
+
+
+def check_prefill_attention(query: torch.Tensor, cache: CacheView, query_start_loc: torch.Tensor) -> None:
+    _check_attention(query, cache, "num_tokens")
+    _index("query_start_loc", query_start_loc, torch.int32, 1)
+    num_seqs = cache.seq_lens.shape[0]
+    if cache.block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables has {cache.block_tables.shape[0]} rows for {num_seqs} sequences")
+    if query_start_loc.shape[0] != num_seqs + 1:
+        raise ValueError(f"query_start_loc has {query_start_loc.shape[0]} entries for {num_seqs} sequences; "
+                         f"expected {num_seqs + 1}")
+    _same_device(("query", query), ("query_start_loc", query_start_loc))
+    if query_start_loc.device.type == "cpu":
+        q_lens = query_start_loc.diff()
+        num_tokens = query.shape[0]
+        if int(query_start_loc[0]) != 0 or int(query_start_loc[-1]) != num_tokens or bool((q_lens < 0).any()):
+            raise ValueError(
+                f"query_start_loc must rise from 0 to num_tokens={num_tokens}, got {query_start_loc.tolist()}"
+            )
+        if bool((q_lens > cache.seq_lens).any()):
+            raise ValueError(f"a sequence has more queries than context: query lengths {q_lens.tolist()}, "
+                             f"seq_lens {cache.seq_lens.tolist()}")
+
+
+def check_max_len(name: str, lengths: torch.Tensor, given: int | None) -> int:
+    """`given`, checked against `lengths` where that needs no device sync, else `lengths.max()`."""
+    if given is None:
+        return int(lengths.max()) if lengths.numel() else 0
+    if lengths.device.type == "cpu" and lengths.numel() and int(lengths.max()) > given:
+        # Backends size scratch buffers and partitions from it; a short one would overflow them.
+        raise ValueError(f"{name}={given} is below the longest sequence ({int(lengths.max())})")
+    return given
+
+
+def check_table_covers(cache: CacheView, max_seq_len: int) -> None:
+    columns = cache.block_tables.shape[1]
+    if columns * cache.block_size < max_seq_len:
+        raise ValueError(
+            f"block_tables has {columns} columns of {cache.block_size} tokens, "
+            f"fewer than max_seq_len={max_seq_len} needs"
+        )
 
 
 def check_reshape_and_cache(
@@ -136,8 +132,8 @@ def check_reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-    backend: str,
-) -> None:
+) -> tuple[int, int]:
+    """Returns (head_size, block_size)."""
     _, num_kv_heads, head_size, block_size = check_cache_pair(key_cache, value_cache)
     expected = (key.shape[0], num_kv_heads, head_size)
     if key.dim() != 3 or tuple(key.shape) != expected or tuple(value.shape) != expected:
@@ -150,19 +146,19 @@ def check_reshape_and_cache(
     _index("slot_mapping", slot_mapping, torch.int64, 1)
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
-    _check_native_shape(backend, head_size, block_size)
     _same_device(("key", key), ("value", value), ("key_cache", key_cache), ("slot_mapping", slot_mapping))
-    _native_device(backend, key)
+    return head_size, block_size
 
 
 def check_copy_blocks(
     key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor
-) -> None:
+) -> tuple[int, int]:
+    """Returns (head_size, block_size)."""
     if len(key_caches) != len(value_caches) or not key_caches:
         raise ValueError(
             f"need one key and one value cache per layer, got {len(key_caches)} and {len(value_caches)}"
         )
-    num_blocks = check_cache_pair(key_caches[0], value_caches[0])[0]
+    num_blocks, _, head_size, block_size = check_cache_pair(key_caches[0], value_caches[0])
     for k, v in zip(key_caches, value_caches):
         if k.shape != key_caches[0].shape or check_cache_pair(k, v)[0] != num_blocks:
             raise ValueError("all layers' caches must have the same shape")
@@ -171,3 +167,4 @@ def check_copy_blocks(
                         f"{tuple(block_mapping.shape)}")
     if block_mapping.numel() and (int(block_mapping.min()) < 0 or int(block_mapping.max()) >= num_blocks):
         raise ValueError(f"block_mapping ids must be in [0, {num_blocks}), got {block_mapping.tolist()}")
+    return head_size, block_size

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
-from paged.kernels.cache_dir import ArtifactCache, make_key
-from paged.kernels.source import MAIN_FILE, main_source, source_dir, source_hash
-from paged.kernels.specs import Unit
+from paged.kernels.toolchain.cache_dir import ArtifactCache, make_key
+from paged.kernels.toolchain.source import MAIN_FILE, main_source, source_dir, source_hash
+from paged.kernels.toolchain.specs import Unit
 
 PIP_HINT = "pip install nvidia-cuda-nvrtc nvidia-cuda-runtime cuda-python"
 _CACHE = ArtifactCache("cubin", ".cubin")

@@ -5,14 +5,18 @@ the emulator tests these launchers too.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from abc import abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import torch
 
-from paged.kernels.specs import NUM_THREADS, Unit, attention_unit, cache_unit
+from paged.kernels.backends.base import CacheView
+from paged.kernels.backends.torch_ref import TorchBackend
+from paged.kernels.limits import BLOCK_SIZES, NATIVE_HEAD_SIZES, NATIVE_PARTITION_SIZES
+from paged.kernels.toolchain.specs import NUM_THREADS, Unit, attention_unit, cache_unit
 
 WARP_SIZE = 32
 MAX_CACHE_THREADS = 512
@@ -66,36 +70,29 @@ def _check_shared_memory(runner: Runner, needed: int, what: str) -> None:
         )
 
 
-class RunnerBackend:
-    """The three ops as a `KernelBackend` for runners that execute `Launch`es (cuda, emu).
+class RunnerBackend(TorchBackend):
+    """Decode attention and the cache ops of kernels_cu/, for backends whose runner executes
+    `Launch`es (cuda, emu); they support only the instantiated shapes. Prefill is inherited from
+    the torch backend: kernels_cu/ has no prefill kernel yet."""
 
-    `runner_for` picks the runner owning a tensor's device.
-    """
+    head_sizes = NATIVE_HEAD_SIZES
+    block_sizes = BLOCK_SIZES
+    partition_sizes = NATIVE_PARTITION_SIZES
 
-    def __init__(self, runner_for: Callable[[torch.Tensor], Runner]) -> None:
-        self._runner_for = runner_for
+    @abstractmethod
+    def runner(self, tensor: torch.Tensor) -> Runner:
+        """The runner owning `tensor`'s device."""
 
     def paged_attention(
-        self,
-        query: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        scale: float,
-        version: str,
-        partition_size: int,
-        max_seq_len: int,
+        self, query: torch.Tensor, cache: CacheView, scale: float, version: str, partition_size: int, max_seq_len: int
     ) -> torch.Tensor:
-        runner = self._runner_for(query)
+        runner = self.runner(query)
         num_seqs, num_heads, head_size = query.shape
-        num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[3]
+        key_cache, value_cache = cache.key_cache, cache.value_cache
+        num_kv_heads, block_size = cache.num_kv_heads, cache.block_size
         _require_contiguous(key_cache=key_cache, value_cache=value_cache)
-        if seq_lens.device.type == "cpu" and int(seq_lens.max()) > max_seq_len:
-            # Kernels size shared memory and partitions from max_seq_len; a short one overflows them.
-            raise ValueError(f"max_seq_len={max_seq_len} is below the longest sequence ({int(seq_lens.max())})")
         query = _rows_contiguous(query)
-        block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()
+        block_tables, seq_lens = cache.block_tables.contiguous(), cache.seq_lens.contiguous()
         out = torch.empty_like(query)
         unit = attention_unit(query.dtype, head_size, block_size, version, partition_size)
         common = (
@@ -129,14 +126,10 @@ class RunnerBackend:
         return out
 
     def reshape_and_cache(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
+        self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        runner = self._runner_for(key)
+        runner = self.runner(key)
         num_tokens, num_heads, head_size = key.shape
         if num_tokens == 0:
             return
@@ -154,7 +147,7 @@ class RunnerBackend:
     def copy_blocks(
         self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor
     ) -> None:
-        runner = self._runner_for(key_caches[0])
+        runner = self.runner(key_caches[0])
         if block_mapping.numel() == 0:
             return
         for layer, (k, v) in enumerate(zip(key_caches, value_caches)):

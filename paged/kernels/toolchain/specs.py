@@ -10,10 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from paged.kernels.validate import NATIVE_BLOCK_SIZES, NATIVE_HEAD_SIZES
+from paged.kernels.limits import BLOCK_SIZES, DEFAULT_PARTITION_SIZE, NATIVE_HEAD_SIZES
 
 NUM_THREADS = 128
-DEFAULT_PARTITION_SIZE = 512
 CXX_TYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
 OPS = ("attention_v1", "attention_v2", "cache")
 
@@ -67,7 +66,7 @@ def dispatchable_units(partition_size: int = DEFAULT_PARTITION_SIZE) -> list[Uni
     units = [cache_unit(dtype) for dtype in CXX_TYPES]
     for dtype in CXX_TYPES:
         for head in NATIVE_HEAD_SIZES:
-            for block in NATIVE_BLOCK_SIZES:
+            for block in BLOCK_SIZES:
                 units += [attention_unit(dtype, head, block, v, partition_size) for v in ("v1", "v2")]
     return units
 

@@ -1,5 +1,8 @@
-"""The cuda backend: kernels_cu/ compiled by NVRTC for the current device, launched through
-cuda.core on torch's current stream."""
+"""The cuda backend: kernels_cu/ compiled by NVRTC for the tensors' device, launched through
+cuda.core on torch's current stream of that device.
+
+cuda-python is imported where it is first needed, so this module (and the backend's support
+declaration) loads on machines without it."""
 
 from __future__ import annotations
 
@@ -8,8 +11,9 @@ from typing import Any
 
 import torch
 
-from paged.kernels import launch, nvrtc
-from paged.kernels.specs import Unit
+from paged.kernels.backends import launch
+from paged.kernels.toolchain import nvrtc
+from paged.kernels.toolchain.specs import Unit
 
 DEFAULT_SHARED_MEMORY = 48 * 1024
 
@@ -67,14 +71,28 @@ class _CudaRunner:
             cuda_launch(stream, config, self._kernels[item.kernel], *args)
 
 
-_runners: dict[int, _CudaRunner] = {}
+class CudaBackend(launch.RunnerBackend):
+    name = "cuda"
+    description = "CUDA kernels compiled by NVRTC"
+    device_type = "cuda"
+
+    def __init__(self) -> None:
+        self._runners: dict[int, _CudaRunner] = {}
+
+    def runner(self, tensor: torch.Tensor) -> _CudaRunner:
+        index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+        if index not in self._runners:
+            self._runners[index] = _CudaRunner(index)
+        return self._runners[index]
+
+    def unavailable_reason(self) -> str | None:
+        if not torch.cuda.is_available():
+            return "no CUDA device"
+        try:
+            nvrtc.toolchain()
+        except nvrtc.NVRTCUnavailableError as e:
+            return str(e)
+        return None
 
 
-def _runner(t: torch.Tensor) -> _CudaRunner:
-    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    if index not in _runners:
-        _runners[index] = _CudaRunner(index)
-    return _runners[index]
-
-
-BACKEND = launch.RunnerBackend(_runner)
+BACKEND = CudaBackend()

@@ -1,6 +1,6 @@
 """Ahead-of-time NVRTC build of every kernel instantiation the dispatcher can pick; needs no GPU.
 
-    python -m paged.kernels.build --arch sm_90 [--report] [--default-only] [--partition-size 512]
+    python -m paged.kernels.toolchain.build --arch sm_90 [--report] [--default-only] [--partition-size 512]
 
 Fills the cubin cache (`$PAGED_CACHE_DIR`, default ~/.cache/paged) so later runs start warm.
 `--report` prints registers, spills, static shared memory and compile time per kernel.
@@ -12,7 +12,8 @@ import argparse
 import sys
 import time
 
-from paged.kernels import nvrtc, specs
+from paged.kernels.limits import DEFAULT_PARTITION_SIZE
+from paged.kernels.toolchain import nvrtc, specs
 
 
 def format_report(compiled: list[nvrtc.CompiledUnit]) -> str:
@@ -29,11 +30,13 @@ def format_report(compiled: list[nvrtc.CompiledUnit]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m paged.kernels.build", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m paged.kernels.toolchain.build", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--arch", required=True, help="target, e.g. sm_80 or sm_90")
     parser.add_argument("--report", action="store_true", help="print per-kernel resource use")
     parser.add_argument("--default-only", action="store_true", help="only fp16/bf16, head 128, block 16")
-    parser.add_argument("--partition-size", type=int, default=specs.DEFAULT_PARTITION_SIZE)
+    parser.add_argument("--partition-size", type=int, default=DEFAULT_PARTITION_SIZE)
     parser.add_argument("--no-cache", action="store_true", help="recompile even when cached")
     parser.add_argument("--jobs", type=int, default=None, help="parallel NVRTC compiles (default: CPU count)")
     args = parser.parse_args(argv)

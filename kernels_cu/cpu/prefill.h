@@ -1,0 +1,227 @@
+// Prefill attention over the paged cache for a variable-length batch (backend "cpu").
+//
+// Sequence s owns query rows query_start_loc[s] .. query_start_loc[s + 1]; they are the last q_len
+// of its seq_lens[s] context positions, and attend causally to the context read straight from the
+// cache through the block table (q_len < seq_len after a prefix-cache hit or for a prefill chunk;
+// q_len == 1 is a decode row).
+//
+// Work items are (sequence, KV head, tile of kTileQ queries), scheduled dynamically and handed
+// out from the end, so a sequence's late tiles (which see the most context) start early. A tile
+// holds the G query heads of the KV head for each of its queries, R = G * tile rows, so each K/V
+// block is converted to fp32 once per tile and used by all R rows. Per block: logits by a
+// register-blocked [rows x block] product against the K tile transposed to [D][BS] (vectorised
+// over the block's slots), an online softmax (running max and sum per row, flash-attention
+// style), then the weighted values against the V tile transposed to [BS][D] (vectorised over D,
+// register-blocked too). No floating-point reduction runs in a vectorised dimension and exp is a
+// polynomial in plain IEEE arithmetic, so no -ffast-math is needed and results match the torch
+// reference to ~1e-6 in fp32. The vectorised exp needs -fno-trapping-math (see cpu.py).
+#pragma once
+
+#include "common.h"
+
+namespace paged_cpu {
+
+constexpr int kTileQ = 32;  // queries per work item
+constexpr int kRowBlock = 4;  // rows that share each loaded K / V vector
+constexpr int kWidth = 16;    // output columns per register block
+constexpr float kMasked = -100.f;  // a logit offset whose exp is exactly 0
+
+// exp(x) for x <= 0 (logits minus their running max) by Cephes' expf: range reduction by ln 2 and
+// a degree-6 polynomial, < 2 ulp, written so the compiler vectorises it. Below -87.3 it returns 0.
+inline float exp_nonpositive(float x) {
+  const float clamped = x < -87.3f ? -87.3f : x;  // not std::max: its reference defeats vectorisation
+  const float fx = clamped * 1.44269504088896341f;
+  const int n = static_cast<int>(fx - 0.5f);  // round to nearest for fx <= 0
+  const float fn = static_cast<float>(n);
+  float r = clamped - fn * 0.693359375f;
+  r = r - fn * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  // 2^n, or 0 below the range.
+  const float two_n = __builtin_bit_cast(float, x < -87.3f ? 0 : (n + 127) << 23);
+  return p * two_n;
+}
+
+struct PrefillScratch {
+  std::vector<float> q, o;  // [R][D], row r = query j * G + head g
+  std::vector<float> m, l;  // [R]: running max logit and exp-sum
+  std::vector<float> p;     // [R][BS]: one block's logits, then their exps
+  std::vector<float> kt;    // [D][BS]
+  std::vector<float> vt;    // [BS][D]
+
+  void init(int rows, int D, int BS) {
+    q.resize(static_cast<size_t>(rows) * D);
+    o.resize(static_cast<size_t>(rows) * D);
+    m.resize(rows);
+    l.resize(rows);
+    p.resize(static_cast<size_t>(rows) * BS);
+    kt.resize(static_cast<size_t>(D) * BS);
+    vt.resize(static_cast<size_t>(D) * BS);
+  }
+};
+
+// p[r][0..BS) = scale * q[r] . kt[:, 0..BS) for every row.
+template <int BS>
+inline void tile_logits(int R, int D, float scale, const float* q, const float* kt, float* p) {
+  int r = 0;
+  for (; r + kRowBlock <= R; r += kRowBlock) {
+    float acc[kRowBlock][BS] = {};
+    for (int d = 0; d < D; ++d) {
+      const float* kd = kt + d * BS;
+      for (int rr = 0; rr < kRowBlock; ++rr) {
+        const float qv = q[(r + rr) * D + d];
+#pragma omp simd
+        for (int off = 0; off < BS; ++off) acc[rr][off] += qv * kd[off];
+      }
+    }
+    for (int rr = 0; rr < kRowBlock; ++rr)
+      for (int off = 0; off < BS; ++off) p[(r + rr) * BS + off] = acc[rr][off] * scale;
+  }
+  for (; r < R; ++r) {
+    float acc[BS] = {};
+    for (int d = 0; d < D; ++d) {
+      const float qv = q[r * D + d];
+#pragma omp simd
+      for (int off = 0; off < BS; ++off) acc[off] += qv * kt[d * BS + off];
+    }
+    for (int off = 0; off < BS; ++off) p[r * BS + off] = acc[off] * scale;
+  }
+}
+
+// o[r] += sum_off p[r][off] * vt[off] over off < n (p is 0 where a row may not look). Blocks of
+// kRowBlock rows x kWidth columns of o stay in registers while the slots stream past.
+template <int BS>
+inline void tile_values(int R, int D, int n, const float* p, const float* vt, float* o) {
+  const int r_end = R - R % kRowBlock, d_end = D - D % kWidth;
+  for (int r = 0; r < r_end; r += kRowBlock)
+    for (int d0 = 0; d0 < d_end; d0 += kWidth) {
+      float acc[kRowBlock][kWidth];
+      for (int rr = 0; rr < kRowBlock; ++rr)
+        for (int i = 0; i < kWidth; ++i) acc[rr][i] = o[(r + rr) * D + d0 + i];
+      for (int off = 0; off < n; ++off) {
+        const float* v = vt + off * D + d0;
+        for (int rr = 0; rr < kRowBlock; ++rr) {
+          const float w = p[(r + rr) * BS + off];
+#pragma omp simd
+          for (int i = 0; i < kWidth; ++i) acc[rr][i] += w * v[i];
+        }
+      }
+      for (int rr = 0; rr < kRowBlock; ++rr)
+        for (int i = 0; i < kWidth; ++i) o[(r + rr) * D + d0 + i] = acc[rr][i];
+    }
+  // The rows and columns the blocks above leave over.
+  for (int r = 0; r < R; ++r) {
+    const int d_start = r < r_end ? d_end : 0;
+    for (int off = 0; off < n; ++off) {
+      const float w = p[r * BS + off];
+      for (int d = d_start; d < D; ++d) o[r * D + d] += w * vt[off * D + d];
+    }
+  }
+}
+
+// One work item: queries j0 .. j0 + nq of sequence `seq`, the G heads of KV head `kvh`.
+template <typename T, int BS>
+void prefill_tile(const Args& a, PrefillScratch& s, int seq, int kvh, int j0, int nq) {
+  using S = typename T::storage;
+  constexpr int x = x_of<T>();
+  const int G = a.num_heads / a.num_kv_heads, D = a.head_size, R = nq * G;
+  const int row0 = a.query_start_loc[seq] + j0;
+  const int first_pos = a.seq_lens[seq] - (a.query_start_loc[seq + 1] - a.query_start_loc[seq]) + j0;
+  const S* query = static_cast<const S*>(a.query);
+  for (int j = 0; j < nq; ++j)
+    for (int g = 0; g < G; ++g) {
+      const S* src = query + (row0 + j) * a.q_stride_seq + (kvh * G + g) * a.q_stride_head;
+      float* dst = s.q.data() + (j * G + g) * D;
+      for (int d = 0; d < D; ++d) dst[d] = T::load(src[d * a.q_stride_dim]);
+    }
+  std::fill(s.o.begin(), s.o.begin() + R * D, 0.f);
+  std::fill(s.m.begin(), s.m.begin() + R, -std::numeric_limits<float>::infinity());
+  std::fill(s.l.begin(), s.l.begin() + R, 0.f);
+
+  const int32_t* table = a.block_tables + seq * a.bt_stride;
+  const int last_pos = first_pos + nq - 1;
+  for (int b = 0; b <= last_pos / BS; ++b) {
+    const int start = b * BS;
+    // Slots this block holds for the tile's last query; none lies past seq_len, where the cache
+    // may hold garbage.
+    const int n = std::min(BS, last_pos - start + 1);
+    const S* k = tile_ptr<T>(a.key_cache, a, table[b], kvh);
+    const S* v = tile_ptr<T>(a.value_cache, a, table[b], kvh);
+    for (int c = 0; c < D / x; ++c)
+      for (int off = 0; off < BS; ++off)
+        for (int i = 0; i < x; ++i) s.kt[(c * x + i) * BS + off] = T::load(k[(c * BS + off) * x + i]);
+    for (int off = 0; off < n; ++off)
+      for (int d = 0; d < D; ++d) s.vt[off * D + d] = T::load(v[d * BS + off]);
+    tile_logits<BS>(R, D, a.scale, s.q.data(), s.kt.data(), s.p.data());
+    for (int r = 0; r < R; ++r) {
+      float* pr = s.p.data() + r * BS;
+      const int visible = std::min(n, first_pos + r / G - start + 1);  // causal: slots <= own position
+      if (visible <= 0) {
+        std::fill(pr, pr + BS, 0.f);
+        continue;
+      }
+      float block_max = pr[0];
+      for (int off = 1; off < visible; ++off) block_max = std::max(block_max, pr[off]);
+      const float m_old = s.m[r], m_new = std::max(m_old, block_max);
+#pragma omp simd
+      for (int off = 0; off < BS; ++off) {
+        const float shifted = pr[off] - m_new;
+        pr[off] = exp_nonpositive(off < visible ? shifted : kMasked);
+      }
+      float sum = 0.f;
+      for (int off = 0; off < visible; ++off) sum += pr[off];
+      if (m_new != m_old) {
+        const float alpha = std::exp(m_old - m_new);  // 0 on the first block (m_old = -inf)
+        float* orow = s.o.data() + r * D;
+        for (int d = 0; d < D; ++d) orow[d] *= alpha;
+        s.l[r] *= alpha;
+        s.m[r] = m_new;
+      }
+      s.l[r] += sum;
+    }
+    tile_values<BS>(R, D, n, s.p.data(), s.vt.data(), s.o.data());
+  }
+
+  S* out = static_cast<S*>(a.out);
+  for (int j = 0; j < nq; ++j)
+    for (int g = 0; g < G; ++g) {
+      const int r = j * G + g;
+      const float inv = 1.f / s.l[r];
+      S* dst = out + (static_cast<int64_t>(row0 + j) * a.num_heads + kvh * G + g) * D;
+      for (int d = 0; d < D; ++d) dst[d] = T::store(s.o[r * D + d] * inv);
+    }
+}
+
+template <typename T, int BS>
+void run_prefill(const Args& a) {
+  // tile_start[s]: index of sequence s's first query tile.
+  std::vector<int64_t> tile_start(a.num_seqs + 1, 0);
+  for (int s = 0; s < a.num_seqs; ++s) {
+    const int q_len = a.query_start_loc[s + 1] - a.query_start_loc[s];
+    tile_start[s + 1] = tile_start[s] + (q_len + kTileQ - 1) / kTileQ;
+  }
+  const int64_t items = tile_start[a.num_seqs] * a.num_kv_heads;
+  const int G = a.num_heads / a.num_kv_heads;
+#pragma omp parallel num_threads(a.num_threads)
+  {
+    PrefillScratch s;
+    s.init(G * std::min(kTileQ, std::max(a.max_query_len, 1)), a.head_size, BS);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = items - 1; item >= 0; --item) {
+      const int64_t tile = item / a.num_kv_heads;
+      const int kvh = static_cast<int>(item % a.num_kv_heads);
+      const int seq = static_cast<int>(std::upper_bound(tile_start.begin(), tile_start.end(), tile) -
+                                       tile_start.begin()) - 1;
+      const int j0 = static_cast<int>(tile - tile_start[seq]) * kTileQ;
+      const int q_len = a.query_start_loc[seq + 1] - a.query_start_loc[seq];
+      prefill_tile<T, BS>(a, s, seq, kvh, j0, std::min(kTileQ, q_len - j0));
+    }
+  }
+}
+
+}  // namespace paged_cpu

@@ -1,0 +1,124 @@
+"""The contract every kernel backend implements: what it supports, and the four ops.
+
+The front end (`paged.kernels.ops`) checks shapes, dtypes and devices once for every backend, then
+asks the backend whether it can serve the configuration (`unsupported_reason`) before calling it;
+`resolve_backend` asks the same question to pick a backend for `auto`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from paged.kernels.limits import DTYPE_NAMES
+
+DTYPES: tuple[torch.dtype, ...] = tuple(getattr(torch, name) for name in DTYPE_NAMES)
+
+
+def _text(value: object) -> str:
+    return str(value).removeprefix("torch.")
+
+
+def listing(values: Iterable[object]) -> str:
+    """`a, b, c`, with dtypes written as `float16` rather than `torch.float16`."""
+    return ", ".join(map(_text, values))
+
+
+@dataclass(frozen=True)
+class CacheView:
+    """One layer's paged K/V cache as a batch's sequences see it (layouts in DESIGN.md):
+    `block_tables` int32 `[num_seqs, max_blocks]`, `seq_lens` int32 `[num_seqs]`."""
+
+    key_cache: torch.Tensor  # [num_blocks, num_kv_heads, head_size / x, block_size, x]
+    value_cache: torch.Tensor  # [num_blocks, num_kv_heads, head_size, block_size]
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.value_cache.shape[1]
+
+    @property
+    def head_size(self) -> int:
+        return self.value_cache.shape[2]
+
+    @property
+    def block_size(self) -> int:
+        return self.value_cache.shape[3]
+
+
+class KernelBackend(ABC):
+    """A backend: its declared support, and the ops on arguments the front end already checked.
+
+    A support field of `None` means any value the backend-agnostic checks accept; `device_type`
+    `None` means tensors on any device.
+    """
+
+    name: ClassVar[str]
+    description: ClassVar[str]  # how it runs, for logs: "native C++/OpenMP"
+    device_type: ClassVar[str | None] = None
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = DTYPES
+    head_sizes: ClassVar[tuple[int, ...] | None] = None
+    block_sizes: ClassVar[tuple[int, ...] | None] = None
+    partition_sizes: ClassVar[tuple[int, ...] | None] = None
+
+    def unsupported_reason(
+        self,
+        device: torch.device,
+        dtype: torch.dtype,
+        head_size: int,
+        block_size: int | None,
+        partition_size: int | None = None,
+    ) -> str | None:
+        """Why this backend cannot serve the configuration, naming the value and what it supports;
+        `None` when it can. A `None` value is not checked: a block size not known yet, a partition
+        size where v2 never runs."""
+        declared = (
+            ("dtype", dtype, self.dtypes),
+            ("head_size", head_size, self.head_sizes),
+            ("block_size", block_size, self.block_sizes),
+            ("partition_size", partition_size, self.partition_sizes),
+        )
+        for what, value, supported in declared:
+            if value is not None and supported is not None and value not in supported:
+                return (
+                    f"{what}={_text(value)} is not supported by backend={self.name!r}; supported: {listing(supported)}"
+                )
+        if self.device_type is not None and device.type != self.device_type:
+            return f"backend={self.name!r} needs {self.device_type} tensors, got tensors on {device}"
+        return None
+
+    def unavailable_reason(self) -> str | None:
+        """Why this backend cannot run in this process (no compiler, no CUDA toolchain); `None`
+        when it can. May build the backend's library on first call."""
+        return None
+
+    @abstractmethod
+    def paged_attention(
+        self, query: torch.Tensor, cache: CacheView, scale: float, version: str, partition_size: int, max_seq_len: int
+    ) -> torch.Tensor:
+        """`paged.kernels.paged_attention` on a non-empty batch."""
+
+    @abstractmethod
+    def prefill_attention(
+        self, query: torch.Tensor, cache: CacheView, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
+        max_seq_len: int,
+    ) -> torch.Tensor:
+        """`paged.kernels.prefill_attention` on a non-empty batch."""
+
+    @abstractmethod
+    def reshape_and_cache(
+        self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """`paged.kernels.reshape_and_cache`."""
+
+    @abstractmethod
+    def copy_blocks(
+        self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor
+    ) -> None:
+        """`paged.kernels.copy_blocks` with an int64 `[num_pairs, 2]` mapping."""

@@ -1,0 +1,158 @@
+"""The cpu backend: native C++/OpenMP decode and prefill attention (kernels_cu/cpu/).
+
+Both read K/V straight from the paged cache through the block tables, so unlike the torch
+reference they make no gathered or permuted copies. The library is built with the host compiler
+(`$CXX`, else `g++`) into the on-disk kernel cache, keyed by the sources' hash, the compiler, the
+flags and the CPU, and loaded once per process through ctypes. `reshape_and_cache` and
+`copy_blocks` are cheap and use the torch reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import platform
+import threading
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from paged.kernels.backends.base import CacheView
+from paged.kernels.backends.torch_ref import TorchBackend
+from paged.kernels.limits import BLOCK_SIZES
+from paged.kernels.toolchain import host_compiler
+from paged.kernels.toolchain.cache_dir import ArtifactCache
+from paged.kernels.toolchain.source import source_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE_DIR = "cpu"
+MAIN = f"{SOURCE_DIR}/paged_attention_cpu.cpp"
+# -fno-trapping-math lets the vectoriser evaluate both arms of a select (no FP traps are enabled);
+# unlike -ffast-math it changes no result.
+FLAGS = ("-std=c++17", "-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-fPIC", "-shared")
+_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_STATUS = {
+    1: f"block_size must be one of {BLOCK_SIZES}",
+    2: "num_heads must be a multiple of num_kv_heads",
+    3: "head_size must be a positive multiple of x = 16 // element_size",
+    4: "partition_size must be a positive multiple of block_size",
+    6: "the thread count must be positive",
+    7: "unsupported dtype",
+}
+_COMMON_ARGS = [
+    ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
+]
+_SIGNATURES = {
+    # version, partition_size, max_seq_len, num_threads
+    "paged_attention_cpu": [*_COMMON_ARGS, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int],
+    # query_start_loc, max_query_len, num_threads
+    "prefill_attention_cpu": [*_COMMON_ARGS, ctypes.c_void_p, ctypes.c_int, ctypes.c_int],
+}
+
+_CACHE = ArtifactCache("cpu", ".so")
+_LOCK = threading.Lock()
+_library: ctypes.CDLL | None = None
+
+
+def _host_id() -> str:
+    """-march=native output depends on the CPU, so a shared cache directory keys on its features."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        flags = next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()}:{hashlib.sha256(flags.encode()).hexdigest()[:16]}"
+
+
+def _sources_hash(root: Path) -> str:
+    digest = hashlib.sha256()
+    for file in sorted(f for f in (root / SOURCE_DIR).iterdir() if f.suffix in (".h", ".cpp")):
+        digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def build() -> Path:
+    """Builds (or finds in the cache) the shared library; raises with the reason on failure."""
+    root = source_dir()
+    return host_compiler.build(
+        _CACHE, f'#include "{MAIN}"\n', FLAGS, include_dir=root, key_parts=[_sources_hash(root), _host_id()]
+    )
+
+
+def load() -> ctypes.CDLL:
+    """The loaded library, built on first use and cached for the process."""
+    global _library
+    with _LOCK:
+        if _library is None:
+            library = ctypes.CDLL(str(build()))
+            for name, argtypes in _SIGNATURES.items():
+                fn = getattr(library, name)
+                fn.argtypes = argtypes
+                fn.restype = ctypes.c_int
+            _library = library
+        return _library
+
+
+@cache
+def _load_failure() -> str | None:
+    """Why the library does not build or load here, checked once per process; logged as a warning."""
+    try:
+        load()
+    except Exception as exc:  # noqa: BLE001 - any failure means: this backend cannot run
+        log.warning("native cpu attention unavailable: %s", exc)
+        return str(exc)
+    return None
+
+
+def _call(entry: str, query: torch.Tensor, cache: CacheView, scale: float, *tail: object) -> torch.Tensor:
+    """Runs a library entry point on `PAGED_CPU_COMMON_ARGS` followed by `tail`."""
+    # No-op copies for the executor's tensors: caches are allocated contiguous, index tensors fresh.
+    key_cache, value_cache, block_tables, seq_lens = (
+        t.contiguous() for t in (cache.key_cache, cache.value_cache, cache.block_tables, cache.seq_lens)
+    )
+    out = torch.empty(query.shape, dtype=query.dtype)
+    status = getattr(load(), entry)(
+        _DTYPES[query.dtype], out.data_ptr(), query.data_ptr(), *query.stride(),
+        key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+        seq_lens.data_ptr(), seq_lens.shape[0], query.shape[1], cache.num_kv_heads, cache.head_size,
+        cache.block_size, float(scale), *tail,
+    )
+    if status:
+        raise ValueError(f"cpu {entry} refused its arguments: {_STATUS.get(status, status)}")
+    return out
+
+
+class CpuBackend(TorchBackend):
+    """Native decode and prefill attention; the cache ops are the torch reference's."""
+
+    name = "cpu"
+    description = "native C++/OpenMP"
+    device_type = "cpu"
+    block_sizes = BLOCK_SIZES
+
+    def unavailable_reason(self) -> str | None:
+        return _load_failure()
+
+    def paged_attention(
+        self, query: torch.Tensor, cache: CacheView, scale: float, version: str, partition_size: int, max_seq_len: int
+    ) -> torch.Tensor:
+        version_number = 1 if version == "v1" else 2
+        return _call("paged_attention_cpu", query, cache, scale, version_number, partition_size, max_seq_len,
+                     torch.get_num_threads())
+
+    def prefill_attention(
+        self, query: torch.Tensor, cache: CacheView, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
+        max_seq_len: int,
+    ) -> torch.Tensor:
+        query_start_loc = query_start_loc.contiguous()
+        # `query_start_loc` must outlive the call: `_call` only holds its address.
+        return _call("prefill_attention_cpu", query, cache, scale, query_start_loc.data_ptr(), max_query_len,
+                     torch.get_num_threads())
+
+
+BACKEND = CpuBackend()

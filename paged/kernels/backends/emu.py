@@ -1,0 +1,70 @@
+"""The emu backend: the CUDA kernels of kernels_cu/ executed on the CPU, one real thread per CUDA
+thread (built by `toolchain/emulator.py`). Slow; it exists to test the CUDA sources without a GPU."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from paged.kernels.backends.launch import Launch, Ptr, RunnerBackend
+from paged.kernels.toolchain import emulator, host_compiler
+from paged.kernels.toolchain.specs import Unit
+
+# Same opt-in limit as an H100, so a launch the GPU would refuse fails here too.
+MAX_SHARED_MEMORY = 227 * 1024
+_STATUS = {1: "block size must be 1..1024 threads", 2: "grid dimensions must be positive"}
+_LOCK = threading.Lock()  # the runtime's globals (gridDim, shared memory) hold one launch at a time
+
+
+def _c_value(arg: object) -> ctypes._SimpleCData:
+    if isinstance(arg, Ptr):
+        return ctypes.c_void_p(int(arg))
+    if isinstance(arg, np.int32):
+        return ctypes.c_int32(int(arg))
+    if isinstance(arg, np.float32):
+        return ctypes.c_float(float(arg))
+    raise TypeError(f"unsupported kernel argument {arg!r} ({type(arg).__name__})")
+
+
+class EmuRunner:
+    max_shared_memory = MAX_SHARED_MEMORY
+
+    def run(self, unit: Unit, launches: Sequence[Launch]) -> None:
+        emulator.prepare([unit])
+        with _LOCK:
+            for launch in launches:
+                values = [_c_value(a) for a in launch.args]
+                args = (ctypes.c_void_p * len(values))(
+                    *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values]
+                )
+                dims = emulator.LaunchDims(
+                    (ctypes.c_uint * 3)(*launch.grid), (ctypes.c_uint * 3)(launch.block, 1, 1), launch.shared_memory
+                )
+                status = emulator.kernel(launch.kernel)(ctypes.byref(dims), args)
+                if status:
+                    raise RuntimeError(f"emulated launch of {launch.kernel} failed: {_STATUS.get(status, status)}")
+
+
+RUNNER = EmuRunner()
+
+
+class EmuBackend(RunnerBackend):
+    """The CUDA kernels on CPU tensors. Prefill is the torch implementation (no CUDA prefill kernel
+    exists yet)."""
+
+    name = "emu"
+    description = "CUDA kernels emulated on the CPU"
+    device_type = "cpu"
+
+    def runner(self, tensor: torch.Tensor) -> EmuRunner:
+        return RUNNER
+
+    def unavailable_reason(self) -> str | None:
+        return host_compiler.unavailable_reason()
+
+
+BACKEND = EmuBackend()

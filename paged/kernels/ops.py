@@ -1,0 +1,149 @@
+"""The ops every backend provides, with the checks run once in front of all of them.
+
+Tensors use vLLM's cache layout (DESIGN.md): key `[num_blocks, kv_heads, head_size/x, block_size, x]`
+with `x = 16 // element_size`, value `[num_blocks, kv_heads, head_size, block_size]`. Each op
+validates its arguments, asks the backend whether it serves the configuration, then runs it.
+`backend=` is a name (`torch`, `cpu`, `cuda`, `emu`) or a `KernelBackend`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from paged.kernels.backends.base import CacheView, KernelBackend
+from paged.kernels.limits import DEFAULT_PARTITION_SIZE
+from paged.kernels.registry import get_backend
+from paged.kernels.validate import (
+    check_copy_blocks,
+    check_max_len,
+    check_paged_attention,
+    check_prefill_attention,
+    check_reshape_and_cache,
+    check_table_covers,
+)
+
+V1_MAX_SEQ_LEN = 8192
+V1_MIN_PARALLELISM = 512
+
+
+def choose_version(
+    max_seq_len: int, num_seqs: int, num_heads: int, partition_size: int = DEFAULT_PARTITION_SIZE
+) -> str:
+    """vLLM's rule: v1 when one partition suffices or the grid already has enough blocks."""
+    num_partitions = -(-max_seq_len // partition_size)
+    use_v1 = max_seq_len <= V1_MAX_SEQ_LEN and (
+        num_partitions == 1 or num_seqs * num_heads > V1_MIN_PARALLELISM
+    )
+    return "v1" if use_v1 else "v2"
+
+
+def _serving(
+    backend: str | KernelBackend, tensor: torch.Tensor, head_size: int, block_size: int,
+    partition_size: int | None = None,
+) -> KernelBackend:
+    impl = get_backend(backend)
+    reason = impl.unsupported_reason(tensor.device, tensor.dtype, head_size, block_size, partition_size)
+    if reason:
+        raise ValueError(reason)
+    return impl
+
+
+def _serving_attention(
+    backend: str | KernelBackend, query: torch.Tensor, cache: CacheView, partition_size: int | None,
+    max_seq_len: int | None,
+) -> tuple[KernelBackend, int]:
+    """The backend for attention over a checked `cache`, and the checked `max_seq_len`."""
+    impl = _serving(backend, query, cache.head_size, cache.block_size, partition_size)
+    max_seq_len = check_max_len("max_seq_len", cache.seq_lens, max_seq_len)
+    check_table_covers(cache, max_seq_len)
+    return impl, max_seq_len
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    version: str = "v1",
+    backend: str | KernelBackend = "torch",
+    partition_size: int = DEFAULT_PARTITION_SIZE,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Decode attention, one query token per sequence: `[num_seqs, num_heads, head_size]`.
+
+    `block_tables` int32 `[num_seqs, max_blocks]`, `seq_lens` int32 `[num_seqs]` (the context
+    including the query's own token, already in the cache). `max_seq_len` may be passed when the
+    caller knows it, which saves a device-to-host sync.
+    """
+    cache = CacheView(key_cache, value_cache, block_tables, seq_lens)
+    check_paged_attention(query, cache, version, partition_size)
+    impl, max_seq_len = _serving_attention(
+        backend, query, cache, partition_size if version == "v2" else None, max_seq_len
+    )
+    if query.shape[0] == 0 or max_seq_len == 0:
+        return torch.zeros_like(query)
+    return impl.paged_attention(query, cache, scale, version, partition_size, max_seq_len)
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    backend: str | KernelBackend = "torch",
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Causal attention over the paged cache for a variable-length batch: `[num_tokens, num_heads,
+    head_size]`.
+
+    Sequence i's queries are rows `query_start_loc[i]:query_start_loc[i + 1]` of `query` (int32
+    `[S + 1]` offsets) and are the last of its `seq_lens[i]` context positions, whose K/V are
+    already in the cache (`reshape_and_cache` wrote the new ones). Fewer queries than context is a
+    prefix-cache hit or a chunk of a prefill; one query is a decode row, so a batch may mix both.
+    Passing `max_query_len` / `max_seq_len` saves device-to-host syncs.
+    """
+    cache = CacheView(key_cache, value_cache, block_tables, seq_lens)
+    check_prefill_attention(query, cache, query_start_loc)
+    impl, max_seq_len = _serving_attention(backend, query, cache, None, max_seq_len)
+    max_query_len = check_max_len("max_query_len", query_start_loc.diff(), max_query_len)
+    if query.shape[0] == 0:
+        return torch.empty_like(query)
+    return impl.prefill_attention(query, cache, query_start_loc, scale, max_query_len, max_seq_len)
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    backend: str | KernelBackend = "torch",
+) -> None:
+    """Write `key`/`value` `[num_tokens, kv_heads, head_size]` into the cache at `slot_mapping` (-1 skipped)."""
+    head_size, block_size = check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    _serving(backend, key, head_size, block_size).reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def copy_blocks(
+    key_caches: list[torch.Tensor],
+    value_caches: list[torch.Tensor],
+    block_mapping: torch.Tensor | Sequence[tuple[int, int]],
+    *,
+    backend: str | KernelBackend = "torch",
+) -> None:
+    """Copy-on-write: for every `(src, dst)` pair copy block src to dst in every layer's K and V."""
+    if not isinstance(block_mapping, torch.Tensor):
+        block_mapping = torch.tensor(list(block_mapping), dtype=torch.int64).reshape(-1, 2)
+    head_size, block_size = check_copy_blocks(key_caches, value_caches, block_mapping)
+    _serving(backend, key_caches[0], head_size, block_size).copy_blocks(key_caches, value_caches, block_mapping)
