@@ -79,6 +79,21 @@ def test_request_larger_than_cache_is_aborted_and_others_finish():
     assert requests[1].finish_time is not None
 
 
+def test_request_that_cannot_fit_even_into_an_idle_cache_is_aborted_not_waited_on():
+    # 4 of the 8 blocks are held outside the engine: a 5-block request passes the NEVER check
+    # (8 blocks in all) but can never be admitted, and must not stall the requests behind it
+    engine = make_engine(
+        "allocator._target_=tests.toy_plugins.HoldingAllocator", "+allocator.held=4",
+        "allocator.num_blocks=8", "allocator.block_size=8", "allocator.watermark=0",
+    )
+    prompts = [[1] * 40, [2] * 10, [3] * 5]
+    requests = run_requests(engine, prompts, [SamplingParams(max_tokens=3, ignore_eos=True)] * 3)
+    assert [r.finish_reason.value for r in requests] == ["aborted", "length", "length"]
+    assert requests[0].abort_reason == (
+        "needs 5 blocks for 40 tokens but with nothing running only 4 of the cache's 8 blocks are free"
+    )
+
+
 def test_invalid_requests_are_aborted_with_reasons():
     engine = make_engine("scheduler.max_model_len=32", "scheduler.max_num_batched_tokens=64")
     prompts = [[], [5] * 40, [1, 2, 3]]

@@ -31,6 +31,15 @@ class CappedAllocator(NaiveAllocator):
         super().__init__(min(num_blocks, max_blocks), block_size)
 
 
+class HoldingAllocator(NaiveAllocator):
+    """Keeps `held` blocks allocated for good, as if another tenant used them."""
+
+    def __init__(self, num_blocks: int, block_size: int, held: int) -> None:
+        super().__init__(num_blocks, block_size)
+        for _ in range(held):
+            self.allocate()
+
+
 class PromptLengthPolicy(SchedulingPolicy):
     """Admits by prompt length, longest first unless `longest_first=false`; preempts the other end."""
 

@@ -63,7 +63,7 @@ class BlockManager:
     # -- admission -------------------------------------------------------------------------------
 
     def can_allocate(self, seq: Sequence) -> AllocStatus:
-        required = self._admission_blocks(seq)
+        required = self.admission_blocks(seq)
         if self.num_total_blocks - required < self.watermark_blocks:
             return AllocStatus.NEVER
         hits = self._peek_hits(seq)
@@ -79,7 +79,7 @@ class BlockManager:
             raise ValueError(f"sequence {seq.seq_id} already has blocks")
         bs, alloc = self.block_size, self.allocator
         num_tokens = seq.num_tokens
-        required = self._admission_blocks(seq)
+        required = self.admission_blocks(seq)
         hits = self._peek_hits(seq)
         needed = required - sum(1 for b in hits if alloc.refcount(b) > 0)
         if needed > alloc.num_free_blocks:
@@ -152,7 +152,8 @@ class BlockManager:
         last = min(self._cdiv(seq.num_tokens), len(table))
         return [i for i in range(first, last) if refcount(table[i]) > 1]
 
-    def _admission_blocks(self, seq: Sequence) -> int:
+    def admission_blocks(self, seq: Sequence) -> int:
+        """Blocks `seq`'s table covers once admitted: its tokens, or what the reservation asks."""
         return self._cdiv(max(seq.num_tokens, self.reservation.admission_slots(seq)))
 
     def _growth_blocks(self, seq: Sequence, state: _SeqBlocks) -> int:

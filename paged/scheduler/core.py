@@ -118,27 +118,15 @@ class Scheduler:
             return out
         token_budget = self.cfg.max_num_batched_tokens
         admitted: list[Sequence] = []
-        bm = self.block_manager
         for seq in self.policy.order(self.waiting, now):
-            if len(self.running) + len(admitted) >= self.cfg.max_num_seqs:
+            if len(self.running) + len(admitted) >= self.cfg.max_num_seqs or seq.num_tokens > token_budget:
                 break
-            if seq.num_tokens > token_budget:
-                break
-            status = self.preemption.can_admit(seq, bm)
+            status = self._admission_status(seq, idle=not (self.running or admitted))
             if status is AllocStatus.NEVER:
-                self.abort(
-                    seq.request,
-                    f"needs {-(-seq.num_tokens // bm.block_size)} blocks for {seq.num_tokens} tokens but "
-                    f"the cache has {bm.num_total_blocks} blocks (watermark {bm.watermark_blocks})",
-                )
-                continue
-            if status is AllocStatus.LATER and not (self.running or admitted):
-                # nothing runs, so nothing will free blocks: waiting cannot help
-                self.abort(seq.request, f"cannot be admitted with {seq.num_tokens} tokens even into an idle cache")
                 continue
             if status is AllocStatus.LATER:
                 break
-            seq.num_computed_tokens = self.preemption.admit(seq, bm, out)
+            seq.num_computed_tokens = self.preemption.admit(seq, self.block_manager, out)
             seq.status = SeqStatus.RUNNING
             token_budget -= seq.num_tokens
             admitted.append(seq)
@@ -147,6 +135,26 @@ class Scheduler:
             self.waiting.remove(seq)
         self.running.extend(admitted)
         return out
+
+    def _admission_status(self, seq: Sequence, *, idle: bool) -> AllocStatus:
+        """OK or LATER; NEVER once `seq`'s request is aborted with the reason. With nothing running
+        (`idle`) nothing will free blocks, so LATER is NEVER too."""
+        bm = self.block_manager
+        status = self.preemption.can_admit(seq, bm)
+        needs = f"needs {bm.admission_blocks(seq)} blocks for {seq.num_tokens} tokens but"
+        if status is AllocStatus.NEVER:
+            self.abort(
+                seq.request,
+                f"{needs} the cache has {bm.num_total_blocks} blocks (watermark {bm.watermark_blocks})",
+            )
+        elif status is AllocStatus.LATER and idle:
+            status = AllocStatus.NEVER
+            self.abort(
+                seq.request,
+                f"{needs} with nothing running only {bm.allocator.num_free_blocks} of the cache's "
+                f"{bm.num_total_blocks} blocks are free",
+            )
+        return status
 
     def _schedule_decodes(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput(is_prefill=False)
