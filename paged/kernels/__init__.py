@@ -12,13 +12,9 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from paged.kernels.backends.base import KernelBackend
-    from paged.kernels.ops import choose_version, copy_blocks, paged_attention, prefill_attention, reshape_and_cache
-    from paged.kernels.registry import BACKENDS, get_backend, resolve_backend
+from paged.kernels.backends.base import KernelBackend
+from paged.kernels.ops import choose_version, copy_blocks, paged_attention, prefill_attention, reshape_and_cache
+from paged.kernels.registry import BACKENDS, get_backend, resolve_backend
 
 __all__ = [
     "BACKENDS",
@@ -31,13 +27,3 @@ __all__ = [
     "reshape_and_cache",
     "resolve_backend",
 ]
-_MODULES = ("paged.kernels.ops", "paged.kernels.registry", "paged.kernels.backends.base")
-
-
-def __getattr__(name: str) -> Any:
-    # The ops import torch; `paged.kernels.limits` (read by the config schema) must not.
-    if name in __all__:
-        for module in map(importlib.import_module, _MODULES):
-            if hasattr(module, name):
-                return getattr(module, name)
-    raise AttributeError(f"module 'paged.kernels' has no attribute {name!r}")

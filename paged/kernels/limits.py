@@ -1,4 +1,4 @@
-"""What the kernels support, defined once. Free of torch so that config validation stays light.
+"""What the kernels support, defined once.
 
 Backends declare their support from these (`backends/base.py`); the config schema takes its
 block sizes and default partition size from here.
