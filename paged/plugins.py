@@ -16,7 +16,7 @@ import logging
 import typing
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
@@ -24,8 +24,6 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from paged.config import ConfigError
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
