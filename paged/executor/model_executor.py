@@ -67,13 +67,16 @@ class ModelExecutor(Executor):
         self.requested_backend = kernel_cfg.backend
         self._resolve_backend()
 
+    @property
+    def _v2_partition_size(self) -> int | None:
+        return None if self.version == "v1" else self.partition_size
+
     def _resolve_backend(self) -> None:
         """The backend for this model's device, dtype and head size, and the cache's block size once
         it is known (every op checks it again)."""
         self.backend, reason = kernels.resolve_backend(
             self.requested_backend, device=self.device, dtype=self.dtype, head_size=self.arch.head_dim,
-            block_size=self.block_size or None,
-            partition_size=None if self.version == "v1" else self.partition_size,
+            block_size=self.block_size or None, partition_size=self._v2_partition_size,
         )
         version = "auto(v1/v2)" if self.version == "auto" else self.version
         self.kernel_description = f"{version}/{reason}"
@@ -99,7 +102,11 @@ class ModelExecutor(Executor):
         self.key_caches = [torch.zeros(key_shape, **kw) for _ in range(a.num_layers)]
         self.value_caches = [torch.zeros(value_shape, **kw) for _ in range(a.num_layers)]
         self.block_size = block_size
-        self._resolve_backend()
+        # resolved without a block size at construction: resolve again only if this one is refused
+        if self.backend.unsupported_reason(
+            self.device, self.dtype, self.arch.head_dim, block_size, self._v2_partition_size
+        ):
+            self._resolve_backend()
 
     def _choose_version(self, batch: BatchInput) -> str | None:
         """The decode kernel for the step's decode rows; `None` when it has none."""
