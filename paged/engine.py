@@ -38,7 +38,6 @@ class Engine:
         finished = self.scheduler.update_from_output(sched, output, self.clock.now())
         if sched.scheduled:
             self.metrics.on_step(sched, output, self.scheduler.stats(), start, self.clock.now())
-        self.metrics.on_finish(finished)
         return finished
 
     def run_until_done(self, on_step: Callable[[list[Request]], None] | None = None) -> None:

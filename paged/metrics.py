@@ -99,9 +99,6 @@ class MetricsRecorder:
     def on_add(self, request: Request) -> None:
         self.requests.append(request)
 
-    def on_finish(self, requests: list[Request]) -> None:
-        """Hook for subclasses; request records are built from `requests` at the end."""
-
     def on_step(
         self, sched: SchedulerOutput, output: ExecutorOutput, stats: SchedulerStats, start: float, end: float
     ) -> None:
