@@ -115,7 +115,7 @@ def prefill_attention(
     cache = CacheView(key_cache, value_cache, block_tables, seq_lens)
     check_prefill_attention(query, cache, query_start_loc)
     impl, max_seq_len = _serving_attention(backend, query, cache, None, max_seq_len)
-    max_query_len = check_max_len("max_query_len", query_start_loc.diff(), max_query_len)
+    max_query_len = check_max_len("max_query_len", query_start_loc.diff(), max_query_len, sizes_memory=False)
     if query.shape[0] == 0:
         return torch.empty_like(query)
     return impl.prefill_attention(query, cache, query_start_loc, scale, max_query_len, max_seq_len)

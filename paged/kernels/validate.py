@@ -2,11 +2,14 @@
 
 What a particular backend supports (head sizes, block sizes, devices) is its own declaration
 (`KernelBackend.unsupported_reason`); here is only what every backend needs: vLLM's cache layout,
-matching dtypes and shapes, one device. Checks that read tensor values run only on CPU tensors,
-where they cost no device synchronisation.
+matching dtypes and shapes, one device, caches that do not overlap. Checks that read tensor values
+on an accelerator cost a device synchronisation, so they run only on CPU tensors, except the
+`max_seq_len` check, which guards shared memory and runs once per lengths tensor.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -31,6 +34,24 @@ def _same_device(*named: tuple[str, torch.Tensor]) -> None:
         raise ValueError(f"tensors must share one device: {listed}")
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes `[start, end)` that `t`'s elements occupy."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    last = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def check_disjoint(*named: tuple[str, torch.Tensor]) -> None:
+    """Tensors a kernel writes must not share memory with each other or with what it reads."""
+    # Meta tensors have no memory to overlap.
+    spans = sorted((*_span(t), name) for name, t in named if t.numel() and not t.is_meta)
+    for (a0, a1, a), (b0, b1, b) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise ValueError(f"{a} and {b} overlap in memory ([{a0:#x}, {a1:#x}) and [{b0:#x}, {b1:#x})); "
+                             "they must be separate tensors")
+
+
 def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int, int, int, int]:
     """Returns (num_blocks, num_kv_heads, head_size, block_size) of a valid K/V cache pair."""
     _dtype("key_cache", key_cache)
@@ -51,6 +72,7 @@ def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tupl
     if value_cache.dtype != key_cache.dtype:
         raise TypeError(f"value_cache dtype {value_cache.dtype} != key_cache dtype {key_cache.dtype}")
     _same_device(("key_cache", key_cache), ("value_cache", value_cache))
+    check_disjoint(("key_cache", key_cache), ("value_cache", value_cache))
     return num_blocks, num_kv_heads, head_size, block_size
 
 
@@ -107,13 +129,42 @@ def check_prefill_attention(query: torch.Tensor, cache: CacheView, query_start_l
                              f"seq_lens {cache.seq_lens.tolist()}")
 
 
-def check_max_len(name: str, lengths: torch.Tensor, given: int | None) -> int:
-    """`given`, checked against `lengths` where that needs no device sync, else `lengths.max()`."""
+# id(lengths) -> (a weak reference to it, its version counter, its maximum): the model passes one
+# lengths tensor to every layer, so a step pays for one device sync, not one per layer.
+_MAX_LENS: dict[int, tuple[weakref.ref[torch.Tensor], int, int]] = {}
+
+
+def _version(t: torch.Tensor) -> int:
+    # Inference-mode tensors keep no version counter; the executor builds new ones every step.
+    return -1 if t.is_inference() else t._version
+
+
+def _max_of(lengths: torch.Tensor) -> int:
+    key = id(lengths)
+    known = _MAX_LENS.get(key)
+    if known is not None and known[0]() is lengths and known[1] == _version(lengths):
+        return known[2]
+    if lengths.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise ValueError("max_seq_len cannot be checked while a CUDA graph is being captured (it reads the "
+                         "lengths); run the op once with the same lengths tensor before capturing")
+    longest = int(lengths.max())
+    _MAX_LENS[key] = (weakref.ref(lengths, lambda _: _MAX_LENS.pop(key, None)), _version(lengths), longest)
+    return longest
+
+
+def check_max_len(name: str, lengths: torch.Tensor, given: int | None, *, sizes_memory: bool = True) -> int:
+    """`given`, checked against `lengths`, else `lengths.max()`. A value that `sizes_memory` (shared
+    memory, scratch buffers) is checked on every device, where an understated one would overflow
+    it; other values only where the check needs no device sync."""
+    if not lengths.numel():
+        return 0 if given is None else given
+    if given is not None and not sizes_memory and not lengths.is_cpu:
+        return given
+    longest = _max_of(lengths)
     if given is None:
-        return int(lengths.max()) if lengths.numel() else 0
-    if lengths.device.type == "cpu" and lengths.numel() and int(lengths.max()) > given:
-        # Backends size scratch buffers and partitions from it; a short one would overflow them.
-        raise ValueError(f"{name}={given} is below the longest sequence ({int(lengths.max())})")
+        return longest
+    if longest > given:
+        raise ValueError(f"{name}={given} is below the longest sequence ({longest})")
     return given
 
 
@@ -147,6 +198,8 @@ def check_reshape_and_cache(
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
     _same_device(("key", key), ("value", value), ("key_cache", key_cache), ("slot_mapping", slot_mapping))
+    check_disjoint(("key_cache", key_cache), ("value_cache", value_cache), ("key", key))
+    check_disjoint(("key_cache", key_cache), ("value_cache", value_cache), ("value", value))
     return head_size, block_size
 
 
@@ -162,6 +215,8 @@ def check_copy_blocks(
     for k, v in zip(key_caches, value_caches):
         if k.shape != key_caches[0].shape or check_cache_pair(k, v)[0] != num_blocks:
             raise ValueError("all layers' caches must have the same shape")
+    named = [(f"key_caches[{i}]", k) for i, k in enumerate(key_caches)]
+    check_disjoint(*named, *[(f"value_caches[{i}]", v) for i, v in enumerate(value_caches)])
     if block_mapping.dtype != torch.int64 or block_mapping.dim() != 2 or block_mapping.shape[1] != 2:
         raise TypeError(f"block_mapping must be an int64 [num_pairs, 2] tensor, got {block_mapping.dtype} "
                         f"{tuple(block_mapping.shape)}")

@@ -31,7 +31,9 @@ def _c_value(arg: object) -> ctypes._SimpleCData:
 
 
 class EmuRunner:
-    max_shared_memory = MAX_SHARED_MEMORY
+    def dynamic_shared_memory_limit(self, unit: Unit, kernel: str) -> int:
+        # The emulator's __shared__ arrays are statics outside the launch's buffer.
+        return MAX_SHARED_MEMORY
 
     def run(self, unit: Unit, launches: Sequence[Launch]) -> None:
         emulator.prepare([unit])

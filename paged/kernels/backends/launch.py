@@ -39,8 +39,14 @@ class Launch:
     args: tuple[Arg, ...]
 
 
+# The kernels load the query and the caches in vectors of up to 16 bytes.
+VECTOR_BYTES = 16
+
+
 class Runner(Protocol):
-    max_shared_memory: int
+    def dynamic_shared_memory_limit(self, unit: Unit, kernel: str) -> int:
+        """The most dynamic shared memory one block of `kernel` may use on this device."""
+        ...
 
     def run(self, unit: Unit, launches: Sequence[Launch]) -> None: ...
 
@@ -49,23 +55,37 @@ def _ptr(t: torch.Tensor) -> Ptr:
     return Ptr(t.data_ptr())
 
 
-def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
-    """Kernels index `[tokens, heads, dim]` as `row * stride(0) + head * dim + d`."""
-    if t.stride(2) == 1 and t.stride(1) == t.shape[2]:
+def _aligned(t: torch.Tensor, row_stride: int) -> bool:
+    return t.data_ptr() % VECTOR_BYTES == 0 and row_stride * t.element_size() % VECTOR_BYTES == 0
+
+
+def _rows(t: torch.Tensor, *, vectors: bool) -> torch.Tensor:
+    """`t` `[tokens, heads, dim]` as the kernels index it, `row * stride(0) + head * dim + d`: as it is
+    when its layout allows (the model passes slices of a fused QKV projection), else a packed copy.
+    `vectors`: the kernel reads rows in 16-byte vectors, so rows must start 16-byte aligned."""
+    rows_ok = t.stride(2) == 1 and t.stride(1) == t.shape[2]
+    if rows_ok and (not vectors or _aligned(t, t.stride(0))):
         return t
-    return t.contiguous()
+    # A fresh allocation is packed and aligned to far more than 16 bytes.
+    return t.clone(memory_format=torch.contiguous_format)
 
 
-def _require_contiguous(**caches: torch.Tensor) -> None:
+def _require_in_place_layout(**caches: torch.Tensor) -> None:
+    """Caches are read and written where they are, so they cannot be copied into shape."""
     for name, cache in caches.items():
         if not cache.is_contiguous():
-            raise ValueError(f"{name} must be contiguous for native kernels (they index it in place)")
+            raise ValueError(f"{name} must be contiguous for native kernels (they index it in place), "
+                             f"got strides {cache.stride()}")
+        if cache.data_ptr() % VECTOR_BYTES:
+            raise ValueError(f"{name} starts at address {cache.data_ptr():#x}, which is not {VECTOR_BYTES}-byte "
+                             f"aligned; native kernels load it in {VECTOR_BYTES}-byte vectors")
 
 
-def _check_shared_memory(runner: Runner, needed: int, what: str) -> None:
-    if needed > runner.max_shared_memory:
+def _check_shared_memory(runner: Runner, unit: Unit, kernel: str, needed: int, what: str) -> None:
+    limit = runner.dynamic_shared_memory_limit(unit, kernel)
+    if needed > limit:
         raise ValueError(
-            f"{what} needs {needed} bytes of shared memory but the device allows {runner.max_shared_memory}; "
+            f"{what} needs {needed} bytes of shared memory but the device allows {limit}; "
             "use version='v2' for long contexts"
         )
 
@@ -90,8 +110,8 @@ class RunnerBackend(TorchBackend):
         num_seqs, num_heads, head_size = query.shape
         key_cache, value_cache = cache.key_cache, cache.value_cache
         num_kv_heads, block_size = cache.num_kv_heads, cache.block_size
-        _require_contiguous(key_cache=key_cache, value_cache=value_cache)
-        query = _rows_contiguous(query)
+        _require_in_place_layout(key_cache=key_cache, value_cache=value_cache)
+        query = _rows(query, vectors=True)
         block_tables, seq_lens = cache.block_tables.contiguous(), cache.seq_lens.contiguous()
         out = torch.empty_like(query)
         unit = attention_unit(query.dtype, head_size, block_size, version, partition_size)
@@ -105,7 +125,7 @@ class RunnerBackend(TorchBackend):
         if version == "v1":
             padded_len = -(-max_seq_len // block_size) * block_size
             smem = max(padded_len * 4, outputs_smem)
-            _check_shared_memory(runner, smem, f"v1 attention over {max_seq_len} tokens")
+            _check_shared_memory(runner, unit, unit.kernels[0], smem, f"v1 attention over {max_seq_len} tokens")
             launches = [Launch(unit.kernels[0], (num_heads, num_seqs, 1), NUM_THREADS, smem, (_ptr(out), *common))]
         else:
             num_partitions = -(-max_seq_len // partition_size)
@@ -115,7 +135,9 @@ class RunnerBackend(TorchBackend):
                                   device=query.device)
             smem = max(partition_size * 4, outputs_smem)
             reduce_smem = num_partitions * 4
-            _check_shared_memory(runner, max(smem, reduce_smem), f"v2 attention over {max_seq_len} tokens")
+            what = f"v2 attention over {max_seq_len} tokens"
+            _check_shared_memory(runner, unit, unit.kernels[0], smem, what)
+            _check_shared_memory(runner, unit, unit.kernels[1], reduce_smem, what)
             scratch = (_ptr(exp_sums), _ptr(max_logits), _ptr(tmp_out))
             launches = [
                 Launch(unit.kernels[0], (num_heads, num_seqs, num_partitions), NUM_THREADS, smem, (*scratch, *common)),
@@ -133,8 +155,9 @@ class RunnerBackend(TorchBackend):
         num_tokens, num_heads, head_size = key.shape
         if num_tokens == 0:
             return
-        _require_contiguous(key_cache=key_cache, value_cache=value_cache)
-        key, value, slot_mapping = _rows_contiguous(key), _rows_contiguous(value), slot_mapping.contiguous()
+        _require_in_place_layout(key_cache=key_cache, value_cache=value_cache)
+        key, value = _rows(key, vectors=False), _rows(value, vectors=False)
+        slot_mapping = slot_mapping.contiguous()
         unit = cache_unit(key.dtype)
         args = (
             _ptr(key), _ptr(value), _ptr(key_cache), _ptr(value_cache), _ptr(slot_mapping),
@@ -151,7 +174,7 @@ class RunnerBackend(TorchBackend):
         if block_mapping.numel() == 0:
             return
         for layer, (k, v) in enumerate(zip(key_caches, value_caches)):
-            _require_contiguous(**{f"key_caches[{layer}]": k, f"value_caches[{layer}]": v})
+            _require_in_place_layout(**{f"key_caches[{layer}]": k, f"value_caches[{layer}]": v})
         device = key_caches[0].device
         key_ptrs = torch.tensor([c.data_ptr() for c in key_caches], dtype=torch.int64, device=device)
         value_ptrs = torch.tensor([c.data_ptr() for c in value_caches], dtype=torch.int64, device=device)

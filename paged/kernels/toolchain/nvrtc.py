@@ -96,7 +96,9 @@ class CompiledUnit:
     unit: Unit
     arch: str
     cubin: bytes
-    symbol_mapping: dict[str, str]
+    # Name expression -> lowered (mangled) name, as bytes: cuLibraryGetKernel takes a C string,
+    # and cuda.core passes these values to it unconverted.
+    symbol_mapping: dict[str, bytes]
     log: str
     compile_s: float
     cached: bool
@@ -106,9 +108,9 @@ class CompiledUnit:
 _ENTRY = re.compile(r"Compiling entry function '([^']+)'")
 
 
-def parse_ptxas(log: str, symbol_mapping: dict[str, str]) -> list[KernelInfo]:
+def parse_ptxas(log: str, symbol_mapping: dict[str, bytes]) -> list[KernelInfo]:
     """Registers, spills and static shared memory per kernel from a `ptxas -v` log."""
-    by_symbol = {mangled: name for name, mangled in symbol_mapping.items()}
+    by_symbol = {mangled.decode(): name for name, mangled in symbol_mapping.items()}
     chunks = _ENTRY.split(log)
     infos = []
     for mangled, body in zip(chunks[1::2], chunks[2::2]):
@@ -129,7 +131,7 @@ def compile_unit(unit: Unit, arch: str, *, use_cache: bool = True) -> CompiledUn
     hit = _CACHE.get(key) if use_cache else None
     if hit is not None:
         path, meta = hit
-        mapping = meta["symbol_mapping"]
+        mapping = {name: mangled.encode() for name, mangled in meta["symbol_mapping"].items()}
         return CompiledUnit(unit, arch, path.read_bytes(), mapping, meta["log"], meta["compile_s"], True,
                             parse_ptxas(meta["log"], mapping))
     log = io.StringIO()
@@ -142,18 +144,20 @@ def compile_unit(unit: Unit, arch: str, *, use_cache: bool = True) -> CompiledUn
             raise
         raise KernelCompileError(f"NVRTC failed to compile {unit.label} for {arch}:\n{e}\n{log.getvalue()}") from e
     elapsed = time.perf_counter() - start
-    mapping = {name: _text(mangled) for name, mangled in obj.symbol_mapping.items()}
+    mapping = {name: _lowered(mangled) for name, mangled in obj.symbol_mapping.items()}
     cubin = bytes(obj.code)
     if not cubin:
         raise KernelCompileError(f"NVRTC produced an empty cubin for {unit.label} ({arch}); use an sm_XX arch")
-    meta = {"symbol_mapping": mapping, "log": log.getvalue(), "compile_s": elapsed, "unit": unit.label}
+    # JSON holds text; the lowered names are ASCII by the Itanium ABI.
+    stored = {name: mangled.decode() for name, mangled in mapping.items()}
+    meta = {"symbol_mapping": stored, "log": log.getvalue(), "compile_s": elapsed, "unit": unit.label}
     _CACHE.put_bytes(key, cubin, meta)
     text = log.getvalue()
     return CompiledUnit(unit, arch, cubin, mapping, text, elapsed, False, parse_ptxas(text, mapping))
 
 
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+def _lowered(value: str | bytes) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()
 
 
 def compile_units(

@@ -1,0 +1,258 @@
+"""What runs in the subprocess whose libcuda.so.1 is the recording fake: every launch plan of the
+cuda backend, through `paged.kernels` ops, the real `CudaRunner` and cuda.core.
+
+    python -m tests.fake_driver.scenario {launches|init} OUT.json
+
+Device memory is host memory under the fake driver, so the tensors are CPU tensors and the backend
+is `RunnerBackend` with the real runner; only the tensor -> runner choice (`CudaBackend.runner`
+reads torch's CUDA device index) is replaced. Before each case a `{"case": id}` line is appended to
+the driver's log, so the test can split the log by case; OUT.json maps case ids to what the test
+needs to know about the tensors (addresses, strides) or to the error raised.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from paged import kernels
+from paged.kernels.backends.launch import RunnerBackend
+from paged.kernels.testing import AttentionCase, attention_grid, attention_inputs, default_partition_grid, random_cache
+from paged.kernels.toolchain import nvrtc
+from paged.kernels.toolchain.specs import Unit, attention_unit, cache_unit
+
+# One case per v1 shared-memory regime of this configuration (see `smem_cases`).
+SMEM_CASE = AttentionCase(torch.float16, 128, 16, 4, 2, 512, (5, 40))
+DEVICE_LIMIT = int(os.environ.get("FAKE_CUDA_SMEM_OPTIN", 232448))
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    run: Callable[[], dict[str, Any]]
+
+
+class ForeignStream:
+    """A stream handle offered through the CUDA stream protocol, as torch.cuda.Stream offers it."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
+class HostMemoryCuda(RunnerBackend):
+    """The cuda backend's launch plans and runner over host tensors."""
+
+    name = "cuda-on-fake-driver"
+    description = "CUDA launch plans on the recording fake driver"
+    device_type = "cpu"
+
+    def __init__(self, runner: Any) -> None:
+        self._runner = runner
+
+    def runner(self, tensor: torch.Tensor) -> Any:
+        return self._runner
+
+
+def _stream_id(stream: Any) -> int:
+    from cuda.bindings import driver
+
+    _, stream_id = driver.cuStreamGetId(stream.handle)
+    return int(stream_id)
+
+
+def _current_device() -> int:
+    from cuda.bindings import driver
+
+    _, device = driver.cuCtxGetDevice()
+    return int(device)
+
+
+def _lowered(unit: Unit, arch: str) -> dict[str, Any]:
+    """Lowered names in launch order, and the static shared memory ptxas reported for each."""
+    compiled = nvrtc.compile_unit(unit, arch)
+    static = {info.kernel: info.static_smem for info in compiled.infos}
+    return {"names": [compiled.symbol_mapping[k].decode() for k in unit.kernels],
+            "static_smem": [static[k] for k in unit.kernels]}
+
+
+def _query(case: AttentionCase, layout: str, gen: torch.Generator) -> torch.Tensor:
+    """The query in one of the layouts a caller may pass."""
+    shape = (len(case.seq_lens), case.num_heads, case.head_size)
+    if layout == "fused":  # a slice of a fused QKV projection, as the model passes it
+        width = (case.num_heads + 2 * case.num_kv_heads) * case.head_size
+        qkv = torch.randn(shape[0], width, generator=gen).to(case.dtype)
+        return qkv[:, : case.num_heads * case.head_size].view(shape)
+    if layout == "misaligned":  # packed, but one element past an aligned address
+        flat = torch.randn(1 + shape[0] * shape[1] * shape[2], generator=gen).to(case.dtype)
+        return flat[1:].view(shape)
+    return torch.randn(shape, generator=gen).to(case.dtype)
+
+
+def attention_case(case: AttentionCase, version: str, backend: HostMemoryCuda, stream: Any, arch: str,
+                   layout: str = "packed", max_seq_len: int | None = None) -> dict[str, Any]:
+    x = attention_inputs(case)
+    query = _query(case, layout, torch.Generator().manual_seed(1))
+    max_seq_len = max_seq_len or max(case.seq_lens)
+    tables = x.block_tables
+    if tables.shape[1] * case.block_size < max_seq_len:  # room for an overstated max_seq_len
+        tables = torch.nn.functional.pad(tables, (0, -(-max_seq_len // case.block_size) - tables.shape[1]))
+    result = {"query": query.data_ptr(), "q_stride": query.stride(0), "key_cache": x.key_cache.data_ptr(),
+              "value_cache": x.value_cache.data_ptr(), "block_tables": tables.data_ptr(),
+              "max_blocks": tables.shape[1], "seq_lens": x.seq_lens.data_ptr(), "scale": x.scale,
+              "stream": _stream_id(stream), "max_seq_len": max_seq_len,
+              **_lowered(attention_unit(case.dtype, case.head_size, case.block_size, version, case.partition_size),
+                         arch)}
+    out = kernels.paged_attention(query, x.key_cache, x.value_cache, tables, x.seq_lens, x.scale, version=version,
+                                  backend=backend, partition_size=case.partition_size, max_seq_len=max_seq_len)
+    return {**result, "out": out.data_ptr()}
+
+
+def cache_case(dtype: torch.dtype, backend: HostMemoryCuda, stream: Any, arch: str) -> dict[str, Any]:
+    """reshape_and_cache from key/value slices of a fused QKV (strided rows), then copy_blocks over
+    two layers."""
+    num_tokens, heads, head, block, num_blocks = 5, 2, 64, 16, 6
+    qkv = torch.randn(num_tokens, 4 * heads * head).to(dtype)
+    key = qkv[:, 2 * heads * head: 3 * heads * head].view(num_tokens, heads, head)
+    value = qkv[:, 3 * heads * head:].view(num_tokens, heads, head)
+    caches = [random_cache(num_blocks, heads, head, block, dtype) for _ in range(2)]
+    slots = torch.tensor([3, -1, 17, 40, 95], dtype=torch.int64)
+    kernels.reshape_and_cache(key, value, *caches[0], slots, backend=backend)
+    mapping = torch.tensor([[0, 4], [1, 5], [2, 3]], dtype=torch.int64)
+    kernels.copy_blocks([c[0] for c in caches], [c[1] for c in caches], mapping, backend=backend)
+    return {"key": key.data_ptr(), "value": value.data_ptr(), "key_stride": key.stride(0),
+            "value_stride": value.stride(0), "key_cache": caches[0][0].data_ptr(),
+            "value_cache": caches[0][1].data_ptr(), "slots": slots.data_ptr(), "num_tokens": num_tokens,
+            "heads": heads, "head": head, "block": block, "x": 16 // qkv.element_size(), "layers": len(caches),
+            "pairs": mapping.shape[0], "numel_per_block": heads * head * block, "stream": _stream_id(stream),
+            **_lowered(cache_unit(dtype), arch)}
+
+
+def bad_cache_case(kind: str, backend: HostMemoryCuda) -> dict[str, Any]:
+    key_cache, value_cache = random_cache(4, 2, 64, 16, torch.float16)
+    key = torch.randn(3, 2, 64).half()
+    slots = torch.tensor([0, 1, 2])
+    if kind == "strided_cache":
+        key_cache = random_cache(4, 4, 64, 16, torch.float16)[0][:, :2]
+    elif kind == "misaligned_cache":
+        flat = torch.empty(key_cache.numel() + 1, dtype=torch.float16)
+        key_cache = flat[1:].view(key_cache.shape)
+    elif kind == "overlapping_caches":
+        value_cache = key_cache.view(value_cache.shape)
+    kernels.reshape_and_cache(key, key, key_cache, value_cache, slots, backend=backend)
+    return {}
+
+
+def smem_cases(stream: Any, backend: HostMemoryCuda, arch: str) -> list[Case]:
+    """v1 at max_seq_len values around the two shared-memory limits of its kernel: 48 KB less its
+    static shared memory (beyond it the launch needs the opt-in attribute) and the device's opt-in
+    maximum less it (beyond it the launch is refused before it reaches the driver)."""
+    unit = attention_unit(SMEM_CASE.dtype, SMEM_CASE.head_size, SMEM_CASE.block_size, "v1", 512)
+    static = _lowered(unit, arch)["static_smem"][0]
+    granule = SMEM_CASE.block_size * 4  # v1's logits cover whole blocks of fp32
+    cases = []
+    for label, limit in (("default", 48 * 1024 - static), ("optin", DEVICE_LIMIT - static)):
+        below, above = limit // granule * granule, (limit // granule + 1) * granule
+        for side, smem in (("below", below), ("above", above)):
+            cases.append(Case(f"smem-{label}-{side}-{smem}", lambda smem=smem: {
+                **attention_case(SMEM_CASE, "v1", backend, stream, arch, max_seq_len=smem // 4),
+                "static_smem": static}))
+    return cases
+
+
+def launch_cases(arch: str) -> list[Case]:
+    from cuda.core import Device
+
+    from paged.kernels.backends.cuda import CudaRunner
+
+    streams = []
+    for index in (0, 1):
+        device = Device(index)
+        device.set_current()
+        streams.append(device.create_stream())
+    Device(0).set_current()
+    active = {"stream": streams[0]}
+    runner = CudaRunner(0, stream_source=lambda index: ForeignStream(int(active["stream"].handle)))
+    backend = HostMemoryCuda(runner)
+    cases = []
+    for case in attention_grid() + default_partition_grid():
+        for version in ("v1", "v2"):
+            cases.append(Case(f"attention-{version}-{case.id}",
+                              lambda c=case, v=version: attention_case(c, v, backend, active["stream"], arch)))
+    for layout in ("fused", "misaligned"):
+        case = attention_grid()[0]
+        cases.append(Case(f"query-{layout}-{case.id}",
+                          lambda c=case, lay=layout: attention_case(c, "v2", backend, active["stream"], arch, lay)))
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        cases.append(Case(f"cache-{str(dtype).removeprefix('torch.')}",
+                          lambda d=dtype: cache_case(d, backend, active["stream"], arch)))
+    cases += smem_cases(active["stream"], backend, arch)
+    for kind in ("strided_cache", "misaligned_cache", "overlapping_caches"):
+        cases.append(Case(f"bad-{kind}", lambda k=kind: bad_cache_case(k, backend)))
+
+    def second_stream() -> dict[str, Any]:
+        active["stream"] = streams[0]
+        first = cache_case(torch.float16, backend, streams[0], arch)
+        active["stream"] = Device(0).create_stream()
+        second = cache_case(torch.float16, backend, active["stream"], arch)
+        return {"streams": [first["stream"], second["stream"]]}
+
+    def other_device() -> dict[str, Any]:
+        on_one = CudaRunner(1, stream_source=lambda index: ForeignStream(int(streams[1].handle)))
+        before = _current_device()
+        result = cache_case(torch.float16, HostMemoryCuda(on_one), streams[1], arch)
+        return {**result, "current_before": before, "current_after": _current_device()}
+
+    cases += [Case("streams-follow-the-source", second_stream), Case("device-1-from-device-0", other_device)]
+    return cases
+
+
+def init_cases() -> list[Case]:
+    """Bringing a runner up: with the driver configured by the environment it either works or
+    raises the error a user should see."""
+    from paged.kernels.backends.cuda import CudaRunner
+
+    def start() -> dict[str, Any]:
+        runner = CudaRunner(0)
+        return {"arch": runner.arch, "max_shared_memory": runner.max_shared_memory}
+
+    return [Case("start", start)]
+
+
+def main() -> None:
+    scenario, out_path = sys.argv[1], sys.argv[2]
+    log = os.environ.get("FAKE_CUDA_LOG")
+    # cuda.core deprecates launching on a foreign stream object; the runner must wrap it first.
+    warnings.simplefilter("error", DeprecationWarning)
+    if scenario == "launches":
+        from cuda.core import Device
+
+        Device(0).set_current()
+        major, minor = Device(0).compute_capability
+        cases = launch_cases(f"sm_{major}{minor}")
+    else:
+        cases = init_cases()
+    results = {}
+    for case in cases:
+        if log:
+            with open(log, "a") as f:
+                f.write(json.dumps({"case": case.id}) + "\n")
+        try:
+            results[case.id] = case.run()
+        except (ValueError, RuntimeError) as e:
+            results[case.id] = {"error": f"{type(e).__name__}: {e}"}
+    with open(out_path, "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()

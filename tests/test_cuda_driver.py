@@ -1,0 +1,256 @@
+"""The host side of the CUDA path, executed against a recording fake libcuda.so.1 (`tests/fake_driver`):
+NVRTC's cubins loaded by cuda.core, kernels resolved by their lowered names, the launch geometry,
+shared memory and every argument's bytes as the driver receives them, the stream, the current
+context, and the errors a user sees for a missing or too old driver. Runs on machines without a
+GPU; `pytest -k driver` selects it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from paged.kernels.testing import attention_grid, default_partition_grid
+from tests import fake_driver
+from tests.fake_driver.scenario import SMEM_CASE
+
+NUM_THREADS = 128
+DEFAULT_SMEM = 48 * 1024
+ELEMENT_SIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _have_nvrtc() -> str | None:
+    from paged.kernels.toolchain import nvrtc
+
+    try:
+        nvrtc.toolchain()
+    except nvrtc.NVRTCUnavailableError as e:
+        return str(e)
+    return None
+
+
+@pytest.fixture(scope="module")
+def driver_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    missing = _have_nvrtc()
+    if missing:
+        pytest.skip(missing)
+    try:
+        return fake_driver.build(tmp_path_factory.mktemp("fake_driver"))
+    except fake_driver.NoCompilerError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def launches(driver_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> fake_driver.Run:
+    """Every case of scenario.py's `launches`, run once in one subprocess with two fake devices."""
+    return fake_driver.run_scenario("launches", tmp_path_factory.mktemp("launches"), driver_dir, devices="2")
+
+
+def _case(run: fake_driver.Run, case: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    result = run.results[case]
+    assert "error" not in result, result["error"]
+    return result, run.calls[case]
+
+
+def _launched(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [c for c in calls if c["call"] == "cuLaunchKernelEx"]
+
+
+def _decode(launch: dict[str, Any]) -> list[tuple[int, int | float]]:
+    """(size, value) of each argument as the driver read it with the cubin's parameter sizes;
+    4-byte values are returned both ways by the expectation helpers below."""
+    out = []
+    for hexed in launch["args"]:
+        raw = bytes.fromhex(hexed)
+        out.append((len(raw), int.from_bytes(raw, "little", signed=len(raw) == 4)))
+    return out
+
+
+def _f32(value: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
+def _ptr(value: int) -> tuple[int, int]:
+    return (8, value)
+
+
+def _i32(value: int) -> tuple[int, int]:
+    return (4, value)
+
+
+def _check_common_launch(launch: dict[str, Any], name: str, grid: tuple[int, int, int], block: int, smem: int,
+                         stream: int, device: int = 0) -> None:
+    assert launch["status"] == 0, launch
+    assert launch["name"] == name
+    assert tuple(launch["grid"]) == grid
+    assert tuple(launch["block"]) == (block, 1, 1)
+    assert launch["smem"] == smem
+    assert launch["stream"] == stream and launch["special_stream"] == -1
+    assert launch["device"] == device
+
+
+ATTENTION = [(c, v) for c in attention_grid() + default_partition_grid() for v in ("v1", "v2")]
+
+
+@pytest.mark.parametrize(("case", "version"), ATTENTION, ids=[f"{v}-{c.id}" for c, v in ATTENTION])
+def test_driver_receives_the_attention_launch_plan(launches: fake_driver.Run, case: Any, version: str) -> None:
+    r, calls = _case(launches, f"attention-{version}-{case.id}")
+    _check_attention(case, version, r, calls, q_ptr=r["query"], q_stride=r["q_stride"])
+
+
+def _check_attention(case: Any, version: str, r: dict[str, Any], calls: list[dict[str, Any]], *, q_ptr: int,
+                     q_stride: int) -> None:
+    lookups = [c for c in calls if c["call"] == "cuLibraryGetKernel"]
+    assert all(c["found"] for c in lookups) and {c["name"] for c in lookups} <= set(r["names"])
+    launched = _launched(calls)
+    assert [c["name"] for c in launched] == r["names"]
+    num_seqs, head, block = len(case.seq_lens), case.head_size, case.block_size
+    max_seq_len = r["max_seq_len"]
+    # The cross-warp output buffer reuses the logits' shared memory: NUM_WARPS / 2 rows of fp32.
+    outputs_smem = NUM_THREADS // 32 // 2 * head * 4
+    kv_block_stride, kv_head_stride = case.num_kv_heads * head * block, head * block
+    common = [_ptr(q_ptr), _ptr(r["key_cache"]), _ptr(r["value_cache"]), _i32(case.num_kv_heads),
+              _i32(_f32(r["scale"])), _ptr(r["block_tables"]), _ptr(r["seq_lens"]), _i32(r["max_blocks"]),
+              _i32(q_stride), _i32(kv_block_stride), _i32(kv_head_stride)]
+    if version == "v1":
+        (launch,) = launched
+        smem = max(math.ceil(max_seq_len / block) * block * 4, outputs_smem)
+        _check_common_launch(launch, r["names"][0], (case.num_heads, num_seqs, 1), NUM_THREADS, smem, r["stream"])
+        assert _decode(launch) == [_ptr(r["out"]), *common]
+        return
+    main, reduce = launched
+    partitions = math.ceil(max_seq_len / case.partition_size)
+    _check_common_launch(main, r["names"][0], (case.num_heads, num_seqs, partitions), NUM_THREADS,
+                         max(case.partition_size * 4, outputs_smem), r["stream"])
+    _check_common_launch(reduce, r["names"][1], (case.num_heads, num_seqs, 1), NUM_THREADS, partitions * 4,
+                         r["stream"])
+    main_args, reduce_args = _decode(main), _decode(reduce)
+    scratch = main_args[:3]  # exp_sums, max_logits, tmp_out: allocated by the plan
+    assert all(size == 8 and ptr for size, ptr in scratch) and len({p for _, p in scratch}) == 3
+    assert main_args[3:] == common
+    assert reduce_args == [_ptr(r["out"]), *scratch, _ptr(r["seq_lens"]), _i32(partitions)]
+
+
+def test_driver_gets_a_fused_qkv_query_as_it_is(launches: fake_driver.Run) -> None:
+    case = attention_grid()[0]
+    r, calls = _case(launches, f"query-fused-{case.id}")
+    width = (case.num_heads + 2 * case.num_kv_heads) * case.head_size
+    assert r["q_stride"] == width
+    _check_attention(case, "v2", r, calls, q_ptr=r["query"], q_stride=width)
+
+
+def test_driver_gets_an_aligned_copy_of_a_misaligned_query(launches: fake_driver.Run) -> None:
+    case = attention_grid()[0]
+    r, calls = _case(launches, f"query-misaligned-{case.id}")
+    assert r["query"] % 16, "the scenario should have produced a misaligned query"
+    (size, q_ptr) = _decode(_launched(calls)[0])[3]
+    assert size == 8 and q_ptr != r["query"] and q_ptr % 16 == 0
+    _check_attention(case, "v2", r, calls, q_ptr=q_ptr, q_stride=case.num_heads * case.head_size)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_driver_receives_the_cache_op_launch_plans(launches: fake_driver.Run, dtype: str) -> None:
+    r, calls = _case(launches, f"cache-{dtype}")
+    _check_cache_ops(r, calls)
+
+
+def _check_cache_ops(r: dict[str, Any], calls: list[dict[str, Any]], device: int = 0) -> None:
+    write, copy = _launched(calls)
+    heads, head = r["heads"], r["head"]
+    _check_common_launch(write, r["names"][0], (r["num_tokens"], 1, 1), min(heads * head, 512), 0, r["stream"], device)
+    assert _decode(write) == [
+        _ptr(r["key"]), _ptr(r["value"]), _ptr(r["key_cache"]), _ptr(r["value_cache"]), _ptr(r["slots"]),
+        _i32(r["key_stride"]), _i32(r["value_stride"]), _i32(heads), _i32(head), _i32(r["block"]), _i32(r["x"]),
+    ]
+    assert r["key_stride"] == r["value_stride"] == 4 * heads * head  # rows of the fused QKV, not copies
+    numel = r["numel_per_block"]
+    _check_common_launch(copy, r["names"][1], (r["layers"], r["pairs"], 1), min(numel, 1024), 0, r["stream"], device)
+    pointers = _decode(copy)
+    assert [size for size, _ in pointers] == [8, 8, 8, 4] and pointers[3] == _i32(numel)
+
+
+@pytest.mark.parametrize("regime", ["default-below", "default-above", "optin-below", "optin-above"])
+def test_driver_sees_shared_memory_opted_in_exactly_when_needed(launches: fake_driver.Run, regime: str) -> None:
+    """Cases run in this order on one kernel, whose opt-in limit only rises."""
+    (case_id,) = [c for c in launches.results if c.startswith(f"smem-{regime}-")]
+    r, calls = launches.results[case_id], launches.calls[case_id]
+    dynamic = int(case_id.rsplit("-", 1)[1])
+    opt_ins = [(c["attr"], c["value"], c["status"]) for c in calls if c["call"] == "cuKernelSetAttribute"]
+    if regime == "optin-above":
+        assert "ValueError" in r["error"] and str(dynamic) in r["error"] and "version='v2'" in r["error"]
+        assert not _launched(calls) and not opt_ins
+        return
+    assert r["static_smem"] > 0, "ptxas reports static shared memory for this kernel"
+    _check_attention(SMEM_CASE, "v1", r, calls, q_ptr=r["query"], q_stride=r["q_stride"])
+    needs_opt_in = dynamic + r["static_smem"] > DEFAULT_SMEM
+    assert needs_opt_in == (regime != "default-below")
+    assert opt_ins == ([(8, dynamic, 0)] if needs_opt_in else [])
+
+
+def test_driver_rejects_bad_caches_before_any_launch(launches: fake_driver.Run) -> None:
+    expected = {
+        "strided_cache": "key_cache must be contiguous",
+        "misaligned_cache": "not 16-byte aligned",
+        "overlapping_caches": "key_cache and value_cache overlap in memory",
+    }
+    for kind, message in expected.items():
+        result, calls = launches.results[f"bad-{kind}"], launches.calls[f"bad-{kind}"]
+        assert result["error"].startswith("ValueError") and message in result["error"], result
+        assert not _launched(calls)
+
+
+def test_driver_launches_on_the_stream_the_source_names(launches: fake_driver.Run) -> None:
+    r, calls = _case(launches, "streams-follow-the-source")
+    first, second = r["streams"]
+    assert first != second
+    assert [c["stream"] for c in _launched(calls)] == [first, first, second, second]
+
+
+def test_driver_launch_on_another_device_restores_the_current_context(launches: fake_driver.Run) -> None:
+    r, calls = _case(launches, "device-1-from-device-0")
+    _check_cache_ops(r, calls, device=1)
+    assert r["current_before"] == 0 and r["current_after"] == 0
+
+
+def test_driver_scenario_raised_no_deprecation(launches: fake_driver.Run) -> None:
+    # scenario.py turns DeprecationWarning into errors: launching on an unwrapped foreign stream
+    # (what torch's stream is to cuda.core) would have failed every case above.
+    assert "DeprecationWarning" not in launches.stderr
+
+
+def test_driver_too_old_for_the_cubins_gets_a_clear_error(driver_dir: Path, tmp_path: Path) -> None:
+    run = fake_driver.run_scenario("init", tmp_path, driver_dir, driver_version="12080")
+    error = run.results["start"]["error"]
+    assert error.startswith("CudaDriverError") and "supports CUDA 12.8" in error
+    assert "R580" in error and "nvidia-cuda-nvrtc" in error and "cuda-python" in error
+    assert not [c for c in run.calls[""] + run.calls["start"] if c["call"] == "cuLibraryLoadData"]
+
+
+def test_driver_for_a_device_nvrtc_cannot_target_gets_a_clear_error(driver_dir: Path, tmp_path: Path) -> None:
+    run = fake_driver.run_scenario("init", tmp_path, driver_dir, cc="52")
+    error = run.results["start"]["error"]
+    assert "sm_52" in error and "nvidia-cuda-nvrtc" in error
+
+
+def test_driver_that_is_current_enough_starts_a_runner(driver_dir: Path, tmp_path: Path) -> None:
+    run = fake_driver.run_scenario("init", tmp_path, driver_dir, cc="80", smem_optin="166912")
+    assert run.results["start"] == {"arch": "sm_80", "max_shared_memory": 166912}
+
+
+def test_no_driver_at_all_gets_a_clear_error(tmp_path: Path) -> None:
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        pytest.skip("this machine has an NVIDIA driver")
+    except OSError:
+        pass
+    if _have_nvrtc():
+        pytest.skip("NVRTC is not installed")
+    run = fake_driver.run_scenario("init", tmp_path, None)
+    error = run.results["start"]["error"]
+    assert error.startswith("CudaDriverError") and "libcuda.so.1" in error and "cuda-python" in error
+
