@@ -4,12 +4,11 @@ reports the race when one __syncthreads is removed (so it can fail)."""
 from __future__ import annotations
 
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from paged.kernels.toolchain import emulator, host_compiler
+from tests.sanitizer_builds import build_variants
 
 FLAGS = ("-std=c++20", "-O1", "-g", "-fsanitize=thread", "-pthread", "-fno-strict-aliasing", "-Wno-unknown-pragmas")
 TSAN_EXIT = 66
@@ -18,23 +17,7 @@ VARIANTS = {"clean": (), "dropped_barrier": ("PAGED_TEST_DROP_BARRIER",)}
 
 @pytest.fixture(scope="module")
 def drivers() -> dict[str, Path]:
-    """Both variants, built concurrently (and cached like the emulator libraries)."""
-    try:
-        host_compiler.find_compiler()
-    except host_compiler.CompilerNotFoundError as e:
-        pytest.skip(f"emu backend unavailable: {e}")
-
-    def build(defines: tuple[str, ...]) -> Path:
-        source = "".join(f"#define {d}\n" for d in defines) + '#include "emu/tsan_driver.cpp"\n'
-        try:
-            return emulator.compile_executable(source, FLAGS)
-        except host_compiler.HostBuildError as e:
-            if "sanitize" in str(e):
-                pytest.skip(f"the compiler cannot build with -fsanitize=thread: {str(e)[-500:]}")
-            raise
-
-    with ThreadPoolExecutor(len(VARIANTS)) as pool:
-        return dict(zip(VARIANTS, pool.map(build, VARIANTS.values())))
+    return build_variants(FLAGS, VARIANTS)
 
 
 def _run(binary: Path) -> subprocess.CompletedProcess[str]:

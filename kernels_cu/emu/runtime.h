@@ -67,8 +67,9 @@ struct Block {
       const unsigned lanes = threads - first < kWarpSize ? threads - first : kWarpSize;
       warps.push_back(std::make_unique<Warp>(lanes));
     }
-    // Uninitialised shared memory reads as NaN, so a kernel relying on it fails its test.
-    std::memset(static_cast<void*>(smem.data()), 0xff, smem.size() * sizeof(uint4));
+    // Uninitialised shared memory reads as NaN, so a kernel relying on it fails its test. A launch
+    // without dynamic shared memory has no buffer: memset on its null data() is undefined (UBSan).
+    if (!smem.empty()) std::memset(static_cast<void*>(smem.data()), 0xff, smem.size() * sizeof(uint4));
   }
   std::barrier<> sync;
   std::vector<std::unique_ptr<Warp>> warps;

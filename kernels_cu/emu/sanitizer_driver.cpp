@@ -1,7 +1,17 @@
-// ThreadSanitizer driver: runs a few kernel configurations through the emulator runtime so TSan can
-// check that the barriers and shuffles order every shared-memory access. Built as an executable
-// (TSan must start before any thread exists, which a library loaded into Python cannot promise).
-// Exit status 0 means every launch ran; TSan reports races on stderr and exits with 66.
+// Sanitizer driver: runs kernel configurations through the emulator runtime so a sanitizer can watch
+// every access the kernels make. Built with ThreadSanitizer (tests/test_kernels_tsan.py: the barriers
+// and shuffles order every shared-memory access) or with AddressSanitizer + UndefinedBehaviorSanitizer
+// (tests/test_kernels_asan.py: every global and shared-memory access stays inside its buffer, the
+// CPU counterpart of compute-sanitizer memcheck). Built as an executable (a sanitizer runtime must
+// start before any thread exists, which a library loaded into Python cannot promise).
+// Exit status 0 means every launch ran; sanitizer reports go to stderr with a non-zero exit status.
+//
+// Planted defects, each a #define before this file is included, prove that a check can fail:
+//   PAGED_TEST_DROP_BARRIER (attention.cuh) removes a __syncthreads, so TSan must report a race.
+//   PAGED_TEST_OOB_BLOCK_TABLE (here) makes the caller's block table one block narrower than the
+//     longest (last) sequence needs, so the kernel reads past the table and ASan must report it.
+//   PAGED_TEST_MISALIGNED_QUERY (here) passes a query that starts one element into its buffer, so
+//     the kernel's vector loads of it are misaligned (a GPU faults) and UBSan must report it.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -10,6 +20,21 @@
 #include <vector>
 
 #include "../paged.cu"
+
+// GCC announces ASan with __SANITIZE_ADDRESS__, clang through __has_feature.
+#if defined(__SANITIZE_ADDRESS__)
+#define PAGED_DRIVER_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define PAGED_DRIVER_ASAN 1
+#endif
+#endif
+// ASan's compile and run are cheap next to TSan's, so an ASan build covers every dtype, block size
+// and head size while TSan keeps its short list. A planted defect stops the program at the first
+// launch, so those builds skip the extra instantiations they would never reach.
+#if defined(PAGED_DRIVER_ASAN) && !defined(PAGED_TEST_OOB_BLOCK_TABLE) && !defined(PAGED_TEST_MISALIGNED_QUERY)
+#define PAGED_DRIVER_WIDE_GRID 1
+#endif
 
 namespace {
 
@@ -28,30 +53,48 @@ int run(int status, const char* what) {
   return status;
 }
 
+// Every buffer is a std::vector of exactly the size the kernel may touch (and shared memory is sized
+// by the formulas of backends/launch.py), so ASan's redzones sit right past each one.
 template <typename T, int HEAD, int BLOCK, int PARTITION>
-int attention(std::mt19937& rng) {
+int attention(std::mt19937& rng, const std::vector<int>& seq_lens) {
   constexpr int kThreads = 128;
-  const int num_seqs = 2, num_heads = 2, num_kv_heads = 1;
-  const std::vector<int> seq_lens = {BLOCK + 1, 2 * PARTITION + 3};
-  const int max_len = seq_lens[1];
+  const int num_seqs = int(seq_lens.size()), num_heads = 2, num_kv_heads = 1;
+  // The last sequence is the longest: its row is the table's last, so reading past it leaves the buffer.
+  const int max_len = seq_lens.back();
   const int max_blocks = paged::div_up(max_len, BLOCK);
+#ifdef PAGED_TEST_OOB_BLOCK_TABLE
+  // The caller's defect: a table one block narrower than the longest sequence needs.
+  const int table_width = max_blocks - 1;
+#else
+  const int table_width = max_blocks;
+#endif
+#ifdef PAGED_TEST_MISALIGNED_QUERY
+  // The caller's defect: a query view one element into its (one element longer) buffer.
+  constexpr std::size_t kQueryOffset = 1;
+#else
+  constexpr std::size_t kQueryOffset = 0;
+#endif
   const int num_blocks = max_blocks + 2;
   std::vector<T> k = random_values<T>(std::size_t(num_blocks) * num_kv_heads * HEAD * BLOCK, rng);
   std::vector<T> v = random_values<T>(k.size(), rng);
-  std::vector<T> q = random_values<T>(std::size_t(num_seqs) * num_heads * HEAD, rng);
-  std::vector<int> tables(std::size_t(num_seqs) * max_blocks);
+  const std::size_t q_size = std::size_t(num_seqs) * num_heads * HEAD;
+  std::vector<T> q = random_values<T>(q_size + kQueryOffset, rng);
+  std::vector<int> tables(std::size_t(num_seqs) * table_width);
   for (std::size_t i = 0; i < tables.size(); ++i) tables[i] = int(rng() % num_blocks);
-  std::vector<T> out(q.size());
+  // The physical block at the end of the caches is in use, so an access past a block's extent
+  // leaves the K/V buffers instead of landing unnoticed in a neighbouring block.
+  tables.back() = num_blocks - 1;
+  std::vector<T> out(q_size);
   const int num_partitions = paged::div_up(max_len, PARTITION);
   std::vector<float> exp_sums(std::size_t(num_seqs) * num_heads * num_partitions);
   std::vector<float> max_logits(exp_sums.size());
   std::vector<float> tmp_out(exp_sums.size() * HEAD);
 
   T* out_p = out.data();
-  const T *q_p = q.data(), *k_p = k.data(), *v_p = v.data();
+  const T *q_p = q.data() + kQueryOffset, *k_p = k.data(), *v_p = v.data();
   const int *tables_p = tables.data(), *lens_p = seq_lens.data();
   float *sums_p = exp_sums.data(), *max_p = max_logits.data(), *tmp_p = tmp_out.data();
-  int kv_heads = num_kv_heads, blocks_per_seq = max_blocks, q_stride = num_heads * HEAD;
+  int kv_heads = num_kv_heads, blocks_per_seq = table_width, q_stride = num_heads * HEAD;
   int block_stride = num_kv_heads * HEAD * BLOCK, head_stride = HEAD * BLOCK, partitions = num_partitions;
   float scale = 1.0f / std::sqrt(float(HEAD));
   void* common[] = {&q_p, &k_p, &v_p, &kv_heads, &scale, &tables_p, &lens_p, &blocks_per_seq,
@@ -82,6 +125,18 @@ int attention(std::mt19937& rng) {
   return status;
 }
 
+// A short sequence and one spanning several partitions, the last one partial.
+template <typename T, int HEAD, int BLOCK, int PARTITION>
+int attention(std::mt19937& rng) {
+#ifdef PAGED_DRIVER_WIDE_GRID
+  // Plus the edges: a single token, and a sequence filling exactly one partition of whole blocks.
+  const std::vector<int> seq_lens = {1, PARTITION, BLOCK + 1, 2 * PARTITION + 3};
+#else
+  const std::vector<int> seq_lens = {BLOCK + 1, 2 * PARTITION + 3};
+#endif
+  return attention<T, HEAD, BLOCK, PARTITION>(rng, seq_lens);
+}
+
 template <typename T>
 int cache_ops(std::mt19937& rng) {
   const int num_tokens = 3, num_heads = 2, head = 64, block = 16, num_blocks = 4, x = 16 / sizeof(T);
@@ -89,7 +144,8 @@ int cache_ops(std::mt19937& rng) {
   std::vector<T> value = random_values<T>(key.size(), rng);
   std::vector<T> key_cache(std::size_t(num_blocks) * num_heads * head * block);
   std::vector<T> value_cache(key_cache.size());
-  std::vector<paged::int64> slots = {5, -1, 40};
+  // The last slot of the cache is written, so a layout off by one leaves the buffer.
+  std::vector<paged::int64> slots = {5, -1, num_blocks * block - 1};
   const T *key_p = key.data(), *value_p = value.data();
   T *kc_p = key_cache.data(), *vc_p = value_cache.data();
   const paged::int64* slots_p = slots.data();
@@ -116,6 +172,18 @@ int main() {
   status |= attention<__nv_bfloat16, 80, 8, 32>(rng);
   status |= attention<float, 64, 32, 64>(rng);
   status |= cache_ops<__half>(rng);
-  std::puts(status == 0 ? "tsan driver: all launches ran" : "tsan driver: a launch failed");
+#ifdef PAGED_DRIVER_WIDE_GRID
+  // Every (dtype, block size) pair and every head size of limits.py at least once, and the
+  // default partition size (512).
+  status |= attention<__half, 128, 8, 512>(rng);
+  status |= attention<__half, 256, 32, 64>(rng);
+  status |= attention<__nv_bfloat16, 112, 16, 64>(rng);
+  status |= attention<__nv_bfloat16, 96, 32, 128>(rng);
+  status |= attention<float, 96, 8, 32>(rng);
+  status |= attention<float, 128, 16, 512>(rng);
+  status |= cache_ops<__nv_bfloat16>(rng);
+  status |= cache_ops<float>(rng);
+#endif
+  std::puts(status == 0 ? "sanitizer driver: all launches ran" : "sanitizer driver: a launch failed");
   return status;
 }
