@@ -105,20 +105,24 @@ class CudaRunner:
         self.max_shared_memory = int(self.device.properties.max_shared_memory_per_block_optin)
         self._kernels: dict[str, _Kernel] = {}
         self._streams: dict[int, Any] = {}
+        self._context: int | None = None  # this device's primary context, once it was made current
 
     @contextmanager
     def _current(self) -> Iterator[None]:
-        """This device's context current for the block, the caller's restored after it."""
+        """This device's context current for the block, the caller's restored after it. Launches run
+        once per layer, so when this device is already current nothing is switched."""
         from cuda.bindings import driver
 
         _, previous = driver.cuCtxGetCurrent()
+        if self._context is not None and int(previous) == self._context:
+            yield
+            return
         self.device.set_current()
+        self._context = int(driver.cuCtxGetCurrent()[1])
         try:
             yield
         finally:
-            _, now = driver.cuCtxGetCurrent()
-            if int(now) != int(previous):
-                driver.cuCtxSetCurrent(previous)
+            driver.cuCtxSetCurrent(previous)
 
     def _load(self, unit: Unit) -> None:
         from cuda.core import ObjectCode
