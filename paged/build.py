@@ -42,7 +42,7 @@ class Plugins:
 def check_config(cfg: Any) -> Plugins:
     """Range checks on the core keys, then every plugin's class and settings; builds nothing."""
     validate(cfg)
-    return Plugins(
+    plugins = Plugins(
         allocator=check_plugin(
             cfg.allocator, "allocator", BlockAllocator,
             core=_core_keys(AllocatorConfig), provided=("num_blocks", "block_size"),
@@ -55,19 +55,30 @@ def check_config(cfg: Any) -> Plugins:
             core=_core_keys(ExecutorConfig), provided=("model", "kernel", "seed"),
         ),
     )
+    if cfg.model.source == "spec" and not plugins.executor.cls.runs_spec_models:
+        raise ConfigError(
+            f"model={cfg.model.name} is a spec-only model (no weights): executor={cfg.executor.name} cannot "
+            "run it; use executor=sim"
+        )
+    return plugins
 
 
-def num_blocks_for(cfg: Any, bytes_per_block: int) -> int:
-    """`allocator.num_blocks`, or the byte budget `allocator.kv_cache_memory` over the block size."""
-    if cfg.allocator.num_blocks is not None:
-        return int(cfg.allocator.num_blocks)
-    budget = parse_bytes(cfg.allocator.kv_cache_memory)
+def num_blocks_for(cfg: Any, executor: Executor) -> int:
+    """`allocator.num_blocks`; else the byte budget `allocator.kv_cache_memory`, else the executor's
+    share of device memory (`allocator.gpu_memory_utilization`), over the bytes of one block."""
+    a = cfg.allocator
+    if a.num_blocks is not None:
+        return int(a.num_blocks)
+    bytes_per_block = executor.kv_cache_spec(a.block_size).bytes_per_block
+    if a.kv_cache_memory is not None:
+        budget, source = parse_bytes(a.kv_cache_memory), f"allocator.kv_cache_memory={a.kv_cache_memory!r}"
+    else:
+        s = cfg.scheduler
+        budget = executor.kv_cache_budget(a.gpu_memory_utilization, s.max_num_batched_tokens, s.max_num_seqs)
+        source = f"allocator.gpu_memory_utilization={a.gpu_memory_utilization}"
     num_blocks = budget // bytes_per_block
     if num_blocks <= 0:
-        raise ConfigError(
-            f"allocator.kv_cache_memory={cfg.allocator.kv_cache_memory!r} holds no block "
-            f"(one block takes {bytes_per_block} bytes)"
-        )
+        raise ConfigError(f"{source} leaves room for no block (one block takes {bytes_per_block} bytes)")
     return num_blocks
 
 
@@ -87,7 +98,7 @@ def build_engine(cfg: Any, executor: Executor | None = None) -> Engine:
     else:
         executor.configure_kernel(cfg.kernel)
     block_size = cfg.allocator.block_size
-    num_blocks = num_blocks_for(cfg, executor.kv_cache_spec(block_size).bytes_per_block)
+    num_blocks = num_blocks_for(cfg, executor)
     executor.init_kv_cache(num_blocks, block_size)
     allocator = plugins.allocator.build(num_blocks=num_blocks, block_size=block_size)
     block_manager = BlockManager(allocator, watermark=cfg.allocator.watermark, reservation=reservation)

@@ -11,6 +11,9 @@ from abc import ABC, abstractmethod
 
 
 class Clock(ABC):
+    # True when `now()` is simulated time rather than the wall clock
+    simulated: bool = False
+
     @abstractmethod
     def now(self) -> float:
         """Seconds since the origin."""
@@ -36,3 +39,26 @@ class WallClock(Clock):
 
     def wait_until(self, t: float) -> None:
         time.sleep(max(0.0, t - self.now()))
+
+
+class VirtualClock(Clock):
+    """Simulated seconds: only `advance` (a step's modelled duration) and `wait_until` (idle until
+    the next arrival, at no cost) move it."""
+
+    simulated = True
+
+    def __init__(self) -> None:
+        self._now = 0.0
+
+    def now(self) -> float:
+        return self._now
+
+    def reset(self) -> None:
+        self._now = 0.0
+
+    def wait_until(self, t: float) -> None:
+        self._now = max(self._now, t)
+
+    def advance(self, seconds: float) -> None:
+        assert seconds >= 0.0, seconds
+        self._now += seconds

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +21,19 @@ log = logging.getLogger(__name__)
 def run_experiment(cfg: Any, run_dir: Path, *, group: str | None = None, name: str | None = None) -> dict[str, Any]:
     engine = build_engine(cfg)
     executor, scheduler = engine.executor, engine.scheduler
-    items = load_workload(cfg.workload, executor.tokenizer)
+    items = load_workload(
+        cfg.workload, executor.tokenizer, vocab_size=executor.vocab_size, max_model_len=cfg.scheduler.max_model_len
+    )
     config = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
     wb = WandbLogger(
         cfg.logger, run_dir, config, group=group, name=name,
         job_type=f"{cfg.allocator.name}/{cfg.scheduler.name}/{cfg.kernel.name}",
+        simulated=engine.clock.simulated,
     )
     engine.metrics.step_listeners.append(wb.log_step)
+    host_start = time.perf_counter()
     requests = run_workload(engine, items, progress=cfg.progress)
+    host_time = time.perf_counter() - host_start
     allocator = scheduler.block_manager.allocator
     summary = engine.metrics.summary(
         kv_end=scheduler.block_manager.stats(), caches_prefixes=allocator.caches_prefixes
@@ -42,7 +48,17 @@ def run_experiment(cfg: Any, run_dir: Path, *, group: str | None = None, name: s
         "executor_class": _qualname(executor),
         "executor_description": executor.description,
         "attention_kernel": executor.kernel_description,
+        "block_size": cfg.allocator.block_size,
+        "host_time_s": host_time,
     }
+    if engine.clock.simulated:
+        # latencies and wall_time_s above are simulated seconds
+        summary |= {
+            "sim_time_s": summary["wall_time_s"],
+            "sim_seconds_per_host_second": summary["wall_time_s"] / host_time if host_time > 0 else None,
+            "hardware": cfg.hardware.name,
+            "num_gpus": cfg.hardware.num_gpus,
+        }
     decode = executor.tokenizer.decode if executor.tokenizer is not None else None
     write_outputs(run_dir, summary, requests, engine.metrics.request_metrics(), decode)
     wb.finish(summary)

@@ -1,4 +1,5 @@
-"""Weights & Biases sink: one run per job, per-step metrics against `engine_step`, final summary.
+"""Weights & Biases sink: one run per job, per-step metrics against `engine_step` (against
+`sim_time_s` when the run is simulated), final summary.
 
 Offline by default (files under the run dir, `wandb sync` later). A W&B failure is a warning,
 never a failed run. `WANDB_MODE=disabled` in the environment wins over the config so a test suite
@@ -28,8 +29,10 @@ class WandbLogger:
         group: str | None = None,
         name: str | None = None,
         job_type: str | None = None,
+        simulated: bool = False,
     ) -> None:
         self.run: Any = None
+        self.simulated = simulated
         mode = "disabled" if os.environ.get("WANDB_MODE") == "disabled" else cfg.mode
         if cfg.backend != "wandb" or mode == "disabled":
             return
@@ -50,8 +53,9 @@ class WandbLogger:
                 reinit="finish_previous",
                 settings=wandb.Settings(init_timeout=30, silent=True),
             )
-            self.run.define_metric("engine_step")
-            self.run.define_metric("step/*", step_metric="engine_step")
+            step_metric = "sim_time_s" if simulated else "engine_step"
+            self.run.define_metric(step_metric)
+            self.run.define_metric("step/*", step_metric=step_metric)
         except Exception as e:  # noqa: BLE001 - any W&B failure must not fail the experiment
             log.warning("W&B disabled for this run: %s: %s", type(e).__name__, e)
             self.run = None
@@ -64,6 +68,8 @@ class WandbLogger:
             f"step/{k}": v for k, v in record.as_dict().items() if k != "engine_step" and isinstance(v, int | float)
         }
         data["engine_step"] = record.engine_step
+        if self.simulated:
+            data["sim_time_s"] = record.time_s
         self._call(self.run.log, data)
 
     def finish(self, summary: dict[str, Any]) -> None:

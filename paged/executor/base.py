@@ -14,7 +14,7 @@ from functools import cached_property
 from typing import Protocol
 
 from paged.clock import Clock, WallClock
-from paged.config import KernelConfig
+from paged.config import ConfigError, KernelConfig
 from paged.executor.output import ExecutorOutput
 from paged.scheduler.output import SchedulerOutput
 
@@ -57,6 +57,19 @@ class Executor(ABC):
     @abstractmethod
     def execute(self, sched: SchedulerOutput) -> ExecutorOutput:
         """Copy `sched.blocks_to_copy`, compute the scheduled tokens, sample where asked."""
+
+    # Whether a model without weights (`model.source=spec`) is enough to run.
+    runs_spec_models: bool = False
+    # Token ids run from 0 to vocab_size - 1: what synthetic workloads draw from without a tokenizer.
+    vocab_size: int | None = None
+
+    def kv_cache_budget(self, utilization: float, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+        """Bytes for the KV cache when the config gives no size: `utilization` of the device memory,
+        less weights and the activation peak of a `max_num_batched_tokens` step."""
+        raise ConfigError(
+            f"{type(self).__qualname__} cannot size the KV cache from device memory; "
+            "set allocator.num_blocks or allocator.kv_cache_memory (e.g. 256MiB)"
+        )
 
     def configure_kernel(self, kernel: KernelConfig) -> None:  # noqa: B027 - optional hook
         """Re-read the kernel settings when a new engine reuses this executor; no-op by default."""

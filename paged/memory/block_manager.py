@@ -117,15 +117,31 @@ class BlockManager:
 
     def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
         """Cover all of `seq`'s tokens; returns (src, dst) block copies the executor must do first."""
+        copies = self.try_append_slots(seq)
+        if copies is None:
+            state = self._seqs[seq.seq_id]
+            needed = self._growth_blocks(seq, state) + len(self._shared_write_targets(seq, state))
+            raise NoFreeBlocksError(
+                f"sequence {seq.seq_id} needs {needed} blocks, {self.allocator.num_free_blocks} are free"
+            )
+        return copies
+
+    def try_append_slots(self, seq: Sequence) -> list[tuple[int, int]] | None:
+        """`append_slots` when the free blocks suffice, else None and nothing changes: the
+        scheduler's per-sequence decode check and growth in one pass."""
         state = self._seqs[seq.seq_id]
         table, bs, alloc = state.table, self.block_size, self.allocator
-        num_tokens = seq.num_tokens
+        num_tokens = len(seq.token_ids)
         shared = self._shared_write_targets(seq, state)
         num_new = self._growth_blocks(seq, state)
         if num_new + len(shared) > alloc.num_free_blocks:
-            raise NoFreeBlocksError(
-                f"sequence {seq.seq_id} needs {num_new + len(shared)} blocks, {alloc.num_free_blocks} are free"
-            )
+            return None
+        if not shared and not num_new and num_tokens - 1 == state.num_slots and state.num_slots % bs:
+            # the common decode step: the new token lands in the last block, which has room
+            self._fill[table[(num_tokens - 1) // bs]] += 1
+            self._slots_used += 1
+            state.num_slots = num_tokens
+            return []
         copies = []
         for i in shared:
             src = table[i]
@@ -147,9 +163,11 @@ class BlockManager:
 
     def _shared_write_targets(self, seq: Sequence, state: _SeqBlocks) -> list[int]:
         """Indices of existing blocks that this step writes into but other tables also hold."""
-        refcount, table = self.allocator.refcount, state.table
-        first = seq.num_computed_tokens // self.block_size
-        last = min(self._cdiv(seq.num_tokens), len(table))
+        refcount, table, bs = self.allocator.refcount, state.table, self.block_size
+        first = seq.num_computed_tokens // bs
+        last = min(-(-len(seq.token_ids) // bs), len(table))
+        if last - first == 1:  # a decode step writes one block
+            return [first] if refcount(table[first]) > 1 else []
         return [i for i in range(first, last) if refcount(table[i]) > 1]
 
     def admission_blocks(self, seq: Sequence) -> int:
@@ -158,8 +176,8 @@ class BlockManager:
 
     def _growth_blocks(self, seq: Sequence, state: _SeqBlocks) -> int:
         """Blocks to add to the table before the step that grows `seq` to `seq.num_tokens`."""
-        covered = max(seq.num_tokens, self.reservation.growth_slots(seq))
-        return max(self._cdiv(covered) - len(state.table), 0)
+        covered = max(len(seq.token_ids), self.reservation.growth_slots(seq))
+        return max(-(-covered // self.block_size) - len(state.table), 0)
 
     # -- prefix cache ----------------------------------------------------------------------------
 

@@ -63,6 +63,13 @@ def unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def read_arch(path: str | Path) -> LlamaArch:
+    """The architecture alone, from the metadata and tensor shapes (the weights stay on disk)."""
+    reader = GGUFReader(str(path))
+    shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
+    return LlamaArch.from_gguf_metadata(read_metadata(reader), shapes)
+
+
 def load_gguf(path: str | Path) -> tuple[LlamaArch, dict[str, torch.Tensor]]:
     """Architecture and dequantized fp32 weights, with HF names and HF's Q/K row order."""
     reader = GGUFReader(str(path))

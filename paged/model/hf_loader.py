@@ -11,13 +11,17 @@ from safetensors.torch import load_file
 from paged.model.config import LlamaArch
 
 
+def read_hf_arch(path: str | Path) -> LlamaArch:
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"{path} is not an HF checkpoint directory: no config.json")
+    return LlamaArch.from_hf_config(json.loads(config.read_text()))
+
+
 def load_hf(path: str | Path) -> tuple[LlamaArch, dict[str, torch.Tensor]]:
     """Architecture and weights of a Llama / SmolLM / Mistral / Qwen2 checkpoint, HF names kept."""
     root = Path(path)
-    config = root / "config.json"
-    if not config.is_file():
-        raise FileNotFoundError(f"{root} is not an HF checkpoint directory: no config.json")
-    arch = LlamaArch.from_hf_config(json.loads(config.read_text()))
+    arch = read_hf_arch(root)
     shards = sorted(root.glob("*.safetensors"))
     if not shards:
         raise FileNotFoundError(f"{root} holds no *.safetensors weights")

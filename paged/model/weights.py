@@ -10,30 +10,53 @@ from omegaconf import DictConfig, OmegaConf
 
 from paged.config import ModelConfig
 from paged.model.config import LlamaArch
-from paged.model.gguf_loader import load_gguf
-from paged.model.hf_loader import load_hf
+from paged.model.gguf_loader import load_gguf, read_arch
+from paged.model.hf_loader import load_hf, read_hf_arch
 from paged.model.locate import locate_smollm2
 from paged.model.tiny import random_state, tiny_arch
 
 
+def arch_overrides(model_cfg: ModelConfig) -> dict[str, Any]:
+    """`model.arch` as a plain dict."""
+    arch = model_cfg.arch
+    return OmegaConf.to_container(arch) if isinstance(arch, DictConfig) else dict(arch)  # type: ignore[return-value]
+
+
+def load_arch(model_cfg: ModelConfig) -> tuple[LlamaArch, Path]:
+    """(architecture, tokenizer source) for a model with weights, without reading the weights."""
+    _check_source(model_cfg)
+    if model_cfg.source == "gguf":
+        path = Path(model_cfg.path) if model_cfg.path else locate_smollm2()
+        return read_arch(path), path
+    if model_cfg.source == "hf":
+        return read_hf_arch(model_cfg.path), Path(model_cfg.path)
+    return tiny_arch(arch_overrides(model_cfg)), locate_smollm2()
+
+
+def _check_source(model_cfg: ModelConfig) -> None:
+    if model_cfg.source == "spec":
+        raise ValueError(
+            f"model={model_cfg.name} is a spec-only model (no weights): it runs only with executor=sim"
+        )
+    if model_cfg.source not in ("gguf", "hf", "random"):
+        raise ValueError(f"model.source={model_cfg.source!r} is not supported; allowed: gguf, hf, random, spec")
+    if arch_overrides(model_cfg) and model_cfg.source != "random":
+        raise ValueError(f"model.arch only applies to model.source=random or spec, not {model_cfg.source!r}")
+    if model_cfg.source == "hf" and not model_cfg.path:
+        raise ValueError("model.source=hf needs model.path=/path/to/a/local/hf/checkpoint")
+
+
 def load_weights(model_cfg: ModelConfig) -> tuple[LlamaArch, dict[str, torch.Tensor], Path]:
     """(architecture, HF-named weights, tokenizer source) for `model.source` gguf / hf / random."""
-    overrides: dict[str, Any] = (
-        OmegaConf.to_container(model_cfg.arch) if isinstance(model_cfg.arch, DictConfig) else dict(model_cfg.arch)
-    )
-    if overrides and model_cfg.source != "random":
-        raise ValueError(f"model.arch only applies to model.source=random, not {model_cfg.source!r}")
+    _check_source(model_cfg)
+    overrides = arch_overrides(model_cfg)
     if model_cfg.source == "gguf":
         path = Path(model_cfg.path) if model_cfg.path else locate_smollm2()
         arch, state = load_gguf(path)
         return arch, state, path
     if model_cfg.source == "hf":
-        if not model_cfg.path:
-            raise ValueError("model.source=hf needs model.path=/path/to/a/local/hf/checkpoint")
         arch, state = load_hf(model_cfg.path)
         return arch, state, Path(model_cfg.path)
-    if model_cfg.source == "random":
-        arch = tiny_arch(overrides)
-        # A fixed weight seed: `tiny-random` is one model whatever the experiment's sampling seed.
-        return arch, random_state(arch, seed=0), locate_smollm2()
-    raise ValueError(f"model.source={model_cfg.source!r} is not supported; allowed: gguf, hf, random")
+    arch = tiny_arch(overrides)
+    # A fixed weight seed: `tiny-random` is one model whatever the experiment's sampling seed.
+    return arch, random_state(arch, seed=0), locate_smollm2()

@@ -11,6 +11,7 @@ group fork its samples, checks stop conditions, and finishes and frees sequences
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -48,6 +49,10 @@ class Scheduler:
         eos_token_ids: Collection[int] = (),
     ) -> None:
         self.cfg = cfg
+        # plain ints: the per-token checks must not pay for a config-node lookup
+        self.max_model_len = int(cfg.max_model_len)
+        self.max_num_seqs = int(cfg.max_num_seqs)
+        self.max_num_batched_tokens = int(cfg.max_num_batched_tokens)
         self.block_manager = block_manager
         self.policy = policy
         self.preemption = preemption or RecomputePreemption()
@@ -74,10 +79,10 @@ class Scheduler:
             return request.abort_reason
         if request.num_prompt_tokens == 0:
             return "empty prompt"
-        if request.num_prompt_tokens > self.cfg.max_model_len:
+        if request.num_prompt_tokens > self.max_model_len:
             return (
                 f"prompt has {request.num_prompt_tokens} tokens, more than "
-                f"max_model_len={self.cfg.max_model_len}"
+                f"max_model_len={self.max_model_len}"
             )
         return None
 
@@ -116,10 +121,10 @@ class Scheduler:
         out = SchedulerOutput(is_prefill=True)
         if not self.waiting:
             return out
-        token_budget = self.cfg.max_num_batched_tokens
+        token_budget = self.max_num_batched_tokens
         admitted: list[Sequence] = []
         for seq in self.policy.order(self.waiting, now):
-            if len(self.running) + len(admitted) >= self.cfg.max_num_seqs or seq.num_tokens > token_budget:
+            if len(self.running) + len(admitted) >= self.max_num_seqs or seq.num_tokens > token_budget:
                 break
             status = self._admission_status(seq, idle=not (self.running or admitted))
             if status is AllocStatus.NEVER:
@@ -158,17 +163,19 @@ class Scheduler:
 
     def _schedule_decodes(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput(is_prefill=False)
-        queue = list(self.running)
+        queue = deque(self.running)
+        try_append = self.block_manager.try_append_slots
         while queue:
-            seq = queue.pop(0)
-            while not self.block_manager.can_append_slots(seq):
+            seq = queue.popleft()
+            while (copies := try_append(seq)) is None:
                 victim = self.policy.choose_victim([*queue, seq], now)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
                 queue.remove(victim)
             else:
-                out.blocks_to_copy.extend(self.block_manager.append_slots(seq))
+                if copies:
+                    out.blocks_to_copy.extend(copies)
                 out.scheduled.append(self._scheduled(seq, 1))
         return out
 
@@ -192,41 +199,50 @@ class Scheduler:
         """Apply one executed step; returns the requests that finished (or were aborted) in it."""
         finished = list(sched.aborted)
         samples: dict[Request, list[tuple[Sequence, list[int]]]] = {}
+        mark_computed = self.block_manager.mark_computed
         for item, tokens in zip(sched.scheduled, output.sampled, strict=True):
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.mark_computed(seq)
+            mark_computed(seq)
             if tokens:
                 samples.setdefault(seq.request, []).append((seq, tokens))
         for request, group_samples in samples.items():
             if request.first_token_time is None:
                 request.first_token_time = now
             group = self._groups[request]
-            self._apply(request, group.process(group_samples))
-            if group.is_finished:
+            # a group can only finish when one of its sequences does
+            if self._apply(request, group.process(group_samples)) and group.is_finished:
                 del self._groups[request]
                 finished.append(request)
         for request in finished:
             request.finish_time = now
         return finished
 
-    def _apply(self, request: Request, update: GroupUpdate) -> None:
+    def _apply(self, request: Request, update: GroupUpdate) -> bool:
+        """Fork and append; True when a sequence finished."""
+        finished = False
         for parent, token in update.forks:
             child = parent.fork(len(request.seqs))
             self.block_manager.fork(parent, child)
             request.seqs.append(child)
             self.running.append(child)
-            self._append(child, token)
+            finished |= self._append(child, token)
         for seq, token in update.appends:
-            self._append(seq, token)
+            finished |= self._append(seq, token)
+        return finished
 
-    def _append(self, seq: Sequence, token: int) -> None:
-        seq.token_ids.append(token)
+    def _append(self, seq: Sequence, token: int) -> bool:
+        """Extend `seq` by `token`; True when that finishes it."""
+        tokens = seq.token_ids
+        tokens.append(token)
         params = seq.request.params
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             self._finish(seq, FinishReason.STOP)
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.cfg.max_model_len:
+            return True
+        if len(tokens) - seq.num_prompt_tokens >= params.max_tokens or len(tokens) >= self.max_model_len:
             self._finish(seq, FinishReason.LENGTH)
+            return True
+        return False
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.status = SeqStatus.FINISHED

@@ -42,8 +42,11 @@ class ParallelSampling(SequenceGroup):
     prompt; the first continues the sequence, each other one forks a child sharing its blocks."""
 
     def num_samples(self, seq: Sequence) -> int:
+        n = self.request.params.n
+        if n == 1:
+            return 1
         first_step = len(self.request.seqs) == 1 and seq.num_output_tokens == 0
-        return self.request.params.n if first_step else 1
+        return n if first_step else 1
 
     @property
     def is_finished(self) -> bool:

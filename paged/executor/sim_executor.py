@@ -1,0 +1,151 @@
+"""`executor=sim`: the unchanged engine driven by a cost model on a virtual clock.
+
+Each step advances the clock by the cost model's time for exactly the work the scheduler handed
+over (tokens, contexts, rows that sample) and returns placeholder tokens, so the scheduler, block
+manager, allocators and policies run as they would on the real model. Requests end at their
+`max_tokens` (there is no EOS to sample). A placeholder token is a fixed function of the sequence's
+last token and length (and, when sampling, of the sample index), so identical greedy contexts
+produce identical continuations and prefix-cache hashes behave as on a real greedy model.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import cached_property
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from paged.clock import Clock, VirtualClock
+from paged.config import HardwareConfig, KernelConfig, ModelConfig
+from paged.executor.base import Executor, KVCacheSpec, Tokenizer
+from paged.executor.output import ExecutorOutput
+from paged.kernels.limits import DTYPE_NAMES
+from paged.model.spec import ModelSpec
+from paged.scheduler.output import SchedulerOutput
+from paged.sim.cost_model import CostModel, StepShape
+from paged.sim.hardware import Hardware, resolve_hardware
+from paged.sim.memory import check_parallelism, plan_memory
+
+log = logging.getLogger(__name__)
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+assert set(_DTYPE_BYTES) == set(DTYPE_NAMES)
+
+
+def model_spec(model: ModelConfig) -> tuple[ModelSpec, Any]:
+    """The model's shape, and its tokenizer source when it has weights (a spec-only model has none)."""
+    if model.source == "spec":
+        arch = OmegaConf.to_container(model.arch) if OmegaConf.is_config(model.arch) else dict(model.arch)
+        return ModelSpec.from_dict(model.name, arch), None  # type: ignore[arg-type]
+    from paged.model.weights import load_arch  # reads metadata only; the weights stay on disk
+
+    arch, tokenizer_source = load_arch(model)
+    return ModelSpec.from_llama(model.name, arch), tokenizer_source
+
+
+class SimExecutor(Executor):
+    """Public state besides the `Executor` contract: `spec`, `hardware`, `cost_model`, `dtype_bytes`,
+    and the `last_cost` breakdown of the latest step."""
+
+    runs_spec_models = True
+
+    def __init__(
+        self, model: ModelConfig, kernel: KernelConfig, seed: int = 0, hardware: HardwareConfig | None = None
+    ) -> None:
+        hw_cfg = OmegaConf.merge(OmegaConf.structured(HardwareConfig), hardware or {})
+        self.model_cfg = model
+        self.spec, tokenizer_source = model_spec(model)
+        check_parallelism(self.spec, hw_cfg.num_gpus)
+        self.dtype_bytes = _DTYPE_BYTES[model.dtype]
+        measured = None
+        if hw_cfg.calibrated:
+            from paged.sim.calibrate import load_or_measure
+
+            measured = load_or_measure(model, self.spec)
+        self.hardware: Hardware = resolve_hardware(hw_cfg, measured)
+        self._tokenizer_source = tokenizer_source
+        self.seed = seed
+        self.configure_kernel(kernel)
+        self.last_cost = None
+
+    @cached_property
+    def tokenizer(self) -> Tokenizer | None:  # type: ignore[override]
+        """The model's own tokenizer when it has one, so a workload gives the real run's token ids."""
+        if self._tokenizer_source is None:
+            return None
+        from paged.model.tokenizer import load_tokenizer
+
+        return load_tokenizer(self._tokenizer_source, chat_template=self.model_cfg.chat_template)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.vocab_size
+
+    @property
+    def description(self) -> str:
+        dtype = self.model_cfg.dtype
+        return f"{self.spec.name} ({dtype}) simulated on {self.hardware.num_gpus} x {self.hardware.name}"
+
+    def configure_kernel(self, kernel: KernelConfig) -> None:
+        self.cost_model = CostModel(
+            self.spec, self.hardware, self.dtype_bytes, version=kernel.version, partition_size=kernel.partition_size
+        )
+        self.kernel_description = f"{kernel.version} (simulated paged attention)"
+
+    @cached_property
+    def clock(self) -> Clock:
+        return VirtualClock()
+
+    def kv_cache_spec(self, block_size: int) -> KVCacheSpec:
+        return KVCacheSpec(
+            block_size,
+            self.spec.kv_bytes_per_token(self.dtype_bytes) * block_size,
+            f"simulated: {self.spec.num_layers} layers x K/V x {self.spec.num_kv_heads} heads x "
+            f"{self.spec.head_dim} x {self.model_cfg.dtype}, split over {self.hardware.num_gpus} GPU(s)",
+        )
+
+    def kv_cache_budget(self, utilization: float, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+        plan = plan_memory(
+            self.spec, self.hardware, self.dtype_bytes, utilization=utilization,
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        )
+        log.info("memory: %s", plan.describe(self.hardware, utilization))
+        return plan.kv_cache_bytes
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """Nothing to allocate: the blocks exist only in the block manager's accounting."""
+
+    def execute(self, sched: SchedulerOutput) -> ExecutorOutput:
+        shape = StepShape(decode_contexts=[])
+        sampled: list[list[int]] = []
+        vocab = self.spec.vocab_size
+        for item in sched.scheduled:
+            seq, new = item.seq, item.num_new_tokens
+            context = seq.num_computed_tokens + new
+            shape.num_tokens += new
+            if new == 1:
+                shape.decode_contexts.append(context)
+            else:
+                shape.num_prefill_rows += 1
+                shape.prefill_queries += new
+                shape.prefill_context += context
+                cached = context - new
+                shape.prefill_pairs += new * cached + new * (new + 1) // 2
+            n = item.num_samples
+            if n:
+                shape.num_sampled += n
+                base = seq.token_ids[-1] * 1103515245 + len(seq.token_ids) * 12345
+                if seq.request.params.greedy:
+                    sampled.append([base % vocab] * n)
+                else:
+                    sampled.append([(base + 7919 * (seq.index + i + 1)) % vocab for i in range(n)])
+            else:
+                sampled.append([])
+        shape.num_seqs = len(sched.scheduled)
+        cost = self.cost_model.step(shape)
+        self.last_cost = cost
+        self.clock.advance(cost.total_s)  # type: ignore[attr-defined]
+        return ExecutorOutput(
+            sampled, shape.num_tokens, model_time_s=cost.total_s - cost.overhead_s, attention_version=cost.decode_version
+        )

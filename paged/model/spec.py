@@ -1,0 +1,131 @@
+"""`ModelSpec`: a decoder's shape without its weights, enough to cost a step and size a KV cache.
+
+Spec-only models (`model.source=spec`, e.g. `model=opt-13b`) describe their architecture in
+`model.arch`; a model with weights (gguf / hf / random) is described by its `LlamaArch`. OPT is
+not a Llama: learned absolute positions, multi-head attention, a ReLU MLP of two matrices
+(fc1 h -> 4h, fc2 4h -> h), LayerNorm, and a bias on every linear layer; the fields below say so
+rather than forcing it into Llama's gated-SiLU, RoPE and RMSNorm shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from paged.model.config import LlamaArch
+
+MLP_KINDS = ("gated-silu", "relu")
+POSITION_KINDS = ("rope", "learned")
+NORM_KINDS = ("rmsnorm", "layernorm")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int = 2048
+    mlp: str = "gated-silu"  # gated-silu: gate, up, down (Llama); relu: fc1, fc2 (OPT)
+    positions: str = "rope"  # rope: rotary on q/k; learned: a position embedding table (OPT)
+    norm: str = "rmsnorm"
+    linear_bias: bool = False  # a bias on every linear layer (OPT), else none
+    qkv_bias: bool = False  # a bias on q/k/v only (Qwen2)
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for key, value, allowed in (
+            ("mlp", self.mlp, MLP_KINDS), ("positions", self.positions, POSITION_KINDS), ("norm", self.norm, NORM_KINDS)
+        ):
+            if value not in allowed:
+                raise ValueError(f"model.arch.{key}={value!r} is not supported; allowed: {', '.join(allowed)}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "int" and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"model.arch.{f.name}={value!r} must be a positive integer")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+
+    @classmethod
+    def from_dict(cls, name: str, d: dict[str, Any]) -> ModelSpec:
+        known = {f.name for f in fields(cls)} - {"name"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"model.arch has unknown keys {unknown}; known: {', '.join(sorted(known))}")
+        return cls(name=name, **d)
+
+    @classmethod
+    def from_llama(cls, name: str, arch: LlamaArch) -> ModelSpec:
+        return cls(
+            name=name,
+            vocab_size=arch.vocab_size,
+            hidden_size=arch.hidden_size,
+            intermediate_size=arch.intermediate_size,
+            num_layers=arch.num_layers,
+            num_heads=arch.num_heads,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim,
+            max_position_embeddings=arch.max_position_embeddings,
+            qkv_bias=arch.qkv_bias,
+            tie_word_embeddings=arch.tie_word_embeddings,
+        )
+
+    # -- per layer ---------------------------------------------------------------------------------
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def attention_params(self) -> int:
+        """q, k, v and output projections (with their biases)."""
+        h = self.hidden_size
+        params = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.linear_bias:
+            params += self.q_size + 2 * self.kv_size + h
+        elif self.qkv_bias:
+            params += self.q_size + 2 * self.kv_size
+        return params
+
+    @property
+    def mlp_params(self) -> int:
+        h, i = self.hidden_size, self.intermediate_size
+        matrices = 3 if self.mlp == "gated-silu" else 2
+        bias = (i + h) if self.linear_bias else 0
+        return matrices * h * i + bias
+
+    @property
+    def layer_params(self) -> int:
+        norms = 2 * self.hidden_size * (2 if self.norm == "layernorm" else 1)
+        return self.attention_params + self.mlp_params + norms
+
+    # -- whole model -------------------------------------------------------------------------------
+
+    @property
+    def embedding_params(self) -> int:
+        """Token embeddings, plus OPT's learned positions (its table has 2 offset rows)."""
+        params = self.vocab_size * self.hidden_size
+        if self.positions == "learned":
+            params += (self.max_position_embeddings + 2) * self.hidden_size
+        return params
+
+    @property
+    def lm_head_params(self) -> int:
+        return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        final_norm = self.hidden_size * (2 if self.norm == "layernorm" else 1)
+        return self.num_layers * self.layer_params + self.embedding_params + self.lm_head_params + final_norm
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V of one token in every layer: OPT-13B in fp16 takes 800 KB (the paper's figure)."""
+        return 2 * self.num_layers * self.kv_size * dtype_bytes

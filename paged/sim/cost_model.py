@@ -1,0 +1,167 @@
+"""The roofline cost of one engine step on the simulated GPUs, layer by layer.
+
+Every operator costs the larger of its FLOPs over (peak x efficiency) and its bytes over
+(bandwidth x efficiency): compute and memory traffic overlap, as in LLM-Viewer and llm-analysis.
+Per layer (all layers are alike, so one layer is costed and multiplied):
+
+- linear layers: 2 x tokens x weights FLOPs, against weight bytes plus activations in and out; the
+  matmul efficiency depends on the number of tokens, so a small batch is bandwidth-bound;
+- prefill attention: 4 x head_dim x heads FLOPs for every (query, key) pair a causal prefill of
+  the uncached tokens computes against the sequence's full context (cached prefix included);
+- decode attention: each sequence reads its K and V for its real context length. The paged kernel
+  gives every (sequence, head) one thread block (v1) or one per 512-token partition (v2), so the
+  step also cannot end before its largest work unit streams at one SM's share of the bandwidth:
+  with few, long sequences v1 leaves SMs idle and v2 wins, as vLLM's heuristic assumes;
+- layer norms, residual adds, rotary, the MLP activation and the KV-cache write: memory-bound;
+- tensor parallelism splits weights and heads over `num_gpus` and adds two ring all-reduces of
+  the hidden states per layer over the interconnect;
+- launches: a layer cannot run faster than its kernels can be launched.
+
+Around the layers: the embedding gather, the LM head for the rows that sample, sampling, and the
+host's per-step and per-sequence overhead (scheduling, input preparation, output processing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paged.kernels import choose_version
+from paged.model.spec import ModelSpec
+from paged.sim.hardware import Hardware
+
+
+@dataclass
+class StepShape:
+    """What the cost depends on: tokens computed, rows sampled, and each row's attention work."""
+
+    num_tokens: int = 0
+    num_sampled: int = 0
+    num_seqs: int = 0
+    # prefill rows (including recomputation and partly cached prompts): sum over rows of
+    # (query, key) pairs, of query tokens and of context tokens
+    prefill_pairs: int = 0
+    prefill_queries: int = 0
+    prefill_context: int = 0
+    num_prefill_rows: int = 0
+    # decode rows: one new token each, attending to `context` tokens
+    decode_contexts: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class StepCost:
+    linear_s: float
+    attention_s: float
+    elementwise_s: float
+    launch_bound_s: float  # time the layers wait on kernel launches beyond their own work
+    communication_s: float
+    head_s: float
+    overhead_s: float
+    decode_version: str | None
+
+    @property
+    def total_s(self) -> float:
+        return (
+            self.linear_s + self.attention_s + self.elementwise_s + self.launch_bound_s + self.communication_s
+            + self.head_s + self.overhead_s
+        )
+
+
+def causal_pairs(num_new: int, context: int) -> int:
+    """(query, key) pairs when `num_new` tokens attend causally to a `context`-token sequence."""
+    cached = context - num_new
+    return num_new * cached + num_new * (num_new + 1) // 2
+
+
+# kernels per layer: qkv, rotary, cache write, attention, o_proj, 2 norms, 2 residual adds,
+# gate_up / fc1, activation, down / fc2
+_KERNELS_PER_LAYER = 12
+
+
+class CostModel:
+    def __init__(
+        self, spec: ModelSpec, hardware: Hardware, dtype_bytes: int, *, version: str = "auto",
+        partition_size: int = 512,
+    ) -> None:
+        if version not in ("auto", "v1", "v2"):
+            raise ValueError(f"kernel.version={version!r} is not supported; allowed: auto, v1, v2")
+        self.spec, self.hw, self.b = spec, hardware, dtype_bytes
+        self.version, self.partition_size = version, partition_size
+        g = hardware.num_gpus
+        s = spec
+        self.heads = s.num_heads // g
+        # KV heads are split when they can be, else replicated (GQA with more GPUs than KV heads)
+        self.kv_heads = max(1, s.num_kv_heads // g)
+        self.q_size = self.heads * s.head_dim
+        self.kv_size = self.kv_heads * s.head_dim
+        inter = s.intermediate_size // g
+        linear_params = s.layer_params - 2 * s.hidden_size * (2 if s.norm == "layernorm" else 1)
+        self.linear_weights = linear_params / g
+        self.flops = hardware.peak_flops(dtype_bytes)
+        self.bw = hardware.memory_bandwidth * hardware.memory_efficiency
+        h = s.hidden_size
+        up_out = 2 * inter if s.mlp == "gated-silu" else inter
+        # activation elements read and written by the linear layers, per token
+        self.linear_act = h + (self.q_size + 2 * self.kv_size) + self.q_size + h + h + up_out + inter + h
+        act = 3 * inter if s.mlp == "gated-silu" else 2 * inter
+        rotary = 2 * (self.q_size + self.kv_size) if s.positions == "rope" else 0
+        # elements per token: 2 norms (read + write), 2 residual adds (2 reads + write), the MLP
+        # activation, rotary, and the KV-cache write (read K/V, write the cache)
+        self.elementwise = 2 * 2 * h + 2 * 3 * h + act + rotary + 2 * 2 * self.kv_size
+        self.lm_head_weights = s.vocab_size * h / g
+
+    # -- per step ----------------------------------------------------------------------------------
+
+    def step(self, shape: StepShape) -> StepCost:
+        hw, b, s, L = self.hw, self.b, self.spec, self.spec.num_layers
+        t = shape.num_tokens
+        linear = max(
+            2 * t * self.linear_weights / (self.flops * hw.matmul_efficiency_at(max(t, 1))),
+            (self.linear_weights + t * self.linear_act) * b / self.bw,
+        )
+        attention, version = self._attention(shape)
+        elementwise = t * self.elementwise * b / self.bw
+        kernels = _KERNELS_PER_LAYER + (version == "v2") + (shape.num_prefill_rows > 0 and version is not None)
+        layer = max(linear + attention + elementwise, kernels * hw.kernel_launch_s)
+        communication = 0.0
+        if hw.num_gpus > 1:
+            ring = 2 * (hw.num_gpus - 1) / hw.num_gpus
+            communication = 2 * L * (hw.allreduce_latency_s + ring * t * s.hidden_size * b / hw.interconnect_bandwidth)
+        head = t * s.hidden_size * b / self.bw  # embedding gather
+        n = shape.num_sampled
+        if n:
+            head += max(
+                2 * n * self.lm_head_weights / (self.flops * hw.matmul_efficiency_at(n)),
+                (self.lm_head_weights * b + n * s.vocab_size * 4) / self.bw,
+            )
+            head += 2 * n * s.vocab_size * 4 / self.bw  # softmax / argmax over fp32 logits
+        overhead = hw.step_overhead_s + hw.seq_overhead_s * shape.num_seqs
+        launch_bound = L * (layer - linear - attention - elementwise)
+        return StepCost(
+            L * linear, L * attention, L * elementwise, launch_bound, communication, head, overhead, version
+        )
+
+    def _attention(self, shape: StepShape) -> tuple[float, str | None]:
+        hw, b, d = self.hw, self.b, self.spec.head_dim
+        time = 0.0
+        if shape.num_prefill_rows:
+            flops = 4 * d * self.heads * shape.prefill_pairs
+            traffic = (2 * shape.prefill_queries * self.q_size + 2 * shape.prefill_context * self.kv_size) * b
+            time += max(flops / (self.flops * hw.prefill_attention_efficiency), traffic / self.bw)
+        contexts = shape.decode_contexts
+        if not contexts:
+            return time, None
+        num, longest, total = len(contexts), max(contexts), sum(contexts)
+        version = self.version
+        if version == "auto":
+            version = choose_version(longest, num, self.heads, self.partition_size)
+        bandwidth = hw.memory_bandwidth * hw.decode_attention_efficiency
+        traffic = (2 * total * self.kv_size + 2 * num * self.q_size) * b
+        unit = min(longest, self.partition_size) if version == "v2" else longest
+        # one thread block streams its unit at one SM's share of the bandwidth
+        time += max(traffic / bandwidth, 2 * unit * d * b * hw.num_sms / bandwidth)
+        if version == "v2":
+            p = self.partition_size
+            partitions = sum(-(-c // p) for c in contexts)
+            # the reduce reads each partition's max, sum and partial output (fp32) and writes the row
+            time += self.heads * (partitions * (2 + d) * 4 + num * d * b) / bandwidth
+        return time, version

@@ -1,0 +1,88 @@
+"""Where a simulated deployment's GPU memory goes, and how much is left for the KV cache.
+
+As vLLM profiles it: `gpu_memory_utilization` of every GPU's memory, less that GPU's share of the
+weights, less the activation peak of one `max_num_batched_tokens` step, holds the KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paged.config import ConfigError
+from paged.model.spec import ModelSpec
+from paged.sim.hardware import Hardware
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per GPU, except `kv_cache_bytes` (all GPUs together)."""
+
+    usable_bytes: int
+    weights_bytes: int
+    activation_bytes: int
+    kv_cache_bytes: int
+
+    def describe(self, hw: Hardware, utilization: float) -> str:
+        return (
+            f"{hw.num_gpus} x {hw.name}: {utilization:g} x {hw.memory / GB:.1f} GB = {self.usable_bytes / GB:.1f} GB "
+            f"per GPU, less {self.weights_bytes / GB:.1f} GB weights and {self.activation_bytes / GB:.2f} GB "
+            f"activations, leaves {self.kv_cache_bytes / GB:.1f} GB of KV cache in all"
+        )
+
+
+def check_parallelism(spec: ModelSpec, num_gpus: int) -> None:
+    """Tensor parallelism splits the attention heads evenly; KV heads split or are replicated."""
+    kv = spec.num_kv_heads
+    if spec.num_heads % num_gpus or (kv % num_gpus and num_gpus % kv):
+        allowed = [g for g in range(1, spec.num_heads + 1) if not spec.num_heads % g and not (kv % g and g % kv)]
+        raise ConfigError(
+            f"hardware.num_gpus={num_gpus} does not divide {spec.name}'s {spec.num_heads} attention heads "
+            f"({kv} KV heads); allowed: {', '.join(map(str, allowed))}"
+        )
+
+
+def activation_bytes(spec: ModelSpec, num_gpus: int, dtype_bytes: int, num_tokens: int, num_seqs: int) -> int:
+    """The live activations at the peak of one step (per GPU): the residual stream and its normed
+    copy plus the widest layer intermediate (attention's q/k/v/out or the MLP's up and activation),
+    and fp32 logits with their softmax for every sampled row."""
+    h, inter = spec.hidden_size, spec.intermediate_size // num_gpus
+    q = spec.num_heads * spec.head_dim // num_gpus
+    kv = max(1, spec.num_kv_heads // num_gpus) * spec.head_dim
+    up = 2 * inter if spec.mlp == "gated-silu" else inter
+    widest = max(2 * q + 2 * kv, up + inter)
+    logits = 2 * min(num_seqs, num_tokens) * spec.vocab_size * 4
+    return num_tokens * (2 * h + widest) * dtype_bytes + logits
+
+
+def plan_memory(
+    spec: ModelSpec, hw: Hardware, dtype_bytes: int, *, utilization: float, max_num_batched_tokens: int,
+    max_num_seqs: int,
+) -> MemoryPlan:
+    """The KV budget, or a ConfigError saying by how much the weights miss and how many GPUs fit."""
+    check_parallelism(spec, hw.num_gpus)
+    usable = int(utilization * hw.memory)
+    weights = spec.num_params * dtype_bytes // hw.num_gpus
+    activations = activation_bytes(spec, hw.num_gpus, dtype_bytes, max_num_batched_tokens, max_num_seqs)
+    free = usable - weights - activations
+    if free <= 0:
+        raise ConfigError(
+            f"model={spec.name} does not fit on {hw.num_gpus} x {hw.name}: each GPU needs "
+            f"{weights / GB:.1f} GB of weights and {activations / GB:.2f} GB of activations but has "
+            f"{usable / GB:.1f} GB ({utilization:g} x {hw.memory / GB:.1f} GB), short by {-free / GB:.1f} GB; "
+            f"{_suggestion(spec, hw, dtype_bytes, utilization, max_num_batched_tokens, max_num_seqs)}"
+        )
+    return MemoryPlan(usable, weights, activations, free * hw.num_gpus)
+
+
+def _suggestion(
+    spec: ModelSpec, hw: Hardware, dtype_bytes: int, utilization: float, tokens: int, seqs: int
+) -> str:
+    usable = utilization * hw.memory
+    for g in range(hw.num_gpus + 1, spec.num_heads + 1):
+        if spec.num_heads % g or (spec.num_kv_heads % g and g % spec.num_kv_heads):
+            continue
+        if spec.num_params * dtype_bytes / g + activation_bytes(spec, g, dtype_bytes, tokens, seqs) < usable:
+            return f"try hardware.num_gpus={g}"
+    return "no tensor-parallel degree that divides its heads fits; use GPUs with more memory"
