@@ -33,6 +33,9 @@ class AllocatorConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory: str | None = None
+    # with neither num_blocks nor kv_cache_memory: this share of device memory, less weights and
+    # activations, holds the KV cache (vLLM's gpu_memory_utilization)
+    gpu_memory_utilization: float = 0.9
     watermark: float = 0.01
     reservation: PluginConfig = _plugin("paged.memory.reservation.ExactReservation")
 
@@ -71,20 +74,52 @@ class WorkloadConfig:
     name: str = MISSING
     kind: str = MISSING
     path: str | None = None
-    num_requests: int = 48
+    num_requests: int | None = 48  # None (trace only): the whole trace
     seed: int = 0
     prompt_len_mean: float = 161.31
     output_len_mean: float = 337.99
     prompt_len_min: int = 4
-    prompt_len_max: int = 512
+    prompt_len_max: int | None = 512  # None: only the scheduler's max_model_len limits
     output_len_min: int = 4
-    output_len_max: int = 256
+    output_len_max: int | None = 256
+    prompt_len: int = 512  # kind fixed: every request's exact lengths
+    output_len: int = 128
     length_scale: float = 1.0
     arrival_rate: float = 0.0
     time_scale: float = 1.0
     temperature: float = 0.0
     ignore_eos: bool = True
     shared_prefix_len: int = 0
+
+
+@dataclass
+class HardwareConfig:
+    """The GPU that `executor=sim` simulates (conf/hardware/*.yaml documents each value's source).
+
+    Per GPU: dense tensor-core fp16/bf16 and fp32 FLOP/s, HBM bandwidth and size (bytes), NVLink
+    (per GPU, one direction) and PCIe bandwidth (B/s), SM count. Efficiencies are achieved / peak.
+    `matmul_efficiency` is a table `[[tokens, efficiency], ...]`, interpolated in log(tokens).
+    `calibrated: true` (cpu-local) fills the null values from a microbenchmark of this machine.
+    """
+
+    name: str = MISSING
+    flops_fp16: float | None = None
+    flops_fp32: float | None = None
+    memory_bandwidth: float | None = None
+    memory: str | None = None
+    interconnect_bandwidth: float | None = None
+    pcie_bandwidth: float | None = None
+    num_sms: int = 1
+    num_gpus: int = 1
+    matmul_efficiency: list[Any] | None = None
+    memory_efficiency: float | None = None
+    prefill_attention_efficiency: float | None = None
+    decode_attention_efficiency: float | None = None
+    kernel_launch_s: float | None = None
+    allreduce_latency_s: float = 0.0
+    step_overhead_s: float | None = None
+    seq_overhead_s: float | None = None
+    calibrated: bool = False
 
 
 @dataclass
@@ -114,6 +149,7 @@ class Config:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
     seed: int = 0
     progress: bool = True
 
@@ -153,10 +189,10 @@ def validate(cfg: Any) -> None:
     a = cfg.allocator
     _choice("allocator.block_size", a.block_size, BLOCK_SIZES)
     _positive("allocator.num_blocks", a.num_blocks, allow_none=True)
-    if a.num_blocks is None and a.kv_cache_memory is None:
-        raise ConfigError("set allocator.num_blocks or allocator.kv_cache_memory (e.g. 256MiB)")
     if a.kv_cache_memory is not None:
         parse_bytes(a.kv_cache_memory)
+    if not 0.0 < a.gpu_memory_utilization <= 1.0:
+        raise ConfigError(f"allocator.gpu_memory_utilization={a.gpu_memory_utilization!r} must be in (0, 1]")
     if not 0.0 <= a.watermark < 1.0:
         raise ConfigError(f"allocator.watermark={a.watermark!r} must be in [0, 1)")
     s = cfg.scheduler
@@ -178,16 +214,36 @@ def validate(cfg: Any) -> None:
             f"allocator.block_size={a.block_size}"
         )
     m = cfg.model
-    _choice("model.source", m.source, ("gguf", "hf", "random"))
+    _choice("model.source", m.source, ("gguf", "hf", "random", "spec"))
     _choice("model.dtype", m.dtype, DTYPE_NAMES)
     _choice("model.device", m.device, ("auto", "cpu", "cuda"))
     if m.source == "hf" and not m.path:
         raise ConfigError("model=hf needs model.path=/path/to/a/local/hf/checkpoint")
+    if m.source == "spec" and not m.arch:
+        raise ConfigError(f"model={m.name} has source=spec but no model.arch describing its shape")
+    _positive("hardware.num_gpus", cfg.hardware.num_gpus)
     w = cfg.workload
-    _choice("workload.kind", w.kind, ("synthetic", "prompts", "trace"))
-    _positive("workload.num_requests", w.num_requests)
+    _choice("workload.kind", w.kind, ("synthetic", "fixed", "prompts", "trace"))
+    if w.num_requests is None and w.kind != "trace":
+        raise ConfigError(
+            "workload.num_requests=null (the whole trace) is only allowed for workload=trace; "
+            f"workload={w.kind} needs a count > 0"
+        )
+    _positive("workload.num_requests", w.num_requests, allow_none=True)
     if w.kind in ("prompts", "trace") and not w.path:
         raise ConfigError(f"workload={w.kind} needs workload.path=FILE")
+    if w.arrival_rate < 0:
+        raise ConfigError(
+            f"workload.arrival_rate={w.arrival_rate!r} must be >= 0 (requests/s; 0 submits all at once)"
+        )
+    if w.kind == "fixed":
+        _positive("workload.prompt_len", w.prompt_len)
+        _positive("workload.output_len", w.output_len)
+        if not 0 <= w.shared_prefix_len <= w.prompt_len:
+            raise ConfigError(
+                f"workload.shared_prefix_len={w.shared_prefix_len!r} must be in [0, workload.prompt_len="
+                f"{w.prompt_len}] for workload=fixed"
+            )
     _choice("logger.backend", cfg.logger.backend, ("wandb", "none"))
     _choice("logger.mode", cfg.logger.mode, ("offline", "disabled", "online"))
 
@@ -195,8 +251,8 @@ def validate(cfg: Any) -> None:
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
-def parse_bytes(text: str | int) -> int:
-    """'256MiB' / '1GB' / '1048576' -> bytes."""
+def parse_bytes(text: str | int, key: str = "allocator.kv_cache_memory") -> int:
+    """'256MiB' / '1GB' / '1048576' -> bytes; `key` names the setting in the error."""
     s = str(text).strip().upper().replace(" ", "")
     digits = s.rstrip("ABEGIKM")
     unit = s[len(digits) :]
@@ -206,6 +262,6 @@ def parse_bytes(text: str | int) -> int:
         value = -1.0
     if unit not in _UNITS or value <= 0:
         raise ConfigError(
-            f"allocator.kv_cache_memory={text!r} is not a positive size; use e.g. 512MiB, 1GiB, 1048576"
+            f"{key}={text!r} is not a positive size; use e.g. 512MiB, 1GiB, 1048576"
         )
     return int(value * _UNITS[unit])

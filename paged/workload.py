@@ -1,10 +1,28 @@
-"""Request sources: synthetic ShareGPT-like lengths, a JSONL prompt file, or a scaled trace replay.
+"""Request sources: ShareGPT/Alpaca-like synthetic lengths, fixed lengths, a scaled trace replay, or
+a JSONL prompt file.
 
-The synthetic generator is a log-normal *fit* to the ShareGPT means quoted by the PagedAttention
-paper (prompt 161.31, output 337.99 tokens), not the dataset itself; lengths are scaled by
-`length_scale` and clipped so a CPU run stays short. Prompt text is cut from a built-in corpus so a
-real model reads real language. A bad entry never stops a run: it becomes an item carrying an
-`error`, which the engine turns into an aborted request with that reason.
+The synthetic generator is a log-normal *fit* to the mean lengths the PagedAttention paper quotes
+(ShareGPT: prompt 161.31, output 337.99 tokens; Alpaca: 19.31, 58.45), not the datasets: the paper
+gives no spread, so the fit assumes sigma = 1.0 for the log-length and sets mu so the means match.
+Lengths are scaled by `length_scale`. A trace replay takes a window of `num_requests` rows (the
+whole trace when None) with the trace's lengths scaled the same way and its arrival gaps scaled by
+`time_scale`; `fixed` gives every request exactly `prompt_len` and `output_len`.
+
+`shared_prefix_len` tokens, the same in every request, are prepended to each sampled (synthetic,
+trace) prompt; for `fixed` they are part of `prompt_len`.
+
+Lengths are clipped in two steps. Sampled lengths are first clipped to the config's
+[`*_len_min`, `*_len_max`] (a None max means no such limit). Then, when the caller passes the
+scheduler's `max_model_len`, every length-only workload (synthetic, fixed, trace) is cut to fit it,
+as the paper's setup cuts sequences to the model's max length: the whole prompt (prefix included) to
+at most `max_model_len - 1` tokens, so at least one token can be generated, then the output so that
+prompt + output <= `max_model_len`. This second step wins over `*_len_min`.
+
+Token ids: with a tokenizer, prompts are windows of a built-in corpus so a real model reads real
+language. A spec-only model has no tokenizer, so its length-only workloads get seeded uniform ids in
+[0, vocab_size). Either way the shared prefix is the same ids in every request, so prefix caching
+hashes and hits exactly as on a real model. A bad entry of a prompt file never stops a run: it
+becomes an item carrying an `error`, which the engine turns into an aborted request with that reason.
 """
 
 from __future__ import annotations
@@ -14,7 +32,7 @@ import json
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -24,6 +42,9 @@ from paged.request import SamplingParams
 _LOGNORMAL_SIGMA = 1.0
 _SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "n")
 _PROMPT_FILE_KEYS = ("prompt", *_SAMPLING_KEYS, "priority")
+# Seeds the synthetic prefix ids apart from the request stream, so the prefix does not change with
+# the request count or lengths (as the corpus prefix does not).
+_PREFIX_STREAM = 1
 
 
 class Tokenizer(Protocol):
@@ -42,19 +63,73 @@ class WorkloadItem:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def load_workload(cfg: WorkloadConfig, tokenizer: Tokenizer) -> list[WorkloadItem]:
-    if cfg.kind == "synthetic":
-        return synthetic(cfg, tokenizer)
+class _Lengths(NamedTuple):
+    """Per request: prompt tokens after the shared prefix, output tokens, arrival time (s)."""
+
+    body: np.ndarray
+    output: np.ndarray
+    arrival: np.ndarray
+
+
+def load_workload(
+    cfg: WorkloadConfig,
+    tokenizer: Tokenizer | None,
+    *,
+    vocab_size: int | None = None,
+    max_model_len: int | None = None,
+) -> list[WorkloadItem]:
+    """The requests `cfg` describes. `tokenizer` None (a spec-only model) draws synthetic ids below
+    `vocab_size`; `max_model_len` (the scheduler's) clips length-only workloads to fit it."""
     if cfg.kind == "prompts":
+        if tokenizer is None:
+            raise ValueError(
+                "workload=prompts needs a model with a tokenizer; a spec-only model has no vocabulary to "
+                "encode prompts with, so use workload=synthetic, fixed or trace"
+            )
         return prompt_file(cfg, tokenizer)
-    if cfg.kind == "trace":
-        return trace(cfg, tokenizer)
-    raise ValueError(f"workload.kind={cfg.kind!r} is not supported; allowed: synthetic, prompts, trace")
+    if cfg.kind not in _LENGTH_SOURCES:
+        raise ValueError(
+            f"workload.kind={cfg.kind!r} is not supported; allowed: {', '.join(_LENGTH_SOURCES)}, prompts"
+        )
+    if cfg.num_requests is None and cfg.kind != "trace":
+        raise ValueError(
+            "workload.num_requests=None (the whole trace) is only for workload=trace; "
+            f"workload={cfg.kind} needs a request count"
+        )
+    if max_model_len is not None and cfg.shared_prefix_len >= max_model_len:
+        raise ValueError(
+            f"workload.shared_prefix_len={cfg.shared_prefix_len} leaves no room to generate: it must be "
+            f"< scheduler.max_model_len={max_model_len}"
+        )
+    rng = np.random.default_rng(cfg.seed)
+    lengths = _LENGTH_SOURCES[cfg.kind](cfg, rng)
+    body, output = lengths.body, lengths.output
+    if max_model_len is not None:
+        body = np.minimum(body, max_model_len - 1 - cfg.shared_prefix_len)
+        output = np.minimum(output, max_model_len - cfg.shared_prefix_len - body)
+    if tokenizer is not None:
+        prefix, bodies = _corpus_ids(tokenizer, cfg.shared_prefix_len, body, rng)
+    elif vocab_size is not None:
+        prefix, bodies = _random_ids(cfg, vocab_size, body, rng)
+    else:
+        raise ValueError(
+            f"workload={cfg.kind} without a tokenizer (a spec-only model) needs vocab_size= to draw "
+            "synthetic token ids"
+        )
+    # read once: a DictConfig attribute costs microseconds, too much per request at paper scale
+    temperature, ignore_eos = cfg.temperature, cfg.ignore_eos
+    items = []
+    for i, (ids, o_len, t) in enumerate(zip(bodies, output.tolist(), lengths.arrival.tolist())):
+        params = SamplingParams(max_tokens=o_len, temperature=temperature, ignore_eos=ignore_eos)
+        items.append(WorkloadItem(f"req-{i}", prefix + ids, params, t))
+    return items
 
 
-def _lognormal_lengths(rng: np.random.Generator, mean: float, n: int, lo: int, hi: int) -> np.ndarray:
+def _lognormal_lengths(
+    rng: np.random.Generator, mean: float, n: int, lo: int, hi: int | None
+) -> np.ndarray:
     mu = np.log(mean) - _LOGNORMAL_SIGMA**2 / 2
-    return np.clip(np.round(rng.lognormal(mu, _LOGNORMAL_SIGMA, n)), lo, hi).astype(int)
+    return np.clip(np.round(rng.lognormal(mu, _LOGNORMAL_SIGMA, n)), lo, hi).astype(np.int64)
 
 
 def _arrivals(rng: np.random.Generator, rate: float, n: int) -> np.ndarray:
@@ -64,78 +139,95 @@ def _arrivals(rng: np.random.Generator, rate: float, n: int) -> np.ndarray:
     return np.cumsum(rng.exponential(1.0 / rate, n))
 
 
-class _TextSource:
-    """Slices token windows of any length out of the corpus, wrapping around at its end."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        text = resources.files("paged.data").joinpath("corpus.txt").read_text()
-        self.tokens = np.asarray(tokenizer.encode(text), dtype=np.int64)
-
-    def window(self, start: int, length: int) -> list[int]:
-        idx = (start + np.arange(length)) % len(self.tokens)
-        return self.tokens[idx].tolist()
-
-
-def _length_items(
-    cfg: WorkloadConfig,
-    tokenizer: Tokenizer,
-    prompt_lens: np.ndarray,
-    output_lens: np.ndarray,
-    arrivals: np.ndarray,
-    rng: np.random.Generator,
-) -> list[WorkloadItem]:
-    source = _TextSource(tokenizer)
-    prefix = source.window(0, cfg.shared_prefix_len)
-    items = []
-    for i, (p_len, o_len, t) in enumerate(zip(prompt_lens, output_lens, arrivals)):
-        body = source.window(int(rng.integers(len(source.tokens))), int(p_len))
-        params = SamplingParams(max_tokens=int(o_len), temperature=cfg.temperature, ignore_eos=cfg.ignore_eos)
-        items.append(WorkloadItem(f"req-{i}", prefix + body, params, float(t)))
-    return items
-
-
-def synthetic(cfg: WorkloadConfig, tokenizer: Tokenizer) -> list[WorkloadItem]:
-    rng = np.random.default_rng(cfg.seed)
+def _synthetic_lengths(cfg: WorkloadConfig, rng: np.random.Generator) -> _Lengths:
     n = cfg.num_requests
-    prompt_lens = _lognormal_lengths(
+    prompt = _lognormal_lengths(
         rng, cfg.prompt_len_mean * cfg.length_scale, n, cfg.prompt_len_min, cfg.prompt_len_max
     )
-    output_lens = _lognormal_lengths(
+    output = _lognormal_lengths(
         rng, cfg.output_len_mean * cfg.length_scale, n, cfg.output_len_min, cfg.output_len_max
     )
-    return _length_items(cfg, tokenizer, prompt_lens, output_lens, _arrivals(rng, cfg.arrival_rate, n), rng)
+    return _Lengths(prompt, output, _arrivals(rng, cfg.arrival_rate, n))
 
 
-def trace(cfg: WorkloadConfig, tokenizer: Tokenizer) -> list[WorkloadItem]:
-    """Replay a contiguous window of an Azure trace: arrival gaps × time_scale, lengths × length_scale."""
-    path = Path(str(cfg.path)).expanduser()
-    if not path.is_file():
-        traces = resources.files("paged.data").joinpath("traces")
-        if not traces.joinpath(str(cfg.path)).is_file():
-            names = sorted(p.name for p in traces.iterdir() if p.name.endswith(".csv"))
-            raise FileNotFoundError(
-                f"workload.path={cfg.path!r}: no such trace file; shipped traces: {', '.join(names)}"
-            )
-        path = Path(str(traces.joinpath(str(cfg.path))))
+def _fixed_lengths(cfg: WorkloadConfig, rng: np.random.Generator) -> _Lengths:
+    n = cfg.num_requests
+    body = np.full(n, cfg.prompt_len - cfg.shared_prefix_len, dtype=np.int64)
+    return _Lengths(body, np.full(n, cfg.output_len, dtype=np.int64), _arrivals(rng, cfg.arrival_rate, n))
+
+
+def _trace_lengths(cfg: WorkloadConfig, rng: np.random.Generator) -> _Lengths:
+    """A contiguous window of an Azure trace (all of it when num_requests is None): arrival gaps ×
+    time_scale, lengths × length_scale."""
+    path = _trace_path(str(cfg.path))
     with path.open() as f:
-        rows = list(csv.DictReader(f))
-    required = {"arrived_at", "num_prefill_tokens", "num_decode_tokens"}
-    if not rows or not required <= set(rows[0]):
-        raise ValueError(f"trace {path} must have columns {sorted(required)}")
-    rng = np.random.default_rng(cfg.seed)
-    n = min(cfg.num_requests, len(rows))
-    start = int(rng.integers(0, len(rows) - n + 1))
-    window = rows[start : start + n]
-    t0 = float(window[0]["arrived_at"])
-    arrivals = np.array([(float(r["arrived_at"]) - t0) * cfg.time_scale for r in window])
+        header = next(csv.reader(f), [])
+        required = ("arrived_at", "num_prefill_tokens", "num_decode_tokens")
+        if not set(required) <= set(header):
+            raise ValueError(f"trace {path} must have columns {sorted(required)}")
+        columns = [header.index(key) for key in required]
+        table = np.loadtxt(f, delimiter=",", usecols=columns, ndmin=2)
+    if not len(table):
+        raise ValueError(f"trace {path} has no rows")
+    n = len(table) if cfg.num_requests is None else min(cfg.num_requests, len(table))
+    start = int(rng.integers(0, len(table) - n + 1))
+    arrived, prefill, decode = table[start : start + n].T
 
-    def scaled(key: str, lo: int, hi: int) -> np.ndarray:
-        values = np.array([float(r[key]) for r in window]) * cfg.length_scale
-        return np.clip(np.round(values), lo, hi).astype(int)
+    def scaled(values: np.ndarray, lo: int, hi: int | None) -> np.ndarray:
+        return np.clip(np.round(values * cfg.length_scale), lo, hi).astype(np.int64)
 
-    prompt_lens = scaled("num_prefill_tokens", cfg.prompt_len_min, cfg.prompt_len_max)
-    output_lens = scaled("num_decode_tokens", cfg.output_len_min, cfg.output_len_max)
-    return _length_items(cfg, tokenizer, prompt_lens, output_lens, arrivals, rng)
+    return _Lengths(
+        scaled(prefill, cfg.prompt_len_min, cfg.prompt_len_max),
+        scaled(decode, cfg.output_len_min, cfg.output_len_max),
+        (arrived - arrived[0]) * cfg.time_scale,
+    )
+
+
+def _trace_path(name: str) -> Path:
+    """A file path, or the name of a trace shipped in paged/data/traces."""
+    path = Path(name).expanduser()
+    if path.is_file():
+        return path
+    traces = resources.files("paged.data").joinpath("traces")
+    if not traces.joinpath(name).is_file():
+        names = sorted(p.name for p in traces.iterdir() if p.name.endswith(".csv"))
+        raise FileNotFoundError(f"workload.path={name!r}: no such trace file; shipped traces: {', '.join(names)}")
+    return Path(str(traces.joinpath(name)))
+
+
+_LENGTH_SOURCES = {"synthetic": _synthetic_lengths, "fixed": _fixed_lengths, "trace": _trace_lengths}
+
+
+def _split(flat: np.ndarray, lengths: np.ndarray) -> list[list[int]]:
+    """Cut `flat`, an object array of Python ints, into one list per request. The lists point at
+    the array's int objects, so each distinct id is one object (not 32 bytes per token, millions of
+    tokens at paper scale), and no int is created per token."""
+    ends = np.cumsum(lengths).tolist()
+    return [flat[end - n : end].tolist() for end, n in zip(ends, lengths.tolist())]
+
+
+def _corpus_ids(
+    tokenizer: Tokenizer, prefix_len: int, body: np.ndarray, rng: np.random.Generator
+) -> tuple[list[int], list[list[int]]]:
+    """The corpus's first `prefix_len` tokens, and per request a window from a random start; windows
+    wrap around at the corpus end."""
+    text = resources.files("paged.data").joinpath("corpus.txt").read_text()
+    tokens = np.asarray(tokenizer.encode(text), dtype=object)
+    # one draw per request, in request order: the same stream as drawing them one by one
+    starts = rng.integers(len(tokens), size=len(body))
+    offsets = np.arange(int(body.sum())) - np.repeat(np.cumsum(body) - body, body)
+    flat = tokens[(np.repeat(starts, body) + offsets) % len(tokens)]
+    return tokens[np.arange(prefix_len) % len(tokens)].tolist(), _split(flat, body)
+
+
+def _random_ids(
+    cfg: WorkloadConfig, vocab_size: int, body: np.ndarray, rng: np.random.Generator
+) -> tuple[list[int], list[list[int]]]:
+    """Seeded uniform ids in [0, vocab_size) for a model without a tokenizer."""
+    vocab = np.arange(vocab_size).astype(object)
+    prefix_rng = np.random.default_rng([cfg.seed, _PREFIX_STREAM])
+    prefix = vocab[prefix_rng.integers(vocab_size, size=cfg.shared_prefix_len)].tolist()
+    return prefix, _split(vocab[rng.integers(vocab_size, size=int(body.sum()))], body)
 
 
 def parse_prompt_line(

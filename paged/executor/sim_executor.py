@@ -23,7 +23,7 @@ from paged.executor.output import ExecutorOutput
 from paged.kernels.limits import DTYPE_NAMES
 from paged.model.spec import ModelSpec
 from paged.scheduler.output import SchedulerOutput
-from paged.sim.cost_model import CostModel, StepShape
+from paged.sim.cost_model import CostModel, step_shape
 from paged.sim.hardware import Hardware, resolve_hardware
 from paged.sim.memory import check_parallelism, plan_memory
 
@@ -117,35 +117,28 @@ class SimExecutor(Executor):
         """Nothing to allocate: the blocks exist only in the block manager's accounting."""
 
     def execute(self, sched: SchedulerOutput) -> ExecutorOutput:
-        shape = StepShape(decode_contexts=[])
-        sampled: list[list[int]] = []
-        vocab = self.spec.vocab_size
-        for item in sched.scheduled:
-            seq, new = item.seq, item.num_new_tokens
-            context = seq.num_computed_tokens + new
-            shape.num_tokens += new
-            if new == 1:
-                shape.decode_contexts.append(context)
-            else:
-                shape.num_prefill_rows += 1
-                shape.prefill_queries += new
-                shape.prefill_context += context
-                cached = context - new
-                shape.prefill_pairs += new * cached + new * (new + 1) // 2
-            n = item.num_samples
-            if n:
-                shape.num_sampled += n
-                base = seq.token_ids[-1] * 1103515245 + len(seq.token_ids) * 12345
-                if seq.request.params.greedy:
-                    sampled.append([base % vocab] * n)
-                else:
-                    sampled.append([(base + 7919 * (seq.index + i + 1)) % vocab for i in range(n)])
-            else:
-                sampled.append([])
-        shape.num_seqs = len(sched.scheduled)
-        cost = self.cost_model.step(shape)
+        cost = self.cost_model.step(step_shape(sched))
         self.last_cost = cost
         self.clock.advance(cost.total_s)  # type: ignore[attr-defined]
         return ExecutorOutput(
-            sampled, shape.num_tokens, model_time_s=cost.total_s - cost.overhead_s, attention_version=cost.decode_version
+            self._placeholders(sched), sum(it.num_new_tokens for it in sched.scheduled),
+            model_time_s=cost.total_s - cost.overhead_s, attention_version=cost.decode_version,
         )
+
+    def _placeholders(self, sched: SchedulerOutput) -> list[list[int]]:
+        vocab = self.spec.vocab_size
+        sampled: list[list[int]] = []
+        for item in sched.scheduled:
+            n = item.num_samples
+            if not n:
+                sampled.append([])
+                continue
+            seq = item.seq
+            base = seq.token_ids[-1] * 1103515245 + len(seq.token_ids) * 12345
+            if n == 1 and seq.request.params.greedy:
+                sampled.append([base % vocab])
+            elif seq.request.params.greedy:
+                sampled.append([base % vocab] * n)
+            else:
+                sampled.append([(base + 7919 * (seq.index + i + 1)) % vocab for i in range(n)])
+        return sampled

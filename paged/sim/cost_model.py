@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from paged.kernels import choose_version
 from paged.model.spec import ModelSpec
+from paged.scheduler.output import SchedulerOutput
 from paged.sim.hardware import Hardware
 
 
@@ -66,10 +67,25 @@ class StepCost:
         )
 
 
-def causal_pairs(num_new: int, context: int) -> int:
-    """(query, key) pairs when `num_new` tokens attend causally to a `context`-token sequence."""
-    cached = context - num_new
-    return num_new * cached + num_new * (num_new + 1) // 2
+def step_shape(sched: SchedulerOutput) -> StepShape:
+    """The cost-relevant shape of a scheduled step; a row with one new token is a decode row, as
+    in the real executor."""
+    shape = StepShape(num_seqs=len(sched.scheduled), decode_contexts=[])
+    decode = shape.decode_contexts
+    for item in sched.scheduled:
+        new = item.num_new_tokens
+        context = item.seq.num_computed_tokens + new
+        shape.num_tokens += new
+        shape.num_sampled += item.num_samples
+        if new == 1:
+            decode.append(context)
+        else:
+            shape.num_prefill_rows += 1
+            shape.prefill_queries += new
+            shape.prefill_context += context
+            # causal: each new token attends to the cached prefix and the new tokens up to itself
+            shape.prefill_pairs += new * (context - new) + new * (new + 1) // 2
+    return shape
 
 
 # kernels per layer: qkv, rotary, cache write, attention, o_proj, 2 norms, 2 residual adds,

@@ -64,7 +64,8 @@ def resolve_hardware(cfg: HardwareConfig | Any, measured: dict[str, Any] | None 
     table = sorted((float(t), float(e)) for t, e in values["matmul_efficiency"])
     if not table or any(t < 1 or not 0 < e <= 1 for t, e in table):
         raise ConfigError(
-            f"hardware.matmul_efficiency={values['matmul_efficiency']!r} must be [[tokens >= 1, efficiency in (0, 1]], ...]"
+            f"hardware.matmul_efficiency={values['matmul_efficiency']!r} must be "
+            "[[tokens >= 1, efficiency in (0, 1]], ...]"
         )
     values["matmul_efficiency"] = tuple(table)
     for key in ("memory_efficiency", "prefill_attention_efficiency", "decode_attention_efficiency"):
