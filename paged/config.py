@@ -112,6 +112,7 @@ class HardwareConfig:
     num_sms: int = 1
     num_gpus: int = 1
     matmul_efficiency: list[Any] | None = None
+    matmul_tile: int = 0
     memory_efficiency: float | None = None
     prefill_attention_efficiency: float | None = None
     decode_attention_efficiency: float | None = None

@@ -5,10 +5,10 @@ prints; `executor=sim hardware=cpu-local` measures on first use and reads the ca
 The measurements, each under a few seconds:
 
 - memory bandwidth: a 256 MiB tensor copy (bytes read + written per second);
-- matmul FLOP/s at the model's shapes: one layer's linear layers (fused qkv, o, gate_up, down, as
-  the real model runs them) at 1 to 2048 tokens; the best is the peak, each token count's share
-  of it the `matmul_efficiency` table (so small batches come out bandwidth- and overhead-bound as
-  measured);
+- matmul FLOP/s at the model's shapes: every layer's linear layers (fused qkv, o, gate_up, down,
+  as the real model runs them; up to 1 GiB of weights) at 1 to 2048 tokens; the best is the
+  peak, each token count's share of it the `matmul_efficiency` table (so small batches come out
+  bandwidth- and overhead-bound as measured);
 - attention: the real executor's CPU kernels, decode (8 sequences x 1024 tokens, bytes of K/V per
   second over the copy bandwidth) and prefill (512 new tokens, FLOP/s over the matmul peak);
 - per-step overhead: the real engine with the real model runs decode steps at 1 and 16 sequences;
@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 _TOKENS = (1, 4, 16, 64, 256, 1024, 2048)
+_MATMUL_BYTES = 1 << 30  # at most this much weight memory for the matmul benchmark
 
 
 def _median_time(fn: Callable[[], Any], repeats: int = 5) -> float:
@@ -131,12 +132,17 @@ def _matmul(spec: ModelSpec, dtype: torch.dtype) -> tuple[float, list[list[float
     up = 2 * inter if spec.mlp == "gated-silu" else inter
     shapes = [(q + 2 * kv, h), (h, q), (up, h), (h, inter)]
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(o, i, generator=gen).to(dtype) * 0.02 for o, i in shapes]
+    layer = [torch.randn(o, i, generator=gen).to(dtype) * 0.02 for o, i in shapes]
+    # every layer's own weights, as in the model: one layer's alone would sit in the CPU's caches
+    # and make small batches look compute-bound
+    layer_bytes = sum(w.nbytes for w in layer)
+    copies = max(1, min(spec.num_layers, _MATMUL_BYTES // layer_bytes))
+    weights = [w.clone() for _ in range(copies) for w in layer]
     achieved = {}
     with torch.inference_mode():
         for tokens in _TOKENS:
-            xs = [torch.randn(tokens, w.shape[1], generator=gen).to(dtype) for w in weights]
-            seconds = _median_time(lambda xs=xs: [F.linear(x, w) for x, w in zip(xs, weights)])
+            xs = [torch.randn(tokens, w.shape[1], generator=gen).to(dtype) for w in layer] * copies
+            seconds = _median_time(lambda xs=xs: [F.linear(x, w) for x, w in zip(xs, weights)], repeats=3)
             achieved[tokens] = 2 * tokens * sum(w.numel() for w in weights) / seconds
     peak = max(achieved.values())
     return peak, [[t, min(1.0, f / peak)] for t, f in achieved.items()]

@@ -5,7 +5,8 @@ Every operator costs the larger of its FLOPs over (peak x efficiency) and its by
 Per layer (all layers are alike, so one layer is costed and multiplied):
 
 - linear layers: 2 x tokens x weights FLOPs, against weight bytes plus activations in and out; the
-  matmul efficiency depends on the number of tokens, so a small batch is bandwidth-bound;
+  matmul efficiency depends on the number of tokens (a measured table, and on a GPU the share of
+  SMs a GEMM's output tiles keep busy), so a small batch is bandwidth-bound;
 - prefill attention: 4 x head_dim x heads FLOPs for every (query, key) pair a causal prefill of
   the uncached tokens computes against the sequence's full context (cached prefix included);
 - decode attention: each sequence reads its K and V for its real context length. The paged kernel
@@ -124,6 +125,35 @@ class CostModel:
         # activation, rotary, and the KV-cache write (read K/V, write the cache)
         self.elementwise = 2 * 2 * h + 2 * 3 * h + act + rotary + 2 * 2 * self.kv_size
         self.lm_head_weights = s.vocab_size * h / g
+        # (output features, parameters) of each linear layer on one GPU, for wave quantization
+        self.linears = [
+            (self.q_size + 2 * self.kv_size, h * (self.q_size + 2 * self.kv_size)), (h, self.q_size * h),
+            (up_out, h * up_out), (h, inter * h),
+        ]
+        self._efficiency: dict[int, float] = {}
+
+    def _matmul_efficiency(self, tokens: int) -> float:
+        """The table's efficiency at `tokens`, times the share of the tensor cores' work that is
+        useful when each GEMM's output is cut into tiles run in waves of `num_sms` (NVIDIA's tile
+        and wave quantization). Tiles are `matmul_tile` wide in the output features; their height
+        follows the batch (16 to `matmul_tile` tokens, as cuBLAS picks smaller tiles for small
+        batches): a 128-token GEMM with 4096 outputs keeps 32 of an A100's 108 SMs busy."""
+        tokens = max(tokens, 1)
+        cached = self._efficiency.get(tokens)
+        if cached is not None:
+            return cached
+        efficiency = self.hw.matmul_efficiency_at(tokens)
+        tile, sms = self.hw.matmul_tile, self.hw.num_sms
+        if tile:
+            height = min(tile, max(16, 1 << (tokens - 1).bit_length()))
+            issued = 0.0
+            for features, params in self.linears:
+                tiles = -(-tokens // height) * -(-features // tile)
+                # parameters x the share of issued tile work that is useful
+                issued += params * (-(-tiles // sms) * sms * height * tile) / (tokens * features)
+            efficiency *= sum(p for _, p in self.linears) / issued
+        self._efficiency[tokens] = efficiency
+        return efficiency
 
     # -- per step ----------------------------------------------------------------------------------
 
@@ -131,7 +161,7 @@ class CostModel:
         hw, b, s, L = self.hw, self.b, self.spec, self.spec.num_layers
         t = shape.num_tokens
         linear = max(
-            2 * t * self.linear_weights / (self.flops * hw.matmul_efficiency_at(max(t, 1))),
+            2 * t * self.linear_weights / (self.flops * self._matmul_efficiency(t)),
             (self.linear_weights + t * self.linear_act) * b / self.bw,
         )
         attention, version = self._attention(shape)
@@ -146,7 +176,7 @@ class CostModel:
         n = shape.num_sampled
         if n:
             head += max(
-                2 * n * self.lm_head_weights / (self.flops * hw.matmul_efficiency_at(n)),
+                2 * n * self.lm_head_weights / (self.flops * self._matmul_efficiency(n)),
                 (self.lm_head_weights * b + n * s.vocab_size * 4) / self.bw,
             )
             head += 2 * n * s.vocab_size * 4 / self.bw  # softmax / argmax over fp32 logits

@@ -26,6 +26,7 @@ class Hardware:
     num_sms: int
     num_gpus: int
     matmul_efficiency: tuple[tuple[float, float], ...]  # (tokens, achieved / peak), tokens ascending
+    matmul_tile: int  # GEMM output tile edge for wave quantization; 0: none (a CPU)
     memory_efficiency: float
     prefill_attention_efficiency: float
     decode_attention_efficiency: float
@@ -75,7 +76,7 @@ def resolve_hardware(cfg: HardwareConfig | Any, measured: dict[str, Any] | None 
                 "num_sms", "num_gpus"):
         if values[key] <= 0:
             raise ConfigError(f"hardware.{key}={values[key]!r} must be > 0")
-    for key in ("kernel_launch_s", "allreduce_latency_s", "step_overhead_s", "seq_overhead_s"):
+    for key in ("matmul_tile", "kernel_launch_s", "allreduce_latency_s", "step_overhead_s", "seq_overhead_s"):
         if values[key] < 0:
             raise ConfigError(f"hardware.{key}={values[key]!r} must be >= 0")
     return Hardware(**values)
