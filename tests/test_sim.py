@@ -311,3 +311,26 @@ def test_cpu_local_measures_once_then_reads_its_cache(tmp_path, monkeypatch):
 
     monkeypatch.setattr(calibrate, "measure", lambda *a, **k: pytest.fail("measured again"))
     assert build_engine(cfg).executor.hardware == hw
+
+
+def test_wandb_steps_of_a_simulated_run_are_keyed_by_sim_time(tmp_path):
+    from paged.config import LoggerConfig
+    from paged.metrics import MetricsRecorder
+    from paged.wandb_logger import WandbLogger
+
+    class Run:
+        def __init__(self) -> None:
+            self.logged: list[dict] = []
+
+        def log(self, data: dict) -> None:
+            self.logged.append(data)
+
+    engine = build_engine(_sim_cfg("model=llama-2-7b", "workload=fixed"))
+    logger = WandbLogger(LoggerConfig(name="none"), tmp_path, {}, simulated=engine.clock.simulated)
+    logger.run = Run()
+    engine.metrics = MetricsRecorder()
+    engine.metrics.step_listeners.append(logger.log_step)
+    engine.add_request(Request("r", [5] * 40, SamplingParams(max_tokens=3, ignore_eos=True)))
+    engine.run_until_done()
+    times = [row["sim_time_s"] for row in logger.run.logged]
+    assert len(times) == 3 and times == sorted(times) and times[-1] == pytest.approx(engine.clock.now())

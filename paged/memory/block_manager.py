@@ -132,16 +132,20 @@ class BlockManager:
         state = self._seqs[seq.seq_id]
         table, bs, alloc = state.table, self.block_size, self.allocator
         num_tokens = len(seq.token_ids)
+        last = state.num_slots
+        if (
+            num_tokens - 1 == last == seq.num_computed_tokens and last % bs
+            and alloc.refcount(table[last // bs]) == 1 and self.reservation.growth_slots(seq) <= len(table) * bs
+        ):
+            # the common decode step: one token into a private block that has room
+            self._fill[table[last // bs]] += 1
+            self._slots_used += 1
+            state.num_slots = num_tokens
+            return []
         shared = self._shared_write_targets(seq, state)
         num_new = self._growth_blocks(seq, state)
         if num_new + len(shared) > alloc.num_free_blocks:
             return None
-        if not shared and not num_new and num_tokens - 1 == state.num_slots and state.num_slots % bs:
-            # the common decode step: the new token lands in the last block, which has room
-            self._fill[table[(num_tokens - 1) // bs]] += 1
-            self._slots_used += 1
-            state.num_slots = num_tokens
-            return []
         copies = []
         for i in shared:
             src = table[i]
