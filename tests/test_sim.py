@@ -86,18 +86,20 @@ def test_opt66b_needs_four_a100_40gb_as_in_the_paper():
     ("overrides", "message"),
     [
         (["executor=model", "model=opt-13b"], "spec-only model .* use executor=sim"),
-        (["model=opt-13b", "hardware.num_gpus=3"], r"num_gpus=3 does not divide opt-13b's 40 .* allowed: 1, 2, 4, 5"),
-        (["model=opt-13b", "allocator.gpu_memory_utilization=0"], r"gpu_memory_utilization=0.0 must be in \(0, 1\]"),
-        (["model=opt-13b", "allocator.gpu_memory_utilization=1.5"], r"gpu_memory_utilization=1.5 must be in"),
-        (["model=opt-175b", "hardware=a100-80g", "hardware.num_gpus=2"], "short by .* hardware.num_gpus=6"),
-        (["model=llama-2-7b", "hardware.num_gpus=0"], "hardware.num_gpus=0 must be > 0"),
+        (["executor=sim", "model=opt-13b", "hardware.num_gpus=3"],
+         r"num_gpus=3 does not divide opt-13b's 40 .* allowed: 1, 2, 4, 5"),
+        (["executor=sim", "model=opt-13b", "allocator.gpu_memory_utilization=0"],
+         r"gpu_memory_utilization=0.0 must be in \(0, 1\]"),
+        (["executor=sim", "model=opt-13b", "allocator.gpu_memory_utilization=1.5"],
+         r"gpu_memory_utilization=1.5 must be in"),
+        (["executor=sim", "model=opt-175b", "hardware=a100-80g", "hardware.num_gpus=2"],
+         "short by .* hardware.num_gpus=6"),
+        (["executor=sim", "model=llama-2-7b", "hardware.num_gpus=0"], "hardware.num_gpus=0 must be > 0"),
     ],
 )
 def test_bad_sim_configs_fail_before_the_run_with_the_value_named(overrides, message):
-    cfg = compose_config([*QUIET, *overrides] if overrides[0] == "executor=model" else ["executor=sim", *QUIET,
-                                                                                        *overrides])
     with pytest.raises(ConfigError, match=message):
-        build_engine(cfg)
+        build_engine(compose_config([*QUIET, *overrides]))
 
 
 def test_unknown_hardware_lists_the_choices():

@@ -23,7 +23,7 @@ from paged.executor.output import ExecutorOutput
 from paged.kernels.limits import DTYPE_NAMES
 from paged.model.spec import ModelSpec
 from paged.scheduler.output import SchedulerOutput
-from paged.sim.cost_model import CostModel, step_shape
+from paged.sim.cost_model import CostModel, StepCost, step_shape
 from paged.sim.hardware import Hardware, resolve_hardware
 from paged.sim.memory import check_parallelism, plan_memory
 
@@ -67,7 +67,7 @@ class SimExecutor(Executor):
         self._tokenizer_source = tokenizer_source
         self.seed = seed
         self.configure_kernel(kernel)
-        self.last_cost = None
+        self.last_cost: StepCost | None = None
 
     @cached_property
     def tokenizer(self) -> Tokenizer | None:  # type: ignore[override]
@@ -135,10 +135,8 @@ class SimExecutor(Executor):
                 continue
             seq = item.seq
             base = seq.token_ids[-1] * 1103515245 + len(seq.token_ids) * 12345
-            if n == 1 and seq.request.params.greedy:
-                sampled.append([base % vocab])
-            elif seq.request.params.greedy:
+            if seq.request.params.greedy:
                 sampled.append([base % vocab] * n)
-            else:
+            else:  # samples differ between a request's sequences, as sampling would make them
                 sampled.append([(base + 7919 * (seq.index + i + 1)) % vocab for i in range(n)])
         return sampled
