@@ -98,11 +98,14 @@ class SimExecutor(Executor):
         return VirtualClock()
 
     def kv_cache_spec(self, block_size: int) -> KVCacheSpec:
+        """A block across all GPUs: with more GPUs than KV heads each GPU keeps a replica of one."""
+        gpus, kv_heads = self.hardware.num_gpus, self.cost_model.kv_heads
+        per_token = 2 * self.spec.num_layers * kv_heads * gpus * self.spec.head_dim * self.dtype_bytes
         return KVCacheSpec(
             block_size,
-            self.spec.kv_bytes_per_token(self.dtype_bytes) * block_size,
-            f"simulated: {self.spec.num_layers} layers x K/V x {self.spec.num_kv_heads} heads x "
-            f"{self.spec.head_dim} x {self.model_cfg.dtype}, split over {self.hardware.num_gpus} GPU(s)",
+            per_token * block_size,
+            f"simulated: {self.spec.num_layers} layers x K/V x {kv_heads} heads x {self.spec.head_dim} x "
+            f"{self.model_cfg.dtype} on each of {gpus} GPU(s)",
         )
 
     def kv_cache_budget(self, utilization: float, max_num_batched_tokens: int, max_num_seqs: int) -> int:
