@@ -27,4 +27,7 @@ class ExactReservation(Reservation):
     """PagedAttention: a block is allocated only when a token needs a slot in it."""
 
     def admission_slots(self, seq: Sequence) -> int:
-        return seq.num_tokens
+        return len(seq.token_ids)
+
+    # asked before every decode step of every sequence: skip the base class's indirection
+    growth_slots = admission_slots

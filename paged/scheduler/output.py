@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from paged.request import Request, Sequence
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     """Compute `seq.token_ids[num_computed : num_computed + num_new_tokens]` this step.
 

@@ -56,6 +56,7 @@ class ParallelSampling(SequenceGroup):
     def process(self, samples: list[tuple[Sequence, list[int]]]) -> GroupUpdate:
         update = GroupUpdate()
         for seq, tokens in samples:
-            update.forks.extend((seq, token) for token in tokens[1:])
+            if len(tokens) > 1:
+                update.forks.extend((seq, token) for token in tokens[1:])
             update.appends.append((seq, tokens[0]))
         return update
