@@ -50,10 +50,8 @@ class SimExecutor(Executor):
 
     runs_spec_models = True
 
-    def __init__(
-        self, model: ModelConfig, kernel: KernelConfig, seed: int = 0, hardware: HardwareConfig | None = None
-    ) -> None:
-        hw_cfg = OmegaConf.merge(OmegaConf.structured(HardwareConfig), hardware or {})
+    def __init__(self, model: ModelConfig, kernel: KernelConfig, hardware: HardwareConfig, seed: int = 0) -> None:
+        hw_cfg = OmegaConf.merge(OmegaConf.structured(HardwareConfig), hardware)
         self.model_cfg = model
         self.spec, tokenizer_source = model_spec(model)
         check_parallelism(self.spec, hw_cfg.num_gpus)
