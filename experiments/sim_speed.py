@@ -20,9 +20,9 @@ from rich.console import Console
 from rich.table import Table
 
 from paged.build import build_engine
+from paged.experiment import workload_for
 from paged.llm import compose_config
 from paged.runner import run_workload
-from paged.workload import load_workload
 
 
 def main() -> None:
@@ -37,10 +37,7 @@ def main() -> None:
         f"workload.num_requests={args.requests}", f"workload.arrival_rate={args.rate}", *extra,
     ])
     engine = build_engine(cfg)
-    items = load_workload(
-        cfg.workload, engine.executor.tokenizer, vocab_size=engine.executor.vocab_size,
-        max_model_len=cfg.scheduler.max_model_len,
-    )
+    items = workload_for(cfg, engine)
     profiler = cProfile.Profile() if args.profile else None
     start = time.perf_counter()
     if profiler:

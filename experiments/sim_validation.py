@@ -25,10 +25,9 @@ from rich.console import Console
 from rich.table import Table
 
 from paged.build import build_engine
-from paged.experiment import run_experiment
+from paged.experiment import run_experiment, workload_for
 from paged.llm import compose_config
 from paged.runner import run_workload
-from paged.workload import load_workload
 
 KEYS = (("wall_time_s", "total time (s)"), ("ttft_mean_s", "mean TTFT (s)"), ("tpot_mean_s", "mean TPOT (s)"))
 
@@ -65,10 +64,7 @@ def simulate(overrides: list[str]) -> dict[str, Any]:
     """Run the sim in process (no output files) and return its summary metrics."""
     cfg = compose_config(["executor=sim", "logger=none", "progress=false", *overrides])
     engine = build_engine(cfg)
-    items = load_workload(
-        cfg.workload, engine.executor.tokenizer, vocab_size=engine.executor.vocab_size,
-        max_model_len=cfg.scheduler.max_model_len,
-    )
+    items = workload_for(cfg, engine)
     run_workload(engine, items, progress=False)
     bm = engine.scheduler.block_manager
     return engine.metrics.summary(kv_end=bm.stats(), caches_prefixes=bm.allocator.caches_prefixes)

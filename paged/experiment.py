@@ -10,10 +10,11 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from paged.build import build_engine
+from paged.engine import Engine
 from paged.outputs import print_summary, write_outputs
 from paged.runner import run_workload
 from paged.wandb_logger import WandbLogger
-from paged.workload import load_workload
+from paged.workload import WorkloadItem, load_workload
 
 log = logging.getLogger(__name__)
 
@@ -21,9 +22,7 @@ log = logging.getLogger(__name__)
 def run_experiment(cfg: Any, run_dir: Path, *, group: str | None = None, name: str | None = None) -> dict[str, Any]:
     engine = build_engine(cfg)
     executor, scheduler = engine.executor, engine.scheduler
-    items = load_workload(
-        cfg.workload, executor.tokenizer, vocab_size=executor.vocab_size, max_model_len=cfg.scheduler.max_model_len
-    )
+    items = workload_for(cfg, engine)
     config = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
     wb = WandbLogger(
         cfg.logger, run_dir, config, group=group, name=name,
@@ -66,6 +65,14 @@ def run_experiment(cfg: Any, run_dir: Path, *, group: str | None = None, name: s
     print_summary(summary, title)
     log.info("wrote %s", run_dir)
     return summary
+
+
+def workload_for(cfg: Any, engine: Engine) -> list[WorkloadItem]:
+    """`cfg.workload`'s requests in the executor's vocabulary, clipped to the scheduler's max length."""
+    executor = engine.executor
+    return load_workload(
+        cfg.workload, executor.tokenizer, vocab_size=executor.vocab_size, max_model_len=cfg.scheduler.max_model_len
+    )
 
 
 def _qualname(obj: object) -> str:

@@ -14,14 +14,15 @@ import logging
 from functools import cached_property
 from typing import Any
 
+import torch
 from omegaconf import OmegaConf
 
 from paged.clock import Clock, VirtualClock
 from paged.config import HardwareConfig, KernelConfig, ModelConfig
 from paged.executor.base import Executor, KVCacheSpec, Tokenizer
 from paged.executor.output import ExecutorOutput
-from paged.kernels.limits import DTYPE_NAMES
 from paged.model.spec import ModelSpec
+from paged.model.weights import arch_overrides, load_arch
 from paged.scheduler.output import SchedulerOutput
 from paged.sim.cost_model import CostModel, StepCost, step_shape
 from paged.sim.hardware import Hardware, resolve_hardware
@@ -29,18 +30,11 @@ from paged.sim.memory import check_parallelism, plan_memory
 
 log = logging.getLogger(__name__)
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-assert set(_DTYPE_BYTES) == set(DTYPE_NAMES)
-
-
 def model_spec(model: ModelConfig) -> tuple[ModelSpec, Any]:
     """The model's shape, and its tokenizer source when it has weights (a spec-only model has none)."""
     if model.source == "spec":
-        arch = OmegaConf.to_container(model.arch) if OmegaConf.is_config(model.arch) else dict(model.arch)
-        return ModelSpec.from_dict(model.name, arch), None  # type: ignore[arg-type]
-    from paged.model.weights import load_arch  # reads metadata only; the weights stay on disk
-
-    arch, tokenizer_source = load_arch(model)
+        return ModelSpec.from_dict(model.name, arch_overrides(model)), None
+    arch, tokenizer_source = load_arch(model)  # metadata only: the weights stay on disk
     return ModelSpec.from_llama(model.name, arch), tokenizer_source
 
 
@@ -55,7 +49,7 @@ class SimExecutor(Executor):
         self.model_cfg = model
         self.spec, tokenizer_source = model_spec(model)
         check_parallelism(self.spec, hw_cfg.num_gpus)
-        self.dtype_bytes = _DTYPE_BYTES[model.dtype]
+        self.dtype_bytes = getattr(torch, model.dtype).itemsize
         measured = None
         if hw_cfg.calibrated:
             from paged.sim.calibrate import load_or_measure
@@ -118,11 +112,12 @@ class SimExecutor(Executor):
         """Nothing to allocate: the blocks exist only in the block manager's accounting."""
 
     def execute(self, sched: SchedulerOutput) -> ExecutorOutput:
-        cost = self.cost_model.step(step_shape(sched))
+        shape = step_shape(sched)
+        cost = self.cost_model.step(shape)
         self.last_cost = cost
         self.clock.advance(cost.total_s)  # type: ignore[attr-defined]
         return ExecutorOutput(
-            self._placeholders(sched), sum(it.num_new_tokens for it in sched.scheduled),
+            self._placeholders(sched), shape.num_tokens,
             model_time_s=cost.total_s - cost.overhead_s, attention_version=cost.decode_version,
         )
 

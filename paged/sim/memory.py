@@ -32,14 +32,18 @@ class MemoryPlan:
         )
 
 
-def check_parallelism(spec: ModelSpec, num_gpus: int) -> None:
+def splits(spec: ModelSpec, num_gpus: int) -> bool:
     """Tensor parallelism splits the attention heads evenly; KV heads split or are replicated."""
     kv = spec.num_kv_heads
-    if spec.num_heads % num_gpus or (kv % num_gpus and num_gpus % kv):
-        allowed = [g for g in range(1, spec.num_heads + 1) if not spec.num_heads % g and not (kv % g and g % kv)]
+    return not spec.num_heads % num_gpus and not (kv % num_gpus and num_gpus % kv)
+
+
+def check_parallelism(spec: ModelSpec, num_gpus: int) -> None:
+    if not splits(spec, num_gpus):
+        allowed = [g for g in range(1, spec.num_heads + 1) if splits(spec, g)]
         raise ConfigError(
             f"hardware.num_gpus={num_gpus} does not divide {spec.name}'s {spec.num_heads} attention heads "
-            f"({kv} KV heads); allowed: {', '.join(map(str, allowed))}"
+            f"({spec.num_kv_heads} KV heads); allowed: {', '.join(map(str, allowed))}"
         )
 
 
@@ -81,8 +85,7 @@ def _suggestion(
 ) -> str:
     usable = utilization * hw.memory
     for g in range(hw.num_gpus + 1, spec.num_heads + 1):
-        if spec.num_heads % g or (spec.num_kv_heads % g and g % spec.num_kv_heads):
-            continue
-        if spec.num_params * dtype_bytes / g + activation_bytes(spec, g, dtype_bytes, tokens, seqs) < usable:
+        needed = spec.num_params * dtype_bytes / g + activation_bytes(spec, g, dtype_bytes, tokens, seqs)
+        if splits(spec, g) and needed < usable:
             return f"try hardware.num_gpus={g}"
     return "no tensor-parallel degree that divides its heads fits; use GPUs with more memory"
