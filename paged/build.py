@@ -19,7 +19,7 @@ from paged.memory import BlockAllocator, BlockManager, Reservation
 from paged.plugins import Plugin, check_plugin
 from paged.scheduler.core import Scheduler
 from paged.scheduler.policy import SchedulingPolicy
-from paged.scheduler.preemption import PreemptionMode
+from paged.scheduler.preemption import MODES, PreemptionMode
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def check_config(cfg: Any) -> Plugins:
         ),
         reservation=check_plugin(cfg.allocator.reservation, "allocator.reservation", Reservation),
         policy=check_plugin(cfg.scheduler.policy, "scheduler.policy", SchedulingPolicy),
-        preemption=check_plugin(cfg.scheduler.preemption, "scheduler.preemption", PreemptionMode),
+        preemption=_check_preemption(cfg.scheduler),
         executor=check_plugin(
             cfg.executor, "executor", Executor,
             core=_core_keys(ExecutorConfig), provided=("model", "kernel", "seed"),
@@ -60,7 +60,64 @@ def check_config(cfg: Any) -> Plugins:
             f"model={cfg.model.name} is a spec-only model (no weights): executor={cfg.executor.name} cannot "
             "run it; use executor=sim"
         )
+    _check_swap(cfg, plugins)
+    if plugins.reservation.cls.needs_output_lengths and not cfg.workload.ignore_eos:
+        raise ConfigError(
+            f"allocator={cfg.allocator.name} reserves each request's true output length, which the workload "
+            "only knows when EOS cannot end a request early: set workload.ignore_eos=true, or use "
+            "allocator=orca-pow2 / orca-max"
+        )
     return plugins
+
+
+def _check_preemption(s: Any) -> Plugin:
+    """The built-in mode `scheduler.preemption_mode` names, or a custom `scheduler.preemption._target_`."""
+    if s.preemption.get("_target_") is None:
+        return Plugin("scheduler.preemption", MODES[s.preemption_mode], {})
+    if s.preemption_mode != "recompute":
+        raise ConfigError(
+            f"scheduler.preemption_mode={s.preemption_mode!r} and scheduler.preemption._target_="
+            f"{s.preemption._target_!r} both choose the preemption mode; set one of them"
+        )
+    return check_plugin(s.preemption, "scheduler.preemption", PreemptionMode)
+
+
+def _check_swap(cfg: Any, plugins: Plugins) -> None:
+    if not plugins.preemption.cls.swaps:
+        return
+    mode = f"scheduler.preemption_mode={cfg.scheduler.preemption_mode}"
+    if not plugins.allocator.cls.supports_swap:
+        raise ConfigError(
+            f"{mode} needs an allocator that can swap; allocator._target_={plugins.allocator.path} cannot "
+            "(it does not set supports_swap); use scheduler.preemption_mode=recompute"
+        )
+    if not plugins.executor.cls.supports_swap:
+        raise ConfigError(
+            f"{mode} needs an executor that moves swapped blocks; executor={cfg.executor.name} cannot; "
+            "use scheduler.preemption_mode=recompute"
+        )
+
+
+def num_cpu_blocks_for(cfg: Any, executor: Executor, preemption: PreemptionMode) -> int:
+    """Blocks of the CPU swap pool: `allocator.swap_space` per device over the bytes of one block;
+    none unless the preemption mode swaps."""
+    if not preemption.swaps:
+        return 0
+    a = cfg.allocator
+    swap_space = parse_bytes(a.swap_space, key="allocator.swap_space") * executor.num_devices
+    bytes_per_block = executor.kv_cache_spec(a.block_size).bytes_per_block
+    if swap_space < bytes_per_block:
+        raise ConfigError(
+            f"allocator.swap_space={a.swap_space!r} is smaller than one KV block ({bytes_per_block} bytes at "
+            f"allocator.block_size={a.block_size}); give it at least that"
+        )
+    host = executor.host_memory_bytes()
+    if host is not None and swap_space > host:
+        raise ConfigError(
+            f"allocator.swap_space={a.swap_space!r} ({swap_space} bytes for {executor.num_devices} device(s)) "
+            f"is more than this machine's {host} bytes of memory"
+        )
+    return swap_space // bytes_per_block
 
 
 def num_blocks_for(cfg: Any, executor: Executor) -> int:
@@ -99,15 +156,20 @@ def build_engine(cfg: Any, executor: Executor | None = None) -> Engine:
         executor.configure_kernel(cfg.kernel)
     block_size = cfg.allocator.block_size
     num_blocks = num_blocks_for(cfg, executor)
-    executor.init_kv_cache(num_blocks, block_size)
+    num_cpu_blocks = num_cpu_blocks_for(cfg, executor, preemption)
+    executor.init_kv_cache(num_blocks, block_size, num_cpu_blocks)
     allocator = plugins.allocator.build(num_blocks=num_blocks, block_size=block_size)
-    block_manager = BlockManager(allocator, watermark=cfg.allocator.watermark, reservation=reservation)
+    block_manager = BlockManager(
+        allocator, watermark=cfg.allocator.watermark, reservation=reservation,
+        max_model_len=cfg.scheduler.max_model_len, num_cpu_blocks=num_cpu_blocks,
+        sliding_window=executor.sliding_window,
+    )
     scheduler = Scheduler(
         cfg.scheduler, block_manager, policy, preemption=preemption, eos_token_ids=executor.eos_token_ids
     )
     log.info(
-        "KV cache: %d blocks of %d tokens (%d tokens); allocator %s, policy %s, executor %s",
-        num_blocks, block_size, num_blocks * block_size, plugins.allocator.path, plugins.policy.path,
+        "KV cache: %d blocks of %d tokens (%d tokens), %d CPU swap blocks; allocator %s, policy %s, executor %s",
+        num_blocks, block_size, num_blocks * block_size, num_cpu_blocks, plugins.allocator.path, plugins.policy.path,
         executor.description,
     )
     return Engine(executor, scheduler)

@@ -49,6 +49,7 @@ def run_experiment(cfg: Any, run_dir: Path, *, group: str | None = None, name: s
         "attention_kernel": executor.kernel_description,
         "block_size": cfg.allocator.block_size,
         "host_time_s": host_time,
+        **swap_summary(cfg, engine),
     }
     if engine.clock.simulated:
         # latencies and wall_time_s above are simulated seconds
@@ -65,6 +66,20 @@ def run_experiment(cfg: Any, run_dir: Path, *, group: str | None = None, name: s
     print_summary(summary, title)
     log.info("wrote %s", run_dir)
     return summary
+
+
+def swap_summary(cfg: Any, engine: Engine) -> dict[str, Any]:
+    """Swap preemption's counters; `swap_bytes` counts both directions."""
+    counters, preemption = engine.scheduler.counters, engine.scheduler.preemption
+    bytes_per_block = engine.executor.kv_cache_spec(cfg.allocator.block_size).bytes_per_block
+    return {
+        "preemption_mode": cfg.scheduler.preemption_mode if cfg.scheduler.preemption.get("_target_") is None
+        else _qualname(preemption),
+        "num_swaps_out": counters.num_swaps_out,
+        "num_swaps_in": counters.num_swaps_in,
+        "swap_bytes": counters.num_swapped_blocks * bytes_per_block,
+        "num_swap_fallbacks": preemption.num_recompute_fallbacks,
+    }
 
 
 def workload_for(cfg: Any, engine: Engine) -> list[WorkloadItem]:

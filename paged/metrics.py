@@ -30,6 +30,14 @@ class StepRecord:
     num_preempted: int
     kv_usage: float
     token_state_fraction: float
+    # the four-way breakdown of the whole KV pool (stats.KVStats.breakdown); with kv_free_fraction they sum to 1
+    kv_token_state_fraction: float
+    kv_reserved_fraction: float
+    kv_internal_frag_fraction: float
+    kv_external_frag_fraction: float
+    kv_free_fraction: float
+    num_swapped: int
+    num_swap_blocks: int  # blocks moved to or from the CPU pool before this step
     num_allocated_blocks: int
     num_cached_free_blocks: int
     prefix_queried_tokens: int
@@ -88,6 +96,13 @@ def _p99(values: list[float]) -> float | None:
     return float(np.percentile(values, 99)) if values else None
 
 
+# StepRecord fields averaged into summary.json as `<key>_mean` (shares of the whole KV pool)
+BREAKDOWN_KEYS = (
+    "kv_token_state_fraction", "kv_reserved_fraction", "kv_internal_frag_fraction", "kv_external_frag_fraction",
+    "kv_free_fraction",
+)
+
+
 class MetricsRecorder:
     """Collects step and request records; listeners (console, W&B) see each step as it happens."""
 
@@ -103,6 +118,7 @@ class MetricsRecorder:
         self, sched: SchedulerOutput, output: ExecutorOutput, stats: SchedulerStats, start: float, end: float
     ) -> None:
         kv = stats.kv
+        shares = kv.breakdown()
         record = StepRecord(
             engine_step=len(self.steps) + 1,
             time_s=end,
@@ -117,6 +133,13 @@ class MetricsRecorder:
             num_preempted=len(sched.preempted),
             kv_usage=kv.kv_usage,
             token_state_fraction=kv.token_state_fraction,
+            kv_token_state_fraction=shares["token_state"],
+            kv_reserved_fraction=shares["reserved"],
+            kv_internal_frag_fraction=shares["internal_frag"],
+            kv_external_frag_fraction=shares["external_frag"],
+            kv_free_fraction=shares["free"],
+            num_swapped=stats.num_swapped,
+            num_swap_blocks=len(sched.blocks_to_swap_out) + len(sched.blocks_to_swap_in),
             num_allocated_blocks=kv.num_allocated_blocks,
             num_cached_free_blocks=kv.num_cached_free_blocks,
             prefix_queried_tokens=kv.num_queried_tokens,
@@ -168,6 +191,7 @@ class MetricsRecorder:
             "kv_usage_mean": _mean([s.kv_usage for s in steps]) or 0.0,
             "kv_usage_max": max((s.kv_usage for s in steps), default=0.0),
             "token_state_fraction_mean": _mean(allocated_steps) if allocated_steps else 1.0,
+            **{f"{key}_mean": _mean([getattr(s, key) for s in steps]) for key in BREAKDOWN_KEYS},
             "prefix_cache_hit_rate": hit_rate,
             "wall_time_s": wall,
             "num_engine_steps": len(steps),

@@ -40,6 +40,7 @@ class SamplingParams:
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its KV in the CPU pool
     FINISHED = "finished"
 
 

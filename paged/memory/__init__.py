@@ -2,19 +2,30 @@
 
 from paged.memory.allocator import BlockAllocator, NoFreeBlocksError
 from paged.memory.block_manager import AllocStatus, BlockManager
+from paged.memory.buddy import BuddyAllocator
 from paged.memory.naive import NaiveAllocator
 from paged.memory.prefix import PrefixCachingAllocator
-from paged.memory.reservation import ExactReservation, Reservation
+from paged.memory.reservation import (
+    ExactReservation,
+    MaxReservation,
+    OracleReservation,
+    Pow2Reservation,
+    Reservation,
+)
 from paged.memory.stats import KVStats
 
 __all__ = [
     "AllocStatus",
     "BlockAllocator",
     "BlockManager",
+    "BuddyAllocator",
     "ExactReservation",
     "KVStats",
+    "MaxReservation",
     "NaiveAllocator",
     "NoFreeBlocksError",
+    "OracleReservation",
+    "Pow2Reservation",
     "PrefixCachingAllocator",
     "Reservation",
 ]

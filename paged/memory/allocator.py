@@ -19,6 +19,12 @@ class BlockAllocator(ABC):
     """
 
     caches_prefixes: ClassVar[bool] = False
+    # A sequence's blocks are one contiguous extent handed out at admission (Orca-style): growth past
+    # it, and sharing blocks between the samples of a request, are refused.
+    contiguous: ClassVar[bool] = False
+    # Swap preemption moves a sequence's KV to the CPU pool and later rebuilds its table with
+    # `allocate_blocks`; an allocator opts in once its placement survives that round trip.
+    supports_swap: ClassVar[bool] = False
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
@@ -48,6 +54,32 @@ class BlockAllocator(ABC):
     def num_free_blocks(self) -> int:
         """Blocks `allocate` can hand out now, evictable cached blocks included."""
 
+    def allocate_blocks(self, num_blocks: int) -> list[int]:
+        """`num_blocks` block ids with refcount 1, all or none; `NoFreeBlocksError` when they do not fit."""
+        if not self.can_allocate_blocks(num_blocks):
+            raise NoFreeBlocksError(f"{num_blocks} blocks requested, {self.num_free_blocks} are free")
+        return [self.allocate() for _ in range(num_blocks)]
+
+    def can_allocate_blocks(self, num_blocks: int) -> bool:
+        """Whether `allocate_blocks(num_blocks)` succeeds now."""
+        return num_blocks <= self.num_free_blocks
+
+    @property
+    def max_allocation(self) -> int:
+        """The most blocks one `allocate_blocks` call can ever get (an empty pool's largest extent)."""
+        return self.num_blocks
+
+    @property
+    def num_unassigned_blocks(self) -> int:
+        """Blocks taken from the free pool that no block id handed out stands for (a buddy
+        allocator's rounding to a power of two): the allocator's own external fragmentation."""
+        return 0
+
+    def num_stranded_free_blocks(self, num_blocks: int) -> int:
+        """Free blocks that an `allocate_blocks(num_blocks)` call could not use, however many are
+        free: external fragmentation as a waiting request sees it. None for a block-granular pool."""
+        return 0
+
     @property
     def num_cached_free_blocks(self) -> int:
         """Unreferenced blocks that still hold a cached prefix."""
@@ -74,6 +106,8 @@ class BlockAllocator(ABC):
 class RefCountedAllocator(BlockAllocator):
     """Reference counting shared by the built-in allocators; subclasses say where a block goes
     when its last reference is dropped (`_release`)."""
+
+    supports_swap = True
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         super().__init__(num_blocks, block_size)

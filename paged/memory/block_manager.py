@@ -1,4 +1,5 @@
-"""Maps sequences to KV blocks: admission, growth, copy-on-write, prefix reuse and accounting."""
+"""Maps sequences to KV blocks: admission, growth, copy-on-write, prefix reuse, swap to a CPU pool,
+sliding-window recycling and the memory breakdown."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from dataclasses import dataclass
 
 from paged.memory.allocator import BlockAllocator, NoFreeBlocksError
 from paged.memory.hashing import block_hash
-from paged.memory.reservation import ExactReservation, Reservation
+from paged.memory.naive import NaiveAllocator
+from paged.memory.reservation import ExactReservation, Reservation, final_length
 from paged.memory.stats import KVStats
-from paged.request import Sequence
+from paged.request import Request, Sequence
 
 
 class AllocStatus(enum.Enum):
@@ -23,7 +25,17 @@ class AllocStatus(enum.Enum):
 class _SeqBlocks:
     table: list[int]
     num_slots: int  # token slots filled, i.e. seq.num_tokens at the last allocate/append
+    final: int  # slots the sequence fills before its length limit: what its reservation is for
     num_published: int = 0  # leading blocks already inserted into the prefix cache
+    # Leading blocks freed because they lie wholly before the sliding window; their table entries
+    # are stale ids that the attention kernels never read.
+    num_dropped: int = 0
+
+
+@dataclass(slots=True)
+class _Swapped:
+    cpu_blocks: list[int]  # CPU copies of table[num_dropped : num_dropped + len(cpu_blocks)]
+    stale: list[int]  # the dropped leading entries, kept so logical block indices stay put
 
 
 class BlockManager:
@@ -35,16 +47,33 @@ class BlockManager:
     what `append_slots` makes private (copy-on-write) before a step.
 
     How many slots a table covers beyond the tokens (none for paged allocation) is the
-    `reservation`'s decision, at admission and before each growth step.
+    `reservation`'s decision, at admission and before each growth step. With `num_cpu_blocks`, a
+    sequence can be swapped out to a CPU pool and back (`swap_out` / `swap_in` return the block
+    pairs the executor moves). With a `sliding_window`, blocks wholly before every future query's
+    window are freed as the sequence grows. `max_model_len` caps the length a reservation counts on.
     """
 
     def __init__(
-        self, allocator: BlockAllocator, watermark: float = 0.01, reservation: Reservation | None = None
+        self,
+        allocator: BlockAllocator,
+        watermark: float = 0.01,
+        reservation: Reservation | None = None,
+        *,
+        max_model_len: int | None = None,
+        num_cpu_blocks: int = 0,
+        sliding_window: int | None = None,
     ) -> None:
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window!r}")
         self.allocator = allocator
         self.reservation = reservation or ExactReservation()
+        self.max_model_len = max_model_len
+        # A contiguous extent is the reservation itself: it is kept whole until the sequence ends.
+        self.sliding_window = None if allocator.contiguous else sliding_window
+        self.cpu_allocator = NaiveAllocator(num_cpu_blocks, allocator.block_size) if num_cpu_blocks else None
+        self._swapped: dict[int, _Swapped] = {}
         self.block_size = allocator.block_size
         self.num_total_blocks = allocator.num_blocks
         self.watermark_blocks = int(watermark * self.num_total_blocks)
@@ -59,17 +88,39 @@ class BlockManager:
         # sequence referencing it agrees on its fill; summing once per block counts token states.
         self._fill = [0] * self.num_total_blocks
         self._slots_used = 0
+        # Per block, the empty slots its sequence will still fill (the same bookkeeping as `_fill`).
+        self._future = [0] * self.num_total_blocks
+        self._reserved = 0
 
     # -- admission -------------------------------------------------------------------------------
 
+    def rejection(self, request: Request) -> str | None:
+        """Why `request` can never be served by this manager (it is then aborted); None if it can."""
+        reason = self.reservation.rejection(request)
+        if reason is None and self.allocator.contiguous and request.params.n > 1:
+            reason = (
+                f"{type(self.allocator).__name__} gives each sequence its own contiguous extent and cannot "
+                f"share blocks between samples (n={request.params.n}); use a paged allocator (naive, prefix)"
+            )
+        return reason
+
     def can_allocate(self, seq: Sequence) -> AllocStatus:
         required = self.admission_blocks(seq)
-        if self.num_total_blocks - required < self.watermark_blocks:
+        if self._never_fits(required):
             return AllocStatus.NEVER
         hits = self._peek_hits(seq)
         # Reviving a cached-free block takes it out of the free pool just like a fresh one.
         live_hits = sum(1 for b in hits if self.allocator.refcount(b) > 0)
-        if self.allocator.num_free_blocks - (required - live_hits) >= self.watermark_blocks:
+        return self._status(required - live_hits, required - len(hits))
+
+    def _never_fits(self, num_blocks: int) -> bool:
+        return num_blocks > self.allocator.max_allocation or self.num_total_blocks - num_blocks < self.watermark_blocks
+
+    def _status(self, num_from_free: int, num_fresh: int) -> AllocStatus:
+        """OK when taking `num_from_free` blocks from the free pool leaves the watermark, and the
+        allocator can hand out `num_fresh` new ones at once (contiguously, if it must)."""
+        alloc = self.allocator
+        if alloc.num_free_blocks - num_from_free >= self.watermark_blocks and alloc.can_allocate_blocks(num_fresh):
             return AllocStatus.OK
         return AllocStatus.LATER
 
@@ -82,7 +133,7 @@ class BlockManager:
         required = self.admission_blocks(seq)
         hits = self._peek_hits(seq)
         needed = required - sum(1 for b in hits if alloc.refcount(b) > 0)
-        if needed > alloc.num_free_blocks:
+        if needed > alloc.num_free_blocks or not alloc.can_allocate_blocks(required - len(hits)):
             raise NoFreeBlocksError(
                 f"sequence {seq.seq_id} needs {needed} new blocks, {alloc.num_free_blocks} are free"
             )
@@ -92,16 +143,14 @@ class BlockManager:
             block_id = alloc.match(chain[i])
             assert block_id == expected, "prefix cache changed between peek and match"
             if alloc.refcount(block_id) == 1:
-                self._fill[block_id] = bs
-                self._slots_used += bs
+                self._account(block_id, bs, 0)
             table.append(block_id)
+        final = self._final(seq)
+        if required > len(hits):
+            table.extend(alloc.allocate_blocks(required - len(hits)))
         for i in range(len(hits), required):
-            block_id = alloc.allocate()
-            fill = min(bs, max(num_tokens - i * bs, 0))
-            self._fill[block_id] = fill
-            self._slots_used += fill
-            table.append(block_id)
-        self._seqs[seq.seq_id] = _SeqBlocks(table, num_tokens, len(hits))
+            self._account(table[i], min(bs, max(num_tokens - i * bs, 0)), self._cap(i, final))
+        self._seqs[seq.seq_id] = _SeqBlocks(table, num_tokens, final, len(hits))
         num_hit_tokens = len(hits) * bs
         if self._caching:
             self.num_queried_tokens += num_tokens
@@ -130,6 +179,8 @@ class BlockManager:
         """`append_slots` when the free blocks suffice, else None and nothing changes: the
         scheduler's per-sequence decode check and growth in one pass."""
         state = self._seqs[seq.seq_id]
+        if self.sliding_window is not None:
+            self._drop_outside_window(seq, state)
         table, bs, alloc = state.table, self.block_size, self.allocator
         num_tokens = len(seq.token_ids)
         last = state.num_slots
@@ -138,13 +189,17 @@ class BlockManager:
             and alloc.refcount(table[last // bs]) == 1 and self.reservation.growth_slots(seq) <= len(table) * bs
         ):
             # the common decode step: one token into a private block that has room
-            self._fill[table[last // bs]] += 1
+            block_id = table[last // bs]
+            self._fill[block_id] += 1
             self._slots_used += 1
+            if self._future[block_id]:
+                self._future[block_id] -= 1
+                self._reserved -= 1
             state.num_slots = num_tokens
             return []
         shared = self._shared_write_targets(seq, state)
         num_new = self._growth_blocks(seq, state)
-        if num_new + len(shared) > alloc.num_free_blocks:
+        if num_new + len(shared) > alloc.num_free_blocks or not alloc.can_allocate_blocks(num_new):
             return None
         copies = []
         for i in shared:
@@ -152,16 +207,15 @@ class BlockManager:
             dst = alloc.allocate()
             alloc.free(src)
             table[i] = dst
-            self._fill[dst] = self._fill[src]
-            self._slots_used += self._fill[src]
+            self._account(dst, self._fill[src], self._cap(i, state.final))
             copies.append((src, dst))
-        table.extend(alloc.allocate() for _ in range(num_new))
-        # Only the old last block and the blocks after it gain filled slots.
-        for i in range(max(state.num_slots - 1, 0) // bs, self._cdiv(num_tokens)):
-            block_id = table[i]
-            fill = min(bs, num_tokens - i * bs)
-            self._slots_used += fill - self._fill[block_id]
-            self._fill[block_id] = fill
+        first_new = len(table)
+        if num_new:
+            table.extend(alloc.allocate_blocks(num_new))
+        # Only the old last block and those after it gain filled slots; new blocks start their books.
+        grown = range(max(state.num_slots - 1, 0) // bs, min(self._cdiv(num_tokens), first_new))
+        for i in (*grown, *range(first_new, len(table))):
+            self._account(table[i], min(bs, max(num_tokens - i * bs, 0)), self._cap(i, state.final))
         state.num_slots = num_tokens
         return copies
 
@@ -183,6 +237,41 @@ class BlockManager:
         covered = max(len(seq.token_ids), self.reservation.growth_slots(seq))
         return max(-(-covered // self.block_size) - len(state.table), 0)
 
+    def _drop_outside_window(self, seq: Sequence, state: _SeqBlocks) -> None:
+        """Free the blocks whose every position is before the window of the step's first query
+        (position `num_computed_tokens`): no later query attends to them (vLLM V0's
+        block_sliding_window)."""
+        assert self.sliding_window is not None
+        dead = min((seq.num_computed_tokens - self.sliding_window + 1) // self.block_size, len(state.table))
+        for i in range(state.num_dropped, dead):
+            self._release(state.table[i])
+        state.num_dropped = max(state.num_dropped, dead)
+
+    # -- accounting ------------------------------------------------------------------------------
+
+    def _final(self, seq: Sequence) -> int:
+        """Slots `seq` fills before it ends: its last token is sampled but never written."""
+        return final_length(seq.request, self.max_model_len) - 1
+
+    def _cap(self, index: int, final: int) -> int:
+        """Slots of the table's `index`-th block that a sequence filling `final` slots uses."""
+        return min(max(final - index * self.block_size, 0), self.block_size)
+
+    def _account(self, block_id: int, fill: int, cap: int) -> None:
+        """Set a block's filled slots, and its reserved ones: the empty slots among the `cap` that
+        its sequence will fill."""
+        future = max(cap - fill, 0)
+        self._slots_used += fill - self._fill[block_id]
+        self._reserved += future - self._future[block_id]
+        self._fill[block_id] = fill
+        self._future[block_id] = future
+
+    def _release(self, block_id: int) -> None:
+        """Drop one reference; a block nobody holds any more has no token states left."""
+        self.allocator.free(block_id)
+        if self.allocator.refcount(block_id) == 0:
+            self._account(block_id, 0, 0)
+
     # -- prefix cache ----------------------------------------------------------------------------
 
     def mark_computed(self, seq: Sequence) -> None:
@@ -194,7 +283,7 @@ class BlockManager:
         if num_full <= state.num_published:
             return
         chain = self._chain(seq, num_full)
-        for i in range(state.num_published, num_full):
+        for i in range(max(state.num_published, state.num_dropped), num_full):
             self.allocator.insert(state.table[i], chain[i])
         state.num_published = num_full
 
@@ -233,33 +322,97 @@ class BlockManager:
         if child.seq_id in self._seqs:
             raise ValueError(f"sequence {child.seq_id} already has blocks")
         state = self._seqs[parent.seq_id]
-        for block_id in state.table:
+        for block_id in state.table[state.num_dropped :]:
             self.allocator.incref(block_id)
-        self._seqs[child.seq_id] = _SeqBlocks(list(state.table), state.num_slots, state.num_published)
+        self._seqs[child.seq_id] = _SeqBlocks(
+            list(state.table), state.num_slots, state.final, state.num_published, state.num_dropped
+        )
         chain = self._chains.get(parent)
         if chain is not None:
             self._chains[child] = list(chain)
 
     def free(self, seq: Sequence) -> None:
-        """Release `seq`'s blocks, last first, so its deepest cached blocks are evicted first."""
+        """Release `seq`'s blocks (device or swapped-out), last first, so its deepest cached blocks
+        are evicted first."""
+        swapped = self._swapped.pop(seq.seq_id, None)
+        if swapped is not None:
+            assert self.cpu_allocator is not None
+            for block_id in swapped.cpu_blocks:
+                self.cpu_allocator.free(block_id)
+            return
         state = self._seqs.pop(seq.seq_id, None)
         if state is None:
             raise KeyError(f"sequence {seq.seq_id} has no blocks to free")
-        alloc = self.allocator
-        for block_id in reversed(state.table):
-            alloc.free(block_id)
-            if alloc.refcount(block_id) == 0:
-                self._slots_used -= self._fill[block_id]
-                self._fill[block_id] = 0
+        for block_id in reversed(state.table[state.num_dropped :]):
+            self._release(block_id)
+
+    # -- swap ------------------------------------------------------------------------------------
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        """Whether the CPU pool can take `seq`'s filled blocks now."""
+        if self.cpu_allocator is None:
+            return False
+        state = self._seqs[seq.seq_id]
+        return len(self._filled_blocks(state)) <= self.cpu_allocator.num_free_blocks
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Move `seq`'s filled blocks to the CPU pool and free its device blocks; returns the
+        (device block, CPU block) pairs to copy before the step runs."""
+        if not self.can_swap_out(seq):
+            raise NoFreeBlocksError(f"the CPU swap space cannot take sequence {seq.seq_id}")
+        assert self.cpu_allocator is not None
+        state = self._seqs[seq.seq_id]
+        moved = self._filled_blocks(state)
+        cpu_blocks = self.cpu_allocator.allocate_blocks(len(moved))
+        self.free(seq)
+        self._swapped[seq.seq_id] = _Swapped(cpu_blocks, state.table[: state.num_dropped])
+        return list(zip(moved, cpu_blocks, strict=True))
+
+    def can_swap_in(self, seq: Sequence) -> AllocStatus:
+        required = self.admission_blocks(seq) - len(self._swapped[seq.seq_id].stale)
+        if self._never_fits(required):
+            return AllocStatus.NEVER
+        return self._status(required, required)
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Give `seq` device blocks for all its tokens (and its reservation) and bring its KV back;
+        returns the (CPU block, device block) pairs to copy before the step runs."""
+        if self.can_swap_in(seq) is not AllocStatus.OK:
+            raise NoFreeBlocksError(f"no room on the device to swap sequence {seq.seq_id} in")
+        assert self.cpu_allocator is not None
+        swapped = self._swapped.pop(seq.seq_id)
+        start = len(swapped.stale)
+        table = swapped.stale + self.allocator.allocate_blocks(self.admission_blocks(seq) - start)
+        final, num_tokens = self._final(seq), seq.num_tokens
+        for i in range(start, len(table)):
+            self._account(table[i], min(self.block_size, max(num_tokens - i * self.block_size, 0)), self._cap(i, final))
+        # Swapped-in blocks are published again on the next mark_computed (a duplicate of a block
+        # still cached stays unpublished).
+        self._seqs[seq.seq_id] = _SeqBlocks(table, num_tokens, final, start, start)
+        pairs = list(zip(swapped.cpu_blocks, table[start:], strict=False))
+        for block_id in swapped.cpu_blocks:
+            self.cpu_allocator.free(block_id)
+        return pairs
+
+    def is_swapped(self, seq: Sequence) -> bool:
+        return seq.seq_id in self._swapped
+
+    def _filled_blocks(self, state: _SeqBlocks) -> list[int]:
+        """The live blocks holding token states: what a swap moves (an empty reservation is not)."""
+        return state.table[state.num_dropped : self._cdiv(state.num_slots)]
 
     def block_table(self, seq: Sequence) -> list[int]:
         return self._seqs[seq.seq_id].table
 
     def has_blocks(self, seq: Sequence) -> bool:
-        return seq.seq_id in self._seqs
+        """Whether `seq` holds blocks, on the device or swapped out."""
+        return seq.seq_id in self._seqs or seq.seq_id in self._swapped
 
-    def stats(self) -> KVStats:
+    def stats(self, blocked_blocks: int = 0) -> KVStats:
+        """The cache now; `blocked_blocks` is what the request waiting for memory needs (0 when none
+        waits), which decides what free memory is stranded."""
         num_free = self.allocator.num_free_blocks
+        cpu = self.cpu_allocator
         return KVStats(
             num_total_blocks=self.num_total_blocks,
             num_allocated_blocks=self.num_total_blocks - num_free,
@@ -269,6 +422,11 @@ class BlockManager:
             block_size=self.block_size,
             num_queried_tokens=self.num_queried_tokens,
             num_hit_tokens=self.num_hit_tokens,
+            num_reserved_slots=self._reserved,
+            num_unassigned_blocks=self.allocator.num_unassigned_blocks,
+            num_stranded_free_blocks=self.allocator.num_stranded_free_blocks(blocked_blocks) if blocked_blocks else 0,
+            num_cpu_blocks=cpu.num_blocks if cpu else 0,
+            num_free_cpu_blocks=cpu.num_free_blocks if cpu else 0,
         )
 
     def _cdiv(self, num_tokens: int) -> int:

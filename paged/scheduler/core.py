@@ -4,7 +4,9 @@ sequence state changes.
 Each step is either a prefill step (admit waiting sequences while the token, sequence and block
 budgets allow) or, when nothing can be admitted, a decode step over every running sequence. When a
 running sequence cannot get a slot for its next token, the policy picks a victim and the preemption
-mode takes its blocks; it rejoins the waiting queue. `update_from_output` applies what the executor
+mode takes its blocks: recomputed, it rejoins the waiting queue; swapped out, the swapped queue,
+which is served first (as in vLLM V0: no prefill while a sequence is swapped out, and swap-ins join
+a decode step in which nothing was preempted). `update_from_output` applies what the executor
 computed and sampled: it advances sequences, publishes prefix blocks, lets each request's sequence
 group fork its samples, checks stop conditions, and finishes and frees sequences.
 """
@@ -29,6 +31,9 @@ from paged.scheduler.sequence_group import GroupUpdate, ParallelSampling, Sequen
 class SchedulerCounters:
     num_preemptions: int = 0
     num_aborted: int = 0
+    num_swaps_out: int = 0
+    num_swaps_in: int = 0
+    num_swapped_blocks: int = 0  # blocks moved either way
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,7 @@ class SchedulerStats:
     num_running: int
     num_waiting: int
     kv: KVStats
+    num_swapped: int = 0
 
 
 class Scheduler:
@@ -59,7 +65,10 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
         self.counters = SchedulerCounters()
+        # blocks the sequence that waits for memory needs (0: none waits), for the memory breakdown
+        self._blocked_blocks = 0
         self._groups: dict[Request, SequenceGroup] = {}
         self._pending_aborts: list[Request] = []
 
@@ -84,7 +93,7 @@ class Scheduler:
                 f"prompt has {request.num_prompt_tokens} tokens, more than "
                 f"max_model_len={self.max_model_len}"
             )
-        return None
+        return self.block_manager.rejection(request)
 
     def abort(self, request: Request, reason: str) -> None:
         request.abort_reason = reason
@@ -95,6 +104,8 @@ class Scheduler:
                 self.waiting.remove(seq)
             if seq in self.running:
                 self.running.remove(seq)
+            if seq in self.swapped:
+                self.swapped.remove(seq)
             seq.status = SeqStatus.FINISHED
             seq.finish_reason = FinishReason.ABORTED
         self._groups.pop(request, None)
@@ -103,17 +114,22 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self._pending_aborts)
+        return bool(self.waiting or self.running or self.swapped or self._pending_aborts)
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), self.block_manager.stats())
+        kv = self.block_manager.stats(self._blocked_blocks)
+        return SchedulerStats(len(self.running), len(self.waiting), kv, len(self.swapped))
 
     # -- schedule --------------------------------------------------------------------------------
 
     def schedule(self, now: float) -> SchedulerOutput:
-        out = self._schedule_prefills(now)
+        self._blocked_blocks = 0
+        out = SchedulerOutput() if self.swapped else self._schedule_prefills(now)
         if out.is_empty:
             out = self._schedule_decodes(now)
+            if self.swapped and not out.preempted:
+                self._schedule_swap_ins(out, now)
+        self.counters.num_swapped_blocks += len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
         out.aborted, self._pending_aborts = self._pending_aborts, []
         return out
 
@@ -130,8 +146,9 @@ class Scheduler:
             if status is AllocStatus.NEVER:
                 continue
             if status is AllocStatus.LATER:
+                self._blocked_blocks = self.block_manager.admission_blocks(seq)
                 break
-            seq.num_computed_tokens = self.preemption.admit(seq, self.block_manager, out)
+            seq.num_computed_tokens = self.block_manager.allocate(seq)
             seq.status = SeqStatus.RUNNING
             token_budget -= seq.num_tokens
             admitted.append(seq)
@@ -145,9 +162,16 @@ class Scheduler:
         """OK or LATER; NEVER once `seq`'s request is aborted with the reason. With nothing running
         (`idle`) nothing will free blocks, so LATER is NEVER too."""
         bm = self.block_manager
-        status = self.preemption.can_admit(seq, bm)
-        needs = f"needs {bm.admission_blocks(seq)} blocks for {seq.num_tokens} tokens but"
-        if status is AllocStatus.NEVER:
+        status = bm.can_allocate(seq)
+        required = bm.admission_blocks(seq)
+        needs = f"needs {required} blocks for {seq.num_tokens} tokens but"
+        if status is AllocStatus.NEVER and required > bm.allocator.max_allocation:
+            self.abort(
+                seq.request,
+                f"{needs} the largest contiguous extent the allocator can give is "
+                f"{bm.allocator.max_allocation} blocks",
+            )
+        elif status is AllocStatus.NEVER:
             self.abort(
                 seq.request,
                 f"{needs} the cache has {bm.num_total_blocks} blocks (watermark {bm.watermark_blocks})",
@@ -179,18 +203,44 @@ class Scheduler:
                 out.scheduled.append(self._scheduled(seq, 1))
         return out
 
+    def _schedule_swap_ins(self, out: SchedulerOutput, now: float) -> None:
+        """Bring swapped-out sequences back into this decode step while blocks and seats allow."""
+        bm = self.block_manager
+        for seq in self.policy.order(self.swapped, now):
+            if len(self.running) >= self.max_num_seqs:
+                break
+            status = bm.can_swap_in(seq)
+            if status is AllocStatus.LATER and self.running:
+                self._blocked_blocks = bm.admission_blocks(seq)
+                break
+            if status is not AllocStatus.OK:
+                self.abort(seq.request, f"needs {bm.admission_blocks(seq)} blocks to swap back in, which the "
+                                        f"cache of {bm.num_total_blocks} blocks cannot give with nothing running")
+                continue
+            out.blocks_to_swap_in.extend(bm.swap_in(seq))
+            self.swapped.remove(seq)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            self.counters.num_swaps_in += 1
+            out.scheduled.append(self._scheduled(seq, 1))
+
     def _scheduled(self, seq: Sequence, num_new_tokens: int) -> ScheduledSeq:
         num_samples = self._groups[seq.request].num_samples(seq)
         return ScheduledSeq(seq, num_new_tokens, self.block_manager.block_table(seq), num_samples)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self.preemption.preempt(seq, self.block_manager, out)
+        swapped = self.preemption.preempt(seq, self.block_manager, out)
         self.running.remove(seq)
-        seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         seq.request.num_preemptions += 1
         self.counters.num_preemptions += 1
-        self.waiting.append(seq)
+        if swapped:
+            seq.status = SeqStatus.SWAPPED
+            self.swapped.append(seq)
+            self.counters.num_swaps_out += 1
+        else:
+            seq.status = SeqStatus.WAITING
+            self.waiting.append(seq)
         out.preempted.append(seq)
 
     # -- update ----------------------------------------------------------------------------------

@@ -37,6 +37,10 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     is_prefill: bool = False
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # (device block, CPU block) pairs to move out before the step, (CPU block, device block) in;
+    # a step never does both (swap-ins are only scheduled when nothing was preempted)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     aborted: list[Request] = field(default_factory=list)
 

@@ -1,35 +1,72 @@
-"""The preemption seam: what taking a running sequence's blocks does to its KV, and how it returns.
+"""The preemption seam: what taking a running sequence's blocks does to its KV.
 
-Every waiting sequence, fresh or preempted, is admitted through the mode, so a mode that parks KV
-somewhere else (swap to a CPU pool) can bring it back instead of allocating and recomputing.
-Chosen by `scheduler.preemption._target_`.
+`scheduler.preemption_mode` picks a built-in mode: `recompute` frees the blocks and recomputes the
+sequence as one prefill when it is admitted again; `swap` parks its KV in the CPU pool, from which
+the scheduler's swapped queue brings it back before any waiting request is admitted; `auto` is vLLM
+V0's rule (swap a request that has several running sequences, recompute a lone one). A custom mode
+is a `PreemptionMode` named by `scheduler.preemption._target_`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import ClassVar
 
-from paged.memory import AllocStatus, BlockManager
+from paged.memory import BlockManager
 from paged.request import Sequence
 from paged.scheduler.output import SchedulerOutput
 
 
 class PreemptionMode(ABC):
+    # Whether the mode needs a CPU swap pool (allocator.swap_space) and an executor that swaps.
+    swaps: ClassVar[bool] = False
+    # swaps that found the CPU pool full and recomputed instead (incremented per instance)
+    num_recompute_fallbacks: int = 0
+
     @abstractmethod
-    def preempt(self, seq: Sequence, block_manager: BlockManager, out: SchedulerOutput) -> None:
-        """Release `seq`'s device blocks; the scheduler then moves it back to the waiting queue."""
+    def preempt(self, seq: Sequence, block_manager: BlockManager, out: SchedulerOutput) -> bool:
+        """Release `seq`'s device blocks; True when its KV was swapped out (the scheduler then puts
+        it in the swapped queue), False when it must be recomputed (the waiting queue)."""
 
-    def can_admit(self, seq: Sequence, block_manager: BlockManager) -> AllocStatus:
-        return block_manager.can_allocate(seq)
 
-    def admit(self, seq: Sequence, block_manager: BlockManager, out: SchedulerOutput) -> int:
-        """Give `seq` blocks for all its tokens; returns how many of them already hold KV."""
-        return block_manager.allocate(seq)
+def recompute(seq: Sequence, block_manager: BlockManager) -> bool:
+    block_manager.free(seq)
+    seq.num_computed_tokens = 0
+    return False
 
 
 class RecomputePreemption(PreemptionMode):
     """vLLM's default: free the blocks; prompt and generated tokens are recomputed as one prefill."""
 
-    def preempt(self, seq: Sequence, block_manager: BlockManager, out: SchedulerOutput) -> None:
-        block_manager.free(seq)
-        seq.num_computed_tokens = 0
+    def preempt(self, seq: Sequence, block_manager: BlockManager, out: SchedulerOutput) -> bool:
+        return recompute(seq, block_manager)
+
+
+class SwapPreemption(PreemptionMode):
+    """Copy the sequence's filled blocks to the CPU pool; recompute when the pool cannot hold them."""
+
+    swaps = True
+
+    def preempt(self, seq: Sequence, block_manager: BlockManager, out: SchedulerOutput) -> bool:
+        if block_manager.can_swap_out(seq):
+            out.blocks_to_swap_out.extend(block_manager.swap_out(seq))
+            return True
+        self.num_recompute_fallbacks += 1
+        return recompute(seq, block_manager)
+
+
+class AutoPreemption(SwapPreemption):
+    """vLLM V0: swap when the request has several running sequences (samples sharing blocks would
+    each be recomputed), recompute a request's only sequence."""
+
+    def preempt(self, seq: Sequence, block_manager: BlockManager, out: SchedulerOutput) -> bool:
+        if sum(not s.is_finished for s in seq.request.seqs) > 1:
+            return super().preempt(seq, block_manager, out)
+        return recompute(seq, block_manager)
+
+
+MODES: dict[str, type[PreemptionMode]] = {
+    "recompute": RecomputePreemption,
+    "swap": SwapPreemption,
+    "auto": AutoPreemption,
+}
