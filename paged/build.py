@@ -39,9 +39,13 @@ class Plugins:
     executor: Plugin
 
 
-def check_config(cfg: Any) -> Plugins:
-    """Range checks on the core keys, then every plugin's class and settings; builds nothing."""
-    validate(cfg)
+def check_config(cfg: Any, executor_cls: type[Executor] | None = None) -> Plugins:
+    """Range checks on the core keys, then every plugin's class and settings; builds nothing.
+    `executor_cls` is the class of an executor the caller already has (else the configured one)."""
+    executor = check_plugin(
+        cfg.executor, "executor", Executor, core=_core_keys(ExecutorConfig), provided=("model", "kernel", "seed"),
+    )
+    validate(cfg, block_sizes=(executor_cls or executor.cls).block_sizes)
     plugins = Plugins(
         allocator=check_plugin(
             cfg.allocator, "allocator", BlockAllocator,
@@ -50,17 +54,14 @@ def check_config(cfg: Any) -> Plugins:
         reservation=check_plugin(cfg.allocator.reservation, "allocator.reservation", Reservation),
         policy=check_plugin(cfg.scheduler.policy, "scheduler.policy", SchedulingPolicy),
         preemption=_check_preemption(cfg.scheduler),
-        executor=check_plugin(
-            cfg.executor, "executor", Executor,
-            core=_core_keys(ExecutorConfig), provided=("model", "kernel", "seed"),
-        ),
+        executor=executor,
     )
     if cfg.model.source == "spec" and not plugins.executor.cls.runs_spec_models:
         raise ConfigError(
             f"model={cfg.model.name} is a spec-only model (no weights): executor={cfg.executor.name} cannot "
             "run it; use executor=sim"
         )
-    _check_swap(cfg, plugins)
+    _check_swap(cfg, plugins, executor_cls or plugins.executor.cls)
     if plugins.reservation.cls.needs_output_lengths and not cfg.workload.ignore_eos:
         raise ConfigError(
             f"allocator={cfg.allocator.name} reserves each request's true output length, which the workload "
@@ -82,7 +83,7 @@ def _check_preemption(s: Any) -> Plugin:
     return check_plugin(s.preemption, "scheduler.preemption", PreemptionMode)
 
 
-def _check_swap(cfg: Any, plugins: Plugins) -> None:
+def _check_swap(cfg: Any, plugins: Plugins, executor_cls: type[Executor]) -> None:
     if not plugins.preemption.cls.swaps:
         return
     mode = f"scheduler.preemption_mode={cfg.scheduler.preemption_mode}"
@@ -91,9 +92,9 @@ def _check_swap(cfg: Any, plugins: Plugins) -> None:
             f"{mode} needs an allocator that can swap; allocator._target_={plugins.allocator.path} cannot "
             "(it does not set supports_swap); use scheduler.preemption_mode=recompute"
         )
-    if not plugins.executor.cls.supports_swap:
+    if not executor_cls.supports_swap:
         raise ConfigError(
-            f"{mode} needs an executor that moves swapped blocks; executor={cfg.executor.name} cannot; "
+            f"{mode} needs an executor that moves swapped blocks; {executor_cls.__qualname__} cannot; "
             "use scheduler.preemption_mode=recompute"
         )
 
@@ -146,7 +147,7 @@ def build_executor(cfg: Any) -> Executor:
 
 def build_engine(cfg: Any, executor: Executor | None = None) -> Engine:
     """Check `cfg`, build the cheap parts, then the executor (unless one is given), then the cache."""
-    plugins = check_config(cfg)
+    plugins = check_config(cfg, type(executor) if executor is not None else None)
     policy = plugins.policy.build()
     preemption = plugins.preemption.build()
     reservation = plugins.reservation.build()

@@ -11,6 +11,7 @@ from paged.memory import (
     AllocStatus,
     BlockAllocator,
     BlockManager,
+    BuddyAllocator,
     NaiveAllocator,
     NoFreeBlocksError,
     PrefixCachingAllocator,
@@ -18,6 +19,9 @@ from paged.memory import (
 from paged.request import Request, SamplingParams, Sequence
 
 ALLOCATORS = [NaiveAllocator, PrefixCachingAllocator]
+# The random interleavings also run on the buddy allocator (exact reservation: a table grows one
+# block at a time, each a one-block extent; admission takes the prompt's blocks as one extent).
+MACHINE_ALLOCATORS = [*ALLOCATORS, BuddyAllocator]
 
 
 def make_seq(tokens: list[int], salt: str | None = None) -> Sequence:
@@ -266,7 +270,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     """
 
     @initialize(
-        cls=st.sampled_from(ALLOCATORS),
+        cls=st.sampled_from(MACHINE_ALLOCATORS),
         num_blocks=st.integers(1, 14),
         block_size=st.sampled_from([1, 2, 4]),
         watermark=st.sampled_from([0.0, 0.2]),
@@ -332,15 +336,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 hits.append(block_id)
         refs = self.refs()
         needed = required - sum(1 for b in hits if refs[b])
+        # A paged allocator can always hand out what is free; the buddy allocator needs one free
+        # chunk for the fresh blocks' extent, and never has one larger than `max_allocation`.
+        fits = self.alloc.can_allocate_blocks(required - len(hits))
         status = self.bm.can_allocate(seq)
-        if self.n - required < wm:
+        if self.n - required < wm or required > self.alloc.max_allocation:
             assert status is AllocStatus.NEVER
-        elif free - needed >= wm:
+        elif free - needed >= wm and fits:
             assert status is AllocStatus.OK
         else:
             assert status is AllocStatus.LATER
         if status is not AllocStatus.OK:
-            if needed > free:
+            if needed > free or not fits:
                 with pytest.raises(NoFreeBlocksError):
                     self.bm.allocate(seq)
             return
@@ -348,6 +355,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq.num_computed_tokens = len(hits) * bs
         table = self.bm.block_table(seq)
         assert table[: len(hits)] == hits and len(table) == required
+        if self.alloc.contiguous:
+            assert table == list(range(table[0], table[0] + required)), "not one extent"
         for b in table[len(hits) :]:
             self.fresh(b)
         self.covered[seq.seq_id] = seq.num_tokens
@@ -422,9 +431,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def refcounts_match_block_tables(self):
         refs = self.refs()
         assert [self.alloc.refcount(b) for b in range(self.n)] == refs
-        free_ids = list(self.alloc._free if isinstance(self.alloc, NaiveAllocator) else self.alloc._queue)
+        unreferenced = {b for b in range(self.n) if refs[b] == 0}
+        if isinstance(self.alloc, BuddyAllocator):
+            # free chunks, expanded to block ids; the other unreferenced blocks belong to live
+            # extents (rounding, or blocks freed while the rest of their extent is still held)
+            free_ids = [b for order, starts in enumerate(self.alloc._free) for start in starts
+                        for b in range(start, start + (1 << order))]
+            assert len(unreferenced) == self.alloc.num_free_blocks + self.alloc.num_unassigned_blocks
+        else:
+            free_ids = list(self.alloc._free if isinstance(self.alloc, NaiveAllocator) else self.alloc._queue)
+            assert self.alloc.num_unassigned_blocks == 0
         assert len(free_ids) == len(set(free_ids)) == self.alloc.num_free_blocks
-        assert set(free_ids) == {b for b in range(self.n) if refs[b] == 0}, "free and referenced"
+        assert set(free_ids) <= unreferenced, "free and referenced"
+        if not self.alloc.contiguous:
+            assert set(free_ids) == unreferenced, "neither free nor referenced"
         if self.alloc.caches_prefixes:
             cached_free = sum(1 for b in free_ids if b in self.key_of)
             assert self.alloc.num_cached_free_blocks == cached_free
@@ -447,10 +467,23 @@ class BlockManagerMachine(RuleBasedStateMachine):
             for i, b in enumerate(self.bm.block_table(seq)):
                 fill[b] = max(fill.get(b, 0), min(self.bs, covered - i * self.bs))
         s = self.bm.stats()
-        assert s.num_allocated_blocks == sum(1 for r in refs if r)
+        assert s.num_allocated_blocks == sum(1 for r in refs if r) + s.num_unassigned_blocks
         assert s.num_allocated_blocks + s.num_free_blocks == s.num_total_blocks == self.n
         assert s.num_token_slots_used == sum(fill.values())
         assert 0.0 <= s.kv_usage <= 1.0 and 0.0 < s.token_state_fraction <= 1.0
+
+    @invariant()
+    def breakdown_sums_to_one(self):
+        # `blocked_blocks` is what a request waiting for memory needs: it decides what free
+        # memory counts as stranded (external fragmentation)
+        for blocked in sorted({0, 1, 2, 3, self.alloc.max_allocation, self.n}):
+            s = self.bm.stats(blocked)
+            assert s.num_internal_frag_slots >= 0
+            assert 0 <= s.num_stranded_free_blocks <= s.num_free_blocks
+            shares = s.breakdown()
+            assert set(shares) == {"token_state", "reserved", "internal_frag", "external_frag", "free"}
+            assert all(0.0 <= v <= 1.0 for v in shares.values()), shares
+            assert abs(sum(shares.values()) - 1.0) <= 1e-9, shares
 
     def teardown(self):
         if not hasattr(self, "bm"):
@@ -459,8 +492,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.bm.free(seq)
         s = self.bm.stats()
         assert s.num_allocated_blocks == 0 and s.num_free_blocks == self.n
-        assert s.num_token_slots_used == 0
+        assert s.num_token_slots_used == 0 and s.num_reserved_slots == 0 and s.num_unassigned_blocks == 0
         assert all(self.alloc.refcount(b) == 0 for b in range(self.n))
+        # every extent merged back: the whole largest root is one free chunk again
+        assert self.alloc.can_allocate_blocks(self.alloc.max_allocation)
 
 
 BlockManagerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)

@@ -162,7 +162,10 @@ class BlockManager:
     def can_append_slots(self, seq: Sequence) -> bool:
         state = self._seqs[seq.seq_id]
         num_new = self._growth_blocks(seq, state)
-        return num_new + len(self._shared_write_targets(seq, state)) <= self.allocator.num_free_blocks
+        alloc = self.allocator
+        return num_new + len(self._shared_write_targets(seq, state)) <= alloc.num_free_blocks and (
+            alloc.can_allocate_blocks(num_new)
+        )
 
     def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
         """Cover all of `seq`'s tokens; returns (src, dst) block copies the executor must do first."""
@@ -213,7 +216,7 @@ class BlockManager:
         if num_new:
             table.extend(alloc.allocate_blocks(num_new))
         # Only the old last block and those after it gain filled slots; new blocks start their books.
-        grown = range(max(state.num_slots - 1, 0) // bs, min(self._cdiv(num_tokens), first_new))
+        grown = range(max(max(state.num_slots - 1, 0) // bs, state.num_dropped), min(self._cdiv(num_tokens), first_new))
         for i in (*grown, *range(first_new, len(table))):
             self._account(table[i], min(bs, max(num_tokens - i * bs, 0)), self._cap(i, state.final))
         state.num_slots = num_tokens

@@ -91,6 +91,8 @@ class BuddyAllocator(RefCountedAllocator):
     # -- accounting ------------------------------------------------------------------------------
 
     def can_allocate_blocks(self, num_blocks: int) -> bool:
+        if num_blocks <= 0:
+            return True
         order = order_of(num_blocks)
         return any(self._free[o] for o in range(order, len(self._free)))
 

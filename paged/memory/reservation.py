@@ -60,25 +60,28 @@ class _UpFront(Reservation):
         self.max_model_len = max_model_len
 
     def admission_slots(self, seq: Sequence) -> int:
-        return max(seq.num_tokens, self._reserve(final_length(seq.request, self.max_model_len)))
+        return max(seq.num_tokens, min(self._reserve(seq.request), self.max_model_len))
 
     @abstractmethod
-    def _reserve(self, final: int) -> int:
-        """Slots reserved for a request whose final length is `final`."""
+    def _reserve(self, request: Request) -> int:
+        """Slots reserved for each sequence of `request` (capped at `max_model_len`)."""
 
 
 class MaxReservation(_UpFront):
     """Orca (Max): every request reserves `max_model_len` slots."""
 
-    def _reserve(self, final: int) -> int:
+    def _reserve(self, request: Request) -> int:
         return self.max_model_len
 
 
 class Pow2Reservation(_UpFront):
-    """Orca (Pow2): the next power of two of the final length (over-reserves by at most 2x)."""
+    """Orca (Pow2): the prompt plus the next power of two of the output length ("32 positions for
+    an output of 25", over-reserving the output by at most 2x); the buddy allocator then rounds the
+    whole reservation up again."""
 
-    def _reserve(self, final: int) -> int:
-        return min(1 << (final - 1).bit_length(), self.max_model_len)
+    def _reserve(self, request: Request) -> int:
+        output = final_length(request, self.max_model_len) - request.num_prompt_tokens
+        return request.num_prompt_tokens + (1 << max(output - 1, 0).bit_length())
 
 
 class OracleReservation(_UpFront):
@@ -86,8 +89,8 @@ class OracleReservation(_UpFront):
 
     needs_output_lengths = True
 
-    def _reserve(self, final: int) -> int:
-        return final
+    def _reserve(self, request: Request) -> int:
+        return final_length(request, self.max_model_len)
 
     def rejection(self, request: Request) -> str | None:
         if not request.params.ignore_eos:

@@ -47,6 +47,9 @@ class StepShape:
     num_prefill_rows: int = 0
     # decode rows: one new token each, attending to `context` tokens
     decode_contexts: list[int] | None = None
+    # blocks moved between the device and the CPU swap pool before the step
+    num_swap_blocks: int = 0
+    block_size: int = 16
 
 
 @dataclass(frozen=True)
@@ -59,19 +62,31 @@ class StepCost:
     head_s: float
     overhead_s: float
     decode_version: str | None
+    swap_s: float = 0.0
 
     @property
     def total_s(self) -> float:
         return (
             self.linear_s + self.attention_s + self.elementwise_s + self.launch_bound_s + self.communication_s
-            + self.head_s + self.overhead_s
+            + self.head_s + self.overhead_s + self.swap_s
         )
 
 
-def step_shape(sched: SchedulerOutput) -> StepShape:
+def _attended_pairs(num_positions: int, window: int | None) -> int:
+    """(query, key) pairs of causal attention over positions 0..n-1, each query seeing at most
+    `window` keys (itself included)."""
+    if window is None or num_positions <= window:
+        return num_positions * (num_positions + 1) // 2
+    return window * (window + 1) // 2 + (num_positions - window) * window
+
+
+def step_shape(sched: SchedulerOutput, block_size: int = 16, sliding_window: int | None = None) -> StepShape:
     """The cost-relevant shape of a scheduled step; a row with one new token is a decode row, as
-    in the real executor."""
-    shape = StepShape(num_seqs=len(sched.scheduled), decode_contexts=[])
+    in the real executor. With a `sliding_window` each query attends to at most that many keys."""
+    shape = StepShape(
+        num_seqs=len(sched.scheduled), decode_contexts=[], block_size=block_size,
+        num_swap_blocks=len(sched.blocks_to_swap_out) + len(sched.blocks_to_swap_in),
+    )
     decode = shape.decode_contexts
     for item in sched.scheduled:
         new = item.num_new_tokens
@@ -79,13 +94,15 @@ def step_shape(sched: SchedulerOutput) -> StepShape:
         shape.num_tokens += new
         shape.num_sampled += item.num_samples
         if new == 1:
-            decode.append(context)
+            decode.append(context if sliding_window is None else min(context, sliding_window))
         else:
             shape.num_prefill_rows += 1
             shape.prefill_queries += new
-            shape.prefill_context += context
+            shape.prefill_context += context if sliding_window is None else min(context, sliding_window + new - 1)
             # causal: each new token attends to the cached prefix and the new tokens up to itself
-            shape.prefill_pairs += new * (context - new) + new * (new + 1) // 2
+            shape.prefill_pairs += _attended_pairs(context, sliding_window) - _attended_pairs(
+                context - new, sliding_window
+            )
     return shape
 
 
@@ -183,8 +200,19 @@ class CostModel:
         overhead = hw.step_overhead_s + hw.seq_overhead_s * shape.num_seqs
         launch_bound = L * (layer - linear - attention - elementwise)
         return StepCost(
-            L * linear, L * attention, L * elementwise, launch_bound, communication, head, overhead, version
+            L * linear, L * attention, L * elementwise, launch_bound, communication, head, overhead, version,
+            self._swap(shape),
         )
+
+    def _swap(self, shape: StepShape) -> float:
+        """vLLM's swap_blocks: one PCIe copy per block, per layer, for K and for V, on each GPU in
+        parallel; each pays a fixed latency, so small blocks waste the link (the paper's Fig. 19)."""
+        if not shape.num_swap_blocks:
+            return 0.0
+        hw = self.hw
+        copies = 2 * self.spec.num_layers * shape.num_swap_blocks
+        copy_bytes = shape.block_size * self.kv_size * self.b
+        return copies * (hw.pcie_latency_s + copy_bytes / (hw.pcie_bandwidth * hw.memory_efficiency))
 
     def _attention(self, shape: StepShape) -> tuple[float, str | None]:
         hw, b, d = self.hw, self.b, self.spec.head_dim

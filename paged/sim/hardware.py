@@ -32,6 +32,7 @@ class Hardware:
     decode_attention_efficiency: float
     kernel_launch_s: float
     allreduce_latency_s: float
+    pcie_latency_s: float
     step_overhead_s: float
     seq_overhead_s: float
 
@@ -76,7 +77,8 @@ def resolve_hardware(cfg: HardwareConfig | Any, measured: dict[str, Any] | None 
                 "num_sms", "num_gpus"):
         if values[key] <= 0:
             raise ConfigError(f"hardware.{key}={values[key]!r} must be > 0")
-    for key in ("matmul_tile", "kernel_launch_s", "allreduce_latency_s", "step_overhead_s", "seq_overhead_s"):
+    for key in ("matmul_tile", "kernel_launch_s", "allreduce_latency_s", "pcie_latency_s", "step_overhead_s",
+                "seq_overhead_s"):
         if values[key] < 0:
             raise ConfigError(f"hardware.{key}={values[key]!r} must be >= 0")
     return Hardware(**values)
