@@ -7,11 +7,23 @@
 // reads V_VEC consecutive tokens of a head-dim row, and warps are combined through shared memory.
 // v1 covers the whole context in one block; v2 splits it into partitions (exp_sums, max_logits and
 // a partial output per partition) that the reduce kernel rescales and sums.
+//
+// A sliding window W (0: none) limits the query, at position seq_len - 1, to positions from
+// seq_len - W on. Table entries of blocks wholly before the window may name blocks the block
+// manager freed and gave to other sequences, so they are never read: v1 starts at the window's
+// first block, and v2 numbers its partitions from the window's first one (grid z and the scratch
+// arrays cover only the partitions the window reaches); positions before the window inside that
+// first block are masked.
 #pragma once
 
 #include "vec.cuh"
 
 namespace paged {
+
+// The first position the decode query attends to.
+PAGED_DEVICE int window_start(int seq_len, int sliding_window) {
+  return sliding_window > 0 && seq_len > sliding_window ? seq_len - sliding_window : 0;
+}
 
 template <typename T, typename OUT_T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, int PARTITION_SIZE>
 PAGED_DEVICE void paged_attention(float* __restrict__ exp_sums, float* __restrict__ max_logits,
@@ -19,7 +31,7 @@ PAGED_DEVICE void paged_attention(float* __restrict__ exp_sums, float* __restric
                                   const T* __restrict__ k_cache, const T* __restrict__ v_cache,
                                   int num_kv_heads, float scale, const int* __restrict__ block_tables,
                                   const int* __restrict__ seq_lens, int max_num_blocks_per_seq,
-                                  int q_stride, int kv_block_stride, int kv_head_stride) {
+                                  int q_stride, int kv_block_stride, int kv_head_stride, int sliding_window) {
   constexpr bool PARTITIONED = PARTITION_SIZE > 0;
   constexpr int NUM_WARPS = NUM_THREADS / WARP_SIZE;
   constexpr int X = 16 / sizeof(T);
@@ -41,15 +53,19 @@ PAGED_DEVICE void paged_attention(float* __restrict__ exp_sums, float* __restric
   const int head = blockIdx.x;
   const int num_heads = gridDim.x;
   const int seq = blockIdx.y;
-  const int partition = blockIdx.z;
+  const int partition = blockIdx.z;  // counted from the window's first partition
   const int max_num_partitions = gridDim.z;
   const int seq_len = seq_lens[seq];
-  if (PARTITIONED && partition * PARTITION_SIZE >= seq_len) return;
+  const int first_token = window_start(seq_len, sliding_window);
+  const int first_block = first_token / BLOCK_SIZE;
+  const int abs_partition = PARTITIONED ? first_token / PARTITION_SIZE + partition : 0;
+  if (PARTITIONED && abs_partition * PARTITION_SIZE >= seq_len) return;
 
   const int num_seq_blocks = div_up(seq_len, BLOCK_SIZE);
   const int blocks_per_partition = PARTITIONED ? PARTITION_SIZE / BLOCK_SIZE : num_seq_blocks;
-  const int start_block = PARTITIONED ? partition * blocks_per_partition : 0;
-  const int end_block = cmin(start_block + blocks_per_partition, num_seq_blocks);
+  const int partition_block = abs_partition * blocks_per_partition;
+  const int start_block = cmax(partition_block, first_block);
+  const int end_block = cmin(partition_block + blocks_per_partition, num_seq_blocks);
   const int start_token = start_block * BLOCK_SIZE;
   const int num_tokens = cmin(end_block * BLOCK_SIZE, seq_len) - start_token;
   const int kv_head = head / (num_heads / num_kv_heads);
@@ -87,16 +103,18 @@ PAGED_DEVICE void paged_attention(float* __restrict__ exp_sums, float* __restric
     if (group_lane == 0) {
       const int token = block_idx * BLOCK_SIZE + token_in_block;
       // Masked slots get 0, not -inf: P·V multiplies them with zeroed V, and 0 * -inf is NaN.
-      const bool masked = token >= seq_len;
+      const bool masked = token >= seq_len || token < first_token;
       logits[token - start_token] = masked ? 0.f : qk;
       qk_max = masked ? qk_max : fmaxf(qk_max, qk);
     }
   }
   qk_max = block_reduce<NUM_WARPS>(red_smem, qk_max, -FLT_MAX_, MaxOp());
 
+  // Slots before the window (in its first block only) get probability 0.
+  const int num_before_window = first_token - start_token;
   float exp_sum = 0.f;
   for (int i = thread; i < num_tokens; i += NUM_THREADS) {
-    const float e = __expf(logits[i] - qk_max);
+    const float e = i < num_before_window ? 0.f : __expf(logits[i] - qk_max);
     logits[i] = e;
     exp_sum += e;
   }
@@ -118,13 +136,14 @@ PAGED_DEVICE void paged_attention(float* __restrict__ exp_sums, float* __restric
   const int v_offset = (lane % V_VECS_PER_ROW) * V_VEC;
   for (int block_idx = start_block + warp; block_idx < end_block; block_idx += NUM_WARPS) {
     const int64 physical_block = block_table[block_idx];
-    const int first_token = block_idx * BLOCK_SIZE + v_offset;
+    const int lane_token = block_idx * BLOCK_SIZE + v_offset;
     float probs[V_VEC];
 #pragma unroll
-    for (int e = 0; e < V_VEC; ++e) probs[e] = logits[first_token - start_token + e];
+    for (int e = 0; e < V_VEC; ++e) probs[e] = logits[lane_token - start_token + e];
     const T* v_ptr = v_cache + physical_block * kv_block_stride + static_cast<int64>(kv_head) * kv_head_stride;
-    // Slots past seq_len in the last block may hold NaN from unwritten cache memory.
-    const bool last_block = block_idx == num_seq_blocks - 1;
+    // Slots past seq_len in the last block may hold NaN from unwritten cache memory, and slots
+    // before the window in its first block anything the sequence no longer needs.
+    const bool edge_block = block_idx == num_seq_blocks - 1 || block_idx == first_block;
 #pragma unroll
     for (int i = 0; i < ROWS_PER_THREAD; ++i) {
       const int row = lane / V_VECS_PER_ROW + i * ROWS_PER_ITER;
@@ -133,7 +152,9 @@ PAGED_DEVICE void paged_attention(float* __restrict__ exp_sums, float* __restric
         float sum = 0.f;
 #pragma unroll
         for (int e = 0; e < V_VEC; ++e) {
-          const float value = last_block && first_token + e >= seq_len ? 0.f : to_float(v.val[e]);
+          const int token = lane_token + e;
+          const bool masked = edge_block && (token >= seq_len || token < first_token);
+          const float value = masked ? 0.f : to_float(v.val[e]);
           sum += probs[e] * value;
         }
         accs[i] += sum;
@@ -182,30 +203,33 @@ PAGED_DEVICE void paged_attention(float* __restrict__ exp_sums, float* __restric
 }
 
 // Grid (num_heads, num_seqs, 1); dynamic shared memory: max(padded max_seq_len, NUM_WARPS/2 *
-// HEAD_SIZE) floats.
+// HEAD_SIZE) floats, where with a window the padded length needs only cover the window's blocks.
 template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
 __global__ void paged_attention_v1_kernel(T* __restrict__ out, const T* __restrict__ q,
                                           const T* __restrict__ k_cache, const T* __restrict__ v_cache,
                                           int num_kv_heads, float scale, const int* __restrict__ block_tables,
                                           const int* __restrict__ seq_lens, int max_num_blocks_per_seq,
-                                          int q_stride, int kv_block_stride, int kv_head_stride) {
+                                          int q_stride, int kv_block_stride, int kv_head_stride,
+                                          int sliding_window) {
   paged_attention<T, T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, 0>(
       nullptr, nullptr, out, q, k_cache, v_cache, num_kv_heads, scale, block_tables, seq_lens,
-      max_num_blocks_per_seq, q_stride, kv_block_stride, kv_head_stride);
+      max_num_blocks_per_seq, q_stride, kv_block_stride, kv_head_stride, sliding_window);
 }
 
-// Grid (num_heads, num_seqs, max_num_partitions). The partial outputs stay fp32 so the reduce
-// kernel rounds to T once.
+// Grid (num_heads, num_seqs, max_num_partitions), where with a window max_num_partitions need only
+// cover the partitions one window reaches. The partial outputs stay fp32 so the reduce kernel
+// rounds to T once.
 template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, int PARTITION_SIZE>
 __global__ void paged_attention_v2_kernel(float* __restrict__ exp_sums, float* __restrict__ max_logits,
                                           float* __restrict__ tmp_out, const T* __restrict__ q,
                                           const T* __restrict__ k_cache, const T* __restrict__ v_cache,
                                           int num_kv_heads, float scale, const int* __restrict__ block_tables,
                                           const int* __restrict__ seq_lens, int max_num_blocks_per_seq,
-                                          int q_stride, int kv_block_stride, int kv_head_stride) {
+                                          int q_stride, int kv_block_stride, int kv_head_stride,
+                                          int sliding_window) {
   paged_attention<T, float, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, PARTITION_SIZE>(
       exp_sums, max_logits, tmp_out, q, k_cache, v_cache, num_kv_heads, scale, block_tables, seq_lens,
-      max_num_blocks_per_seq, q_stride, kv_block_stride, kv_head_stride);
+      max_num_blocks_per_seq, q_stride, kv_block_stride, kv_head_stride, sliding_window);
 }
 
 // Grid (num_heads, num_seqs); dynamic shared memory: max_num_partitions floats. Each partition's
@@ -215,12 +239,15 @@ template <typename T, int HEAD_SIZE, int NUM_THREADS, int PARTITION_SIZE>
 __global__ void paged_attention_v2_reduce_kernel(T* __restrict__ out, const float* __restrict__ exp_sums,
                                                  const float* __restrict__ max_logits,
                                                  const float* __restrict__ tmp_out,
-                                                 const int* __restrict__ seq_lens, int max_num_partitions) {
+                                                 const int* __restrict__ seq_lens, int max_num_partitions,
+                                                 int sliding_window) {
   constexpr int NUM_WARPS = NUM_THREADS / WARP_SIZE;
   const int thread = threadIdx.x;
   const int head = blockIdx.x;
   const int seq = blockIdx.y;
-  const int num_partitions = div_up(seq_lens[seq], PARTITION_SIZE);
+  const int seq_len = seq_lens[seq];
+  // The partitions the main kernel computed, numbered from the window's first.
+  const int num_partitions = div_up(seq_len, PARTITION_SIZE) - window_start(seq_len, sliding_window) / PARTITION_SIZE;
   const int64 row = static_cast<int64>(seq) * gridDim.x + head;
   T* out_ptr = out + row * HEAD_SIZE;
   const float* tmp_ptr = tmp_out + row * max_num_partitions * HEAD_SIZE;

@@ -1,8 +1,8 @@
 """The host side of the CUDA path, executed against a recording fake libcuda.so.1 (`tests/fake_driver`):
 NVRTC's cubins loaded by cuda.core, kernels resolved by their lowered names, the launch geometry,
 shared memory and every argument's bytes as the driver receives them, the stream, the current
-context, and the errors a user sees for a missing or too old driver. Runs on machines without a
-GPU; `pytest -k driver` selects it.
+context, and the errors a user sees for a missing or too old driver (a swap's copies are checked in
+test_kernels_swap.py). Runs on machines without a GPU; `pytest -k driver` selects it.
 """
 
 from __future__ import annotations
@@ -24,25 +24,9 @@ DEFAULT_SMEM = 48 * 1024
 ELEMENT_SIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
-def _have_nvrtc() -> str | None:
-    from paged.kernels.toolchain import nvrtc
-
-    try:
-        nvrtc.toolchain()
-    except nvrtc.NVRTCUnavailableError as e:
-        return str(e)
-    return None
-
-
 @pytest.fixture(scope="module")
 def driver_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    missing = _have_nvrtc()
-    if missing:
-        pytest.skip(missing)
-    try:
-        return fake_driver.build(tmp_path_factory.mktemp("fake_driver"))
-    except fake_driver.NoCompilerError as e:
-        pytest.skip(str(e))
+    return fake_driver.build_or_skip(tmp_path_factory.mktemp("fake_driver"))
 
 
 @pytest.fixture(scope="module")
@@ -110,21 +94,21 @@ def _check_attention(case: Any, version: str, r: dict[str, Any], calls: list[dic
     launched = _launched(calls)
     assert [c["name"] for c in launched] == r["names"]
     num_seqs, head, block = len(case.seq_lens), case.head_size, case.block_size
-    max_seq_len = r["max_seq_len"]
+    max_seq_len, window = r["max_seq_len"], r["sliding_window"]
     # The cross-warp output buffer reuses the logits' shared memory: NUM_WARPS / 2 rows of fp32.
     outputs_smem = NUM_THREADS // 32 // 2 * head * 4
     kv_block_stride, kv_head_stride = case.num_kv_heads * head * block, head * block
     common = [_ptr(q_ptr), _ptr(r["key_cache"]), _ptr(r["value_cache"]), _i32(case.num_kv_heads),
               _i32(_f32(r["scale"])), _ptr(r["block_tables"]), _ptr(r["seq_lens"]), _i32(r["max_blocks"]),
-              _i32(q_stride), _i32(kv_block_stride), _i32(kv_head_stride)]
+              _i32(q_stride), _i32(kv_block_stride), _i32(kv_head_stride), _i32(window)]
     if version == "v1":
         (launch,) = launched
-        smem = max(math.ceil(max_seq_len / block) * block * 4, outputs_smem)
+        smem = max(math.ceil(_span(max_seq_len, window, block) / block) * block * 4, outputs_smem)
         _check_common_launch(launch, r["names"][0], (case.num_heads, num_seqs, 1), NUM_THREADS, smem, r["stream"])
         assert _decode(launch) == [_ptr(r["out"]), *common]
         return
     main, reduce = launched
-    partitions = math.ceil(max_seq_len / case.partition_size)
+    partitions = math.ceil(_span(max_seq_len, window, case.partition_size) / case.partition_size)
     _check_common_launch(main, r["names"][0], (case.num_heads, num_seqs, partitions), NUM_THREADS,
                          max(case.partition_size * 4, outputs_smem), r["stream"])
     _check_common_launch(reduce, r["names"][1], (case.num_heads, num_seqs, 1), NUM_THREADS, partitions * 4,
@@ -133,7 +117,24 @@ def _check_attention(case: Any, version: str, r: dict[str, Any], calls: list[dic
     scratch = main_args[:3]  # exp_sums, max_logits, tmp_out: allocated by the plan
     assert all(size == 8 and ptr for size, ptr in scratch) and len({p for _, p in scratch}) == 3
     assert main_args[3:] == common
-    assert reduce_args == [_ptr(r["out"]), *scratch, _ptr(r["seq_lens"]), _i32(partitions)]
+    assert reduce_args == [_ptr(r["out"]), *scratch, _ptr(r["seq_lens"]), _i32(partitions), _i32(window)]
+
+
+def _span(max_seq_len: int, window: int, align: int) -> int:
+    """Positions the kernels cover: a window's start lies at most `align - 1` past the `align`
+    boundary they start from."""
+    return min(max_seq_len, window + align - 1) if window else max_seq_len
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_driver_gets_the_window_and_a_grid_that_covers_only_it(launches: fake_driver.Run, version: str) -> None:
+    case = attention_grid()[0]
+    r, calls = _case(launches, f"window-{version}-{case.id}")
+    assert 0 < r["sliding_window"] < r["max_seq_len"]
+    _check_attention(case, version, r, calls, q_ptr=r["query"], q_stride=r["q_stride"])
+    if version == "v2":
+        partitions = _launched(calls)[0]["grid"][2]
+        assert partitions < math.ceil(r["max_seq_len"] / case.partition_size)
 
 
 def test_driver_gets_a_fused_qkv_query_as_it_is(launches: fake_driver.Run) -> None:
@@ -248,7 +249,7 @@ def test_no_driver_at_all_gets_a_clear_error(tmp_path: Path) -> None:
         pytest.skip("this machine has an NVIDIA driver")
     except OSError:
         pass
-    if _have_nvrtc():
+    if fake_driver.nvrtc_missing():
         pytest.skip("NVRTC is not installed")
     run = fake_driver.run_scenario("init", tmp_path, None)
     error = run.results["start"]["error"]

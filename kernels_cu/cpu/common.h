@@ -75,6 +75,7 @@ struct Args {
   const int32_t* query_start_loc;  // prefill only: [num_seqs + 1] row offsets
   int num_seqs, num_heads, num_kv_heads, head_size, block_size;
   float scale;
+  int sliding_window;  // 0: the whole context; else W, a query at p sees positions p - W < k <= p
   int partition_size;  // decode v2 only
   int max_seq_len;     // decode only
   int max_query_len;   // prefill only
@@ -84,6 +85,12 @@ struct Args {
 
 template <typename T>
 constexpr int x_of() { return 16 / static_cast<int>(sizeof(typename T::storage)); }
+
+// The first position a query at `position` attends to. Blocks wholly before it are never read:
+// the block manager frees them, so their table entries may name blocks other sequences now own.
+inline int window_start(const Args& a, int position) {
+  return a.sliding_window > 0 && position >= a.sliding_window ? position - a.sliding_window + 1 : 0;
+}
 
 template <typename T>
 inline const typename T::storage* tile_ptr(const void* cache, const Args& a, int64_t blk, int kv_head) {

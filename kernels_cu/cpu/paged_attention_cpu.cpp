@@ -1,5 +1,5 @@
 // Native CPU attention over vLLM's paged KV cache (backend "cpu"): decode (here) and prefill
-// (prefill.h), and the extern "C" entry points of both.
+// (prefill.h), block swaps (swap.h), and the extern "C" entry points of all three.
 //
 // Plain C++17 + OpenMP, no torch headers: paged/kernels/backends/cpu.py builds this file with the
 // host compiler and calls the entry points through ctypes with raw data pointers. Layouts are in
@@ -16,9 +16,12 @@
 // v2: partitions of partition_size tokens, each with its max logit, exp-sum and normalised partial
 //     output; then the partials are rescaled by exp(max_p - max) * sum_p and reduced
 //     (the math of torch_ref.paged_attention_v2).
+// With a sliding window both start at the window's first block (v2: at the partition holding it)
+// and never read the blocks before it.
 
 #include "common.h"
 #include "prefill.h"
+#include "swap.h"
 
 namespace paged_cpu {
 
@@ -92,24 +95,25 @@ inline void block_logits(const Args& a, int G, const typename T::storage* k, Scr
   }
 }
 
-// vacc[g][d][off] += w[g][off] * v[d][off] for off < valid (slots past valid contribute nothing,
+// vacc[g][d][off] += w[g][off] * v[d][off] for lo <= off < valid (other slots contribute nothing,
 // even where the cache holds NaN there).
 template <typename T, int BS_T>
-inline void block_values(const Args& a, int G, const typename T::storage* v, Scratch& s, int valid,
+inline void block_values(const Args& a, int G, const typename T::storage* v, Scratch& s, int lo, int valid,
                          const float* w, int64_t w_stride) {
   const int BS = BS_T, D = a.head_size;
   const float* vf;
-  if (std::is_same_v<T, F32> && valid == BS) {
+  if (std::is_same_v<T, F32> && lo == 0 && valid == BS) {
     vf = reinterpret_cast<const float*>(v);
   } else {
     for (int d = 0; d < D; ++d)
-      for (int off = 0; off < BS; ++off) s.vt[d * BS + off] = off < valid ? T::load(v[d * BS + off]) : 0.f;
+      for (int off = 0; off < BS; ++off)
+        s.vt[d * BS + off] = off >= lo && off < valid ? T::load(v[d * BS + off]) : 0.f;
     vf = s.vt.data();
   }
   float p[BS_T];
   for (int g = 0; g < G; ++g) {
     const float* wg = w + g * w_stride;
-    for (int off = 0; off < BS; ++off) p[off] = off < valid ? wg[off] : 0.f;
+    for (int off = 0; off < BS; ++off) p[off] = off >= lo && off < valid ? wg[off] : 0.f;
     float* acc = s.vacc.data() + static_cast<int64_t>(g) * D * BS;
     for (int d = 0; d < D; ++d)
       for (int off = 0; off < BS; ++off) acc[d * BS + off] += p[off] * vf[d * BS + off];
@@ -176,12 +180,13 @@ void for_each_kv_head(const Args& a, Init init, Body body) {
   }
 }
 
-// Softmax attention of the G query heads over the `n` tokens that `table` points at: the
-// normalised output goes to s.acc, each head's max logit and exp-sum to max_out / sum_out
-// (stride `out_stride`) when given. `stride` is the logits row length in the scratch.
+// Softmax attention of the G query heads over the `n` tokens that `table` points at, less the
+// first `skip` (before the window, in its first block): the normalised output goes to s.acc, each
+// head's max logit and exp-sum to max_out / sum_out (stride `out_stride`) when given. `stride` is
+// the logits row length in the scratch.
 template <typename T, int BS_T>
-void attend_span(const Args& a, Scratch& s, int kvh, const int32_t* table, int n, int stride, float* max_out,
-                 float* sum_out, int out_stride) {
+void attend_span(const Args& a, Scratch& s, int kvh, const int32_t* table, int skip, int n, int stride,
+                 float* max_out, float* sum_out, int out_stride) {
   const int G = a.num_heads / a.num_kv_heads, bs = a.block_size;
   const int nb = (n + bs - 1) / bs;
   for (int b = 0; b < nb; ++b)
@@ -189,8 +194,10 @@ void attend_span(const Args& a, Scratch& s, int kvh, const int32_t* table, int n
                           s.logits.data() + b * bs, stride);
   float* inv_sum = s.weights.data();
   for (int g = 0; g < G; ++g) {
+    float* logits = s.logits.data() + g * stride;
+    std::fill(logits, logits + skip, -std::numeric_limits<float>::infinity());
     float sum;
-    const float m = exp_in_place(s.logits.data() + g * stride, n, &sum);
+    const float m = exp_in_place(logits, n, &sum);
     if (max_out) {
       max_out[g * out_stride] = m;
       sum_out[g * out_stride] = sum;
@@ -198,8 +205,8 @@ void attend_span(const Args& a, Scratch& s, int kvh, const int32_t* table, int n
     inv_sum[g] = 1.f / std::max(sum, 1e-30f);
   }
   for (int b = 0; b < nb; ++b)
-    block_values<T, BS_T>(a, G, tile_ptr<T>(a.value_cache, a, table[b], kvh), s, std::min(bs, n - b * bs),
-                          s.logits.data() + b * bs, stride);
+    block_values<T, BS_T>(a, G, tile_ptr<T>(a.value_cache, a, table[b], kvh), s, b == 0 ? skip : 0,
+                          std::min(bs, n - b * bs), s.logits.data() + b * bs, stride);
   reduce_values(G, a.head_size, bs, s, inv_sum);
 }
 
@@ -211,7 +218,10 @@ void run_v1(const Args& a) {
     s.weights.resize(G);
   };
   for_each_kv_head<T, BS_T>(a, init, [&](Scratch& s, int, int kvh, int L, const int32_t* table) {
-    attend_span<T, BS_T>(a, s, kvh, table, L, a.max_seq_len, nullptr, nullptr, 0);
+    const int first = window_start(a, L - 1), first_block = first / a.block_size;
+    const int start = first_block * a.block_size;
+    attend_span<T, BS_T>(a, s, kvh, table + first_block, first - start, L - start, a.max_seq_len, nullptr, nullptr,
+                         0);
   });
 }
 
@@ -220,7 +230,6 @@ void run_v2(const Args& a) {
   const int G = a.num_heads / a.num_kv_heads, D = a.head_size;
   const int PS = a.partition_size;
   const int P_max = (a.max_seq_len + PS - 1) / PS;
-  const int blocks_per_part = PS / a.block_size;
   auto init = [&](Scratch& s) {
     s.init(G, D, a.block_size, PS);
     s.part_max.resize(static_cast<size_t>(G) * P_max);
@@ -229,10 +238,14 @@ void run_v2(const Args& a) {
     s.weights.resize(std::max(P_max, G));
   };
   for_each_kv_head<T, BS_T>(a, init, [&](Scratch& s, int, int kvh, int L, const int32_t* table) {
-    const int P = (L + PS - 1) / PS;
-    for (int p = 0; p < P; ++p) {
-      attend_span<T, BS_T>(a, s, kvh, table + p * blocks_per_part, std::min(PS, L - p * PS), PS,
-                           s.part_max.data() + p, s.part_sum.data() + p, P_max);
+    // Partitions p0 .. P - 1 reach the window; the first starts at the window's first block.
+    const int first = window_start(a, L - 1), first_block_start = first / a.block_size * a.block_size;
+    const int p0 = first / PS, P = (L + PS - 1) / PS;
+    for (int p = p0; p < P; ++p) {
+      const int start = std::max(p * PS, first_block_start);
+      attend_span<T, BS_T>(a, s, kvh, table + start / a.block_size, std::max(first - start, 0),
+                           std::min((p + 1) * PS, L) - start, PS, s.part_max.data() + p, s.part_sum.data() + p,
+                           P_max);
       for (int g = 0; g < G; ++g)
         std::copy(s.acc.begin() + g * D, s.acc.begin() + (g + 1) * D,
                   s.part_out.begin() + (static_cast<int64_t>(g) * P_max + p) * D);
@@ -243,15 +256,15 @@ void run_v2(const Args& a) {
       const float* mx = s.part_max.data() + g * P_max;
       const float* sm = s.part_sum.data() + g * P_max;
       float gmax = -std::numeric_limits<float>::infinity();
-      for (int p = 0; p < P; ++p) gmax = mx[p] > gmax ? mx[p] : gmax;
+      for (int p = p0; p < P; ++p) gmax = mx[p] > gmax ? mx[p] : gmax;
       float* w = s.weights.data();
       float total = 0.f;
-      for (int p = 0; p < P; ++p) {
+      for (int p = p0; p < P; ++p) {
         w[p] = sm[p] * std::exp(mx[p] - gmax);
         total += w[p];
       }
       float* ag = s.acc.data() + g * D;
-      for (int p = 0; p < P; ++p) {
+      for (int p = p0; p < P; ++p) {
         const float wp = w[p] / total;
         const float* src = s.part_out.data() + (static_cast<int64_t>(g) * P_max + p) * D;
         for (int d = 0; d < D; ++d) ag[d] += src[d] * wp;
@@ -303,7 +316,7 @@ using paged_cpu::Args;
   int dtype, void *out, const void *query, int64_t q_stride_row, int64_t q_stride_head,                \
       int64_t q_stride_dim, const void *key_cache, const void *value_cache, const int32_t *block_tables, \
       int64_t bt_stride, const int32_t *seq_lens, int num_seqs, int num_heads, int num_kv_heads,       \
-      int head_size, int block_size, float scale
+      int head_size, int block_size, float scale, int sliding_window
 
 // The entry points return 0 on success; a nonzero code names the rejected argument (see
 // paged/kernels/backends/cpu.py). Decode's max_seq_len bounds its scratch buffers.
@@ -311,7 +324,7 @@ extern "C" int paged_attention_cpu(PAGED_CPU_COMMON_ARGS, int version, int parti
                                    int num_threads) {
   const Args a{out, query, q_stride_row, q_stride_head, q_stride_dim, key_cache, value_cache, block_tables,
                bt_stride, seq_lens, nullptr, num_seqs, num_heads, num_kv_heads, head_size, block_size, scale,
-               partition_size, max_seq_len, 0, num_threads};
+               sliding_window, partition_size, max_seq_len, 0, num_threads};
   return paged_cpu::run(dtype, version == 1 ? paged_cpu::kDecodeV1 : paged_cpu::kDecodeV2, a);
 }
 
@@ -319,6 +332,14 @@ extern "C" int prefill_attention_cpu(PAGED_CPU_COMMON_ARGS, const int32_t *query
                                      int num_threads) {
   const Args a{out, query, q_stride_row, q_stride_head, q_stride_dim, key_cache, value_cache, block_tables,
                bt_stride, seq_lens, query_start_loc, num_seqs, num_heads, num_kv_heads, head_size, block_size,
-               scale, 0, 0, max_query_len, num_threads};
+               scale, sliding_window, 0, 0, max_query_len, num_threads};
   return paged_cpu::run(dtype, paged_cpu::kPrefill, a);
+}
+
+extern "C" int swap_blocks_cpu(int num_caches, const int64_t *src_caches, const int64_t *dst_caches,
+                               const int64_t *block_bytes, const int64_t *block_mapping, int64_t num_pairs,
+                               int num_threads) {
+  if (num_threads <= 0) return 6;
+  paged_cpu::swap_blocks(num_caches, src_caches, dst_caches, block_bytes, block_mapping, num_pairs, num_threads);
+  return 0;
 }

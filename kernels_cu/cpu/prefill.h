@@ -3,7 +3,8 @@
 // Sequence s owns query rows query_start_loc[s] .. query_start_loc[s + 1]; they are the last q_len
 // of its seq_lens[s] context positions, and attend causally to the context read straight from the
 // cache through the block table (q_len < seq_len after a prefix-cache hit or for a prefill chunk;
-// q_len == 1 is a decode row).
+// q_len == 1 is a decode row). With a sliding window W, the query at p sees p - W < k <= p, and a
+// tile starts at the block holding its first query's window start.
 //
 // Work items are (sequence, KV head, tile of kTileQ queries), scheduled dynamically and handed
 // out from the end, so a sequence's late tiles (which see the most context) start early. A tile
@@ -145,36 +146,43 @@ void prefill_tile(const Args& a, PrefillScratch& s, int seq, int kvh, int j0, in
 
   const int32_t* table = a.block_tables + seq * a.bt_stride;
   const int last_pos = first_pos + nq - 1;
-  for (int b = 0; b <= last_pos / BS; ++b) {
+  // The tile's first query reaches back furthest; blocks before its window are never read.
+  const int tile_window = window_start(a, first_pos);
+  for (int b = tile_window / BS; b <= last_pos / BS; ++b) {
     const int start = b * BS;
     // Slots this block holds for the tile's last query; none lies past seq_len, where the cache
     // may hold garbage.
     const int n = std::min(BS, last_pos - start + 1);
+    // Slots before the tile's window, in its first block: no query sees them, and V there may
+    // hold anything (0 * NaN is NaN), so they are zero.
+    const int skip = std::max(tile_window - start, 0);
     const S* k = tile_ptr<T>(a.key_cache, a, table[b], kvh);
     const S* v = tile_ptr<T>(a.value_cache, a, table[b], kvh);
     for (int c = 0; c < D / x; ++c)
       for (int off = 0; off < BS; ++off)
         for (int i = 0; i < x; ++i) s.kt[(c * x + i) * BS + off] = T::load(k[(c * BS + off) * x + i]);
     for (int off = 0; off < n; ++off)
-      for (int d = 0; d < D; ++d) s.vt[off * D + d] = T::load(v[d * BS + off]);
+      for (int d = 0; d < D; ++d) s.vt[off * D + d] = off < skip ? 0.f : T::load(v[d * BS + off]);
     tile_logits<BS>(R, D, a.scale, s.q.data(), s.kt.data(), s.p.data());
     for (int r = 0; r < R; ++r) {
       float* pr = s.p.data() + r * BS;
-      const int visible = std::min(n, first_pos + r / G - start + 1);  // causal: slots <= own position
-      if (visible <= 0) {
+      const int pos = first_pos + r / G;
+      const int visible = std::min(n, pos - start + 1);  // causal: slots <= own position
+      const int lo = std::max(window_start(a, pos) - start, 0);  // window: slots after pos - W
+      if (visible <= lo) {
         std::fill(pr, pr + BS, 0.f);
         continue;
       }
-      float block_max = pr[0];
-      for (int off = 1; off < visible; ++off) block_max = std::max(block_max, pr[off]);
+      float block_max = pr[lo];
+      for (int off = lo + 1; off < visible; ++off) block_max = std::max(block_max, pr[off]);
       const float m_old = s.m[r], m_new = std::max(m_old, block_max);
 #pragma omp simd
       for (int off = 0; off < BS; ++off) {
         const float shifted = pr[off] - m_new;
-        pr[off] = exp_nonpositive(off < visible ? shifted : kMasked);
+        pr[off] = exp_nonpositive(off >= lo && off < visible ? shifted : kMasked);
       }
       float sum = 0.f;
-      for (int off = 0; off < visible; ++off) sum += pr[off];
+      for (int off = lo; off < visible; ++off) sum += pr[off];
       if (m_new != m_old) {
         const float alpha = std::exp(m_old - m_new);  // 0 on the first block (m_old = -inf)
         float* orow = s.o.data() + r * D;

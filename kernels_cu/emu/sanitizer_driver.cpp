@@ -12,6 +12,8 @@
 //     longest (last) sequence needs, so the kernel reads past the table and ASan must report it.
 //   PAGED_TEST_MISALIGNED_QUERY (here) passes a query that starts one element into its buffer, so
 //     the kernel's vector loads of it are misaligned (a GPU faults) and UBSan must report it.
+// Runs with a sliding window give the blocks wholly before each sequence's window a table entry far
+// outside the caches (a stale entry may name any block), so a kernel that reads one faults.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -48,6 +50,9 @@ std::vector<T> random_values(std::size_t n, std::mt19937& rng) {
   return values;
 }
 
+// Far past the caches: a read through it leaves every mapping.
+constexpr int kStaleBlock = 1 << 28;
+
 int run(int status, const char* what) {
   if (status != 0) std::fprintf(stderr, "launch of %s failed with %d\n", what, status);
   return status;
@@ -56,12 +61,15 @@ int run(int status, const char* what) {
 // Every buffer is a std::vector of exactly the size the kernel may touch (and shared memory is sized
 // by the formulas of backends/launch.py), so ASan's redzones sit right past each one.
 template <typename T, int HEAD, int BLOCK, int PARTITION>
-int attention(std::mt19937& rng, const std::vector<int>& seq_lens) {
+int attention(std::mt19937& rng, const std::vector<int>& seq_lens, int sliding_window) {
   constexpr int kThreads = 128;
   const int num_seqs = int(seq_lens.size()), num_heads = 2, num_kv_heads = 1;
   // The last sequence is the longest: its row is the table's last, so reading past it leaves the buffer.
   const int max_len = seq_lens.back();
   const int max_blocks = paged::div_up(max_len, BLOCK);
+  // What the launch plan sizes by: with a window, only the blocks and partitions it reaches.
+  const int span = sliding_window > 0 ? std::min(max_len, sliding_window + BLOCK - 1) : max_len;
+  const int partition_span = sliding_window > 0 ? std::min(max_len, sliding_window + PARTITION - 1) : max_len;
 #ifdef PAGED_TEST_OOB_BLOCK_TABLE
   // The caller's defect: a table one block narrower than the longest sequence needs.
   const int table_width = max_blocks - 1;
@@ -84,8 +92,14 @@ int attention(std::mt19937& rng, const std::vector<int>& seq_lens) {
   // The physical block at the end of the caches is in use, so an access past a block's extent
   // leaves the K/V buffers instead of landing unnoticed in a neighbouring block.
   tables.back() = num_blocks - 1;
+  for (int seq = 0; seq < num_seqs; ++seq) {
+    const int first_block = paged::window_start(seq_lens[seq], sliding_window) / BLOCK;
+    for (int b = 0; b < std::min(first_block, table_width); ++b) {
+      tables[std::size_t(seq) * table_width + b] = kStaleBlock;
+    }
+  }
   std::vector<T> out(q_size);
-  const int num_partitions = paged::div_up(max_len, PARTITION);
+  const int num_partitions = paged::div_up(partition_span, PARTITION);
   std::vector<float> exp_sums(std::size_t(num_seqs) * num_heads * num_partitions);
   std::vector<float> max_logits(exp_sums.size());
   std::vector<float> tmp_out(exp_sums.size() * HEAD);
@@ -97,17 +111,19 @@ int attention(std::mt19937& rng, const std::vector<int>& seq_lens) {
   int kv_heads = num_kv_heads, blocks_per_seq = table_width, q_stride = num_heads * HEAD;
   int block_stride = num_kv_heads * HEAD * BLOCK, head_stride = HEAD * BLOCK, partitions = num_partitions;
   float scale = 1.0f / std::sqrt(float(HEAD));
+  int window = sliding_window;
   void* common[] = {&q_p, &k_p, &v_p, &kv_heads, &scale, &tables_p, &lens_p, &blocks_per_seq,
-                    &q_stride, &block_stride, &head_stride};
+                    &q_stride, &block_stride, &head_stride, &window};
 
   const unsigned long long outputs_smem = (kThreads / 64) * HEAD * 4;
-  const unsigned long long v1_smem = std::max<unsigned long long>(max_blocks * BLOCK * 4, outputs_smem);
-  void* v1_args[12] = {&out_p};
+  const unsigned long long v1_smem =
+      std::max<unsigned long long>(paged::div_up(span, BLOCK) * BLOCK * 4, outputs_smem);
+  void* v1_args[13] = {&out_p};
   std::copy(std::begin(common), std::end(common), v1_args + 1);
   LaunchDims v1{{unsigned(num_heads), unsigned(num_seqs), 1}, {kThreads, 1, 1}, v1_smem};
   int status = run(paged_emu::launch(&paged::paged_attention_v1_kernel<T, HEAD, BLOCK, kThreads>, v1, v1_args), "v1");
 
-  void* v2_args[14] = {&sums_p, &max_p, &tmp_p};
+  void* v2_args[15] = {&sums_p, &max_p, &tmp_p};
   std::copy(std::begin(common), std::end(common), v2_args + 3);
   LaunchDims v2{{unsigned(num_heads), unsigned(num_seqs), unsigned(num_partitions)},
                 {kThreads, 1, 1},
@@ -116,7 +132,7 @@ int attention(std::mt19937& rng, const std::vector<int>& seq_lens) {
                 "v2");
 
   const float *sums_c = sums_p, *max_c = max_p, *tmp_c = tmp_p;
-  void* reduce_args[] = {&out_p, &sums_c, &max_c, &tmp_c, &lens_p, &partitions};
+  void* reduce_args[] = {&out_p, &sums_c, &max_c, &tmp_c, &lens_p, &partitions, &window};
   LaunchDims reduce{{unsigned(num_heads), unsigned(num_seqs), 1}, {kThreads, 1, 1},
                     (unsigned long long)num_partitions * 4};
   status |= run(paged_emu::launch(&paged::paged_attention_v2_reduce_kernel<T, HEAD, kThreads, PARTITION>, reduce,
@@ -127,14 +143,14 @@ int attention(std::mt19937& rng, const std::vector<int>& seq_lens) {
 
 // A short sequence and one spanning several partitions, the last one partial.
 template <typename T, int HEAD, int BLOCK, int PARTITION>
-int attention(std::mt19937& rng) {
+int attention(std::mt19937& rng, int sliding_window = 0) {
 #ifdef PAGED_DRIVER_WIDE_GRID
   // Plus the edges: a single token, and a sequence filling exactly one partition of whole blocks.
   const std::vector<int> seq_lens = {1, PARTITION, BLOCK + 1, 2 * PARTITION + 3};
 #else
   const std::vector<int> seq_lens = {BLOCK + 1, 2 * PARTITION + 3};
 #endif
-  return attention<T, HEAD, BLOCK, PARTITION>(rng, seq_lens);
+  return attention<T, HEAD, BLOCK, PARTITION>(rng, seq_lens, sliding_window);
 }
 
 template <typename T>
@@ -172,7 +188,12 @@ int main() {
   status |= attention<__nv_bfloat16, 80, 8, 32>(rng);
   status |= attention<float, 64, 32, 64>(rng);
   status |= cache_ops<__half>(rng);
+  // A window longer than a block but not a multiple of one, starting inside the second partition.
+  status |= attention<__half, 64, 16, 32>(rng, 16 + 3);
 #ifdef PAGED_DRIVER_WIDE_GRID
+  // Windows shorter than a block, and longer than a partition.
+  status |= attention<__nv_bfloat16, 80, 8, 32>(rng, 5);
+  status |= attention<float, 64, 32, 64>(rng, 64 + 1);
   // Every (dtype, block size) pair and every head size of limits.py at least once, and the
   // default partition size (512).
   status |= attention<__half, 128, 8, 512>(rng);

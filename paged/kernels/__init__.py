@@ -13,7 +13,14 @@
 from __future__ import annotations
 
 from paged.kernels.backends.base import KernelBackend
-from paged.kernels.ops import choose_version, copy_blocks, paged_attention, prefill_attention, reshape_and_cache
+from paged.kernels.ops import (
+    choose_version,
+    copy_blocks,
+    paged_attention,
+    prefill_attention,
+    reshape_and_cache,
+    swap_blocks,
+)
 from paged.kernels.registry import BACKENDS, get_backend, resolve_backend
 
 __all__ = [
@@ -26,4 +33,5 @@ __all__ = [
     "prefill_attention",
     "reshape_and_cache",
     "resolve_backend",
+    "swap_blocks",
 ]

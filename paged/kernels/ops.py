@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from paged.kernels.backends.base import CacheView, KernelBackend
+from paged.kernels.backends.base import CacheView, KernelBackend, device_side
 from paged.kernels.limits import DEFAULT_PARTITION_SIZE
 from paged.kernels.registry import get_backend
 from paged.kernels.validate import (
@@ -21,6 +21,8 @@ from paged.kernels.validate import (
     check_paged_attention,
     check_prefill_attention,
     check_reshape_and_cache,
+    check_sliding_window,
+    check_swap_blocks,
     check_table_covers,
 )
 
@@ -61,6 +63,11 @@ def _serving_attention(
     return impl, max_seq_len
 
 
+def _narrower(sliding_window: int | None, max_seq_len: int) -> int | None:
+    """The window, or `None` where it covers every context: no query can see past position 0."""
+    return sliding_window if sliding_window is not None and sliding_window < max_seq_len else None
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -73,21 +80,27 @@ def paged_attention(
     backend: str | KernelBackend = "torch",
     partition_size: int = DEFAULT_PARTITION_SIZE,
     max_seq_len: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Decode attention, one query token per sequence: `[num_seqs, num_heads, head_size]`.
 
     `block_tables` int32 `[num_seqs, max_blocks]`, `seq_lens` int32 `[num_seqs]` (the context
     including the query's own token, already in the cache). `max_seq_len` may be passed when the
-    caller knows it, which saves a device-to-host sync.
+    caller knows it, which saves a device-to-host sync. `sliding_window` W limits each query to
+    its last W positions, itself included (Mistral's window); table entries of blocks wholly
+    before the window are never read, so they may be stale.
     """
     cache = CacheView(key_cache, value_cache, block_tables, seq_lens)
     check_paged_attention(query, cache, version, partition_size)
+    sliding_window = check_sliding_window(sliding_window)
     impl, max_seq_len = _serving_attention(
         backend, query, cache, partition_size if version == "v2" else None, max_seq_len
     )
     if query.shape[0] == 0 or max_seq_len == 0:
         return torch.zeros_like(query)
-    return impl.paged_attention(query, cache, scale, version, partition_size, max_seq_len)
+    return impl.paged_attention(
+        query, cache, scale, version, partition_size, max_seq_len, _narrower(sliding_window, max_seq_len)
+    )
 
 
 def prefill_attention(
@@ -102,6 +115,7 @@ def prefill_attention(
     backend: str | KernelBackend = "torch",
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention over the paged cache for a variable-length batch: `[num_tokens, num_heads,
     head_size]`.
@@ -110,15 +124,20 @@ def prefill_attention(
     `[S + 1]` offsets) and are the last of its `seq_lens[i]` context positions, whose K/V are
     already in the cache (`reshape_and_cache` wrote the new ones). Fewer queries than context is a
     prefix-cache hit or a chunk of a prefill; one query is a decode row, so a batch may mix both.
-    Passing `max_query_len` / `max_seq_len` saves device-to-host syncs.
+    Passing `max_query_len` / `max_seq_len` saves device-to-host syncs. `sliding_window` W: the
+    query at position p attends to positions p - W < k <= p; blocks wholly before the first query's
+    window are never read.
     """
     cache = CacheView(key_cache, value_cache, block_tables, seq_lens)
     check_prefill_attention(query, cache, query_start_loc)
+    sliding_window = check_sliding_window(sliding_window)
     impl, max_seq_len = _serving_attention(backend, query, cache, None, max_seq_len)
     max_query_len = check_max_len("max_query_len", query_start_loc.diff(), max_query_len, sizes_memory=False)
     if query.shape[0] == 0:
         return torch.empty_like(query)
-    return impl.prefill_attention(query, cache, query_start_loc, scale, max_query_len, max_seq_len)
+    return impl.prefill_attention(
+        query, cache, query_start_loc, scale, max_query_len, max_seq_len, _narrower(sliding_window, max_seq_len)
+    )
 
 
 def reshape_and_cache(
@@ -147,3 +166,34 @@ def copy_blocks(
         block_mapping = torch.tensor(list(block_mapping), dtype=torch.int64).reshape(-1, 2)
     head_size, block_size = check_copy_blocks(key_caches, value_caches, block_mapping)
     _serving(backend, key_caches[0], head_size, block_size).copy_blocks(key_caches, value_caches, block_mapping)
+
+
+def _pairs(block_mapping: Sequence[tuple[int, int]]) -> torch.Tensor:
+    pairs = list(block_mapping)
+    if not pairs:
+        return torch.empty((0, 2), dtype=torch.int64)
+    return torch.tensor(pairs, dtype=torch.int64)
+
+
+def swap_blocks(
+    src_caches: list[torch.Tensor],
+    dst_caches: list[torch.Tensor],
+    block_mapping: torch.Tensor | Sequence[tuple[int, int]],
+    *,
+    backend: str | KernelBackend = "torch",
+) -> None:
+    """Move KV blocks between two pools (device <-> CPU swap space): for every cache pair i and every
+    (src, dst) row of block_mapping, dst_caches[i][dst] = src_caches[i][src].
+
+    The pools hold blocks of the same shape and dtype, in any number; one may be on the CPU and the
+    other on a device, or both on one device. The backend runs where the device-side pool is (the
+    CPU when both are). The cuda backend copies asynchronously on torch's current stream, as vLLM
+    does: its host pool must be pinned, and blocks a swap-out wrote there may be read on the host
+    once that stream has been synchronised.
+    """
+    if not isinstance(block_mapping, torch.Tensor):
+        block_mapping = _pairs(block_mapping)
+    head_size, block_size = check_swap_blocks(src_caches, dst_caches, block_mapping)
+    impl = _serving(backend, device_side(src_caches, dst_caches), head_size, block_size)
+    if block_mapping.numel():
+        impl.swap_blocks(src_caches, dst_caches, block_mapping)

@@ -170,9 +170,11 @@ def gather_kv(
     return k[:context_len], v[:context_len]
 
 
-def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+def causal_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, sliding_window: int | None = None
+) -> torch.Tensor:
     """Attention of the last `T` of `L` positions to positions up to their own, in fp32:
-    q `[T, H, D]`, k/v `[L, Hk, D]`."""
+    q `[T, H, D]`, k/v `[L, Hk, D]`. With `sliding_window` W, the query at p sees only p - W < k."""
     num_new, num_heads, _ = query.shape
     context_len, num_kv_heads, _ = key.shape
     group = num_heads // num_kv_heads
@@ -181,8 +183,11 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     v = value.float().transpose(0, 1).repeat_interleave(group, dim=0)
     scores = q @ k.transpose(1, 2) * scale
     positions = torch.arange(context_len - num_new, context_len)
-    future = torch.arange(context_len)[None, :] > positions[:, None]
-    weights = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+    keys = torch.arange(context_len)[None, :]
+    hidden = keys > positions[:, None]
+    if sliding_window is not None:
+        hidden |= keys <= positions[:, None] - sliding_window
+    weights = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
     return (weights @ v).transpose(0, 1).to(query.dtype)
 
 

@@ -9,6 +9,7 @@ on an accelerator cost a device synchronisation, so they run only on CPU tensors
 
 from __future__ import annotations
 
+import numbers
 import weakref
 
 import torch
@@ -129,6 +130,16 @@ def check_prefill_attention(query: torch.Tensor, cache: CacheView, query_start_l
                              f"seq_lens {cache.seq_lens.tolist()}")
 
 
+def check_sliding_window(sliding_window: int | None) -> int | None:
+    """`sliding_window` as an int, or `None` for attention over the whole context."""
+    if sliding_window is None:
+        return None
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, numbers.Integral) or sliding_window <= 0:
+        raise ValueError(f"sliding_window={sliding_window!r} is not allowed; it must be None (the whole context) "
+                         "or a positive int (the tokens a query attends to, itself included)")
+    return int(sliding_window)
+
+
 # id(lengths) -> (a weak reference to it, its version counter, its maximum): the model passes one
 # lengths tensor to every layer, so a step pays for one device sync, not one per layer.
 _MAX_LENS: dict[int, tuple[weakref.ref[torch.Tensor], int, int]] = {}
@@ -223,3 +234,66 @@ def check_copy_blocks(
     if block_mapping.numel() and (int(block_mapping.min()) < 0 or int(block_mapping.max()) >= num_blocks):
         raise ValueError(f"block_mapping ids must be in [0, {num_blocks}), got {block_mapping.tolist()}")
     return head_size, block_size
+
+
+def _block_geometry(name: str, cache: torch.Tensor) -> tuple[int, int]:
+    """(head_size, block_size) of a key or a value cache."""
+    if cache.dim() == 5:
+        return cache.shape[2] * cache.shape[4], cache.shape[3]
+    if cache.dim() == 4:
+        return cache.shape[2], cache.shape[3]
+    raise ValueError(f"{name} must be a key cache [num_blocks, num_kv_heads, head_size/x, block_size, x] or a value "
+                     f"cache [num_blocks, num_kv_heads, head_size, block_size], got shape {tuple(cache.shape)}")
+
+
+def _pool_blocks(name: str, caches: list[torch.Tensor]) -> int:
+    """The number of blocks of caches that form one pool: one device, one number of blocks."""
+    _same_device(*[(f"{name}[{i}]", c) for i, c in enumerate(caches)])
+    counts = [c.shape[0] for c in caches]
+    if len(set(counts)) > 1:
+        raise ValueError(f"{name} form one pool and must hold the same number of blocks, got {counts}")
+    return counts[0]
+
+
+def _check_swap_mapping(block_mapping: torch.Tensor, src_blocks: int, dst_blocks: int) -> None:
+    if block_mapping.dtype != torch.int64 or block_mapping.dim() != 2 or block_mapping.shape[1] != 2:
+        raise ValueError(f"block_mapping must be an int64 [num_pairs, 2] tensor of (src, dst) rows or a list of "
+                         f"(src, dst) pairs, got a {block_mapping.dtype} tensor of shape {tuple(block_mapping.shape)}")
+    if block_mapping.device.type != "cpu":
+        raise ValueError(f"block_mapping must be on the CPU (the copies are planned on the host), "
+                         f"got it on {block_mapping.device}")
+    for column, (side, num_blocks) in enumerate((("source", src_blocks), ("destination", dst_blocks))):
+        ids = block_mapping[:, column]
+        bad = ids[(ids < 0) | (ids >= num_blocks)]
+        if bad.numel():
+            raise ValueError(f"block_mapping {side} ids must be in [0, {num_blocks}), got {bad.tolist()}")
+    dst, counts = block_mapping[:, 1].unique(return_counts=True)
+    repeated = dst[counts > 1]
+    if repeated.numel():
+        raise ValueError(f"block_mapping writes destination block(s) {repeated.tolist()} more than once; "
+                         "each destination may be written once")
+
+
+def check_swap_blocks(
+    src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], block_mapping: torch.Tensor
+) -> tuple[int, int]:
+    """Returns (head_size, block_size) of the first cache."""
+    if not src_caches or len(src_caches) != len(dst_caches):
+        raise ValueError(f"need one destination cache per source cache, and at least one, got {len(src_caches)} "
+                         f"source and {len(dst_caches)} destination caches")
+    for i, (src, dst) in enumerate(zip(src_caches, dst_caches)):
+        _block_geometry(f"src_caches[{i}]", src)
+        if dst.dtype != src.dtype or dst.shape[1:] != src.shape[1:]:
+            raise ValueError(f"dst_caches[{i}] holds {dst.dtype} blocks of shape {tuple(dst.shape[1:])} but "
+                             f"src_caches[{i}] {src.dtype} blocks of shape {tuple(src.shape[1:])}; both pools must "
+                             "hold blocks of the same shape and dtype")
+    src_blocks, dst_blocks = _pool_blocks("src_caches", src_caches), _pool_blocks("dst_caches", dst_caches)
+    src_device, dst_device = src_caches[0].device, dst_caches[0].device
+    if src_device != dst_device and "cpu" not in (src_device.type, dst_device.type):
+        raise ValueError(f"src_caches are on {src_device} and dst_caches on {dst_device}; a swap moves blocks "
+                         "between one device and the CPU, or within one device")
+    writes = [(f"dst_caches[{i}]", c) for i, c in enumerate(dst_caches)]
+    reads = [(f"src_caches[{i}]", c) for i, c in enumerate(src_caches)] if src_device == dst_device else []
+    check_disjoint(*writes, *reads)
+    _check_swap_mapping(block_mapping, src_blocks, dst_blocks)
+    return _block_geometry("src_caches[0]", src_caches[0])

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 SOURCE = Path(__file__).with_name("fake_libcuda.c")
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,6 +33,28 @@ def build(directory: Path) -> Path:
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr}")
     return directory
+
+
+def nvrtc_missing() -> str | None:
+    """Why NVRTC (which a `CudaRunner` checks its driver against) cannot be used here, else `None`."""
+    from paged.kernels.toolchain import nvrtc
+
+    try:
+        nvrtc.toolchain()
+    except nvrtc.NVRTCUnavailableError as e:
+        return str(e)
+    return None
+
+
+def build_or_skip(directory: Path) -> Path:
+    """`build`, skipping the calling test where NVRTC or a C compiler is missing."""
+    missing = nvrtc_missing()
+    if missing:
+        pytest.skip(missing)
+    try:
+        return build(directory)
+    except NoCompilerError as e:
+        pytest.skip(str(e))
 
 
 @dataclass

@@ -3,7 +3,8 @@
 // call, behaves like the driver where that catches host-side bugs (kernels resolve only by their
 // mangled name in the cubin's symbol table; parameters are read with the sizes the cubin declares;
 // shared memory beyond 48 KB needs the opt-in attribute; a launch needs a current context matching
-// its stream), backs "device memory" with host memory and runs no kernel. Every call that matters
+// its stream), backs "device memory" with host memory (so a copy in any direction is a memcpy) and runs no
+// kernel. Every call that matters
 // is appended to $FAKE_CUDA_LOG as one JSON object per line.
 //
 // Settings (environment): FAKE_CUDA_DEVICES (1), FAKE_CUDA_DRIVER_VERSION (13000),
@@ -641,6 +642,24 @@ static CUresult launch(const char* via, void* func, const unsigned grid[3], cons
          via, k->name, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem,
          stream ? stream->id : 0, special_stream(handle) ? (int)(uintptr_t)handle : -1, ctx ? ctx->device : -1, args,
          status);
+  return status;
+}
+
+// Device memory is host memory here, so every direction of copy is a memcpy; like the driver, it
+// needs a current context matching the stream's.
+CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, void* handle) {
+  Context* ctx = current();
+  Stream* stream = real_stream(handle);
+  CUresult status = SUCCESS;
+  if (!ctx) status = INVALID_CONTEXT;
+  else if (!stream && !special_stream(handle)) status = INVALID_HANDLE;
+  else if (stream && stream->ctx != ctx) status = INVALID_CONTEXT;
+  else if (!dst || !src) status = INVALID_VALUE;
+  if (status == SUCCESS) memcpy((void*)(uintptr_t)dst, (const void*)(uintptr_t)src, bytes);
+  record("{\"call\": \"cuMemcpyAsync\", \"dst\": %llu, \"src\": %llu, \"bytes\": %zu, \"stream\": %llu, "
+         "\"special_stream\": %d, \"device\": %d, \"status\": %d}",
+         (unsigned long long)dst, (unsigned long long)src, bytes, stream ? stream->id : 0,
+         special_stream(handle) ? (int)(uintptr_t)handle : -1, ctx ? ctx->device : -1, status);
   return status;
 }
 

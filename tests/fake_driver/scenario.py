@@ -1,7 +1,7 @@
-"""What runs in the subprocess whose libcuda.so.1 is the recording fake: every launch plan of the
-cuda backend, through `paged.kernels` ops, the real `CudaRunner` and cuda.core.
+"""What runs in the subprocess whose libcuda.so.1 is the recording fake: every launch plan and the
+swap copies of the cuda backend, through `paged.kernels` ops, the real `CudaRunner` and cuda.core.
 
-    python -m tests.fake_driver.scenario {launches|init} OUT.json
+    python -m tests.fake_driver.scenario {launches|swaps|init} OUT.json
 
 Device memory is host memory under the fake driver, so the tensors are CPU tensors and the backend
 is `RunnerBackend` with the real runner; only the tensor -> runner choice (`CudaBackend.runner`
@@ -28,6 +28,8 @@ from paged.kernels.testing import AttentionCase, attention_grid, attention_input
 from paged.kernels.toolchain import nvrtc
 from paged.kernels.toolchain.specs import Unit, attention_unit, cache_unit
 
+# Shorter than the longest sequence of `attention_grid()[0]`, not a multiple of its block or partition.
+WINDOW = 20
 # One case per v1 shared-memory regime of this configuration (see `smem_cases`).
 SMEM_CASE = AttentionCase(torch.float16, 128, 16, 4, 2, 512, (5, 40))
 DEVICE_LIMIT = int(os.environ.get("FAKE_CUDA_SMEM_OPTIN", 232448))
@@ -99,7 +101,8 @@ def _query(case: AttentionCase, layout: str, gen: torch.Generator) -> torch.Tens
 
 
 def attention_case(case: AttentionCase, version: str, backend: HostMemoryCuda, stream: Any, arch: str,
-                   layout: str = "packed", max_seq_len: int | None = None) -> dict[str, Any]:
+                   layout: str = "packed", max_seq_len: int | None = None,
+                   sliding_window: int | None = None) -> dict[str, Any]:
     x = attention_inputs(case)
     query = _query(case, layout, torch.Generator().manual_seed(1))
     max_seq_len = max_seq_len or max(case.seq_lens)
@@ -109,11 +112,12 @@ def attention_case(case: AttentionCase, version: str, backend: HostMemoryCuda, s
     result = {"query": query.data_ptr(), "q_stride": query.stride(0), "key_cache": x.key_cache.data_ptr(),
               "value_cache": x.value_cache.data_ptr(), "block_tables": tables.data_ptr(),
               "max_blocks": tables.shape[1], "seq_lens": x.seq_lens.data_ptr(), "scale": x.scale,
-              "stream": _stream_id(stream), "max_seq_len": max_seq_len,
+              "stream": _stream_id(stream), "max_seq_len": max_seq_len, "sliding_window": sliding_window or 0,
               **_lowered(attention_unit(case.dtype, case.head_size, case.block_size, version, case.partition_size),
                          arch)}
     out = kernels.paged_attention(query, x.key_cache, x.value_cache, tables, x.seq_lens, x.scale, version=version,
-                                  backend=backend, partition_size=case.partition_size, max_seq_len=max_seq_len)
+                                  backend=backend, partition_size=case.partition_size, max_seq_len=max_seq_len,
+                                  sliding_window=sliding_window)
     return {**result, "out": out.data_ptr()}
 
 
@@ -135,6 +139,37 @@ def cache_case(dtype: torch.dtype, backend: HostMemoryCuda, stream: Any, arch: s
             "heads": heads, "head": head, "block": block, "x": 16 // qkv.element_size(), "layers": len(caches),
             "pairs": mapping.shape[0], "numel_per_block": heads * head * block, "stream": _stream_id(stream),
             **_lowered(cache_unit(dtype), arch)}
+
+
+class PinnedHost(torch.Tensor):
+    """Host memory that reports itself page-locked: torch without CUDA cannot pin memory, and under
+    the fake driver every tensor is host memory anyway."""
+
+    def is_pinned(self, device: Any = None) -> bool:
+        return True
+
+
+SWAP_PAIRS = [(5, 0), (0, 3), (2, 1)]
+
+
+def swap_case(dtype: torch.dtype, backend: HostMemoryCuda, stream: Any, pinned: bool = True) -> dict[str, Any]:
+    """swap_blocks of two layers' K and V caches, `[*keys, *values]` as the executor passes them, from
+    a pool of 6 blocks to one of 4; `pinned=False` leaves the destination pool pageable."""
+    gen = torch.Generator().manual_seed(3)
+    src_layers = [random_cache(6, 2, 64, 16, dtype, generator=gen) for _ in range(2)]
+    dst_layers = [random_cache(4, 2, 64, 16, dtype, generator=gen) for _ in range(2)]
+    src = [k for k, _ in src_layers] + [v for _, v in src_layers]
+    dst = [k for k, _ in dst_layers] + [v for _, v in dst_layers]
+    expected = [d.clone() for d in dst]
+    for s, d in SWAP_PAIRS:
+        for want, cache in zip(expected, src):
+            want[d] = cache[s]
+    src = [c.as_subclass(PinnedHost) for c in src]
+    dst = [c.as_subclass(PinnedHost) if pinned else c for c in dst]
+    kernels.swap_blocks(src, dst, SWAP_PAIRS, backend=backend)
+    return {"src": [c.data_ptr() for c in src], "dst": [c.data_ptr() for c in dst],
+            "block_bytes": [c[0].numel() * c.element_size() for c in src], "pairs": SWAP_PAIRS,
+            "stream": _stream_id(stream), "copied": all(torch.equal(d, e) for d, e in zip(dst, expected))}
 
 
 def bad_cache_case(kind: str, backend: HostMemoryCuda) -> dict[str, Any]:
@@ -192,6 +227,10 @@ def launch_cases(arch: str) -> list[Case]:
         case = attention_grid()[0]
         cases.append(Case(f"query-{layout}-{case.id}",
                           lambda c=case, lay=layout: attention_case(c, "v2", backend, active["stream"], arch, lay)))
+    window_case = attention_grid()[0]
+    for version in ("v1", "v2"):
+        cases.append(Case(f"window-{version}-{window_case.id}", lambda v=version: attention_case(
+            window_case, v, backend, active["stream"], arch, sliding_window=WINDOW)))
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         cases.append(Case(f"cache-{str(dtype).removeprefix('torch.')}",
                           lambda d=dtype: cache_case(d, backend, active["stream"], arch)))
@@ -216,6 +255,18 @@ def launch_cases(arch: str) -> list[Case]:
     return cases
 
 
+def swap_cases() -> list[Case]:
+    from cuda.core import Device
+
+    from paged.kernels.backends.cuda import CudaRunner
+
+    stream = Device(0).create_stream()
+    backend = HostMemoryCuda(CudaRunner(0, stream_source=lambda index: ForeignStream(int(stream.handle))))
+    cases = [Case(f"swap-{str(dtype).removeprefix('torch.')}", lambda d=dtype: swap_case(d, backend, stream))
+             for dtype in (torch.float32, torch.float16, torch.bfloat16)]
+    return [*cases, Case("swap-pageable", lambda: swap_case(torch.float16, backend, stream, pinned=False))]
+
+
 def init_cases() -> list[Case]:
     """Bringing a runner up: with the driver configured by the environment it either works or
     raises the error a user should see."""
@@ -233,12 +284,12 @@ def main() -> None:
     log = os.environ.get("FAKE_CUDA_LOG")
     # cuda.core deprecates launching on a foreign stream object; the runner must wrap it first.
     warnings.simplefilter("error", DeprecationWarning)
-    if scenario == "launches":
+    if scenario in ("launches", "swaps"):
         from cuda.core import Device
 
         Device(0).set_current()
         major, minor = Device(0).compute_capability
-        cases = launch_cases(f"sm_{major}{minor}")
+        cases = launch_cases(f"sm_{major}{minor}") if scenario == "launches" else swap_cases()
     else:
         cases = init_cases()
     results = {}

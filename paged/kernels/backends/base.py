@@ -1,4 +1,4 @@
-"""The contract every kernel backend implements: what it supports, and the four ops.
+"""The contract every kernel backend implements: what it supports, and the five ops.
 
 The front end (`paged.kernels.ops`) checks shapes, dtypes and devices once for every backend, then
 asks the backend whether it can serve the configuration (`unsupported_reason`) before calling it;
@@ -26,6 +26,28 @@ def _text(value: object) -> str:
 def listing(values: Iterable[object]) -> str:
     """`a, b, c`, with dtypes written as `float16` rather than `torch.float16`."""
     return ", ".join(map(_text, values))
+
+
+def window_span(max_seq_len: int, sliding_window: int | None, align: int) -> int:
+    """The most positions attention covers from a window start rounded down to a multiple of
+    `align` (a block, a partition) to the end of a context of at most `max_seq_len`: the window's
+    start lies at most `align - 1` past the rounded one."""
+    return max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + align - 1)
+
+
+def device_side(src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor]) -> torch.Tensor:
+    """The cache whose device runs a swap: the accelerator's side, the destination when both pools
+    are on the CPU."""
+    return src_caches[0] if src_caches[0].device.type != "cpu" else dst_caches[0]
+
+
+def require_contiguous(**caches: torch.Tensor) -> None:
+    """Native ops read and write caches where they are, at `block * stride(0)`, so a cache cannot
+    be copied into shape first."""
+    for name, cache in caches.items():
+        if not cache.is_contiguous():
+            raise ValueError(f"{name} must be contiguous for native kernels (they index it in place), "
+                             f"got strides {cache.stride()}")
 
 
 @dataclass(frozen=True)
@@ -99,16 +121,19 @@ class KernelBackend(ABC):
 
     @abstractmethod
     def paged_attention(
-        self, query: torch.Tensor, cache: CacheView, scale: float, version: str, partition_size: int, max_seq_len: int
+        self, query: torch.Tensor, cache: CacheView, scale: float, version: str, partition_size: int, max_seq_len: int,
+        sliding_window: int | None,
     ) -> torch.Tensor:
-        """`paged.kernels.paged_attention` on a non-empty batch."""
+        """`paged.kernels.paged_attention` on a non-empty batch; `sliding_window` is `None` or
+        shorter than `max_seq_len`."""
 
     @abstractmethod
     def prefill_attention(
         self, query: torch.Tensor, cache: CacheView, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-        max_seq_len: int,
+        max_seq_len: int, sliding_window: int | None,
     ) -> torch.Tensor:
-        """`paged.kernels.prefill_attention` on a non-empty batch."""
+        """`paged.kernels.prefill_attention` on a non-empty batch; `sliding_window` is `None` or
+        shorter than `max_seq_len`."""
 
     @abstractmethod
     def reshape_and_cache(
@@ -122,3 +147,9 @@ class KernelBackend(ABC):
         self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor
     ) -> None:
         """`paged.kernels.copy_blocks` with an int64 `[num_pairs, 2]` mapping."""
+
+    @abstractmethod
+    def swap_blocks(
+        self, src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], block_mapping: torch.Tensor
+    ) -> None:
+        """`paged.kernels.swap_blocks` with a non-empty int64 `[num_pairs, 2]` mapping on the CPU."""

@@ -1,10 +1,10 @@
-"""The cpu backend: native C++/OpenMP decode and prefill attention (kernels_cu/cpu/).
+"""The cpu backend: native C++/OpenMP decode and prefill attention and block swaps (kernels_cu/cpu/).
 
-Both read K/V straight from the paged cache through the block tables, so unlike the torch
-reference they make no gathered or permuted copies. The library is built with the host compiler
-(`$CXX`, else `g++`) into the on-disk kernel cache, keyed by the sources' hash, the compiler, the
-flags and the CPU, and loaded once per process through ctypes. `reshape_and_cache` and
-`copy_blocks` are cheap and use the torch reference.
+Attention reads K/V straight from the paged cache through the block tables, so unlike the torch
+reference it makes no gathered or permuted copies; a swap is one memcpy per cache and block pair.
+The library is built with the host compiler (`$CXX`, else `g++`) into the on-disk kernel cache,
+keyed by the sources' hash, the compiler, the flags and the CPU, and loaded once per process
+through ctypes. `reshape_and_cache` and `copy_blocks` are cheap and use the torch reference.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import platform
 import threading
 from functools import cache
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from paged.kernels.backends.base import CacheView
+from paged.kernels.backends.base import CacheView, require_contiguous
 from paged.kernels.backends.torch_ref import TorchBackend
 from paged.kernels.limits import BLOCK_SIZES
 from paged.kernels.toolchain import host_compiler
@@ -45,13 +46,16 @@ _STATUS = {
 _COMMON_ARGS = [
     ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
+    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int,
 ]
+_Int64s = ctypes.POINTER(ctypes.c_int64)
 _SIGNATURES = {
     # version, partition_size, max_seq_len, num_threads
     "paged_attention_cpu": [*_COMMON_ARGS, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int],
     # query_start_loc, max_query_len, num_threads
     "prefill_attention_cpu": [*_COMMON_ARGS, ctypes.c_void_p, ctypes.c_int, ctypes.c_int],
+    # num_caches, src cache addresses, dst cache addresses, bytes per block, mapping, num_pairs, num_threads
+    "swap_blocks_cpu": [ctypes.c_int, _Int64s, _Int64s, _Int64s, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int],
 }
 
 _CACHE = ArtifactCache("cpu", ".so")
@@ -109,7 +113,9 @@ def _load_failure() -> str | None:
     return None
 
 
-def _call(entry: str, query: torch.Tensor, cache: CacheView, scale: float, *tail: object) -> torch.Tensor:
+def _call(
+    entry: str, query: torch.Tensor, cache: CacheView, scale: float, sliding_window: int | None, *tail: object
+) -> torch.Tensor:
     """Runs a library entry point on `PAGED_CPU_COMMON_ARGS` followed by `tail`."""
     # No-op copies for the executor's tensors: caches are allocated contiguous, index tensors fresh.
     key_cache, value_cache, block_tables, seq_lens = (
@@ -120,15 +126,23 @@ def _call(entry: str, query: torch.Tensor, cache: CacheView, scale: float, *tail
         _DTYPES[query.dtype], out.data_ptr(), query.data_ptr(), *query.stride(),
         key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
         seq_lens.data_ptr(), seq_lens.shape[0], query.shape[1], cache.num_kv_heads, cache.head_size,
-        cache.block_size, float(scale), *tail,
+        cache.block_size, float(scale), sliding_window or 0, *tail,
     )
-    if status:
-        raise ValueError(f"cpu {entry} refused its arguments: {_STATUS.get(status, status)}")
+    _check_status(entry, status)
     return out
 
 
+def _check_status(entry: str, status: int) -> None:
+    if status:
+        raise ValueError(f"cpu {entry} refused its arguments: {_STATUS.get(status, status)}")
+
+
+def _addresses(values: list[int]) -> ctypes.Array[ctypes.c_int64]:
+    return (ctypes.c_int64 * len(values))(*values)
+
+
 class CpuBackend(TorchBackend):
-    """Native decode and prefill attention; the cache ops are the torch reference's."""
+    """Native decode and prefill attention and swaps; the other cache ops are the torch reference's."""
 
     name = "cpu"
     description = "native C++/OpenMP"
@@ -139,20 +153,36 @@ class CpuBackend(TorchBackend):
         return _load_failure()
 
     def paged_attention(
-        self, query: torch.Tensor, cache: CacheView, scale: float, version: str, partition_size: int, max_seq_len: int
+        self, query: torch.Tensor, cache: CacheView, scale: float, version: str, partition_size: int, max_seq_len: int,
+        sliding_window: int | None,
     ) -> torch.Tensor:
         version_number = 1 if version == "v1" else 2
-        return _call("paged_attention_cpu", query, cache, scale, version_number, partition_size, max_seq_len,
-                     torch.get_num_threads())
+        return _call("paged_attention_cpu", query, cache, scale, sliding_window, version_number, partition_size,
+                     max_seq_len, torch.get_num_threads())
 
     def prefill_attention(
         self, query: torch.Tensor, cache: CacheView, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-        max_seq_len: int,
+        max_seq_len: int, sliding_window: int | None,
     ) -> torch.Tensor:
         query_start_loc = query_start_loc.contiguous()
         # `query_start_loc` must outlive the call: `_call` only holds its address.
-        return _call("prefill_attention_cpu", query, cache, scale, query_start_loc.data_ptr(), max_query_len,
-                     torch.get_num_threads())
+        return _call("prefill_attention_cpu", query, cache, scale, sliding_window, query_start_loc.data_ptr(),
+                     max_query_len, torch.get_num_threads())
+
+    def swap_blocks(
+        self, src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], block_mapping: torch.Tensor
+    ) -> None:
+        """One memcpy per cache and pair, in parallel: blocks are addressed in place."""
+        for i, (src, dst) in enumerate(zip(src_caches, dst_caches)):
+            require_contiguous(**{f"src_caches[{i}]": src, f"dst_caches[{i}]": dst})
+        mapping = block_mapping.contiguous()
+        status = load().swap_blocks_cpu(
+            len(src_caches), _addresses([c.data_ptr() for c in src_caches]),
+            _addresses([c.data_ptr() for c in dst_caches]),
+            _addresses([math.prod(c.shape[1:]) * c.element_size() for c in src_caches]), mapping.data_ptr(),
+            mapping.shape[0], torch.get_num_threads(),
+        )
+        _check_status("swap_blocks_cpu", status)
 
 
 BACKEND = CpuBackend()

@@ -1,5 +1,5 @@
 """The cuda backend: kernels_cu/ compiled by NVRTC for the tensors' device, launched through
-cuda.core on torch's current stream of that device.
+cuda.core on torch's current stream of that device; swaps are driver copies on the same stream.
 
 cuda-python is imported where it is first needed, so this module (and the backend's support
 declaration) loads on machines without it. `tests/fake_driver/` runs `CudaRunner` against a
@@ -87,6 +87,9 @@ class CudaRunner:
     default), wrapped once per stream handle. The caller's current context (torch's current device)
     is the same after every call as before it.
     """
+
+    # Swaps are cuMemcpyAsync on the stream; from pageable memory they would block the host.
+    needs_pinned_host = True
 
     def __init__(self, index: int, stream_source: StreamSource = torch_stream) -> None:
         driver_version()
@@ -193,6 +196,19 @@ class CudaRunner:
                 config = LaunchConfig(grid=item.grid, block=item.block, shmem_size=item.shared_memory)
                 args = [int(a) if isinstance(a, launch.Ptr) else a for a in item.args]
                 cuda_launch(stream, config, kernel.handle, *args)
+
+    def copy(self, copies: Sequence[launch.Copy]) -> None:
+        """One cuMemcpyAsync per copy on the stream, as vLLM's swap_blocks: the driver tells
+        host-to-device, device-to-host and device-to-device apart by the (unified) addresses."""
+        from cuda.bindings import driver
+
+        with self._current():
+            stream = self._stream().handle
+            for item in copies:
+                (err,) = driver.cuMemcpyAsync(int(item.dst), int(item.src), item.nbytes, stream)
+                if err != driver.CUresult.CUDA_SUCCESS:
+                    raise RuntimeError(f"cuMemcpyAsync of {item.nbytes} bytes from {item.src:#x} to {item.dst:#x} "
+                                       f"failed: {err!r}")
 
 
 class CudaBackend(launch.RunnerBackend):

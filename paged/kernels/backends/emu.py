@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from paged.kernels.backends.launch import Launch, Ptr, RunnerBackend
+from paged.kernels.backends.launch import Copy, Launch, Ptr, RunnerBackend
 from paged.kernels.toolchain import emulator, host_compiler
 from paged.kernels.toolchain.specs import Unit
 
@@ -31,6 +31,9 @@ def _c_value(arg: object) -> ctypes._SimpleCData:
 
 
 class EmuRunner:
+    # Copies are synchronous memcpy.
+    needs_pinned_host = False
+
     def dynamic_shared_memory_limit(self, unit: Unit, kernel: str) -> int:
         # The emulator's __shared__ arrays are statics outside the launch's buffer.
         return MAX_SHARED_MEMORY
@@ -49,6 +52,10 @@ class EmuRunner:
                 status = emulator.kernel(launch.kernel)(ctypes.byref(dims), args)
                 if status:
                     raise RuntimeError(f"emulated launch of {launch.kernel} failed: {_STATUS.get(status, status)}")
+
+    def copy(self, copies: Sequence[Copy]) -> None:
+        for item in copies:
+            ctypes.memmove(item.dst, item.src, item.nbytes)
 
 
 RUNNER = EmuRunner()

@@ -1,10 +1,11 @@
 """Launch plans shared by the cuda and emu backends: grids, shared memory, scratch tensors and the
-argument lists of the kernels in kernels_cu/. Backends differ only in how they run a `Launch`, so
-the emulator tests these launchers too.
+argument lists of the kernels in kernels_cu/, and the block copies of a swap. Backends differ only
+in how they run a `Launch` or a `Copy`, so the emulator tests these plans too.
 """
 
 from __future__ import annotations
 
+import math
 from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from paged.kernels.backends.base import CacheView
+from paged.kernels.backends.base import CacheView, device_side, require_contiguous, window_span
 from paged.kernels.backends.torch_ref import TorchBackend
 from paged.kernels.limits import BLOCK_SIZES, NATIVE_HEAD_SIZES, NATIVE_PARTITION_SIZES
 from paged.kernels.toolchain.specs import NUM_THREADS, Unit, attention_unit, cache_unit
@@ -39,16 +40,32 @@ class Launch:
     args: tuple[Arg, ...]
 
 
+@dataclass(frozen=True)
+class Copy:
+    """`nbytes` from address `src` to address `dst`, each on the host or the device."""
+
+    dst: Ptr
+    src: Ptr
+    nbytes: int
+
+
 # The kernels load the query and the caches in vectors of up to 16 bytes.
 VECTOR_BYTES = 16
 
 
 class Runner(Protocol):
+    # Copies run asynchronously, so host memory in them must be page-locked.
+    needs_pinned_host: bool
+
     def dynamic_shared_memory_limit(self, unit: Unit, kernel: str) -> int:
         """The most dynamic shared memory one block of `kernel` may use on this device."""
         ...
 
     def run(self, unit: Unit, launches: Sequence[Launch]) -> None: ...
+
+    def copy(self, copies: Sequence[Copy]) -> None:
+        """Runs the copies in order."""
+        ...
 
 
 def _ptr(t: torch.Tensor) -> Ptr:
@@ -72,13 +89,33 @@ def _rows(t: torch.Tensor, *, vectors: bool) -> torch.Tensor:
 
 def _require_in_place_layout(**caches: torch.Tensor) -> None:
     """Caches are read and written where they are, so they cannot be copied into shape."""
+    require_contiguous(**caches)
     for name, cache in caches.items():
-        if not cache.is_contiguous():
-            raise ValueError(f"{name} must be contiguous for native kernels (they index it in place), "
-                             f"got strides {cache.stride()}")
         if cache.data_ptr() % VECTOR_BYTES:
             raise ValueError(f"{name} starts at address {cache.data_ptr():#x}, which is not {VECTOR_BYTES}-byte "
                              f"aligned; native kernels load it in {VECTOR_BYTES}-byte vectors")
+
+
+def _require_pinned(**caches: torch.Tensor) -> None:
+    for name, cache in caches.items():
+        if cache.device.type == "cpu" and not cache.is_pinned():
+            raise ValueError(f"{name} is in pageable host memory; the cuda backend swaps blocks with asynchronous "
+                             "copies (cuMemcpyAsync), which need page-locked memory: allocate it with pin_memory=True")
+
+
+def copy_plan(
+    src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], block_mapping: torch.Tensor
+) -> list[Copy]:
+    """vLLM's swap_blocks: one copy of a whole block per cache and `(src, dst)` row, cache by cache."""
+    for i, (src, dst) in enumerate(zip(src_caches, dst_caches)):
+        require_contiguous(**{f"src_caches[{i}]": src, f"dst_caches[{i}]": dst})
+    pairs = block_mapping.tolist()
+    plan = []
+    for src, dst in zip(src_caches, dst_caches):
+        nbytes = math.prod(src.shape[1:]) * src.element_size()
+        src_base, dst_base = src.data_ptr(), dst.data_ptr()
+        plan += [Copy(Ptr(dst_base + d * nbytes), Ptr(src_base + s * nbytes), nbytes) for s, d in pairs]
+    return plan
 
 
 def _check_shared_memory(runner: Runner, unit: Unit, kernel: str, needed: int, what: str) -> None:
@@ -104,8 +141,11 @@ class RunnerBackend(TorchBackend):
         """The runner owning `tensor`'s device."""
 
     def paged_attention(
-        self, query: torch.Tensor, cache: CacheView, scale: float, version: str, partition_size: int, max_seq_len: int
+        self, query: torch.Tensor, cache: CacheView, scale: float, version: str, partition_size: int, max_seq_len: int,
+        sliding_window: int | None,
     ) -> torch.Tensor:
+        """With a window, v1's logits and v2's partitions cover only the positions the window
+        reaches: the kernels index them from the window's first block (v1) or partition (v2)."""
         runner = self.runner(query)
         num_seqs, num_heads, head_size = query.shape
         key_cache, value_cache = cache.key_cache, cache.value_cache
@@ -115,20 +155,21 @@ class RunnerBackend(TorchBackend):
         block_tables, seq_lens = cache.block_tables.contiguous(), cache.seq_lens.contiguous()
         out = torch.empty_like(query)
         unit = attention_unit(query.dtype, head_size, block_size, version, partition_size)
+        window = np.int32(sliding_window or 0)  # 0: the whole context
         common = (
             _ptr(query), _ptr(key_cache), _ptr(value_cache), np.int32(num_kv_heads), np.float32(scale),
             _ptr(block_tables), _ptr(seq_lens), np.int32(block_tables.shape[1]), np.int32(query.stride(0)),
-            np.int32(key_cache.stride(0)), np.int32(key_cache.stride(1)),
+            np.int32(key_cache.stride(0)), np.int32(key_cache.stride(1)), window,
         )
         # The logits buffer doubles as the cross-warp output buffer.
         outputs_smem = (NUM_THREADS // WARP_SIZE // 2) * head_size * 4
         if version == "v1":
-            padded_len = -(-max_seq_len // block_size) * block_size
+            padded_len = -(-window_span(max_seq_len, sliding_window, block_size) // block_size) * block_size
             smem = max(padded_len * 4, outputs_smem)
             _check_shared_memory(runner, unit, unit.kernels[0], smem, f"v1 attention over {max_seq_len} tokens")
             launches = [Launch(unit.kernels[0], (num_heads, num_seqs, 1), NUM_THREADS, smem, (_ptr(out), *common))]
         else:
-            num_partitions = -(-max_seq_len // partition_size)
+            num_partitions = -(-window_span(max_seq_len, sliding_window, partition_size) // partition_size)
             exp_sums = torch.empty((num_seqs, num_heads, num_partitions), dtype=torch.float32, device=query.device)
             max_logits = torch.empty_like(exp_sums)
             tmp_out = torch.empty((num_seqs, num_heads, num_partitions, head_size), dtype=torch.float32,
@@ -142,7 +183,7 @@ class RunnerBackend(TorchBackend):
             launches = [
                 Launch(unit.kernels[0], (num_heads, num_seqs, num_partitions), NUM_THREADS, smem, (*scratch, *common)),
                 Launch(unit.kernels[1], (num_heads, num_seqs, 1), NUM_THREADS, reduce_smem,
-                       (_ptr(out), *scratch, _ptr(seq_lens), np.int32(num_partitions))),
+                       (_ptr(out), *scratch, _ptr(seq_lens), np.int32(num_partitions), window)),
             ]
         runner.run(unit, launches)
         return out
@@ -184,3 +225,12 @@ class RunnerBackend(TorchBackend):
         grid = (len(key_caches), mapping.shape[0], 1)
         args = (_ptr(key_ptrs), _ptr(value_ptrs), _ptr(mapping), np.int32(numel_per_block))
         runner.run(unit, [Launch(unit.kernels[1], grid, min(numel_per_block, MAX_COPY_THREADS), 0, args)])
+
+    def swap_blocks(
+        self, src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], block_mapping: torch.Tensor
+    ) -> None:
+        runner = self.runner(device_side(src_caches, dst_caches))
+        if runner.needs_pinned_host:
+            _require_pinned(**{f"src_caches[{i}]": c for i, c in enumerate(src_caches)},
+                            **{f"dst_caches[{i}]": c for i, c in enumerate(dst_caches)})
+        runner.copy(copy_plan(src_caches, dst_caches, block_mapping))

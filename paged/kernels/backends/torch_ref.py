@@ -3,14 +3,15 @@
 Decode attention implements both of vLLM's algorithms so `kernel=v1|v2` changes the math path, not
 just a label: v1 takes one softmax over the whole context; v2 splits the context into partitions,
 keeps per-partition max logit, exp-sum and normalised partial output, then rescales and reduces.
-Prefill attention is one padded `scaled_dot_product_attention` over the whole batch.
+Prefill attention is one padded `scaled_dot_product_attention` over the whole batch. With a
+sliding window, both gather only the blocks the window reaches, as the kernels do.
 """
 
 from __future__ import annotations
 
 import torch
 
-from paged.kernels.backends.base import CacheView, KernelBackend
+from paged.kernels.backends.base import CacheView, KernelBackend, window_span
 
 _NEG_INF = float("-inf")
 # Bounds one prefill SDPA call's padded K (V alike) and mask, in elements.
@@ -45,38 +46,66 @@ def copy_blocks(
         cache[dst] = cache[src]
 
 
-def _table_columns(block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """The first `num_blocks` columns as int64 indices; columns past the table's end read block 0."""
-    cols = block_tables.shape[1]
-    blocks = block_tables[:, : min(num_blocks, cols)].long()
-    if cols < num_blocks:
-        blocks = torch.nn.functional.pad(blocks, (0, num_blocks - cols))
-    return blocks
+def swap_blocks(src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
+    """Gathers the source blocks where they are and scatters them where they go; each pool is on
+    one device."""
+    src_ids = block_mapping[:, 0].to(src_caches[0].device)
+    dst_ids = block_mapping[:, 1].to(dst_caches[0].device)
+    for src, dst in zip(src_caches, dst_caches):
+        dst[dst_ids] = src[src_ids].to(dst.device)
 
 
-def _blocks(cache: CacheView, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's first `num_blocks` blocks, KV-head major so attention needs no further copy:
-    K `[Hk, S, nb * bs, D]` and V `[Hk, S, nb, D, bs]`.
+def _window_start(ends: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """The first position a query at `ends - 1` attends to."""
+    if sliding_window is None:
+        return torch.zeros_like(ends)
+    return (ends - sliding_window).clamp_min(0)
+
+
+def _live_blocks(
+    cache: CacheView, first_block: torch.Tensor, num_blocks: int, live_first: torch.Tensor
+) -> torch.Tensor:
+    """int64 `[S, num_blocks]`: the blocks of table columns `first_block + j`, each column clamped
+    into the sequence's live columns, `live_first` to its last. A column outside them may lie past
+    the table's end or name a stale block (one wholly before the window, which the block manager
+    freed and may have handed to another sequence), so it reads a live block, whose slots there
+    the caller masks."""
+    cols = first_block[:, None] + torch.arange(num_blocks, device=first_block.device)
+    last = (cache.seq_lens.long() - 1).clamp_min(0) // cache.block_size
+    cols = torch.minimum(cols, last[:, None]).maximum(live_first[:, None])
+    return cache.block_tables.gather(1, cols).long()
+
+
+def _blocks(
+    cache: CacheView, first: torch.Tensor, num_blocks: int, window_start: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each sequence's `num_blocks` blocks from its position `first` (a block boundary), KV-head
+    major so attention needs no further copy: K `[Hk, S, nb * bs, D]`, V `[Hk, S, nb, D, bs]`, and
+    which of their slots `[S, nb * bs]` hold a position in `[window_start, seq_len)`. V is zero in
+    the other slots so that stale (even NaN) values cannot leak through a weight of 0.
 
     K is reordered token-major (it moves x-element, 16-byte runs); V keeps its `[D, bs]` tiles
     because transposing them element by element costs more than multiplying against the
     transposed tile.
     """
-    blocks = _table_columns(cache.block_tables, num_blocks)
+    bs, seq_lens = cache.block_size, cache.seq_lens.long()
+    blocks = _live_blocks(cache, first // bs, num_blocks, window_start // bs)
     num_seqs = blocks.shape[0]
+    positions = first[:, None] + torch.arange(num_blocks * bs, device=first.device)
+    valid = (positions >= window_start[:, None]) & (positions < seq_lens[:, None])
     k = cache.key_cache[blocks].float().permute(2, 0, 1, 4, 3, 5)
     v = cache.value_cache.permute(1, 0, 2, 3)[:, blocks].float()
-    return k.reshape(cache.num_kv_heads, num_seqs, num_blocks * cache.block_size, -1), v
+    v.masked_fill_(~valid.view(num_seqs, num_blocks, 1, bs), 0)
+    return k.reshape(cache.num_kv_heads, num_seqs, num_blocks * bs, -1), v, valid
 
 
-def _logits(query: torch.Tensor, k: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """fp32 logits `[Hk, S, G, L]` with positions at or past each seq_len set to -inf."""
+def _logits(query: torch.Tensor, k: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+    """fp32 logits `[Hk, S, G, L]`, -inf where a slot is not `valid`."""
     num_seqs, num_heads, head_size = query.shape
-    num_kv_heads, _, max_len, _ = k.shape
+    num_kv_heads = k.shape[0]
     q = query.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_size).transpose(0, 1)
     logits = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
-    mask = torch.arange(max_len, device=query.device)[None, :] >= seq_lens.to(query.device).long()[:, None]
-    return logits.masked_fill_(mask[None, :, None, :], _NEG_INF)
+    return logits.masked_fill_(~valid[None, :, None, :], _NEG_INF)
 
 
 def _weighted_values(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -93,26 +122,40 @@ def _finish(out: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
     return out.transpose(0, 1).reshape(query.shape).to(query.dtype)
 
 
-def paged_attention_v1(query: torch.Tensor, cache: CacheView, scale: float, max_seq_len: int) -> torch.Tensor:
-    num_blocks = -(-max_seq_len // cache.block_size)
-    k, v = _blocks(cache, num_blocks)
-    probs = torch.softmax(_logits(query, k, cache.seq_lens, scale), dim=-1)
+def _window(cache: CacheView, sliding_window: int | None, align: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's window start, and that start rounded down to a multiple of `align`, where
+    gathering begins."""
+    window_start = _window_start(cache.seq_lens.long(), sliding_window)
+    return window_start, window_start // align * align
+
+
+def paged_attention_v1(
+    query: torch.Tensor, cache: CacheView, scale: float, max_seq_len: int, sliding_window: int | None = None
+) -> torch.Tensor:
+    window_start, first = _window(cache, sliding_window, cache.block_size)
+    num_blocks = -(-window_span(max_seq_len, sliding_window, cache.block_size) // cache.block_size)
+    k, v, valid = _blocks(cache, first, num_blocks, window_start)
+    probs = torch.softmax(_logits(query, k, valid, scale), dim=-1)
     hk, s, g, _ = probs.shape
     out = _weighted_values(probs.view(hk, s, g, 1, num_blocks, -1), v.unsqueeze(2))
     return _finish(out.squeeze(2), query)
 
 
 def paged_attention_v2(
-    query: torch.Tensor, cache: CacheView, scale: float, max_seq_len: int, partition_size: int
+    query: torch.Tensor, cache: CacheView, scale: float, max_seq_len: int, partition_size: int,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
+    """Partitions are whole `partition_size` spans of positions, as in the kernels; with a window,
+    those wholly before it are not computed."""
     block_size = cache.block_size
-    num_partitions = -(-max_seq_len // partition_size)
+    window_start, first = _window(cache, sliding_window, partition_size)
+    num_partitions = -(-window_span(max_seq_len, sliding_window, partition_size) // partition_size)
     blocks_per_partition = partition_size // block_size
-    k, v = _blocks(cache, num_partitions * blocks_per_partition)
-    logits = _logits(query, k, cache.seq_lens, scale)
+    k, v, valid = _blocks(cache, first, num_partitions * blocks_per_partition, window_start)
+    logits = _logits(query, k, valid, scale)
     hk, s, g, _ = logits.shape
     parts = logits.view(hk, s, g, num_partitions, partition_size)
-    max_logits = parts.amax(dim=-1)  # [Hk, S, G, P]; -inf for partitions past seq_len
+    max_logits = parts.amax(dim=-1)  # [Hk, S, G, P]; -inf for partitions outside the context
     safe_max = torch.where(torch.isinf(max_logits), torch.zeros_like(max_logits), max_logits)
     exp = torch.exp(parts - safe_max[..., None])
     exp_sums = exp.sum(dim=-1)
@@ -127,63 +170,78 @@ def paged_attention_v2(
     return _finish((tmp_out * weights[..., None]).sum(dim=-2), query)
 
 
-def _padded_context(cache: CacheView, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every sequence's K and V as `[S, Hk, max_seq_len, D]`, zero past its seq_len so that stale
-    (even NaN) slots cannot leak through a masked weight of 0."""
-    num_seqs, num_kv_heads = cache.block_tables.shape[0], cache.num_kv_heads
-    num_blocks = -(-max_seq_len // cache.block_size)
-    blocks = _table_columns(cache.block_tables, num_blocks)
-    padded = num_blocks * cache.block_size
+def _padded_context(
+    cache: CacheView, first_block: torch.Tensor, num_blocks: int, window_start: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every sequence's K and V from its block `first_block` as `[S, Hk, num_blocks * bs, D]`, zero
+    outside `[window_start, seq_len)` so that stale (even NaN) slots cannot leak through a masked
+    weight of 0."""
+    num_seqs, num_kv_heads, bs = cache.block_tables.shape[0], cache.num_kv_heads, cache.block_size
+    blocks = _live_blocks(cache, first_block, num_blocks, first_block)
+    padded = num_blocks * bs
     k = cache.key_cache[blocks].permute(0, 2, 1, 4, 3, 5).reshape(num_seqs, num_kv_heads, padded, -1)
     v = cache.value_cache[blocks].permute(0, 2, 1, 4, 3).reshape(num_seqs, num_kv_heads, padded, -1)
-    past_end = torch.arange(padded, device=k.device)[None, :] >= cache.seq_lens[:, None]
-    past_end = past_end[:, None, :, None]
-    return k.masked_fill_(past_end, 0)[:, :, :max_seq_len], v.masked_fill_(past_end, 0)[:, :, :max_seq_len]
+    positions = (first_block * bs)[:, None] + torch.arange(padded, device=k.device)
+    outside = (positions < window_start[:, None]) | (positions >= cache.seq_lens[:, None])
+    outside = outside[:, None, :, None]
+    return k.masked_fill_(outside, 0), v.masked_fill_(outside, 0)
 
 
 def _attend_group(
-    query: torch.Tensor, cache: CacheView, starts: torch.Tensor, q_lens: torch.Tensor, scale: float
+    query: torch.Tensor, cache: CacheView, starts: torch.Tensor, q_lens: torch.Tensor, window_start: torch.Tensor,
+    scale: float, sliding_window: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One padded SDPA call for a group of sequences: queries padded to `[n, H, Lq, D]`, K/V
-    gathered to `Lk`, a boolean mask for causality, which lets CPU flash attention work in tiles
-    instead of materialising the scores. Padding rows attend like their sequence's last token (no
-    row is fully masked, so none is NaN) and are dropped. Returns (query rows, their output)."""
-    device, seq_lens = query.device, cache.seq_lens.long()
-    max_query_len, max_seq_len = int(q_lens.max()), int(seq_lens.max())
+    gathered from the block holding `window_start` (the first query's window start), a boolean mask
+    for causality and the window, which lets CPU flash attention work in tiles instead of
+    materialising the scores. Padding rows attend like their sequence's last token (no row is fully
+    masked, so none is NaN) and are dropped. Returns (query rows, their output)."""
+    device, seq_lens, bs = query.device, cache.seq_lens.long(), cache.block_size
+    first_block = window_start // bs
+    max_query_len, max_span = int(q_lens.max()), int((seq_lens - first_block * bs).max())
     num_tokens = int(q_lens.sum())
     owner = torch.repeat_interleave(torch.arange(len(q_lens), device=device), q_lens, output_size=num_tokens)
     rows = torch.arange(num_tokens, device=device) - (q_lens.cumsum(0) - q_lens)[owner]
     tokens = starts[owner] + rows
     q = query.new_zeros(len(q_lens), max_query_len, *query.shape[1:])
     q[owner, rows] = query[tokens]
-    k, v = _padded_context(cache, max_seq_len)
+    k, v = _padded_context(cache, first_block, -(-max_span // bs), window_start)
     positions = (seq_lens - q_lens)[:, None] + torch.arange(max_query_len, device=device)[None, :]
-    positions = torch.minimum(positions, seq_lens[:, None] - 1)
-    mask = torch.arange(max_seq_len, device=device)[None, None, :] <= positions[:, :, None]
+    positions = torch.minimum(positions, seq_lens[:, None] - 1)[:, :, None]
+    key_positions = (first_block * bs)[:, None, None] + torch.arange(max_span, device=device)[None, None, :]
+    mask = key_positions <= positions
+    if sliding_window is not None:
+        mask &= key_positions > positions - sliding_window
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True
+        q.transpose(1, 2), k[:, :, :max_span], v[:, :, :max_span], attn_mask=mask[:, None], scale=scale,
+        enable_gqa=True,
     )
     return tokens, out.transpose(1, 2)[owner, rows]
 
 
 def prefill_attention(
-    query: torch.Tensor, cache: CacheView, query_start_loc: torch.Tensor, scale: float
+    query: torch.Tensor, cache: CacheView, query_start_loc: torch.Tensor, scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Padded SDPA calls over groups of sequences whose contexts lie within a factor of two, so
-    padding at most doubles a group's context; a group larger than `PREFILL_GROUP_ELEMENTS` of
-    padded K, or of mask, is split. The calls are per length class, not per sequence."""
+    """Padded SDPA calls over groups of sequences whose gathered spans (their contexts, or less
+    with a window) lie within a factor of two, so padding at most doubles a group's span; a group
+    larger than `PREFILL_GROUP_ELEMENTS` of padded K, or of mask, is split. The calls are per
+    length class, not per sequence."""
     starts = query_start_loc[:-1].long()
     q_lens = query_start_loc[1:].long() - starts
     lens = cache.seq_lens.long()
-    length_class = torch.log2(lens.clamp_min(1).double()).ceil().long()
+    window_start = _window_start(lens - q_lens + 1, sliding_window)  # of each sequence's first query
+    spans = lens - window_start // cache.block_size * cache.block_size
+    length_class = torch.log2(spans.clamp_min(1).double()).ceil().long()
     out = torch.empty_like(query)
     for value in length_class.unique().tolist():
         group = (length_class == value).nonzero().squeeze(1)
-        group_q, group_len = int(q_lens[group].max()), int(lens[group].max())
-        per_call = PREFILL_GROUP_ELEMENTS // max(group_len * cache.num_kv_heads * cache.head_size, group_q * group_len)
+        group_q, span = int(q_lens[group].max()), int(spans[group].max())
+        per_call = PREFILL_GROUP_ELEMENTS // max(span * cache.num_kv_heads * cache.head_size, group_q * span)
         for part in group.split(max(1, per_call)):
             part_cache = CacheView(cache.key_cache, cache.value_cache, cache.block_tables[part], cache.seq_lens[part])
-            tokens, part_out = _attend_group(query, part_cache, starts[part], q_lens[part], scale)
+            tokens, part_out = _attend_group(query, part_cache, starts[part], q_lens[part], window_start[part], scale,
+                                             sliding_window)
             out[tokens] = part_out
     return out
 
@@ -196,20 +254,22 @@ class TorchBackend(KernelBackend):
     description = "torch reference"
 
     def paged_attention(
-        self, query: torch.Tensor, cache: CacheView, scale: float, version: str, partition_size: int, max_seq_len: int
+        self, query: torch.Tensor, cache: CacheView, scale: float, version: str, partition_size: int, max_seq_len: int,
+        sliding_window: int | None,
     ) -> torch.Tensor:
         if version == "v1":
-            return paged_attention_v1(query, cache, scale, max_seq_len)
-        return paged_attention_v2(query, cache, scale, max_seq_len, partition_size)
+            return paged_attention_v1(query, cache, scale, max_seq_len, sliding_window)
+        return paged_attention_v2(query, cache, scale, max_seq_len, partition_size, sliding_window)
 
     def prefill_attention(
         self, query: torch.Tensor, cache: CacheView, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-        max_seq_len: int,
+        max_seq_len: int, sliding_window: int | None,
     ) -> torch.Tensor:
-        return prefill_attention(query, cache, query_start_loc, scale)
+        return prefill_attention(query, cache, query_start_loc, scale, sliding_window)
 
     reshape_and_cache = staticmethod(reshape_and_cache)
     copy_blocks = staticmethod(copy_blocks)
+    swap_blocks = staticmethod(swap_blocks)
 
 
 BACKEND = TorchBackend()
