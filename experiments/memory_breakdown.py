@@ -2,7 +2,7 @@
 under paged allocation, measured every engine step and averaged.
 
     python experiments/memory_breakdown.py sim [--requests 1000] [--rate 2] [override ...]
-    python experiments/memory_breakdown.py cpu [--requests 32] [override ...]
+    python experiments/memory_breakdown.py cpu [--requests 16] [override ...]
 
 `sim`: OPT-13B on one simulated A100-40GB with ShareGPT-like lengths at the paper's load (2 req/s,
 its Fig. 13 ShareGPT rate), every allocator on the same requests, plus paged allocation at saturation
@@ -70,9 +70,9 @@ def main() -> None:
         loads.append(("naive", ["workload.arrival_rate=0"]))
         title = f"OPT-13B on a simulated A100-40GB, ShareGPT-like lengths, {args.rate} req/s"
     else:
-        # lengths as ShareGPT's, scaled to a 1024-token context; 48 blocks of 16 = 768 slots
-        base = ["workload=sharegpt", f"workload.num_requests={args.requests or 32}", "workload.length_scale=0.25",
-                "scheduler.max_model_len=512", "allocator.num_blocks=48", "allocator.block_size=16"]
+        # ShareGPT-like lengths scaled by 1/4 (clipped at 256 tokens); 48 blocks of 16 = 768 slots
+        base = ["workload=sharegpt", f"workload.num_requests={args.requests or 16}", "workload.length_scale=0.25",
+                "scheduler.max_model_len=256", "allocator.num_blocks=48", "allocator.block_size=16"]
         loads = [(a, ["workload.arrival_rate=0"]) for a in ALLOCATORS]
         title = "SmolLM2-135M on this CPU, ShareGPT-like lengths / 4, 768 KV slots, all requests at once"
     table = Table(title=f"KV memory breakdown (% of the pool, mean over steps): {title}")

@@ -25,6 +25,13 @@ def _plugin(target: str) -> Any:
 
 
 @dataclass
+class OptionalPluginConfig:
+    """A pluggable part with a built-in default chosen by another key; `_target_` replaces it."""
+
+    _target_: str | None = None
+
+
+@dataclass
 class AllocatorConfig:
     """Core keys; the YAML's other keys are settings of the `_target_` allocator class."""
 
@@ -37,6 +44,9 @@ class AllocatorConfig:
     # activations, holds the KV cache (vLLM's gpu_memory_utilization)
     gpu_memory_utilization: float = 0.9
     watermark: float = 0.01
+    # CPU memory for swapped-out KV (vLLM's --swap-space: 4 GiB per GPU); only allocated when the
+    # preemption mode can swap
+    swap_space: str = "4GiB"
     reservation: PluginConfig = _plugin("paged.memory.reservation.ExactReservation")
 
 
@@ -47,7 +57,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 4096
     max_model_len: int = 2048
     policy: PluginConfig = field(default_factory=PluginConfig)
-    preemption: PluginConfig = _plugin("paged.scheduler.preemption.RecomputePreemption")
+    # recompute | swap | auto (paged.scheduler.preemption.MODES); `preemption._target_` names a custom mode
+    preemption_mode: str = "recompute"
+    preemption: OptionalPluginConfig = field(default_factory=OptionalPluginConfig)
 
 
 @dataclass
@@ -67,6 +79,8 @@ class ModelConfig:
     device: str = "auto"
     chat_template: bool = False
     arch: dict[str, Any] = field(default_factory=dict)
+    # Attention window in tokens (Mistral-style); None: the checkpoint's own (none for most models)
+    sliding_window: int | None = None
 
 
 @dataclass
@@ -118,6 +132,7 @@ class HardwareConfig:
     decode_attention_efficiency: float | None = None
     kernel_launch_s: float | None = None
     allreduce_latency_s: float = 0.0
+    pcie_latency_s: float = 0.0  # per host<->device copy: swap moves every block of every layer apart
     step_overhead_s: float | None = None
     seq_overhead_s: float | None = None
     calibrated: bool = False
@@ -185,10 +200,11 @@ def _positive(key: str, value: float | int | None, *, allow_none: bool = False) 
         raise ConfigError(f"{key}={value!r} must be > 0")
 
 
-def validate(cfg: Any) -> None:
-    """Range and choice checks on a composed config (a DictConfig or a `Config`)."""
+def validate(cfg: Any, block_sizes: tuple[int, ...] = BLOCK_SIZES) -> None:
+    """Range and choice checks on a composed config (a DictConfig or a `Config`); `block_sizes` are
+    those the executor runs (the kernels' by default)."""
     a = cfg.allocator
-    _choice("allocator.block_size", a.block_size, BLOCK_SIZES)
+    _choice("allocator.block_size", a.block_size, block_sizes)
     _positive("allocator.num_blocks", a.num_blocks, allow_none=True)
     if a.kv_cache_memory is not None:
         parse_bytes(a.kv_cache_memory)
@@ -196,7 +212,9 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"allocator.gpu_memory_utilization={a.gpu_memory_utilization!r} must be in (0, 1]")
     if not 0.0 <= a.watermark < 1.0:
         raise ConfigError(f"allocator.watermark={a.watermark!r} must be in [0, 1)")
+    parse_bytes(a.swap_space, key="allocator.swap_space")
     s = cfg.scheduler
+    _choice("scheduler.preemption_mode", s.preemption_mode, ("recompute", "swap", "auto"))
     for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
         _positive(f"scheduler.{key}", getattr(s, key))
     if s.max_num_batched_tokens < s.max_model_len:
@@ -222,6 +240,11 @@ def validate(cfg: Any) -> None:
         raise ConfigError("model=hf needs model.path=/path/to/a/local/hf/checkpoint")
     if m.source == "spec" and not m.arch:
         raise ConfigError(f"model={m.name} has source=spec but no model.arch describing its shape")
+    window = m.sliding_window
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+        raise ConfigError(
+            f"model.sliding_window={window!r} must be a positive number of tokens, or null for the checkpoint's own"
+        )
     _positive("hardware.num_gpus", cfg.hardware.num_gpus)
     w = cfg.workload
     _choice("workload.kind", w.kind, ("synthetic", "fixed", "prompts", "trace"))

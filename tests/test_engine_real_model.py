@@ -102,6 +102,34 @@ def test_repeated_preemption_keeps_greedy_outputs(executor, prompt_ids, hf_greed
     assert llm.engine.scheduler.block_manager.stats().num_allocated_blocks == 0
 
 
+@pytest.fixture(scope="module")
+def unconstrained(executor, prompt_ids) -> list[list[int]]:
+    llm = llm_on(executor, "naive", "v2", ROOMY)
+    return [o.token_ids for o in llm.generate(prompt_ids, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))]
+
+
+@pytest.mark.parametrize(
+    ("allocator", "mode"),
+    # forced recompute on naive and prefix: test_repeated_preemption_keeps_greedy_outputs
+    [("naive", "swap"), ("prefix", "swap"), ("orca-max", "swap"), ("orca-pow2", "recompute"), ("orca-oracle", "swap")],
+)
+def test_forced_preemption_keeps_greedy_outputs(executor, prompt_ids, unconstrained, allocator, mode) -> None:
+    # 13 blocks of 16 for six sequences that grow to 21..78 tokens: the paged allocators preempt;
+    # an Orca reservation (at most 128 slots here) covers a sequence's whole life, so it queues instead
+    llm = llm_on(executor, allocator, "v2", "allocator.num_blocks=13", "allocator.block_size=16",
+                 "scheduler.max_model_len=128", f"scheduler.preemption_mode={mode}", "allocator.swap_space=64MiB")
+    outs = llm.generate(prompt_ids, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == unconstrained
+    counters = llm.engine.scheduler.counters
+    if allocator.startswith("orca"):
+        assert counters.num_preemptions == 0
+    else:
+        assert counters.num_preemptions >= 2
+        assert (counters.num_swaps_out > 0) == (mode == "swap")
+        assert counters.num_swaps_in == counters.num_swaps_out
+    assert llm.engine.scheduler.block_manager.stats().num_allocated_blocks == 0
+
+
 def test_prefix_cache_computes_only_uncached_tokens_with_naive_outputs(executor) -> None:
     tokenizer = executor.tokenizer
     shared = tokenizer.encode(" ".join(PROMPTS[1:]))[:96]  # six full blocks of 16

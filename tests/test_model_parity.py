@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from paged.config import KernelConfig, ModelConfig
@@ -126,8 +133,9 @@ TINY_HF = dict(
         (LlamaForCausalLM, LlamaConfig(**TINY_HF, head_dim=32)),
         (LlamaForCausalLM, LlamaConfig(**TINY_HF, tie_word_embeddings=True)),
         (Qwen2ForCausalLM, Qwen2Config(**TINY_HF)),
+        (MistralForCausalLM, MistralConfig(**TINY_HF)),  # its 4096-token window spans the prompt
     ],
-    ids=["llama", "llama-tied", "qwen2-qkv-bias"],
+    ids=["llama", "llama-tied", "qwen2-qkv-bias", "mistral"],
 )
 @torch.inference_mode()
 def test_hf_checkpoint_logits_match_transformers(tmp_path: Path, model_cls, config) -> None:

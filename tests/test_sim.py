@@ -234,8 +234,8 @@ class _TimedReal(Executor):
     def kv_cache_spec(self, block_size):
         return self.inner.kv_cache_spec(block_size)
 
-    def init_kv_cache(self, num_blocks, block_size):
-        self.inner.init_kv_cache(num_blocks, block_size)
+    def init_kv_cache(self, num_blocks, block_size, num_cpu_blocks=0):
+        self.inner.init_kv_cache(num_blocks, block_size, num_cpu_blocks)
 
     def execute(self, sched):
         out = self.inner.execute(sched)

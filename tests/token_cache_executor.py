@@ -1,7 +1,7 @@
 """A model stand-in that keeps token ids in a paged cache and reads its context back through the
 block tables, so any block-management bug (a wrong prefix hit, a missed copy-on-write, a block
-reused while still referenced) changes its outputs. Scheduler and engine tests use it where the
-real model would only make them slower."""
+reused while still referenced, a block swapped to or from the wrong place) changes its outputs.
+Scheduler and engine tests use it where the real model would only make them slower."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ class TokenCacheExecutor(Executor):
     """Samples ids below `vocab_size - 1` (never its EOS, the last id) from a hash of the context."""
 
     kernel_description = "token-cache test executor"
+    supports_swap = True
 
     def __init__(self, vocab_size: int = VOCAB) -> None:
         self.vocab_size = vocab_size
@@ -34,12 +35,17 @@ class TokenCacheExecutor(Executor):
     def kv_cache_spec(self, block_size: int) -> KVCacheSpec:
         return KVCacheSpec(block_size, 8 * block_size, "int64 token ids [blocks, block_size]")
 
-    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+    def init_kv_cache(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
         self.cache = np.full((num_blocks, block_size), -1, dtype=np.int64)
+        self.cpu_cache = np.full((num_cpu_blocks, block_size), -1, dtype=np.int64)
         self.block_size = block_size
 
     def execute(self, sched: SchedulerOutput) -> ExecutorOutput:
         start = time.perf_counter()
+        for device, cpu in sched.blocks_to_swap_out:
+            self.cpu_cache[cpu] = self.cache[device]
+        for cpu, device in sched.blocks_to_swap_in:
+            self.cache[device] = self.cpu_cache[cpu]
         for src, dst in sched.blocks_to_copy:
             self.cache[dst] = self.cache[src]
         bs = self.block_size

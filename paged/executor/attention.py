@@ -5,7 +5,9 @@
 cache, then reads the context back through the block tables. A step may mix decode rows (one new
 token) and prefill rows (several, possibly after cached ones): decode rows run the
 `paged_attention` kernel (v1 or v2), prefill rows `prefill_attention`, one call each, so tokens a
-prefix-cache hit already holds are never recomputed.
+prefix-cache hit already holds are never recomputed. With a sliding window both ops attend only the
+last `sliding_window` positions, and never read the blocks wholly before them (the block manager
+may have freed those).
 """
 
 from __future__ import annotations
@@ -111,7 +113,8 @@ def prepare_batch(sched: SchedulerOutput, block_size: int, device: torch.device)
 
 class PagedAttention:
     """The model's attention callback for one step: `(layer, q, k, v) -> out`, rows in batch order.
-    `decode_version` (v1/v2) is the kernel the decode rows run, `None` when the step has none."""
+    `decode_version` (v1/v2) is the kernel the decode rows run, `None` when the step has none;
+    `sliding_window` the attention window in tokens, `None` for the whole context."""
 
     def __init__(
         self,
@@ -123,6 +126,7 @@ class PagedAttention:
         decode_version: str | None,
         backend: str | KernelBackend,
         partition_size: int,
+        sliding_window: int | None = None,
     ) -> None:
         assert (decode_version is None) == (batch.decode is None), "decode rows need a version, and only they"
         self.batch = batch
@@ -132,6 +136,7 @@ class PagedAttention:
         self.decode_version = decode_version
         self.backend = kernels.get_backend(backend)
         self.partition_size = partition_size
+        self.sliding_window = sliding_window
 
     def _decode(self, rows: AttentionRows, q: torch.Tensor, key_cache: torch.Tensor,
                 value_cache: torch.Tensor) -> torch.Tensor:
@@ -139,7 +144,7 @@ class PagedAttention:
         return kernels.paged_attention(
             q, key_cache, value_cache, rows.block_tables, rows.seq_lens, self.scale,
             version=self.decode_version, backend=self.backend, partition_size=self.partition_size,
-            max_seq_len=rows.max_seq_len,
+            max_seq_len=rows.max_seq_len, sliding_window=self.sliding_window,
         )
 
     def _prefill(self, rows: AttentionRows, q: torch.Tensor, key_cache: torch.Tensor,
@@ -147,6 +152,7 @@ class PagedAttention:
         return kernels.prefill_attention(
             q, key_cache, value_cache, rows.block_tables, rows.query_start_loc, rows.seq_lens, self.scale,
             backend=self.backend, max_query_len=rows.max_query_len, max_seq_len=rows.max_seq_len,
+            sliding_window=self.sliding_window,
         )
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -2,12 +2,13 @@
 
 The real model (`ModelExecutor`) and a simulated GPU both implement `Executor`. The builder
 constructs one from `executor._target_` as `cls(model=cfg.model, kernel=cfg.kernel, seed=cfg.seed,
-**its own settings)`, asks `kv_cache_spec` what a block costs, sizes the cache, calls
-`init_kv_cache`, and the engine then calls `execute` once per step.
+**its own settings)`, asks `kv_cache_spec` what a block costs (on the device, and as much in swap
+space), sizes the cache, calls `init_kv_cache`, and the engine then calls `execute` once per step.
 """
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import cached_property
@@ -16,6 +17,7 @@ from typing import Protocol
 from paged.clock import Clock, WallClock
 from paged.config import ConfigError, KernelConfig
 from paged.executor.output import ExecutorOutput
+from paged.kernels.limits import BLOCK_SIZES
 from paged.scheduler.output import SchedulerOutput
 
 
@@ -51,17 +53,34 @@ class Executor(ABC):
     def kv_cache_spec(self, block_size: int) -> KVCacheSpec: ...
 
     @abstractmethod
-    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """Allocate `num_blocks` blocks; called again when an engine reuses this executor."""
+    def init_kv_cache(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
+        """Allocate `num_blocks` device blocks and `num_cpu_blocks` swap-space blocks in host memory
+        (same layout; 0: no swap space); called again when an engine reuses this executor."""
 
     @abstractmethod
     def execute(self, sched: SchedulerOutput) -> ExecutorOutput:
-        """Copy `sched.blocks_to_copy`, compute the scheduled tokens, sample where asked."""
+        """Swap `sched.blocks_to_swap_out` to host and `sched.blocks_to_swap_in` back, copy
+        `sched.blocks_to_copy`, compute the scheduled tokens, sample where asked. A step may carry
+        swaps and no scheduled sequence: the swaps still happen."""
 
     # Whether a model without weights (`model.source=spec`) is enough to run.
     runs_spec_models: bool = False
     # Token ids run from 0 to vocab_size - 1: what synthetic workloads draw from without a tokenizer.
     vocab_size: int | None = None
+    # allocator.block_size values it runs: the kernels' (a simulator has no kernel to constrain them)
+    block_sizes: tuple[int, ...] = BLOCK_SIZES
+    # Whether `execute` moves `blocks_to_swap_out` / `blocks_to_swap_in` (swap preemption needs it).
+    supports_swap: bool = False
+    # Devices the KV cache is split over: the CPU swap pool is `allocator.swap_space` per device.
+    num_devices: int = 1
+    # The model's attention window in tokens (None: full attention); the block manager frees blocks
+    # that fall wholly outside it.
+    sliding_window: int | None = None
+
+    def host_memory_bytes(self) -> int | None:
+        """Host memory the swap pool must fit in: this machine's RAM; None where the pool is only
+        bookkeeping (a simulator)."""
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
     def kv_cache_budget(self, utilization: float, max_num_batched_tokens: int, max_num_seqs: int) -> int:
         """Bytes for the KV cache when the config gives no size: `utilization` of the device memory,

@@ -23,10 +23,13 @@ log = logging.getLogger(__name__)
 
 class ModelExecutor(Executor):
     """A Llama-family model on CPU or CUDA. Public state besides the `Executor` contract: `arch`,
-    `model`, `device`, `dtype`, `kernel_description`, the per-layer `key_caches` / `value_caches`,
-    and the counters `num_prefill_tokens_computed` / `num_decode_tokens_computed` (tokens run
-    through the model for prompts / for generated tokens, so a prefix-cache hit shows up as tokens
-    never computed)."""
+    `model`, `device`, `dtype`, `kernel_description`, `sliding_window` (the attention window in
+    tokens, `None` for the whole context), the per-layer `key_caches` / `value_caches` and their
+    host-memory swap space `cpu_key_caches` / `cpu_value_caches`, and the counters
+    `num_prefill_tokens_computed` / `num_decode_tokens_computed` (tokens run through the model for
+    prompts / for generated tokens, so a prefix-cache hit shows up as tokens never computed)."""
+
+    supports_swap = True
 
     def __init__(self, model: ModelConfig, kernel: KernelConfig, seed: int = 0) -> None:
         model_cfg, kernel_cfg = model, kernel
@@ -44,10 +47,13 @@ class ModelExecutor(Executor):
         self.eos_token_ids = frozenset([eos] if eos is not None else arch.eos_token_ids[:1])
         self.model_name = model_cfg.name
         self.scale = arch.head_dim**-0.5
+        self.sliding_window = arch.sliding_window
 
         self._announced: set[str] = set()
         self.key_caches: list[torch.Tensor] = []
         self.value_caches: list[torch.Tensor] = []
+        self.cpu_key_caches: list[torch.Tensor] = []
+        self.cpu_value_caches: list[torch.Tensor] = []
         self.block_size = 0
         self.configure_kernel(kernel_cfg)
         log.info("model %s on %s (%s) loaded", model_cfg.name, self.device, model_cfg.dtype)
@@ -90,17 +96,27 @@ class ModelExecutor(Executor):
             f"value [blocks, {a.num_kv_heads}, {a.head_dim}, {block_size}], {self.dtype}",
         )
 
-    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """vLLM's layout per layer; zeroed so padding slots a kernel may read hold no NaNs."""
+    def init_kv_cache(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
+        """vLLM's layout per layer; the device cache is zeroed so padding slots a kernel may read
+        hold no NaNs. The swap space is left uninitialised: a host block is only ever read after a
+        whole device block was swapped into it. It is pinned for a CUDA model, so swaps are DMA
+        copies."""
         a = self.arch
         x = 16 // self.dtype.itemsize
         if a.head_dim % x:
             raise ValueError(f"head_dim={a.head_dim} is not a multiple of the key cache's x={x}")
-        key_shape = (num_blocks, a.num_kv_heads, a.head_dim // x, block_size, x)
-        value_shape = (num_blocks, a.num_kv_heads, a.head_dim, block_size)
+
+        def shapes(n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+            return (n, a.num_kv_heads, a.head_dim // x, block_size, x), (n, a.num_kv_heads, a.head_dim, block_size)
+
+        key_shape, value_shape = shapes(num_blocks)
         kw = {"dtype": self.dtype, "device": self.device}
         self.key_caches = [torch.zeros(key_shape, **kw) for _ in range(a.num_layers)]
         self.value_caches = [torch.zeros(value_shape, **kw) for _ in range(a.num_layers)]
+        cpu_key_shape, cpu_value_shape = shapes(num_cpu_blocks)
+        cpu_kw = {"dtype": self.dtype, "device": "cpu", "pin_memory": self.device.type == "cuda"}
+        self.cpu_key_caches = [torch.empty(cpu_key_shape, **cpu_kw) for _ in range(a.num_layers)]
+        self.cpu_value_caches = [torch.empty(cpu_value_shape, **cpu_kw) for _ in range(a.num_layers)]
         self.block_size = block_size
         # resolved without a block size at construction: resolve again only if this one is refused
         if self.backend.unsupported_reason(
@@ -115,7 +131,9 @@ class ModelExecutor(Executor):
             return None
         if self.version != "auto":
             return self.version
-        return kernels.choose_version(rows.max_seq_len, rows.num_seqs, self.arch.num_heads, self.partition_size)
+        # a windowed row reads at most the window: that is the length the kernels' work scales with
+        attended = min(rows.max_seq_len, self.sliding_window or rows.max_seq_len)
+        return kernels.choose_version(attended, rows.num_seqs, self.arch.num_heads, self.partition_size)
 
     def _announce(self, what: str) -> None:
         if what not in self._announced:
@@ -143,12 +161,22 @@ class ModelExecutor(Executor):
             if it.num_samples > 0
         ]
 
+    def _swap(self, sched: SchedulerOutput) -> None:
+        """Out before in, so a swap-in may land in a device block that a swap-out just vacated."""
+        device = [*self.key_caches, *self.value_caches]
+        host = [*self.cpu_key_caches, *self.cpu_value_caches]
+        if sched.blocks_to_swap_out:
+            kernels.swap_blocks(device, host, sched.blocks_to_swap_out, backend=self.backend)
+        if sched.blocks_to_swap_in:
+            kernels.swap_blocks(host, device, sched.blocks_to_swap_in, backend=self.backend)
+
     def execute(self, sched: SchedulerOutput) -> ExecutorOutput:
         assert self.block_size, "init_kv_cache must run before execute"
         start = time.perf_counter()
-        if sched.is_empty:
-            return ExecutorOutput([])
         with torch.inference_mode():
+            self._swap(sched)
+            if sched.is_empty:
+                return ExecutorOutput([], model_time_s=time.perf_counter() - start)
             if sched.blocks_to_copy:
                 kernels.copy_blocks(self.key_caches, self.value_caches, sched.blocks_to_copy, backend=self.backend)
             prep_start = time.perf_counter()
@@ -162,6 +190,7 @@ class ModelExecutor(Executor):
             attn = PagedAttention(
                 batch, self.key_caches, self.value_caches, self.scale,
                 decode_version=version, backend=self.backend, partition_size=self.partition_size,
+                sliding_window=self.sliding_window,
             )
             hidden = self.model.forward(batch.input_ids, batch.positions, attn)
             rows = self._sample_rows(sched)

@@ -43,6 +43,9 @@ class SimExecutor(Executor):
     and the `last_cost` breakdown of the latest step."""
 
     runs_spec_models = True
+    supports_swap = True
+    # the paper's block-size sweeps (Fig. 18, 19) go from 1 to 256 tokens
+    block_sizes = tuple(1 << i for i in range(9))
 
     def __init__(self, model: ModelConfig, kernel: KernelConfig, hardware: HardwareConfig, seed: int = 0) -> None:
         hw_cfg = OmegaConf.merge(OmegaConf.structured(HardwareConfig), hardware)
@@ -58,8 +61,15 @@ class SimExecutor(Executor):
         self.hardware: Hardware = resolve_hardware(hw_cfg, measured)
         self._tokenizer_source = tokenizer_source
         self.seed = seed
+        self.num_devices = self.hardware.num_gpus
+        self.sliding_window = self.spec.sliding_window
+        self.block_size = 16
         self.configure_kernel(kernel)
         self.last_cost: StepCost | None = None
+
+    def host_memory_bytes(self) -> None:
+        """The swap pool is bookkeeping here: no host memory to fit it in."""
+        return None
 
     @cached_property
     def tokenizer(self) -> Tokenizer | None:  # type: ignore[override]
@@ -108,11 +118,13 @@ class SimExecutor(Executor):
         log.info("memory: %s", plan.describe(self.hardware, utilization))
         return plan.kv_cache_bytes
 
-    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+    def init_kv_cache(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
         """Nothing to allocate: the blocks exist only in the block manager's accounting."""
+        self.block_size = block_size
+        self.num_cpu_blocks = num_cpu_blocks
 
     def execute(self, sched: SchedulerOutput) -> ExecutorOutput:
-        shape = step_shape(sched)
+        shape = step_shape(sched, self.block_size, self.sliding_window)
         cost = self.cost_model.step(shape)
         self.last_cost = cost
         self.clock.advance(cost.total_s)  # type: ignore[attr-defined]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-# Architectures whose math is the Llama decoder; Qwen2 adds a bias to q/k/v.
+# Architectures whose math is the Llama decoder; Qwen2 adds a bias to q/k/v, Mistral a sliding window.
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
@@ -25,8 +25,13 @@ class LlamaArch:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     qkv_bias: bool = False
+    # Mistral's local attention: a query at position p sees keys p - W < k <= p; None: all of them.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+            raise ValueError(f"sliding_window={window!r} must be a positive integer or None")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
@@ -67,6 +72,7 @@ class LlamaArch:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[] if eos is None else list(eos) if isinstance(eos, list) else [eos],
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            sliding_window=_hf_sliding_window(cfg),
         )
 
     @classmethod
@@ -98,4 +104,35 @@ class LlamaArch:
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[] if eos is None else [eos],
             qkv_bias="blk.0.attn_q.bias" in tensor_shapes,
+            sliding_window=key("attention.sliding_window"),
         )
+
+
+def _hf_sliding_window(cfg: dict[str, Any]) -> int | None:
+    """The window every layer uses, as transformers reads the config.
+
+    Llama has none. Mistral's `sliding_window` applies to all layers (null: none). Qwen2 ignores
+    it unless `use_sliding_window`, and then windows only layers `>= max_window_layers` (or those
+    `layer_types` names): one window for all layers or none is all this decoder runs.
+    """
+    window = cfg.get("sliding_window")
+    model_type = cfg["model_type"]
+    if window is None or model_type == "llama":
+        return None
+    if model_type == "mistral":
+        return window
+    if not cfg.get("use_sliding_window", False):
+        return None
+    num_layers = cfg["num_hidden_layers"]
+    layer_types = cfg.get("layer_types") or [
+        "sliding_attention" if i >= cfg.get("max_window_layers", 28) else "full_attention" for i in range(num_layers)
+    ]
+    kinds = set(layer_types)
+    if kinds == {"full_attention"}:
+        return None
+    if kinds == {"sliding_attention"}:
+        return window
+    raise NotImplementedError(
+        f"{model_type} with a sliding window on some layers only ({layer_types.count('sliding_attention')} of "
+        f"{num_layers}) is not implemented; only a window on every layer or on none is"
+    )

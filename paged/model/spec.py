@@ -36,6 +36,7 @@ class ModelSpec:
     linear_bias: bool = False  # a bias on every linear layer (OPT), else none
     qkv_bias: bool = False  # a bias on q/k/v only (Qwen2)
     tie_word_embeddings: bool = False
+    sliding_window: int | None = None  # attention window in tokens (Mistral); None: the whole context
 
     def __post_init__(self) -> None:
         for key, value, allowed in (
@@ -47,6 +48,9 @@ class ModelSpec:
             value = getattr(self, f.name)
             if f.type == "int" and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"model.arch.{f.name}={value!r} must be a positive integer")
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+            raise ValueError(f"model.arch.sliding_window={window!r} must be a positive integer or null")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
 
@@ -72,6 +76,7 @@ class ModelSpec:
             max_position_embeddings=arch.max_position_embeddings,
             qkv_bias=arch.qkv_bias,
             tie_word_embeddings=arch.tie_word_embeddings,
+            sliding_window=arch.sliding_window,
         )
 
     # -- per layer ---------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +17,25 @@ from paged.model.locate import locate_smollm2
 from paged.model.tiny import random_state, tiny_arch
 
 
-def arch_overrides(model_cfg: ModelConfig) -> dict[str, Any]:
-    """`model.arch` as a plain dict."""
+def _arch_keys(model_cfg: ModelConfig) -> dict[str, Any]:
     arch = model_cfg.arch
     return OmegaConf.to_container(arch) if isinstance(arch, DictConfig) else dict(arch)  # type: ignore[return-value]
+
+
+def _window_override(model_cfg: ModelConfig) -> dict[str, Any]:
+    window = model_cfg.sliding_window
+    return {} if window is None else {"sliding_window": window}
+
+
+def arch_overrides(model_cfg: ModelConfig) -> dict[str, Any]:
+    """`model.arch` as a plain dict, with `model.sliding_window` when set: the keys a random or
+    spec-only model is built from."""
+    return {**_arch_keys(model_cfg), **_window_override(model_cfg)}
+
+
+def _checkpoint_arch(arch: LlamaArch, model_cfg: ModelConfig) -> LlamaArch:
+    """A checkpoint's own architecture, its window replaced by `model.sliding_window` when set."""
+    return dataclasses.replace(arch, **_window_override(model_cfg))
 
 
 def load_arch(model_cfg: ModelConfig) -> tuple[LlamaArch, Path]:
@@ -27,9 +43,9 @@ def load_arch(model_cfg: ModelConfig) -> tuple[LlamaArch, Path]:
     _check_source(model_cfg)
     if model_cfg.source == "gguf":
         path = Path(model_cfg.path) if model_cfg.path else locate_smollm2()
-        return read_arch(path), path
+        return _checkpoint_arch(read_arch(path), model_cfg), path
     if model_cfg.source == "hf":
-        return read_hf_arch(model_cfg.path), Path(model_cfg.path)
+        return _checkpoint_arch(read_hf_arch(model_cfg.path), model_cfg), Path(model_cfg.path)
     return tiny_arch(arch_overrides(model_cfg)), locate_smollm2()
 
 
@@ -40,7 +56,7 @@ def _check_source(model_cfg: ModelConfig) -> None:
         )
     if model_cfg.source not in ("gguf", "hf", "random"):
         raise ValueError(f"model.source={model_cfg.source!r} is not supported; allowed: gguf, hf, random, spec")
-    if arch_overrides(model_cfg) and model_cfg.source != "random":
+    if _arch_keys(model_cfg) and model_cfg.source != "random":
         raise ValueError(f"model.arch only applies to model.source=random or spec, not {model_cfg.source!r}")
     if model_cfg.source == "hf" and not model_cfg.path:
         raise ValueError("model.source=hf needs model.path=/path/to/a/local/hf/checkpoint")
@@ -49,14 +65,13 @@ def _check_source(model_cfg: ModelConfig) -> None:
 def load_weights(model_cfg: ModelConfig) -> tuple[LlamaArch, dict[str, torch.Tensor], Path]:
     """(architecture, HF-named weights, tokenizer source) for `model.source` gguf / hf / random."""
     _check_source(model_cfg)
-    overrides = arch_overrides(model_cfg)
     if model_cfg.source == "gguf":
         path = Path(model_cfg.path) if model_cfg.path else locate_smollm2()
         arch, state = load_gguf(path)
-        return arch, state, path
+        return _checkpoint_arch(arch, model_cfg), state, path
     if model_cfg.source == "hf":
         arch, state = load_hf(model_cfg.path)
-        return arch, state, Path(model_cfg.path)
-    arch = tiny_arch(overrides)
+        return _checkpoint_arch(arch, model_cfg), state, Path(model_cfg.path)
+    arch = tiny_arch(arch_overrides(model_cfg))
     # A fixed weight seed: `tiny-random` is one model whatever the experiment's sampling seed.
     return arch, random_state(arch, seed=0), locate_smollm2()
