@@ -165,7 +165,7 @@ class Scheduler:
         status = bm.can_allocate(seq)
         required = bm.admission_blocks(seq)
         needs = f"needs {required} blocks for {seq.num_tokens} tokens but"
-        if status is AllocStatus.NEVER and required > bm.allocator.max_allocation:
+        if status is AllocStatus.NEVER and required > bm.allocator.max_allocation < bm.num_total_blocks:
             self.abort(
                 seq.request,
                 f"{needs} the largest contiguous extent the allocator can give is "
