@@ -214,8 +214,8 @@ class Scheduler:
                 self._blocked_blocks = bm.admission_blocks(seq)
                 break
             if status is not AllocStatus.OK:
-                self.abort(seq.request, f"needs {bm.admission_blocks(seq)} blocks to swap back in, which the "
-                                        f"cache of {bm.num_total_blocks} blocks cannot give with nothing running")
+                self.abort(seq.request, f"needs {bm.admission_blocks(seq)} blocks to swap back in; the cache of "
+                                        f"{bm.num_total_blocks} blocks cannot give them even with nothing running")
                 continue
             out.blocks_to_swap_in.extend(bm.swap_in(seq))
             self.swapped.remove(seq)
