@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from paged.memory.allocator import BlockAllocator, NoFreeBlocksError
@@ -148,8 +149,7 @@ class BlockManager:
         final = self._final(seq)
         if required > len(hits):
             table.extend(alloc.allocate_blocks(required - len(hits)))
-        for i in range(len(hits), required):
-            self._account(table[i], min(bs, max(num_tokens - i * bs, 0)), self._cap(i, final))
+        self._account_blocks(table, range(len(hits), required), num_tokens, final)
         self._seqs[seq.seq_id] = _SeqBlocks(table, num_tokens, final, len(hits))
         num_hit_tokens = len(hits) * bs
         if self._caching:
@@ -217,8 +217,7 @@ class BlockManager:
             table.extend(alloc.allocate_blocks(num_new))
         # Only the old last block and those after it gain filled slots; new blocks start their books.
         grown = range(max(max(state.num_slots - 1, 0) // bs, state.num_dropped), min(self._cdiv(num_tokens), first_new))
-        for i in (*grown, *range(first_new, len(table))):
-            self._account(table[i], min(bs, max(num_tokens - i * bs, 0)), self._cap(i, state.final))
+        self._account_blocks(table, (*grown, *range(first_new, len(table))), num_tokens, state.final)
         state.num_slots = num_tokens
         return copies
 
@@ -268,6 +267,12 @@ class BlockManager:
         self._reserved += future - self._future[block_id]
         self._fill[block_id] = fill
         self._future[block_id] = future
+
+    def _account_blocks(self, table: list[int], indices: Iterable[int], num_tokens: int, final: int) -> None:
+        """`_account` the table's blocks at `indices` for a sequence of `num_tokens` filling `final` slots."""
+        bs = self.block_size
+        for i in indices:
+            self._account(table[i], min(bs, max(num_tokens - i * bs, 0)), self._cap(i, final))
 
     def _release(self, block_id: int) -> None:
         """Drop one reference; a block nobody holds any more has no token states left."""
@@ -386,12 +391,11 @@ class BlockManager:
         swapped = self._swapped.pop(seq.seq_id)
         start = len(swapped.stale)
         table = swapped.stale + self.allocator.allocate_blocks(self.admission_blocks(seq) - start)
-        final, num_tokens = self._final(seq), seq.num_tokens
-        for i in range(start, len(table)):
-            self._account(table[i], min(self.block_size, max(num_tokens - i * self.block_size, 0)), self._cap(i, final))
+        final = self._final(seq)
+        self._account_blocks(table, range(start, len(table)), seq.num_tokens, final)
         # Swapped-in blocks are published again on the next mark_computed (a duplicate of a block
         # still cached stays unpublished).
-        self._seqs[seq.seq_id] = _SeqBlocks(table, num_tokens, final, start, start)
+        self._seqs[seq.seq_id] = _SeqBlocks(table, seq.num_tokens, final, start, start)
         pairs = list(zip(swapped.cpu_blocks, table[start:], strict=False))
         for block_id in swapped.cpu_blocks:
             self.cpu_allocator.free(block_id)
