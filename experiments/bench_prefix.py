@@ -68,7 +68,7 @@ def main() -> None:
     llms = {name: LLM("smollm2-135m", allocator=name, overrides=overrides) for name in ("naive", "prefix")}
     tokenizer = llms["naive"].executor.tokenizer
     corpus = tokenizer.encode(resources.files("paged.data").joinpath("corpus.txt").read_text())
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
     suites = workloads(corpus, args.num_requests, args.prefix_len, args.suffix_len, args.seed)
     for llm in llms.values():  # thread pools, allocator warm-up and native kernels are paid here
         llm.generate(suites["no shared prefix"][:8], params)

@@ -36,7 +36,7 @@ def make_requests(n: int, seed: int, corpus_tokens: list[int]) -> tuple[list[lis
 
 
 def run_paged(llm: LLM, prompts: list[list[int]], outputs: list[int]) -> tuple[float, int, dict]:
-    params = [SamplingParams(max_tokens=o, ignore_eos=True) for o in outputs]
+    params = [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0.0) for o in outputs]
     start = time.perf_counter()
     results = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start

@@ -163,10 +163,11 @@ def build_engine(cfg: Any, executor: Executor | None = None) -> Engine:
     block_manager = BlockManager(
         allocator, watermark=cfg.allocator.watermark, reservation=reservation,
         max_model_len=cfg.scheduler.max_model_len, num_cpu_blocks=num_cpu_blocks,
-        sliding_window=executor.sliding_window,
+        sliding_window=executor.sliding_window, share_blocks=cfg.allocator.share_blocks,
     )
     scheduler = Scheduler(
-        cfg.scheduler, block_manager, policy, preemption=preemption, eos_token_ids=executor.eos_token_ids
+        cfg.scheduler, block_manager, policy, preemption=preemption, eos_token_ids=executor.eos_token_ids,
+        tokenizer=executor.tokenizer,
     )
     log.info(
         "KV cache: %d blocks of %d tokens (%d tokens), %d CPU swap blocks; allocator %s, policy %s, executor %s",

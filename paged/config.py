@@ -47,6 +47,9 @@ class AllocatorConfig:
     # CPU memory for swapped-out KV (vLLM's --swap-space: 4 GiB per GPU); only allocated when the
     # preemption mode can swap
     swap_space: str = "4GiB"
+    # whether forked samples and beams share their parent's blocks (copy-on-write); false is the
+    # paper's no-sharing baseline: every block a sequence shares is copied before its next step
+    share_blocks: bool = True
     reservation: PluginConfig = _plugin("paged.memory.reservation.ExactReservation")
 
 
@@ -104,6 +107,12 @@ class WorkloadConfig:
     temperature: float = 0.0
     ignore_eos: bool = True
     shared_prefix_len: int = 0
+    # vLLM's sampling keys, for every request (prompt files: each line's default, its own keys win).
+    # A combination SamplingParams rejects fails at load, naming these keys.
+    n: int = 1  # sequences returned per request (parallel sampling, or the beam width)
+    best_of: int | None = None  # sequences sampled per request, the best n returned; None: n
+    use_beam_search: bool = False  # beam width best_of (n by default, so n > 1); needs temperature 0
+    length_penalty: float = 1.0  # beam search only: a beam scores logprob / length**length_penalty
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""`LLM(...).generate(prompts, params)`: vLLM's offline API on the same engine `run.py` uses."""
+"""`LLM(...).generate(prompts, sampling_params)` and `LLM.beam_search`: vLLM's offline API and
+output records on the same engine `run.py` uses."""
 
 from __future__ import annotations
 
@@ -7,15 +8,29 @@ from dataclasses import dataclass
 from typing import Any
 
 from hydra import compose, initialize_config_dir
+from tqdm import tqdm
 
 from paged.assets import asset_dir
 from paged.build import build_engine
 from paged.config import register_configs
 from paged.engine import Engine
 from paged.executor.base import Executor
+from paged.model.sampler import TokenLogprobs
 from paged.request import Request, SamplingParams
 
 CONF_DIR = asset_dir("conf")
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """vLLM's: a token's log-probability, its rank in the distribution (1 = most likely) and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+LogprobDict = dict[int, Logprob]
 
 
 @dataclass
@@ -23,7 +38,29 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[LogprobDict] | None
     finish_reason: str | None
+    # the stop string or stop token id that ended it (None: EOS, length, or not finished)
+    stop_reason: str | int | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestStateMetrics:
+    """vLLM's `RequestMetrics`: when the request arrived, was first scheduled, produced its first
+    token and finished, on the engine's clock (seconds)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+
+    @property
+    def time_in_queue(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
 
 @dataclass
@@ -32,6 +69,9 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    finished: bool = True
+    metrics: RequestStateMetrics | None = None
+    prompt_logprobs: list[LogprobDict | None] | None = None
     abort_reason: str | None = None
 
     @property
@@ -41,6 +81,46 @@ class RequestOutput:
     @property
     def token_ids(self) -> list[int]:
         return self.outputs[0].token_ids if self.outputs else []
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's `LLM.beam_search` parameters (always greedy: temperature must stay 0)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: bool | str = False
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(
+            n=self.beam_width, use_beam_search=True, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
+            temperature=self.temperature, length_penalty=self.length_penalty,
+            include_stop_str_in_output=self.include_stop_str_in_output, early_stopping=self.early_stopping,
+        )
+
+
+@dataclass
+class BeamSearchSequence:
+    """One hypothesis: `tokens` holds prompt and output, as in vLLM."""
+
+    tokens: list[int]
+    logprobs: list[LogprobDict]
+    cum_logprob: float
+    text: str | None
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]
+
+
+PromptType = str | Sequence[int] | dict[str, Any]
 
 
 def compose_config(overrides: Sequence[str] = ()) -> Any:
@@ -73,46 +153,107 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        tokenizer = self.executor.tokenizer
-        if tokenizer is None and any(isinstance(p, str) for p in prompts):
-            raise ValueError(f"{self.executor.description} has no tokenizer: pass prompts as token id lists")
-        requests = []
-        for prompt, p in zip(prompts, params):
-            text = prompt if isinstance(prompt, str) else None
-            tokens = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            request = Request(f"llm-{self._counter}", tokens, p, arrival_time=self.engine.clock.now(), prompt=text)
-            self._counter += 1
-            self.engine.add_request(request)
-            requests.append(request)
-        self.engine.run_until_done()
+        """vLLM's `LLM.generate`: one `RequestOutput` per prompt, in prompt order. Prompts are
+        strings, token id lists, or vLLM's dicts ({"prompt": ...} / {"prompt_token_ids": [...]}).
+        Without `sampling_params`, vLLM's defaults (temperature 1.0, 16 tokens)."""
+        prompts = self._prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts")
+        requests = [self._add(prompt, p) for prompt, p in zip(prompts, sampling_params)]
+        with tqdm(total=len(requests), desc="Processed prompts", unit="req", disable=not use_tqdm) as bar:
+            self.engine.run_until_done(lambda finished: bar.update(len(finished)))
         return [self._output(r) for r in requests]
+
+    def beam_search(
+        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: per prompt, its `beam_width` best hypotheses, best first."""
+        outputs = self.generate(prompts, params.sampling_params(), use_tqdm=use_tqdm)
+        return [
+            BeamSearchOutput([
+                BeamSearchSequence(
+                    out.prompt_token_ids + c.token_ids, c.logprobs or [], c.cumulative_logprob or 0.0, c.text,
+                    c.finish_reason, c.stop_reason,
+                )
+                for c in out.outputs
+            ])
+            for out in outputs
+        ]
 
     def reset_prefix_cache(self) -> bool:
         """Drop all cached prefix blocks; False (and nothing dropped) while requests hold blocks."""
         return self.engine.scheduler.block_manager.allocator.reset_prefix_cache()
 
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.executor.tokenizer.decode(token_ids) if self.executor.tokenizer is not None else ""
+    @staticmethod
+    def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+        if isinstance(prompts, str | dict):
+            return [prompts]
+        if prompts and all(isinstance(t, int) for t in prompts):  # one prompt as token ids
+            return [prompts]  # type: ignore[list-item]
+        return list(prompts)  # type: ignore[arg-type]
+
+    def _add(self, prompt: PromptType, params: SamplingParams) -> Request:
+        tokenizer = self.executor.tokenizer
+        text: str | None = None
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"a dict prompt needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise ValueError(f"{self.executor.description} has no tokenizer: pass prompts as token id lists")
+            text, tokens = prompt, tokenizer.encode(prompt)
+        else:
+            tokens = list(prompt)
+        request = Request(f"llm-{self._counter}", tokens, params, arrival_time=self.engine.clock.now(), prompt=text)
+        self._counter += 1
+        self.engine.add_request(request)
+        return request
+
+    def _decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        tokenizer = self.executor.tokenizer
+        return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens) if tokenizer is not None else ""
+
+    def _logprobs(self, entries: list[TokenLogprobs | None] | None) -> list[LogprobDict | None] | None:
+        if entries is None:
+            return None
+        tokenizer = self.executor.tokenizer
+        return [
+            None if entry is None else {
+                t: Logprob(lp, rank, tokenizer.decode([t], skip_special_tokens=False) if tokenizer else None)
+                for t, (lp, rank) in entry.items()
+            }
+            for entry in entries
+        ]
 
     def _output(self, request: Request) -> RequestOutput:
+        skip = request.params.skip_special_tokens
         outputs = [
             CompletionOutput(
-                s.index,
-                self._decode(s.output_token_ids),
-                s.output_token_ids,
-                s.finish_reason.value if s.finish_reason else None,
+                c.index,
+                c.text if c.text is not None else self._decode(c.token_ids, skip),
+                c.token_ids,
+                c.cumulative_logprob,
+                self._logprobs(c.logprobs),  # type: ignore[arg-type]
+                c.finish_reason.value if c.finish_reason else None,
+                c.stop_reason,
             )
-            for s in sorted(request.seqs, key=lambda s: s.index)
+            for c in request.outputs()
         ]
+        metrics = RequestStateMetrics(
+            request.arrival_time, request.first_scheduled_time, request.first_token_time, request.finish_time
+        )
         return RequestOutput(
-            request.request_id, request.prompt, request.prompt_token_ids, outputs, request.abort_reason
+            request.request_id, request.prompt, request.prompt_token_ids, outputs,
+            finished=request.finish_time is not None, metrics=metrics,
+            prompt_logprobs=self._logprobs(request.prompt_logprobs), abort_reason=request.abort_reason,
         )

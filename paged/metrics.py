@@ -36,6 +36,9 @@ class StepRecord:
     kv_internal_frag_fraction: float
     kv_external_frag_fraction: float
     kv_free_fraction: float
+    # blocks saved by sharing / blocks without sharing (stats.KVStats.sharing_saving)
+    kv_sharing_saving: float
+    num_logical_blocks: int
     num_swapped: int
     num_swap_blocks: int  # blocks moved to or from the CPU pool before this step
     num_allocated_blocks: int
@@ -63,7 +66,7 @@ class RequestMetrics:
 
     @classmethod
     def of(cls, request: Request) -> RequestMetrics:
-        output_len = max((s.num_output_tokens for s in request.seqs), default=0)
+        output_len = max((len(c.token_ids) for c in request.outputs()), default=0)
         reason = request.finish_reason
         ttft = e2e = tpot = norm = None
         if request.first_token_time is not None:
@@ -138,6 +141,8 @@ class MetricsRecorder:
             kv_internal_frag_fraction=shares["internal_frag"],
             kv_external_frag_fraction=shares["external_frag"],
             kv_free_fraction=shares["free"],
+            kv_sharing_saving=kv.sharing_saving,
+            num_logical_blocks=kv.num_logical_blocks,
             num_swapped=stats.num_swapped,
             num_swap_blocks=len(sched.blocks_to_swap_out) + len(sched.blocks_to_swap_in),
             num_allocated_blocks=kv.num_allocated_blocks,
@@ -160,8 +165,9 @@ class MetricsRecorder:
         finish_times = [r.finish_time for r in self.requests if r.finish_time is not None]
         arrivals = [r.arrival_time for r in self.requests]
         wall = (max(finish_times) - min(arrivals)) if finish_times and arrivals else 0.0
+        # the tokens of the completions returned (best_of and pruned beams are work, not output)
         useful_tokens = sum(
-            sum(s.num_output_tokens for s in r.seqs) for r in self.requests if r.abort_reason is None
+            sum(len(c.token_ids) for c in r.outputs()) for r in self.requests if r.abort_reason is None
         )
         steps = self.steps
         allocated_steps = [s.token_state_fraction for s in steps if s.num_allocated_blocks > 0]
@@ -192,6 +198,8 @@ class MetricsRecorder:
             "kv_usage_max": max((s.kv_usage for s in steps), default=0.0),
             "token_state_fraction_mean": _mean(allocated_steps) if allocated_steps else 1.0,
             **{f"{key}_mean": _mean([getattr(s, key) for s in steps]) for key in BREAKDOWN_KEYS},
+            # over the steps in which sequences hold blocks, as the paper averages it
+            "kv_sharing_saving_mean": _mean([s.kv_sharing_saving for s in steps if s.num_logical_blocks]) or 0.0,
             "prefix_cache_hit_rate": hit_rate,
             "wall_time_s": wall,
             "num_engine_steps": len(steps),

@@ -11,34 +11,45 @@ from rich.console import Console
 from rich.table import Table
 
 from paged.metrics import RequestMetrics
-from paged.request import Request
+from paged.request import Completion, Request
+
+
+def _completion_record(c: Completion, decode: Callable[[list[int]], str] | None) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "index": c.index,
+        "output_token_ids": c.token_ids,
+        "finish_reason": c.finish_reason.value if c.finish_reason else None,
+        "cumulative_logprob": c.cumulative_logprob,
+    }
+    if c.stop_reason is not None:
+        record["stop_reason"] = c.stop_reason
+    if c.text is not None or decode is not None:
+        record["output_text"] = c.text if c.text is not None else decode(c.token_ids)  # type: ignore[misc]
+    if c.logprobs is not None:
+        # JSON keys are strings: per token, [token id, log-probability, rank] of each entry
+        record["logprobs"] = [[[t, lp, rank] for t, (lp, rank) in entry.items()] for entry in c.logprobs]
+    return record
 
 
 def request_record(request: Request, metrics: RequestMetrics, decode: Callable[[list[int]], str] | None) -> dict:
-    seqs = sorted(request.seqs, key=lambda s: s.index)
-    tokens = seqs[0].output_token_ids if seqs else []
+    """One requests.jsonl line: `output_token_ids` / `output_text` of the best completion (the top
+    beam, or sample 0), and `outputs` with every completion."""
+    completions = [_completion_record(c, decode) for c in request.outputs()]
+    best = completions[0] if completions else {"output_token_ids": []}
     record: dict[str, Any] = {
         "request_id": request.request_id,
         "prompt_len": request.num_prompt_tokens,
-        "output_token_ids": tokens,
+        "output_token_ids": best["output_token_ids"],
         "finish_reason": metrics.finish_reason,
         "ttft_s": metrics.ttft_s,
         "e2e_latency_s": metrics.e2e_latency_s,
         "num_preemptions": request.num_preemptions,
     }
-    if decode is not None:
-        record["output_text"] = decode(tokens)
+    if "output_text" in best:
+        record["output_text"] = best["output_text"]
     if request.abort_reason is not None:
         record["abort_reason"] = request.abort_reason
-    if len(seqs) > 1:
-        record["n_outputs"] = [
-            {
-                "output_token_ids": s.output_token_ids,
-                "finish_reason": s.finish_reason.value if s.finish_reason else None,
-            }
-            | ({"output_text": decode(s.output_token_ids)} if decode is not None else {})
-            for s in seqs
-        ]
+    record["outputs"] = completions
     return record
 
 

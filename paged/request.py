@@ -5,36 +5,131 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
+
+# vLLM's `max_logprobs` default: the most top log-probabilities a request may ask for per token.
+MAX_LOGPROBS = 20
+# Below this a temperature means greedy (vLLM's _SAMPLING_EPS).
+_GREEDY_EPS = 1e-5
 
 
 @dataclass
 class SamplingParams:
-    """How to sample one request; mirrors vLLM's names so scripts switch by one import."""
+    """How to sample one request: vLLM's field names, defaults and checks, so a vLLM script runs
+    unchanged. The default temperature is vLLM's 1.0 (random sampling); pass temperature=0 for
+    greedy. `top_k` -1 and 0 both disable top-k (stored as 0). `stop` may be one string or a list.
+    Beam search (`use_beam_search=True`, `n` = beam width) is vLLM V0's interface."""
 
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    ignore_eos: bool = False
     n: int = 1
-    stop_token_ids: list[int] = field(default_factory=list)
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.temperature < 0:
+        if self.best_of is None:
+            self.best_of = self.n
+        if self.top_k == -1:
+            self.top_k = 0
+        self.stop_strings = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._verify()
+        if self.use_beam_search:
+            self._verify_beam_search()
+        else:
+            self._verify_non_beam_search()
+
+    def _verify(self) -> None:
+        _integer("n", self.n, 1)
+        _integer("best_of", self.best_of, 1)
+        if self.best_of < self.n:
+            raise ValueError(f"best_of must be >= n, got n={self.n} and best_of={self.best_of}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty!r}")
+        if not self.temperature >= 0.0:
             raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables top-k), got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        _integer("max_tokens", self.max_tokens, 1)
+        _integer("min_tokens", self.min_tokens, 0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS
+            ):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop_strings):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+
+    def _verify_beam_search(self) -> None:
+        if self.best_of == 1:
+            raise ValueError(f"beam search needs a beam width (n, or best_of) > 1, got n={self.n}")
+        if self.temperature >= _GREEDY_EPS:
+            raise ValueError(f"temperature must be 0 with beam search, got {self.temperature!r}")
+        if self.top_p < 1.0 or self.top_k or self.min_p:
+            raise ValueError(
+                f"beam search ranks by log-probability: top_p must be 1, top_k -1 or 0 and min_p 0, got "
+                f"top_p={self.top_p!r}, top_k={self.top_k!r}, min_p={self.min_p!r}"
+            )
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+
+    def _verify_non_beam_search(self) -> None:
+        if self.early_stopping is not False:
+            raise ValueError(
+                f"early_stopping only applies to beam search and must be False without it, got {self.early_stopping!r}"
+            )
+        if self.length_penalty != 1.0:
+            raise ValueError(
+                f"length_penalty only applies to beam search and must be 1.0 without it, got {self.length_penalty!r}"
+            )
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def beam_width(self) -> int:
+        """Beams kept per step (beam search); sequences a request samples otherwise."""
+        assert self.best_of is not None
+        return self.best_of
+
+
+def _integer(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 class SeqStatus(enum.Enum):
@@ -48,6 +143,22 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"
     STOP = "stop"
     ABORTED = "aborted"
+
+
+@dataclass
+class Completion:
+    """One finished output of a request: a sample, or a beam-search hypothesis. `logprobs` holds,
+    per output token, its own and the top-`SamplingParams.logprobs` log-probabilities (token ->
+    (log-probability, rank)) when the request asked for them; `text` is set when the output was
+    detokenized as it grew (stop strings), already cut at the stop string."""
+
+    index: int
+    token_ids: list[int]
+    cumulative_logprob: float
+    finish_reason: FinishReason | None
+    logprobs: list[dict[int, tuple[float, int]]] | None = None
+    stop_reason: str | int | None = None
+    text: str | None = None
 
 
 _seq_ids = itertools.count()
@@ -66,6 +177,12 @@ class Sequence:
         self.status = SeqStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
+        self.cumulative_logprob = 0.0
+        # per output token, when the request asks for logprobs: token -> (log-probability, rank)
+        self.logprobs: list[dict[int, tuple[float, int]]] | None = [] if request.params.logprobs is not None else None
+        self.stop_reason: str | int | None = None
+        # an IncrementalDetokenizer when the request has stop strings (set by the scheduler)
+        self.detokenizer: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -87,7 +204,19 @@ class Sequence:
         child = Sequence(self.request, list(self.token_ids), index)
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status
+        child.cumulative_logprob = self.cumulative_logprob
+        if self.logprobs is not None:
+            child.logprobs = list(self.logprobs)
+        if self.detokenizer is not None:
+            child.detokenizer = self.detokenizer.fork()
         return child
+
+    def completion(self, index: int | None = None) -> Completion:
+        return Completion(
+            self.index if index is None else index, self.output_token_ids, self.cumulative_logprob,
+            self.finish_reason, self.logprobs, self.stop_reason,
+            None if self.detokenizer is None else self.detokenizer.text,
+        )
 
     def __repr__(self) -> str:
         return (
@@ -121,6 +250,21 @@ class Request:
         self.finish_time: float | None = None
         self.abort_reason: str | None = None
         self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None
+        # set by the request's sequence group when it finishes (best_of ranking, beam hypotheses)
+        self.completions: list[Completion] | None = None
+        # per prompt token (None for the first), when the request asks for prompt_logprobs
+        self.prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
+
+    def next_seq_index(self) -> int:
+        """The index of a sequence forked now: one past the highest so far (pruned beams leave gaps)."""
+        return max(s.index for s in self.seqs) + 1
+
+    def outputs(self) -> list[Completion]:
+        """The request's completions: its group's choice once finished, else its sequences as they are."""
+        if self.completions is not None:
+            return self.completions
+        return [s.completion() for s in sorted(self.seqs, key=lambda s: s.index)]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -130,7 +274,8 @@ class Request:
     def finish_reason(self) -> FinishReason | None:
         if self.abort_reason is not None:
             return FinishReason.ABORTED
-        return self.seqs[0].finish_reason
+        outputs = self.outputs()
+        return outputs[0].finish_reason if outputs else None
 
     def __repr__(self) -> str:
         return f"Request({self.request_id!r}, prompt_len={self.num_prompt_tokens}, n={self.params.n})"

@@ -18,6 +18,19 @@ as the paper's setup cuts sequences to the model's max length: the whole prompt 
 at most `max_model_len - 1` tokens, so at least one token can be generated, then the output so that
 prompt + output <= `max_model_len`. This second step wins over `*_len_min`.
 
+Sampling: every length-only request gets the workload's `temperature` (default 0.0, greedy, not
+SamplingParams' 1.0), `ignore_eos`, `n`, `best_of`, `use_beam_search` and `length_penalty`. A
+combination SamplingParams rejects (beam search with n = 1, n = 0, ...) raises a ValueError naming
+the `workload.` keys before any request is built.
+
+Prompt files are JSONL: per line an object with `prompt` (a string), an optional integer
+`priority`, and any SamplingParams constructor field under vLLM's name (`stop`, `logprobs`,
+`min_tokens`, `use_beam_search`, ...). The workload's `temperature`, `n`, `best_of`,
+`use_beam_search` and `length_penalty` are defaults a line's own keys override, so a line without
+`temperature` samples at the workload's (0.0, greedy), not at SamplingParams' 1.0. The file is UTF-8
+(a byte order mark opening it is skipped); lines are numbered from 1 over all lines, blank ones
+included.
+
 Token ids: with a tokenizer, prompts are windows of a built-in corpus so a real model reads real
 language. A spec-only model has no tokenizer, so its length-only workloads get seeded uniform ids in
 [0, vocab_size). Either way the shared prefix is the same ids in every request, so prefix caching
@@ -27,8 +40,12 @@ becomes an item carrying an `error`, which the engine turns into an aborted requ
 
 from __future__ import annotations
 
+import codecs
 import csv
+import dataclasses
 import json
+import types
+import typing
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -40,8 +57,17 @@ from paged.config import WorkloadConfig
 from paged.request import SamplingParams
 
 _LOGNORMAL_SIGMA = 1.0
-_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "n")
-_PROMPT_FILE_KEYS = ("prompt", *_SAMPLING_KEYS, "priority")
+# A prompt line may set every SamplingParams constructor field (vLLM's names), each as annotated
+# there; derived fields (`stop_strings`) are not inputs.
+_SAMPLING_FIELDS = {f.name: f.type for f in dataclasses.fields(SamplingParams) if f.init}
+_SAMPLING_HINTS = typing.get_type_hints(SamplingParams)
+_PROMPT_FILE_KEYS = ("prompt", *_SAMPLING_FIELDS, "priority")
+# The workload keys that set every request's sampling (for prompt files: the defaults of each line)
+_WORKLOAD_SAMPLING_KEYS = ("temperature", "n", "best_of", "use_beam_search", "length_penalty")
+# The JSON values an annotated type accepts: an integer is a valid float, a bool is no number.
+_JSON_TYPES: dict[Any, tuple[type, ...]] = {
+    int: (int,), float: (int, float), bool: (bool,), str: (str,), type(None): (type(None),)
+}
 # Seeds the synthetic prefix ids apart from the request stream, so the prefix does not change with
 # the request count or lengths (as the corpus prefix does not).
 _PREFIX_STREAM = 1
@@ -101,6 +127,7 @@ def load_workload(
             f"workload.shared_prefix_len={cfg.shared_prefix_len} leaves no room to generate: it must be "
             f"< scheduler.max_model_len={max_model_len}"
         )
+    sampling = _workload_sampling(cfg)
     rng = np.random.default_rng(cfg.seed)
     lengths = _LENGTH_SOURCES[cfg.kind](cfg, rng)
     body, output = lengths.body, lengths.output
@@ -117,12 +144,25 @@ def load_workload(
             "synthetic token ids"
         )
     # read once: a DictConfig attribute costs microseconds, too much per request at paper scale
-    temperature, ignore_eos = cfg.temperature, cfg.ignore_eos
+    sampling["ignore_eos"] = cfg.ignore_eos
     items = []
     for i, (ids, o_len, t) in enumerate(zip(bodies, output.tolist(), lengths.arrival.tolist())):
-        params = SamplingParams(max_tokens=o_len, temperature=temperature, ignore_eos=ignore_eos)
+        params = SamplingParams(max_tokens=o_len, **sampling)
         items.append(WorkloadItem(f"req-{i}", prefix + ids, params, t))
     return items
+
+
+def _workload_sampling(cfg: WorkloadConfig) -> dict[str, Any]:
+    """The workload's sampling keys, checked once here so that a combination SamplingParams rejects
+    fails before the run, naming the workload keys, rather than on every request."""
+    sampling = {key: getattr(cfg, key) for key in _WORKLOAD_SAMPLING_KEYS}
+    try:
+        SamplingParams(**sampling)
+    except ValueError as e:
+        # json.dumps writes the values as a Hydra override would (true, null), ready to correct
+        settings = " ".join(f"workload.{key}={json.dumps(value)}" for key, value in sampling.items())
+        raise ValueError(f"{settings} is not a valid sampling setup: {e}") from None
+    return sampling
 
 
 def _lognormal_lengths(
@@ -230,10 +270,34 @@ def _random_ids(
     return prefix, _split(vocab[rng.integers(vocab_size, size=int(body.sum()))], body)
 
 
+def _json_fits(value: Any, hint: Any) -> bool:
+    """Whether a decoded JSON value has the annotated type `hint` (a SamplingParams field's)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_json_fits(value, arg) for arg in typing.get_args(hint))
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_json_fits(v, item) for v in value)
+    accepted = _JSON_TYPES.get(hint)
+    if accepted is None:  # a type JSON has no plain form of: SamplingParams' own checks judge it
+        return True
+    return isinstance(value, accepted) and (hint is bool or not isinstance(value, bool))
+
+
+def _line_params(record: dict[str, Any], defaults: dict[str, Any]) -> SamplingParams:
+    """A prompt line's sampling keys over the workload's defaults. A value of the wrong type raises
+    naming its key: SamplingParams would take "false" for a true flag, or fail without the name."""
+    options = {key: value for key, value in record.items() if key in _SAMPLING_FIELDS}
+    for key, value in options.items():
+        if not _json_fits(value, _SAMPLING_HINTS[key]):
+            raise ValueError(f"{key} must be {_SAMPLING_FIELDS[key]}, got {value!r}")
+    return SamplingParams(**{**defaults, **options})
+
+
 def parse_prompt_line(
-    line: str, index: int, line_no: int, tokenizer: Tokenizer, defaults: WorkloadConfig
+    line: str, index: int, line_no: int, tokenizer: Tokenizer, defaults: dict[str, Any]
 ) -> WorkloadItem:
-    """One JSONL line -> an item; anything wrong with it becomes the item's `error`."""
+    """One JSONL line -> an item; anything wrong with it becomes the item's `error`. `defaults` are
+    the workload's sampling keys (`_workload_sampling`), which the line's own keys override."""
     request_id = f"req-{index}"
     try:
         record = json.loads(line)
@@ -251,21 +315,36 @@ def parse_prompt_line(
     if not isinstance(prompt, str):
         return WorkloadItem(request_id, [], None, error=f"line {line_no}: 'prompt' must be a string, got {prompt!r}")
     tokens = tokenizer.encode(prompt) if prompt else []
-    options = {k: record[k] for k in _SAMPLING_KEYS if k in record}
-    options.setdefault("temperature", defaults.temperature)
+    priority = record.get("priority", 0)
     try:
-        params = SamplingParams(**options)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        params = _line_params(record, defaults)
     except (TypeError, ValueError) as e:
         return WorkloadItem(request_id, tokens, None, prompt=prompt, error=f"line {line_no}: {e}")
-    return WorkloadItem(request_id, tokens, params, prompt=prompt, priority=int(record.get("priority", 0)))
+    return WorkloadItem(request_id, tokens, params, prompt=prompt, priority=priority)
 
 
 def prompt_file(cfg: WorkloadConfig, tokenizer: Tokenizer) -> list[WorkloadItem]:
+    """The items of the JSONL file `cfg.path`, one per non-blank line."""
     path = Path(str(cfg.path)).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"workload.path={cfg.path!r}: no such prompt file")
-    numbered = [(n, line) for n, line in enumerate(path.read_text().splitlines(), start=1) if line.strip()]
-    items = [parse_prompt_line(line, i, n, tokenizer, cfg) for i, (n, line) in enumerate(numbered)]
+    defaults = _workload_sampling(cfg)
+    # Decoded line by line, so one line that is not UTF-8 is that item's error, not the run's end.
+    # Splitting the bytes on \n, \r\n and \r only (not str.splitlines' U+2028 and the like, which
+    # JSON allows inside a string) keeps the line numbers an editor shows.
+    items = []
+    for line_no, raw in enumerate(path.read_bytes().removeprefix(codecs.BOM_UTF8).splitlines(), start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            # column: the bad byte's 1-based offset among the line's bytes (no character is there)
+            error = f"line {line_no} is not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+            items.append(WorkloadItem(f"req-{len(items)}", [], None, error=error))
+            continue
+        if line.strip():
+            items.append(parse_prompt_line(line, len(items), line_no, tokenizer, defaults))
     rng = np.random.default_rng(cfg.seed)
     for item, t in zip(items, _arrivals(rng, cfg.arrival_rate, len(items))):
         item.arrival_time = float(t)

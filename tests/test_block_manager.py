@@ -25,7 +25,7 @@ MACHINE_ALLOCATORS = [*ALLOCATORS, BuddyAllocator]
 
 
 def make_seq(tokens: list[int], salt: str | None = None) -> Sequence:
-    return Request("r", tokens, SamplingParams(), cache_salt=salt).seqs[0]
+    return Request("r", tokens, SamplingParams(temperature=0.0), cache_salt=salt).seqs[0]
 
 
 def run_prefill(bm: BlockManager, seq: Sequence) -> None:

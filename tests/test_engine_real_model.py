@@ -86,7 +86,7 @@ def hf_greedy(executor, prompt_ids) -> list[list[int]]:
 @pytest.mark.parametrize("allocator", ["naive", "prefix"])
 def test_batched_greedy_outputs_equal_hf_generate(executor, prompt_ids, hf_greedy, allocator, version) -> None:
     llm = llm_on(executor, allocator, version, ROOMY)
-    outs = llm.generate(prompt_ids, SamplingParams(max_tokens=MAX_NEW))
+    outs = llm.generate(prompt_ids, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
     assert [o.token_ids for o in outs] == hf_greedy  # HF stops at EOS too, and keeps it
     assert "Paris" in outs[0].text
     assert llm.engine.scheduler.block_manager.stats().num_allocated_blocks == 0
@@ -96,7 +96,7 @@ def test_batched_greedy_outputs_equal_hf_generate(executor, prompt_ids, hf_greed
 def test_repeated_preemption_keeps_greedy_outputs(executor, prompt_ids, hf_greedy, allocator) -> None:
     # 13 blocks of 16 for six sequences that grow to 21..78 tokens (18 blocks in all)
     llm = llm_on(executor, allocator, "v2", "allocator.num_blocks=13", "allocator.block_size=16")
-    outs = llm.generate(prompt_ids, SamplingParams(max_tokens=MAX_NEW))
+    outs = llm.generate(prompt_ids, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
     assert [o.token_ids for o in outs] == hf_greedy  # what the unconstrained runs above produce
     assert llm.engine.scheduler.counters.num_preemptions >= 2
     assert llm.engine.scheduler.block_manager.stats().num_allocated_blocks == 0
@@ -105,7 +105,7 @@ def test_repeated_preemption_keeps_greedy_outputs(executor, prompt_ids, hf_greed
 @pytest.fixture(scope="module")
 def unconstrained(executor, prompt_ids) -> list[list[int]]:
     llm = llm_on(executor, "naive", "v2", ROOMY)
-    return [o.token_ids for o in llm.generate(prompt_ids, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))]
+    return [o.token_ids for o in llm.generate(prompt_ids, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, temperature=0.0))]
 
 
 @pytest.mark.parametrize(
@@ -118,7 +118,7 @@ def test_forced_preemption_keeps_greedy_outputs(executor, prompt_ids, unconstrai
     # an Orca reservation (at most 128 slots here) covers a sequence's whole life, so it queues instead
     llm = llm_on(executor, allocator, "v2", "allocator.num_blocks=13", "allocator.block_size=16",
                  "scheduler.max_model_len=128", f"scheduler.preemption_mode={mode}", "allocator.swap_space=64MiB")
-    outs = llm.generate(prompt_ids, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    outs = llm.generate(prompt_ids, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, temperature=0.0))
     assert [o.token_ids for o in outs] == unconstrained
     counters = llm.engine.scheduler.counters
     if allocator.startswith("orca"):
@@ -135,7 +135,7 @@ def test_prefix_cache_computes_only_uncached_tokens_with_naive_outputs(executor)
     shared = tokenizer.encode(" ".join(PROMPTS[1:]))[:96]  # six full blocks of 16
     questions = [" Summarise this.", " What is a block?", " Who wrote it?", " Is it fast? Answer yes or no."]
     prompts = [shared + tokenizer.encode(q) for q in questions]
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
 
     naive = llm_on(executor, "naive", "v2", ROOMY)
     before = executor.num_prefill_tokens_computed

@@ -48,7 +48,7 @@ def step(ex: ModelExecutor, items: list[ScheduledSeq], prefill: bool, copies=())
 
 def generate(ex: ModelExecutor, prompts: list[list[int]], max_tokens: int, params: SamplingParams | None = None):
     """Prefill all prompts in one step, then decode them together; returns the output ids."""
-    params = params or SamplingParams(max_tokens=max_tokens)
+    params = params or SamplingParams(max_tokens=max_tokens, temperature=0.0)
     seqs = [Request(str(i), p, params).seqs[0] for i, p in enumerate(prompts)]
     tables = contiguous_tables([len(p) + max_tokens for p in prompts])
     step(ex, [ScheduledSeq(s, s.num_tokens, t) for s, t in zip(seqs, tables, strict=True)], prefill=True)
@@ -103,8 +103,8 @@ def test_cache_layout_and_block_bytes() -> None:
 
 def test_prefix_hit_skips_cached_tokens(tiny: ModelExecutor) -> None:
     shared = list(range(300, 332))  # two full blocks
-    first = Request("a", shared + [7, 8, 9], SamplingParams(max_tokens=4)).seqs[0]
-    second = Request("b", shared + [10, 11], SamplingParams(max_tokens=4)).seqs[0]
+    first = Request("a", shared + [7, 8, 9], SamplingParams(max_tokens=4, temperature=0.0)).seqs[0]
+    second = Request("b", shared + [10, 11], SamplingParams(max_tokens=4, temperature=0.0)).seqs[0]
     step(tiny, [ScheduledSeq(first, first.num_tokens, [0, 1, 2])], prefill=True)
     before = tiny.num_prefill_tokens_computed
     second.num_computed_tokens = len(shared)  # the allocator's prefix hit: blocks 0 and 1
@@ -115,8 +115,8 @@ def test_prefix_hit_skips_cached_tokens(tiny: ModelExecutor) -> None:
 
 def test_chunked_prefill_and_mixed_batch_match_recompute(tiny: ModelExecutor) -> None:
     prompt = list(range(600, 650))
-    seq = Request("c", prompt, SamplingParams(max_tokens=3)).seqs[0]
-    other = Request("d", [9, 8, 7, 6], SamplingParams(max_tokens=3)).seqs[0]
+    seq = Request("c", prompt, SamplingParams(max_tokens=3, temperature=0.0)).seqs[0]
+    other = Request("d", [9, 8, 7, 6], SamplingParams(max_tokens=3, temperature=0.0)).seqs[0]
     t_seq, t_other = contiguous_tables([60, 10], first_block=20)
     assert step(tiny, [ScheduledSeq(seq, 20, t_seq, num_samples=0)], prefill=True) == [[]]
     step(tiny, [ScheduledSeq(seq, 30, t_seq), ScheduledSeq(other, 4, t_other)], prefill=True)
@@ -126,7 +126,7 @@ def test_chunked_prefill_and_mixed_batch_match_recompute(tiny: ModelExecutor) ->
 
 
 def test_copy_on_write_blocks_are_copied_before_attention(tiny: ModelExecutor) -> None:
-    parent = Request("e", list(range(700, 720)), SamplingParams(max_tokens=4)).seqs[0]
+    parent = Request("e", list(range(700, 720)), SamplingParams(max_tokens=4, temperature=0.0)).seqs[0]
     step(tiny, [ScheduledSeq(parent, parent.num_tokens, [40, 41])], prefill=True)
     child = parent.fork(1)
     # The child shares block 40 and gets a private copy of the partly filled block 41.

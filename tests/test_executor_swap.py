@@ -62,7 +62,7 @@ def decode_logits(ex: ModelExecutor, seq, table: list[int], monkeypatch: pytest.
 
 
 def prefilled(ex: ModelExecutor, request_id: str, table: list[int]):
-    seq = Request(request_id, PROMPT, SamplingParams(max_tokens=DECODE_STEPS + 1)).seqs[0]
+    seq = Request(request_id, PROMPT, SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0.0)).seqs[0]
     step(ex, [ScheduledSeq(seq, seq.num_tokens, table)], prefill=True)
     return seq
 
@@ -108,7 +108,7 @@ def test_swaps_run_out_then_in_then_copies_before_the_step_computes() -> None:
     for cache in cpu_caches(ex):
         cache[1] = -1.0
     # A prefill in block 5 (its table) after block 3 went out, CPU block 1 came into 3, 3 was copied to 4.
-    seq = Request("p", [1, 2, 3], SamplingParams(max_tokens=1)).seqs[0]
+    seq = Request("p", [1, 2, 3], SamplingParams(max_tokens=1, temperature=0.0)).seqs[0]
     ex.execute(SchedulerOutput(
         [ScheduledSeq(seq, 3, [5])], is_prefill=True,
         blocks_to_swap_out=[(3, 0)], blocks_to_swap_in=[(1, 3)], blocks_to_copy=[(3, 4)],
@@ -119,7 +119,7 @@ def test_swaps_run_out_then_in_then_copies_before_the_step_computes() -> None:
 
 
 SWAP_PROMPTS = [[(37 * n + 11 * i) % 40000 for i in range(n)] for n in (30, 45, 20, 50)]
-SWAP_PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
+SWAP_PARAMS = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
 
 
 @functools.cache

@@ -21,7 +21,7 @@ def llm() -> LLM:
 
 
 def test_generate_on_strings_returns_decoded_outputs_of_max_tokens(llm: LLM) -> None:
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=5, ignore_eos=True))
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.0))
     assert len(outs) == len(PROMPTS)
     tokenizer = llm.executor.tokenizer
     for out, prompt in zip(outs, PROMPTS, strict=True):
@@ -35,7 +35,7 @@ def test_generate_on_strings_returns_decoded_outputs_of_max_tokens(llm: LLM) -> 
 
 
 def test_generate_on_token_ids_equals_generate_on_the_text(llm: LLM) -> None:
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
     ids = [llm.executor.tokenizer.encode(p) for p in PROMPTS]
     from_ids = llm.generate(ids, params)
     assert [o.prompt for o in from_ids] == [None] * len(PROMPTS)
@@ -44,7 +44,7 @@ def test_generate_on_token_ids_equals_generate_on_the_text(llm: LLM) -> None:
 
 
 def test_per_prompt_params_are_honoured(llm: LLM) -> None:
-    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (1, 7, 3)]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0) for m in (1, 7, 3)]
     assert [len(o.token_ids) for o in llm.generate(PROMPTS, params)] == [1, 7, 3]
     with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
         llm.generate(PROMPTS, params[:2])
@@ -59,7 +59,7 @@ def test_n_2_gives_two_distinct_sampled_outputs(llm: LLM) -> None:
 
 def test_seeded_request_is_reproducible_across_instances_and_batches(llm: LLM) -> None:
     seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=8, ignore_eos=True)
-    other = SamplingParams(max_tokens=4, ignore_eos=True)
+    other = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
     batched = llm.generate(PROMPTS, [other, seeded, other])[1].token_ids
     alone = LLM("tiny-random").generate(PROMPTS[1], seeded)[0].token_ids
     assert alone == batched
@@ -68,22 +68,22 @@ def test_seeded_request_is_reproducible_across_instances_and_batches(llm: LLM) -
 
 
 def test_eos_stops_generation_unless_ignore_eos(llm: LLM) -> None:
-    greedy = llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+    greedy = llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0))[0].token_ids
     k = next(i for i in range(2, 8) if greedy[i] not in greedy[:i])
     executor = build_executor(llm.config)
     executor.eos_token_ids = frozenset([greedy[k]])  # make a token the model is about to emit its EOS
     eos_llm = LLM("tiny-random", executor=executor)
 
-    (stopped,) = eos_llm.generate(PROMPTS[0], SamplingParams(max_tokens=8)).pop().outputs
+    (stopped,) = eos_llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0)).pop().outputs
     assert (stopped.token_ids, stopped.finish_reason) == (greedy[: k + 1], "stop")
-    (ignored,) = eos_llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True)).pop().outputs
+    (ignored,) = eos_llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)).pop().outputs
     assert (ignored.token_ids, ignored.finish_reason) == (greedy, "length")
-    (stop_token,) = llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, stop_token_ids=[greedy[k]])).pop().outputs
+    (stop_token,) = llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, stop_token_ids=[greedy[k]], temperature=0.0)).pop().outputs
     assert (stop_token.token_ids, stop_token.finish_reason) == (greedy[: k + 1], "stop")
 
 
 def test_bad_prompt_is_aborted_with_reason_and_others_finish(llm: LLM) -> None:
-    empty, good = llm.generate(["", "Hello"], SamplingParams(max_tokens=3, ignore_eos=True))
+    empty, good = llm.generate(["", "Hello"], SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0))
     assert empty.abort_reason == "empty prompt"
     assert [c.finish_reason for c in empty.outputs] == ["aborted"] and empty.token_ids == []
     assert good.abort_reason is None and len(good.token_ids) == 3
@@ -102,7 +102,8 @@ def test_llm_runs_the_same_engine_as_run_py(llm: LLM, tmp_path: Path) -> None:
     run_experiment(cfg, tmp_path / "run")
     lines = [json.loads(line) for line in (tmp_path / "run" / "requests.jsonl").read_text().splitlines()]
 
-    params = [SamplingParams(**{k: v for k, v in r.items() if k != "prompt"}) for r in records]
+    # a prompt line without a temperature takes workload.temperature (greedy), not vLLM's 1.0
+    params = [SamplingParams(**{"temperature": 0.0} | {k: v for k, v in r.items() if k != "prompt"}) for r in records]
     outs = llm.generate([r["prompt"] for r in records], params)
     assert [line["output_token_ids"] for line in lines] == [o.token_ids for o in outs]
     assert [line["output_text"] for line in lines] == [o.text for o in outs]

@@ -32,7 +32,7 @@ def cdiv(a: int, b: int) -> int:
 
 
 def make_request(prompt_len: int, max_tokens: int, *, ignore_eos: bool = True, n: int = 1) -> Request:
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, n=n)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, n=n, temperature=0.0)
     return Request("r", list(range(prompt_len)), params)
 
 
@@ -240,7 +240,7 @@ def test_oracle_rejects_requests_that_eos_can_cut_short():
 
 def test_contiguous_allocators_reject_parallel_samples():
     request = make_request(4, 8, n=2)
-    assert "n=2" in BlockManager(BuddyAllocator(16, 4), 0.0).rejection(request)
+    assert "best_of=2" in BlockManager(BuddyAllocator(16, 4), 0.0).rejection(request)
     assert BlockManager(NaiveAllocator(16, 4), 0.0).rejection(request) is None
 
 
@@ -456,11 +456,11 @@ class MemoryBreakdownMachine(RuleBasedStateMachine):
     def add(self, prompt, max_tokens):
         prompt = prompt[: self.mml - 1]  # the engine refuses prompts with no room for an output
         self.num_requests += 1
-        request = Request(f"r{self.num_requests}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        request = Request(f"r{self.num_requests}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0))
         assert self.bm.rejection(request) is None
-        eos = Request("eos", prompt, SamplingParams(max_tokens=max_tokens))
+        eos = Request("eos", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
         assert (self.bm.rejection(eos) is not None) == (self.kind == "oracle")
-        parallel = Request("n2", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, n=2))
+        parallel = Request("n2", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, n=2, temperature=0.0))
         assert (self.bm.rejection(parallel) is not None) == self.alloc.contiguous
         self.waiting.append(request.seqs[0])
 

@@ -31,7 +31,7 @@ def _scheduled(picks: list[int]) -> list[ScheduledSeq]:
     items = []
     for i in picks:
         length, computed = SEQS[i]
-        seq = Request(str(i), list(range(length)), SamplingParams(max_tokens=1)).seqs[0]
+        seq = Request(str(i), list(range(length)), SamplingParams(max_tokens=1, temperature=0.0)).seqs[0]
         seq.num_computed_tokens = computed
         items.append(ScheduledSeq(seq, length - computed, tables[i]))
     return items
@@ -91,8 +91,8 @@ def test_cache_writes_land_before_attention_reads_them() -> None:
 def test_a_step_mixing_decode_and_prefill_generates_like_full_recompute() -> None:
     ex = ModelExecutor(ModelConfig(name="tiny-random", source="random"), KernelConfig(name="t", backend="torch"))
     ex.init_kv_cache(num_blocks=64, block_size=BLOCK)
-    first = Request("a", list(range(100, 121)), SamplingParams(max_tokens=3)).seqs[0]
-    second = Request("b", list(range(300, 340)), SamplingParams(max_tokens=2)).seqs[0]
+    first = Request("a", list(range(100, 121)), SamplingParams(max_tokens=3, temperature=0.0)).seqs[0]
+    second = Request("b", list(range(300, 340)), SamplingParams(max_tokens=2, temperature=0.0)).seqs[0]
     t_first, t_second = contiguous_tables([30, 50])
     t_second = [b + 10 for b in t_second]
     step(ex, [ScheduledSeq(first, first.num_tokens, t_first)], prefill=True)

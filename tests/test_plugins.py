@@ -108,7 +108,7 @@ def test_unknown_executor_target_names_the_key_value_and_expected_base(tmp_path:
 
 def test_reservation_plugin_reserves_max_model_len_without_changing_outputs() -> None:
     prompts = [[i + 1] * (5 + 3 * i) for i in range(6)]
-    params = [SamplingParams(max_tokens=6 + i, ignore_eos=True) for i in range(6)]
+    params = [SamplingParams(max_tokens=6 + i, ignore_eos=True, temperature=0.0) for i in range(6)]
     paged = make_engine("allocator=naive", "allocator.block_size=8")
     orca = make_engine(
         "allocator=naive", "allocator.block_size=8", "scheduler.max_model_len=64",

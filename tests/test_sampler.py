@@ -7,6 +7,10 @@ from paged.model.sampler import SampleRow, sample, sample_probs
 from paged.request import SamplingParams
 
 
+def draw(x: torch.Tensor, rows: list[SampleRow]) -> list[list[int]]:
+    return [s.token_ids for s in sample(x, rows)]
+
+
 def logits(rows: int = 4, vocab: int = 50, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
 
@@ -17,24 +21,24 @@ def rows_of(params: SamplingParams, n: int, seed: int = 7, step: int = 0) -> lis
 
 def test_greedy_is_argmax() -> None:
     x = logits()
-    assert sample(x, rows_of(SamplingParams(), 4)) == [[t] for t in x.argmax(-1).tolist()]
+    assert draw(x, rows_of(SamplingParams(temperature=0), 4)) == [[t] for t in x.argmax(-1).tolist()]
 
 
 def test_seeded_sampling_is_reproducible_and_depends_on_the_step() -> None:
     x = logits(rows=1, vocab=1000)
     params = SamplingParams(temperature=5.0)
-    draws = [sample(x, rows_of(params, 1, step=s))[0][0] for s in range(20)]
-    assert draws == [sample(x, rows_of(params, 1, step=s))[0][0] for s in range(20)]
+    draws = [draw(x, rows_of(params, 1, step=s))[0][0] for s in range(20)]
+    assert draws == [draw(x, rows_of(params, 1, step=s))[0][0] for s in range(20)]
     assert len(set(draws)) > 1
 
 
 def test_a_draw_does_not_depend_on_its_batch_neighbours() -> None:
     x = logits(rows=3, vocab=5000) / 3
     params = SamplingParams(temperature=1.0)
-    alone = [sample(x[1:2], [SampleRow(params, seed=99, num_output_tokens=s)])[0] for s in range(30)]
+    alone = [draw(x[1:2], [SampleRow(params, seed=99, num_output_tokens=s)])[0] for s in range(30)]
     filtering = SampleRow(SamplingParams(temperature=1.0, top_k=5), 1)
     batched = [
-        sample(x, [SampleRow(SamplingParams(), 0), SampleRow(params, seed=99, num_output_tokens=s), filtering])[1]
+        draw(x, [SampleRow(SamplingParams(temperature=0), 0), SampleRow(params, seed=99, num_output_tokens=s), filtering])[1]
         for s in range(30)
     ]
     assert batched == alone
@@ -42,9 +46,9 @@ def test_a_draw_does_not_depend_on_its_batch_neighbours() -> None:
 
 def test_top_k_one_and_tiny_top_p_equal_greedy() -> None:
     x = logits(rows=6, vocab=500)
-    greedy = sample(x, rows_of(SamplingParams(), 6))
-    assert sample(x, rows_of(SamplingParams(temperature=2.0, top_k=1), 6)) == greedy
-    assert sample(x, rows_of(SamplingParams(temperature=2.0, top_p=1e-6), 6)) == greedy
+    greedy = draw(x, rows_of(SamplingParams(temperature=0), 6))
+    assert draw(x, rows_of(SamplingParams(temperature=2.0, top_k=1), 6)) == greedy
+    assert draw(x, rows_of(SamplingParams(temperature=2.0, top_p=1e-6), 6)) == greedy
 
 
 def test_top_k_and_top_p_keep_the_right_support() -> None:
@@ -62,7 +66,7 @@ def test_sampled_frequencies_follow_the_softmax() -> None:
     x = torch.tensor([[1.0, 0.0, -1.0, 2.0]])
     params = SamplingParams(temperature=1.0)
     counts = np.bincount(
-        [sample(x, [SampleRow(params, seed=5, num_output_tokens=s)])[0][0] for s in range(4000)], minlength=4
+        [draw(x, [SampleRow(params, seed=5, num_output_tokens=s)])[0][0] for s in range(4000)], minlength=4
     )
     expected = torch.softmax(x[0], -1).numpy()
     assert np.abs(counts / 4000 - expected).max() < 0.03
@@ -78,8 +82,8 @@ def test_temperature_sharpens_and_flattens() -> None:
 def test_num_samples_draws_independent_tokens_for_each_child_index() -> None:
     x = logits(rows=1, vocab=1000) / 10
     params = SamplingParams(temperature=1.0, n=4)
-    first = sample(x, [SampleRow(params, seed=3, num_samples=4)])[0]
+    first = draw(x, [SampleRow(params, seed=3, num_samples=4)])[0]
     assert len(first) == 4 and len(set(first)) > 1
     # Child j draws later tokens as sequence index j: its first token came from the same key.
-    assert [sample(x, [SampleRow(params, seed=3, seq_index=j)])[0][0] for j in range(4)] == first
-    assert sample(x, [SampleRow(SamplingParams(n=3), seed=0, num_samples=3)])[0] == [int(x.argmax())] * 3
+    assert [draw(x, [SampleRow(params, seed=3, seq_index=j)])[0][0] for j in range(4)] == first
+    assert draw(x, [SampleRow(SamplingParams(n=3, temperature=0), seed=0, num_samples=3)])[0] == [int(x.argmax())] * 3

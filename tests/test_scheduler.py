@@ -17,7 +17,7 @@ POLICIES = ["fcfs", "priority", "sjf"]
 def _workload(n: int = 12, seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
     rng = random.Random(seed)
     prompts = [[rng.randrange(900) for _ in range(rng.randint(3, 60))] for _ in range(n)]
-    params = [SamplingParams(max_tokens=rng.randint(1, 40), ignore_eos=True) for _ in range(n)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 40), ignore_eos=True, temperature=0.0) for _ in range(n)]
     return prompts, params
 
 
@@ -43,7 +43,7 @@ def test_preemption_keeps_outputs_identical_and_leaks_nothing(allocator, policy)
 def test_prefix_caching_computes_only_uncached_tokens_with_same_outputs():
     shared = list(range(100, 164))  # four full blocks of 16
     prompts = [shared + [7, i] for i in range(6)]
-    params = [SamplingParams(max_tokens=5, ignore_eos=True)] * 6
+    params = [SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.0)] * 6
     naive = make_engine("allocator=naive")
     prefix = make_engine("allocator=prefix")
     first = run_requests(prefix, prompts[:1], params[:1])
@@ -72,7 +72,7 @@ def test_fork_shares_prompt_blocks_and_copies_on_write():
 def test_request_larger_than_cache_is_aborted_and_others_finish():
     engine = make_engine("allocator.num_blocks=4", "allocator.block_size=8", "allocator.watermark=0")
     prompts = [[1] * 10, [2] * 40, [3] * 5]
-    params = [SamplingParams(max_tokens=3, ignore_eos=True)] * 3
+    params = [SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0)] * 3
     requests = run_requests(engine, prompts, params)
     assert [r.finish_reason.value for r in requests] == ["length", "aborted", "length"]
     assert "needs 5 blocks" in requests[1].abort_reason and "4 blocks" in requests[1].abort_reason
@@ -87,7 +87,7 @@ def test_request_that_cannot_fit_even_into_an_idle_cache_is_aborted_not_waited_o
         "allocator.num_blocks=8", "allocator.block_size=8", "allocator.watermark=0",
     )
     prompts = [[1] * 40, [2] * 10, [3] * 5]
-    requests = run_requests(engine, prompts, [SamplingParams(max_tokens=3, ignore_eos=True)] * 3)
+    requests = run_requests(engine, prompts, [SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0)] * 3)
     assert [r.finish_reason.value for r in requests] == ["aborted", "length", "length"]
     assert requests[0].abort_reason == (
         "needs 5 blocks for 40 tokens but with nothing running only 4 of the cache's 8 blocks are free"
@@ -97,7 +97,7 @@ def test_request_that_cannot_fit_even_into_an_idle_cache_is_aborted_not_waited_o
 def test_invalid_requests_are_aborted_with_reasons():
     engine = make_engine("scheduler.max_model_len=32", "scheduler.max_num_batched_tokens=64")
     prompts = [[], [5] * 40, [1, 2, 3]]
-    params = [SamplingParams(max_tokens=2)] * 3
+    params = [SamplingParams(max_tokens=2, temperature=0.0)] * 3
     requests = run_requests(engine, prompts, params)
     assert requests[0].abort_reason == "empty prompt"
     assert "40 tokens, more than max_model_len=32" in requests[1].abort_reason
@@ -105,14 +105,18 @@ def test_invalid_requests_are_aborted_with_reasons():
     assert engine.scheduler.block_manager.stats().num_allocated_blocks == 0
 
 
-def test_generation_stops_at_max_model_len_and_on_stop_tokens():
+def test_max_tokens_beyond_max_model_len_is_refused_with_the_numbers_and_stop_tokens_stop():
     engine = make_engine("scheduler.max_model_len=16", "scheduler.max_num_batched_tokens=64")
-    (long,) = run_requests(engine, [[1] * 10], [SamplingParams(max_tokens=50, ignore_eos=True)])
-    assert long.seqs[0].num_tokens == 16 and long.finish_reason.value == "length"
+    long, fits = run_requests(engine, [[1] * 10, [1] * 10], [SamplingParams(max_tokens=50, ignore_eos=True, temperature=0.0),
+                                                             SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)])
+    assert long.abort_reason == (
+        "prompt (10 tokens) + max_tokens (50) = 60 tokens, more than max_model_len=16; max_tokens <= 6 fits"
+    )
+    assert fits.seqs[0].num_tokens == 16 and fits.finish_reason.value == "length"
     probe = make_engine()
-    (free,) = run_requests(probe, [[4, 5, 6]], [SamplingParams(max_tokens=8)])
+    (free,) = run_requests(probe, [[4, 5, 6]], [SamplingParams(max_tokens=8, temperature=0.0)])
     stop_at = free.seqs[0].output_token_ids[3]
-    (stopped,) = run_requests(make_engine(), [[4, 5, 6]], [SamplingParams(max_tokens=8, stop_token_ids=[stop_at])])
+    (stopped,) = run_requests(make_engine(), [[4, 5, 6]], [SamplingParams(max_tokens=8, stop_token_ids=[stop_at], temperature=0.0)])
     assert stopped.seqs[0].output_token_ids == free.seqs[0].output_token_ids[:4]
     assert stopped.finish_reason.value == "stop"
 
@@ -127,7 +131,7 @@ def test_bad_sampling_params_name_the_value(bad):
 def test_priority_policy_admits_lowest_priority_value_first():
     engine = make_engine("scheduler=priority", "scheduler.max_num_seqs=1")
     prompts = [[1, 2], [3, 4], [5, 6]]
-    params = [SamplingParams(max_tokens=2, ignore_eos=True)] * 3
+    params = [SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)] * 3
     requests = run_requests(engine, prompts, params, priority=[5, 0, 1])
     order = sorted(requests, key=lambda r: r.first_token_time)
     assert [r.request_id for r in order] == ["r1", "r2", "r0"]
@@ -136,7 +140,7 @@ def test_priority_policy_admits_lowest_priority_value_first():
 def test_sjf_admits_shortest_prompt_first_and_aging_lets_long_ones_in():
     engine = make_engine("scheduler=sjf", "scheduler.max_num_seqs=1")
     prompts = [[1] * 30, [2] * 3, [3] * 10]
-    params = [SamplingParams(max_tokens=2, ignore_eos=True)] * 3
+    params = [SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)] * 3
     requests = run_requests(engine, prompts, params)
     assert [r.request_id for r in sorted(requests, key=lambda r: r.first_token_time)] == ["r1", "r2", "r0"]
     policy = engine.scheduler.policy
@@ -152,7 +156,7 @@ def test_toy_allocator_and_policy_plug_in_through_config():
         "scheduler.policy._target_=tests.toy_plugins.LongestPromptFirstPolicy",
         "scheduler.max_num_seqs=1",
     )
-    requests = run_requests(engine, [[1] * 3, [2] * 20], [SamplingParams(max_tokens=2, ignore_eos=True)] * 2)
+    requests = run_requests(engine, [[1] * 3, [2] * 20], [SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)] * 2)
     assert CountingAllocator.calls > 0
     assert type(engine.scheduler.policy).__name__ == "LongestPromptFirstPolicy"
     assert requests[1].first_token_time < requests[0].first_token_time

@@ -253,7 +253,7 @@ def _trace(engine, workload: list[tuple[int, int, float]]) -> tuple[list, list]:
     steps = []
     requests = [
         Request(f"r{i}", [(37 * i + 11 * j) % 4000 + 3 for j in range(p)],
-                SamplingParams(max_tokens=o, ignore_eos=True), arrival_time=t)
+                SamplingParams(max_tokens=o, ignore_eos=True, temperature=0.0), arrival_time=t)
         for i, (p, o, t) in enumerate(workload)
     ]
     pending = sorted(requests, key=lambda r: r.arrival_time)
@@ -332,7 +332,7 @@ def test_wandb_steps_of_a_simulated_run_are_keyed_by_sim_time(tmp_path):
     logger.run = Run()
     engine.metrics = MetricsRecorder()
     engine.metrics.step_listeners.append(logger.log_step)
-    engine.add_request(Request("r", [5] * 40, SamplingParams(max_tokens=3, ignore_eos=True)))
+    engine.add_request(Request("r", [5] * 40, SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0)))
     engine.run_until_done()
     times = [row["sim_time_s"] for row in logger.run.logged]
     assert len(times) == 3 and times == sorted(times) and times[-1] == pytest.approx(engine.clock.now())

@@ -103,7 +103,7 @@ def test_engine_greedy_equals_hf_generate(checkpoint: Path, expected, backend: s
                                           num_blocks: int) -> None:
     llm = serve(checkpoint, backend, version, num_blocks)
     assert llm.executor.sliding_window == WINDOW
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, temperature=0.0))
     assert [o.token_ids for o in outs] == expected
 
 
@@ -112,7 +112,7 @@ def test_emulated_cuda_kernels_generate_hf_tokens(checkpoint: Path, expected, ve
     # fewer prompts and tokens: the emulator runs one CPU thread per CUDA thread. The 70-token
     # prompt's window starts past the first v2 partition, which the kernel must skip.
     llm = serve(checkpoint, "emu", version, 16)
-    outs = llm.generate(PROMPTS[::2], SamplingParams(max_tokens=8, ignore_eos=True))
+    outs = llm.generate(PROMPTS[::2], SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0))
     assert [o.token_ids for o in outs] == [e[:8] for e in expected[::2]]
 
 

@@ -135,7 +135,7 @@ def test_a_request_that_never_fits_a_contiguous_extent_is_aborted_and_the_others
     engine = make_engine("allocator=orca-oracle", "allocator.num_blocks=24", "allocator.block_size=8",
                          "scheduler.max_model_len=512", "scheduler.max_num_batched_tokens=512")
     prompts = [[1] * 20, [2] * 150, [3] * 30]
-    params = [SamplingParams(max_tokens=10, ignore_eos=True)] * 3
+    params = [SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.0)] * 3
     requests = run_requests(engine, prompts, params)
     assert [r.finish_reason.value for r in requests] == ["length", "aborted", "length"]
     assert "largest contiguous extent the allocator can give is 16 blocks" in requests[1].abort_reason
@@ -146,12 +146,12 @@ def test_orca_refuses_unknown_output_lengths_and_shared_samples_per_request():
     engine = make_engine("allocator=orca-oracle")
     requests = run_requests(
         engine, [[1] * 5, [2] * 5, [3] * 5],
-        [SamplingParams(max_tokens=4, ignore_eos=True), SamplingParams(max_tokens=4),
+        [SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0), SamplingParams(max_tokens=4, temperature=0.0),
          SamplingParams(max_tokens=4, ignore_eos=True, n=2, temperature=1.0)],
     )
     assert requests[0].finish_reason.value == "length"
     assert "ignore_eos=True" in requests[1].abort_reason
-    assert "cannot share blocks between samples (n=2)" in requests[2].abort_reason
+    assert "cannot share blocks between samples (best_of=2)" in requests[2].abort_reason
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
-"""Workload sources: lengths, arrivals, traces, spec-only ids, max_model_len clipping, and prompt files
-whose bad lines become aborts."""
+"""Workload sources: lengths, arrivals, traces, spec-only ids, max_model_len clipping, workload-level
+sampling keys, and prompt files (every SamplingParams field, bad lines and bad bytes become aborts)."""
 
 import csv
 import json
@@ -75,11 +75,144 @@ def test_prompt_file_bad_lines_become_errors_and_good_lines_survive(tmp_path):
     assert len(items) == 7
     assert items[0].error is None and items[0].params.temperature == 0.5 and items[0].params.seed == 3
     assert items[1].error is None and items[1].prompt_token_ids == []  # the engine aborts it: empty prompt
-    assert "max_tokens must be a positive integer, got 0" in items[2].error
+    assert items[2].error == "line 3: max_tokens must be an integer >= 1, got 0"
     assert "not valid JSON" in items[3].error
     assert "unknown keys ['max_tokns']" in items[4].error
     assert "'prompt' must be a string" in items[5].error
     assert items[6].params.n == 2 and items[6].priority == 2
+
+
+
+def _prompt_items(tmp_path, lines: list, **kw) -> list:
+    """The items of a prompt file of `lines`: dicts are written as JSON, str and bytes as they are."""
+    path = tmp_path / "prompts.jsonl"
+    raw = [json.dumps(x).encode() if isinstance(x, dict) else x if isinstance(x, bytes) else x.encode()
+           for x in lines]
+    path.write_bytes(b"\n".join(raw) + b"\n")
+    return load_workload(_cfg(kind="prompts", path=str(path), **kw), CharTokenizer())
+
+
+def test_prompt_file_accepts_every_sampling_params_field(tmp_path):
+    lines = [
+        {"prompt": "a", "stop": ["\n\n", "END"], "stop_token_ids": [2], "include_stop_str_in_output": True,
+         "logprobs": 5, "prompt_logprobs": 0, "min_tokens": 2, "max_tokens": 8, "repetition_penalty": 1.2,
+         "presence_penalty": -0.5, "frequency_penalty": 1, "min_p": 0.05, "top_k": -1, "top_p": 0.9,
+         "temperature": 0.7, "seed": 7, "skip_special_tokens": False, "ignore_eos": True},
+        {"prompt": "b", "use_beam_search": True, "n": 3, "temperature": 0, "length_penalty": 0.5,
+         "early_stopping": "never"},
+        {"prompt": "c", "n": 2, "best_of": 4, "stop": "x"},
+        {"prompt": "d"},
+    ]
+    a, b, c, d = _prompt_items(tmp_path, lines)
+    assert [it.error for it in (a, b, c, d)] == [None] * 4
+    assert a.params.stop_strings == ("\n\n", "END") and a.params.stop_token_ids == [2]
+    assert (a.params.logprobs, a.params.prompt_logprobs, a.params.min_tokens) == (5, 0, 2)
+    assert (a.params.repetition_penalty, a.params.presence_penalty, a.params.min_p) == (1.2, -0.5, 0.05)
+    assert a.params.top_k == 0 and a.params.seed == 7 and not a.params.skip_special_tokens
+    assert a.params.include_stop_str_in_output and a.params.ignore_eos
+    assert b.params.use_beam_search and b.params.beam_width == 3 and b.params.early_stopping == "never"
+    assert b.params.length_penalty == 0.5
+    assert (c.params.n, c.params.best_of, c.params.stop_strings) == (2, 4, ("x",))
+    # a line without temperature samples at the workload's default (0.0, greedy), not SamplingParams' 1.0
+    assert d.params.greedy and d.params.n == 1 and d.params.max_tokens == 16
+
+
+def test_prompt_file_bad_values_name_the_field_and_the_line(tmp_path):
+    lines = [
+        {"prompt": "ok"},
+        {"prompt": "x", "logprobs": 21},
+        {"prompt": "x", "repetition_penalty": 0},
+        {"prompt": "x", "use_beam_search": True, "n": 1, "temperature": 0},
+        {"prompt": "x", "use_beam_search": True, "n": 2, "temperature": 0.8},
+        {"prompt": "x", "ignore_eos": "false"},
+        {"prompt": "x", "temperature": "hot"},
+        {"prompt": "x", "stop": 5},
+        {"prompt": "x", "stop_token_ids": [1, "2"]},
+        {"prompt": "x", "min_tokens": 9, "max_tokens": 4},
+        {"prompt": "x", "stop_strings": ["a"]},
+        {"prompt": "x", "priority": "2"},
+        {"prompt": "x", "priority": 1.5},
+        {"prompt": "last", "priority": -1},
+    ]
+    items = _prompt_items(tmp_path, lines)
+    errors = [it.error for it in items]
+    assert errors[0] is None and items[0].params is not None
+    assert errors[1] == "line 2: logprobs must be an integer in [0, 20] or None, got 21"
+    assert errors[2].startswith("line 3: repetition_penalty must be > 0")
+    assert errors[3].startswith("line 4: beam search needs a beam width (n, or best_of) > 1, got n=1")
+    assert errors[4] == "line 5: temperature must be 0 with beam search, got 0.8"
+    assert errors[5] == "line 6: ignore_eos must be bool, got 'false'"
+    assert errors[6] == "line 7: temperature must be float, got 'hot'"
+    assert errors[7] == "line 8: stop must be str | list[str] | None, got 5"
+    assert errors[8] == "line 9: stop_token_ids must be list[int] | None, got [1, '2']"
+    assert errors[9] == "line 10: min_tokens must be <= max_tokens=4, got 9"
+    # a derived field is no input
+    assert errors[10].startswith("line 11: unknown keys ['stop_strings']; allowed: prompt, n, best_of,")
+    assert "skip_special_tokens, priority" in errors[10]
+    assert errors[11] == "line 12: priority must be an integer, got '2'"
+    assert errors[12] == "line 13: priority must be an integer, got 1.5"
+    assert errors[13] is None and items[13].priority == -1
+    assert all(it.params is None for it in items[1:13])
+
+
+def test_prompt_file_line_that_is_not_utf8_is_an_error_and_the_rest_runs(tmp_path):
+    lines = [{"prompt": "first"}, "", b'{"prompt": "caf\xe9 bad \xff"}', {"prompt": "na\u00efve \u2028 ok"}]
+    items = _prompt_items(tmp_path, lines)
+    assert len(items) == 3  # the blank line 2 counts for the numbering but is no request
+    assert items[0].error is None and items[0].prompt == "first"
+    assert items[1].error == "line 3 is not valid UTF-8 (byte 0xe9 at column 16)"
+    assert items[1].params is None and items[1].request_id == "req-1"
+    # U+2028 inside a JSON string is no line break (str.splitlines would have cut the line there)
+    assert items[2].error is None and items[2].prompt == "na\u00efve \u2028 ok" and items[2].request_id == "req-2"
+
+
+def test_prompt_file_with_a_byte_order_mark_parses_line_one(tmp_path):
+    items = _prompt_items(tmp_path, [b"\xef\xbb\xbf" + json.dumps({"prompt": "hi", "n": 2}).encode(),
+                                     "\ufeff{}"])
+    assert items[0].error is None and items[0].prompt == "hi" and items[0].params.n == 2
+    # only the file's first bytes are a byte order mark; later, one is an error as any stray character
+    assert items[1].error == "line 2 is not valid JSON: Unexpected UTF-8 BOM (decode using utf-8-sig)"
+
+
+@pytest.mark.parametrize("kind", ["synthetic", "fixed", "trace"])
+def test_workload_sampling_keys_reach_every_generated_request(kind):
+    cfg = _cfg(kind=kind, num_requests=5, path="azure_code_2023.csv", n=4, use_beam_search=True,
+               length_penalty=0.5, prompt_len=20, output_len=5)
+    items = load_workload(cfg, None, vocab_size=100)
+    assert len(items) == 5
+    for it in items:
+        p = it.params
+        assert (p.n, p.best_of, p.use_beam_search, p.length_penalty, p.greedy, p.ignore_eos) == (
+            4, 4, True, 0.5, True, True)
+    sampled = load_workload(_cfg(num_requests=3, n=2, best_of=3, temperature=0.8), None, vocab_size=100)
+    assert all((it.params.n, it.params.best_of, it.params.temperature) == (2, 3, 0.8) for it in sampled)
+
+
+def test_workload_sampling_keys_are_prompt_line_defaults(tmp_path):
+    lines = [{"prompt": "a"}, {"prompt": "b", "n": 2}, {"prompt": "c", "use_beam_search": False}]
+    a, b, c = _prompt_items(tmp_path, lines, n=3, use_beam_search=True)
+    assert a.params.use_beam_search and a.params.n == 3
+    assert b.params.use_beam_search and b.params.n == 2
+    assert not c.params.use_beam_search and c.params.n == 3
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"use_beam_search": True}, "workload.n=1 workload.best_of=null workload.use_beam_search=true"),
+        ({"n": 0}, r"workload.n=0 .*: n must be an integer >= 1, got 0"),
+        ({"n": 4, "best_of": 2}, r"workload.best_of=2 .*: best_of must be >= n, got n=4 and best_of=2"),
+        ({"n": 2, "use_beam_search": True, "temperature": 0.7},
+         r"workload.temperature=0.7 .*: temperature must be 0 with beam search"),
+        ({"length_penalty": 2.0}, r"workload.length_penalty=2.0 .*: length_penalty only applies to beam search"),
+    ],
+)
+@pytest.mark.parametrize("kind", ["synthetic", "prompts"])
+def test_bad_workload_sampling_keys_fail_before_the_run_naming_the_key(tmp_path, kind, kw, message):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    with pytest.raises(ValueError, match=message):
+        load_workload(_cfg(kind=kind, path=str(path), **kw), CharTokenizer())
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from paged.executor.attention import BatchInput, PagedAttention, prepare_batch
 from paged.executor.base import Executor, KVCacheSpec
 from paged.executor.output import ExecutorOutput
 from paged.model.llama import LlamaModel
-from paged.model.sampler import SampleRow, sample
+from paged.model.sampler import SampleRow, TokenLogprobs, sample, top_logprobs
 from paged.model.tokenizer import load_tokenizer
 from paged.model.weights import load_weights
 from paged.scheduler.output import ScheduledSeq, SchedulerOutput
@@ -156,10 +156,32 @@ class ModelExecutor(Executor):
                 seq_index=it.seq.index,
                 num_output_tokens=it.seq.num_output_tokens,
                 num_samples=it.num_samples,
+                token_ids=it.seq.token_ids,
+                num_prompt_tokens=it.seq.num_prompt_tokens,
             )
             for it in sched.scheduled
             if it.num_samples > 0
         ]
+
+    def _prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor) -> dict[int, list[TokenLogprobs | None]]:
+        """Per sequence whose request asks for prompt_logprobs and whose whole prompt this step
+        computes for the first time: each prompt token's log-probability given the ones before it."""
+        out: dict[int, list[TokenLogprobs | None]] = {}
+        if not sched.is_prefill:
+            return out
+        offset = 0
+        for it in sched.scheduled:
+            request = it.seq.request
+            k = request.params.prompt_logprobs
+            if k is not None and request.prompt_logprobs is None and it.num_computed == 0:
+                prompt = request.prompt_token_ids
+                rows = hidden[offset : offset + len(prompt) - 1]
+                logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+                out[it.seq.seq_id] = [None] + [
+                    top_logprobs(logprobs[j], [prompt[j + 1]], k)[0] for j in range(len(prompt) - 1)
+                ]
+            offset += it.num_new_tokens
+        return out
 
     def _swap(self, sched: SchedulerOutput) -> None:
         """Out before in, so a swap-in may land in a device block that a swap-out just vacated."""
@@ -194,12 +216,19 @@ class ModelExecutor(Executor):
             )
             hidden = self.model.forward(batch.input_ids, batch.positions, attn)
             rows = self._sample_rows(sched)
-            tokens = sample(self.model.compute_logits(hidden[batch.sample_rows]), rows) if rows else []
-        it = iter(tokens)
-        sampled = [next(it) if s.num_samples > 0 else [] for s in sched.scheduled]
+            logits = self.model.compute_logits(hidden[batch.sample_rows]) if rows else None
+            drawn = iter(sample(logits, rows, self.eos_token_ids) if logits is not None else [])
+            prompt_logprobs = self._prompt_logprobs(sched, hidden)
+        per_seq = [next(drawn) if s.num_samples > 0 else None for s in sched.scheduled]
+        sampled = [d.token_ids if d else [] for d in per_seq]
         # a decode token extends a generation; everything else computes a prompt (or recomputes one)
         num_decode_tokens = sum(it.num_new_tokens == 1 and it.seq.num_output_tokens > 0 for it in sched.scheduled)
         self.num_decode_tokens_computed += num_decode_tokens
         self.num_prefill_tokens_computed += batch.num_tokens - num_decode_tokens
         model_time = time.perf_counter() - start - prep_time
-        return ExecutorOutput(sampled, batch.num_tokens, model_time, prep_time, version)
+        return ExecutorOutput(
+            sampled, batch.num_tokens, model_time, prep_time, version,
+            logprobs=[d.logprobs if d else [] for d in per_seq],
+            top_logprobs=[d.top_logprobs if d else None for d in per_seq],
+            prompt_logprobs=prompt_logprobs,
+        )

@@ -6,11 +6,20 @@ manager, allocators and policies run as they would on the real model. Requests e
 `max_tokens` (there is no EOS to sample). A placeholder token is a fixed function of the sequence's
 last token and length (and, when sampling, of the sample index), so identical greedy contexts
 produce identical continuations and prefix-cache hashes behave as on a real greedy model.
+
+Beam search runs the real `BeamSearch` group on placeholder log-probabilities, so its forks, prunes
+and copy-on-write are the engine's own. The length model: with no EOS, every beam runs to the
+request's `max_tokens` (its sampled output length), and which beams survive follows from the
+candidates' log-probabilities: per beam and step, the top candidate's probability q is uniform in
+[BEAM_TOP_PROB_MIN, 1) (hashed from the context) and the j-th next one has q (1 - q)^j, a geometric
+tail. A confident step (large q) lets the best beam take every slot, so beams coalesce onto a
+shared history, as real beams do; an unsure one keeps several parents alive.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from functools import cached_property
 from typing import Any
 
@@ -29,6 +38,19 @@ from paged.sim.hardware import Hardware, resolve_hardware
 from paged.sim.memory import check_parallelism, plan_memory
 
 log = logging.getLogger(__name__)
+
+# the least top-candidate probability of the placeholder distribution (module docstring)
+BEAM_TOP_PROB_MIN = 0.5
+_MASK = (1 << 64) - 1
+
+
+def _unit(*keys: int) -> float:
+    """A uniform number in [0, 1) hashed from integers (splitmix64 finalizer): no generator state."""
+    x = 0x9E3779B97F4A7C15
+    for k in keys:
+        x = ((x ^ (k & _MASK)) * 0xBF58476D1CE4E5B9) & _MASK
+        x ^= x >> 31
+    return (x >> 11) / float(1 << 53)
 
 def model_spec(model: ModelConfig) -> tuple[ModelSpec, Any]:
     """The model's shape, and its tokenizer source when it has weights (a spec-only model has none)."""
@@ -128,23 +150,34 @@ class SimExecutor(Executor):
         cost = self.cost_model.step(shape)
         self.last_cost = cost
         self.clock.advance(cost.total_s)  # type: ignore[attr-defined]
+        sampled, logprobs = self._placeholders(sched)
         return ExecutorOutput(
-            self._placeholders(sched), shape.num_tokens,
-            model_time_s=cost.total_s - cost.overhead_s, attention_version=cost.decode_version,
+            sampled, shape.num_tokens, model_time_s=cost.total_s - cost.overhead_s,
+            attention_version=cost.decode_version, logprobs=logprobs,
         )
 
-    def _placeholders(self, sched: SchedulerOutput) -> list[list[int]]:
+    def _placeholders(self, sched: SchedulerOutput) -> tuple[list[list[int]], list[list[float]]]:
+        """Tokens and their log-probabilities per scheduled sequence (module docstring)."""
         vocab = self.spec.vocab_size
         sampled: list[list[int]] = []
+        logprobs: list[list[float]] = []
         for item in sched.scheduled:
             n = item.num_samples
             if not n:
                 sampled.append([])
+                logprobs.append([])
                 continue
             seq = item.seq
-            base = seq.token_ids[-1] * 1103515245 + len(seq.token_ids) * 12345
-            if seq.request.params.greedy:
-                sampled.append([base % vocab] * n)
+            last, length = seq.token_ids[-1], len(seq.token_ids)
+            base = last * 1103515245 + length * 12345
+            params = seq.request.params
+            if params.use_beam_search or params.greedy:
+                # distinct candidates, most likely first (a greedy row repeats its first)
+                tokens = [(base + 7919 * j) % vocab for j in range(n)] if params.use_beam_search else [base % vocab] * n
             else:  # samples differ between a request's sequences, as sampling would make them
-                sampled.append([(base + 7919 * (seq.index + i + 1)) % vocab for i in range(n)])
-        return sampled
+                tokens = [(base + 7919 * (seq.index + i + 1)) % vocab for i in range(n)]
+            q = BEAM_TOP_PROB_MIN + (1 - BEAM_TOP_PROB_MIN) * _unit(last, length, seq.index)
+            ranks = range(n) if params.use_beam_search else [0] * n
+            logprobs.append([math.log(q) + j * math.log1p(-q) for j in ranks])
+            sampled.append(tokens)
+        return sampled, logprobs

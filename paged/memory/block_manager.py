@@ -52,6 +52,8 @@ class BlockManager:
     sequence can be swapped out to a CPU pool and back (`swap_out` / `swap_in` return the block
     pairs the executor moves). With a `sliding_window`, blocks wholly before every future query's
     window are freed as the sequence grows. `max_model_len` caps the length a reservation counts on.
+    `share_blocks=False` is the no-sharing baseline of the paper's sharing study: a forked sequence
+    (or a prefix-cache hit) copies every block it shares before its next step.
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class BlockManager:
         max_model_len: int | None = None,
         num_cpu_blocks: int = 0,
         sliding_window: int | None = None,
+        share_blocks: bool = True,
     ) -> None:
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
@@ -71,6 +74,8 @@ class BlockManager:
         self.allocator = allocator
         self.reservation = reservation or ExactReservation()
         self.max_model_len = max_model_len
+        # False: the no-sharing baseline; a sequence copies every block it shares before its next step
+        self.share_blocks = share_blocks
         # A contiguous extent is the reservation itself: it is kept whole until the sequence ends.
         self.sliding_window = None if allocator.contiguous else sliding_window
         self.cpu_allocator = NaiveAllocator(num_cpu_blocks, allocator.block_size) if num_cpu_blocks else None
@@ -98,21 +103,27 @@ class BlockManager:
     def rejection(self, request: Request) -> str | None:
         """Why `request` can never be served by this manager (it is then aborted); None if it can."""
         reason = self.reservation.rejection(request)
-        if reason is None and self.allocator.contiguous and request.params.n > 1:
+        params = request.params
+        if reason is None and self.allocator.contiguous and params.best_of > 1:
+            what = f"beams (width {params.best_of})" if params.use_beam_search else f"samples (best_of={params.best_of})"
             reason = (
                 f"{type(self.allocator).__name__} gives each sequence its own contiguous extent and cannot "
-                f"share blocks between samples (n={request.params.n}); use a paged allocator (naive, prefix)"
+                f"share blocks between {what}; use a paged allocator (naive, prefix)"
             )
         return reason
 
-    def can_allocate(self, seq: Sequence) -> AllocStatus:
-        required = self.admission_blocks(seq)
+    def can_allocate(self, *seqs: Sequence) -> AllocStatus:
+        """Whether `seqs` (one sequence, or a request's sequences admitted together) fit now."""
+        required = sum(map(self.admission_blocks, seqs))
         if self._never_fits(required):
             return AllocStatus.NEVER
-        hits = self._peek_hits(seq)
-        # Reviving a cached-free block takes it out of the free pool just like a fresh one.
-        live_hits = sum(1 for b in hits if self.allocator.refcount(b) > 0)
-        return self._status(required - live_hits, required - len(hits))
+        num_from_free = num_fresh = required
+        for seq in seqs:
+            hits = self._peek_hits(seq)
+            # Reviving a cached-free block takes it out of the free pool just like a fresh one.
+            num_from_free -= sum(1 for b in hits if self.allocator.refcount(b) > 0)
+            num_fresh -= len(hits)
+        return self._status(num_from_free, num_fresh)
 
     def _never_fits(self, num_blocks: int) -> bool:
         return num_blocks > self.allocator.max_allocation or self.num_total_blocks - num_blocks < self.watermark_blocks
@@ -159,13 +170,16 @@ class BlockManager:
 
     # -- growth ----------------------------------------------------------------------------------
 
-    def can_append_slots(self, seq: Sequence) -> bool:
-        state = self._seqs[seq.seq_id]
-        num_new = self._growth_blocks(seq, state)
+    def can_append_slots(self, *seqs: Sequence) -> bool:
+        """Whether every one of `seqs` can grow now. For sequences sharing a block each copy is
+        counted, though the last holder writes in place: a group is judged conservatively."""
+        num_new = num_copies = 0
+        for seq in seqs:
+            state = self._seqs[seq.seq_id]
+            num_new += self._growth_blocks(seq, state)
+            num_copies += len(self._shared_write_targets(seq, state))
         alloc = self.allocator
-        return num_new + len(self._shared_write_targets(seq, state)) <= alloc.num_free_blocks and (
-            alloc.can_allocate_blocks(num_new)
-        )
+        return num_new + num_copies <= alloc.num_free_blocks and alloc.can_allocate_blocks(num_new)
 
     def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
         """Cover all of `seq`'s tokens; returns (src, dst) block copies the executor must do first."""
@@ -188,7 +202,7 @@ class BlockManager:
         num_tokens = len(seq.token_ids)
         last = state.num_slots
         if (
-            num_tokens - 1 == last == seq.num_computed_tokens and last % bs
+            self.share_blocks and num_tokens - 1 == last == seq.num_computed_tokens and last % bs
             and alloc.refcount(table[last // bs]) == 1 and self.reservation.growth_slots(seq) <= len(table) * bs
         ):
             # the common decode step: one token into a private block that has room
@@ -224,6 +238,8 @@ class BlockManager:
     def _shared_write_targets(self, seq: Sequence, state: _SeqBlocks) -> list[int]:
         """Indices of existing blocks that this step writes into but other tables also hold."""
         refcount, table, bs = self.allocator.refcount, state.table, self.block_size
+        if not self.share_blocks:
+            return [i for i in range(state.num_dropped, len(table)) if refcount(table[i]) > 1]
         first = seq.num_computed_tokens // bs
         last = min(-(-len(seq.token_ids) // bs), len(table))
         if last - first == 1:  # a decode step writes one block
@@ -298,7 +314,8 @@ class BlockManager:
     def _peek_hits(self, seq: Sequence) -> list[int]:
         """Block ids of the cached prefix, excluding the block holding the last token (its
         logits must be computed) so a shared cached block is never written."""
-        if not self._caching:
+        # prompt log-probabilities need every prompt position computed
+        if not self._caching or seq.request.params.prompt_logprobs is not None:
             return []
         max_blocks = max(seq.num_tokens - 1, 0) // self.block_size
         if max_blocks == 0:
@@ -356,49 +373,94 @@ class BlockManager:
 
     # -- swap ------------------------------------------------------------------------------------
 
-    def can_swap_out(self, seq: Sequence) -> bool:
-        """Whether the CPU pool can take `seq`'s filled blocks now."""
+    def can_swap_out(self, *seqs: Sequence) -> bool:
+        """Whether the CPU pool can take the filled blocks of `seqs` (one request's running
+        sequences: a block they share moves once) now."""
         if self.cpu_allocator is None:
             return False
-        state = self._seqs[seq.seq_id]
-        return len(self._filled_blocks(state)) <= self.cpu_allocator.num_free_blocks
+        return len(self._distinct_filled_blocks(*seqs)) <= self.cpu_allocator.num_free_blocks
 
-    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Move `seq`'s filled blocks to the CPU pool and free its device blocks; returns the
-        (device block, CPU block) pairs to copy before the step runs."""
-        if not self.can_swap_out(seq):
-            raise NoFreeBlocksError(f"the CPU swap space cannot take sequence {seq.seq_id}")
-        assert self.cpu_allocator is not None
-        state = self._seqs[seq.seq_id]
-        moved = self._filled_blocks(state)
-        cpu_blocks = self.cpu_allocator.allocate_blocks(len(moved))
-        self.free(seq)
-        self._swapped[seq.seq_id] = _Swapped(cpu_blocks, state.table[: state.num_dropped])
-        return list(zip(moved, cpu_blocks, strict=True))
+    def _distinct_filled_blocks(self, *seqs: Sequence) -> list[int]:
+        return list(dict.fromkeys(b for s in seqs for b in self._filled_blocks(self._seqs[s.seq_id])))
 
-    def can_swap_in(self, seq: Sequence) -> AllocStatus:
-        required = self.admission_blocks(seq) - len(self._swapped[seq.seq_id].stale)
+    def swap_out(self, *seqs: Sequence) -> list[tuple[int, int]]:
+        """Move the filled blocks of `seqs` to the CPU pool, keeping what they share shared, and free
+        their device blocks; returns the (device block, CPU block) pairs to copy before the step."""
+        if not self.can_swap_out(*seqs):
+            raise NoFreeBlocksError(f"the CPU swap space cannot take sequences {[s.seq_id for s in seqs]}")
+        cpu = self.cpu_allocator
+        assert cpu is not None
+        moved = self._distinct_filled_blocks(*seqs)
+        to_cpu = dict(zip(moved, cpu.allocate_blocks(len(moved)), strict=True))
+        for seq in seqs:
+            state = self._seqs[seq.seq_id]
+            cpu_blocks = [to_cpu[b] for b in self._filled_blocks(state)]
+            for block_id in cpu_blocks:
+                cpu.incref(block_id)
+            self.free(seq)
+            self._swapped[seq.seq_id] = _Swapped(cpu_blocks, state.table[: state.num_dropped])
+        # every holder took its own reference above: drop the one allocation gave
+        for block_id in to_cpu.values():
+            cpu.free(block_id)
+        return list(to_cpu.items())
+
+    def _first_written(self, seq: Sequence) -> int:
+        """Index, among `seq`'s swapped-out blocks, of the first one its next step writes: from there
+        on each sequence gets its own device copy, so nothing shared is written."""
+        return seq.num_computed_tokens // self.block_size - len(self._swapped[seq.seq_id].stale)
+
+    def _swap_in_blocks(self, *seqs: Sequence) -> int:
+        """Device blocks `seqs` need to come back: each shared CPU block once, each block a next
+        step writes once per sequence, plus what reservations cover beyond the tokens."""
+        shared: set[int] = set()
+        num_blocks = 0
+        for s in seqs:
+            swapped = self._swapped[s.seq_id]
+            first_written = self._first_written(s)
+            shared.update(swapped.cpu_blocks[:first_written])
+            num_blocks += self.admission_blocks(s) - len(swapped.stale) - min(first_written, len(swapped.cpu_blocks))
+        return len(shared) + num_blocks
+
+    def can_swap_in(self, *seqs: Sequence) -> AllocStatus:
+        required = self._swap_in_blocks(*seqs)
         if self._never_fits(required):
             return AllocStatus.NEVER
         return self._status(required, required)
 
-    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Give `seq` device blocks for all its tokens (and its reservation) and bring its KV back;
-        returns the (CPU block, device block) pairs to copy before the step runs."""
-        if self.can_swap_in(seq) is not AllocStatus.OK:
-            raise NoFreeBlocksError(f"no room on the device to swap sequence {seq.seq_id} in")
-        assert self.cpu_allocator is not None
-        swapped = self._swapped.pop(seq.seq_id)
-        start = len(swapped.stale)
-        table = swapped.stale + self.allocator.allocate_blocks(self.admission_blocks(seq) - start)
-        final = self._final(seq)
-        self._account_blocks(table, range(start, len(table)), seq.num_tokens, final)
-        # Swapped-in blocks are published again on the next mark_computed (a duplicate of a block
-        # still cached stays unpublished).
-        self._seqs[seq.seq_id] = _SeqBlocks(table, seq.num_tokens, final, start, start)
-        pairs = list(zip(swapped.cpu_blocks, table[start:], strict=False))
-        for block_id in swapped.cpu_blocks:
-            self.cpu_allocator.free(block_id)
+    def swap_in(self, *seqs: Sequence) -> list[tuple[int, int]]:
+        """Give `seqs` device blocks for all their tokens (and reservations), sharing again what
+        they shared and will only read, and bring their KV back; returns the (CPU block, device
+        block) pairs to copy before the step runs (a CPU block may go to several device blocks)."""
+        if self.can_swap_in(*seqs) is not AllocStatus.OK:
+            raise NoFreeBlocksError(f"no room on the device to swap sequences {[s.seq_id for s in seqs]} in")
+        cpu = self.cpu_allocator
+        assert cpu is not None
+        # one allocation, so a contiguous allocator gives a lone sequence one extent
+        fresh = iter(self.allocator.allocate_blocks(self._swap_in_blocks(*seqs)))
+        to_device: dict[int, int] = {}
+        pairs: list[tuple[int, int]] = []
+        for seq in seqs:
+            first_written = self._first_written(seq)
+            swapped = self._swapped.pop(seq.seq_id)
+            start = len(swapped.stale)
+            table = list(swapped.stale)
+            for i, block_id in enumerate(swapped.cpu_blocks):
+                device = to_device.get(block_id) if i < first_written else None
+                if device is None:
+                    device = next(fresh)
+                    pairs.append((block_id, device))
+                    if i < first_written:
+                        to_device[block_id] = device
+                else:
+                    self.allocator.incref(device)
+                table.append(device)
+                cpu.free(block_id)
+            table.extend(next(fresh) for _ in range(self.admission_blocks(seq) - len(table)))
+            final = self._final(seq)
+            self._account_blocks(table, range(start, len(table)), seq.num_tokens, final)
+            # Swapped-in blocks are published again on the next mark_computed (a duplicate of a
+            # block still cached stays unpublished).
+            self._seqs[seq.seq_id] = _SeqBlocks(table, seq.num_tokens, final, start, start)
         return pairs
 
     def is_swapped(self, seq: Sequence) -> bool:
@@ -434,6 +496,7 @@ class BlockManager:
             num_stranded_free_blocks=self.allocator.num_stranded_free_blocks(blocked_blocks) if blocked_blocks else 0,
             num_cpu_blocks=cpu.num_blocks if cpu else 0,
             num_free_cpu_blocks=cpu.num_free_blocks if cpu else 0,
+            num_logical_blocks=sum(len(s.table) - s.num_dropped for s in self._seqs.values()),
         )
 
     def _cdiv(self, num_tokens: int) -> int:

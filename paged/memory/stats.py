@@ -3,7 +3,8 @@
 The PagedAttention paper (Fig. 2) splits KV memory into token states, reservation (slots held for
 tokens a request will still produce), internal fragmentation (slots held that it will never use)
 and external fragmentation (memory no request can be given). Every slot of the pool is in exactly
-one of those or free, so the five shares sum to 1.
+one of those or free, so the five shares sum to 1. Sharing is measured apart: how many blocks the
+sequences' tables name versus how many distinct blocks they hold.
 """
 
 from __future__ import annotations
@@ -30,6 +31,17 @@ class KVStats:
     num_stranded_free_blocks: int = 0
     num_cpu_blocks: int = 0
     num_free_cpu_blocks: int = 0
+    # block-table entries over all sequences: the blocks they would hold if nothing were shared
+    num_logical_blocks: int = 0
+
+    @property
+    def sharing_saving(self) -> float:
+        """The paper's memory saving (Fig. 14, 15): blocks saved by sharing (between a request's
+        samples or beams, and prefix-cache hits) / blocks the same sequences would hold without."""
+        if self.num_logical_blocks == 0:
+            return 0.0
+        held = self.num_allocated_blocks - self.num_unassigned_blocks
+        return 1.0 - held / self.num_logical_blocks
 
     @property
     def kv_usage(self) -> float:

@@ -6,9 +6,11 @@ budgets allow) or, when nothing can be admitted, a decode step over every runnin
 running sequence cannot get a slot for its next token, the policy picks a victim and the preemption
 mode takes its blocks: recomputed, it rejoins the waiting queue; swapped out, the swapped queue,
 which is served first (as in vLLM V0: no prefill while a sequence is swapped out, and swap-ins join
-a decode step in which nothing was preempted). `update_from_output` applies what the executor
-computed and sampled: it advances sequences, publishes prefix blocks, lets each request's sequence
-group fork its samples, checks stop conditions, and finishes and frees sequences.
+a decode step in which nothing was preempted). A request's sequences (samples, beams) are gang
+scheduled, as the paper's sequence groups: admitted, preempted and swapped in all together.
+`update_from_output` applies what the executor computed and sampled: it advances sequences,
+publishes prefix blocks, lets each request's sequence group fork, prune and finish its sequences,
+checks stop conditions (EOS, stop tokens, stop strings, length), and frees what finished.
 """
 
 from __future__ import annotations
@@ -16,15 +18,18 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Any
 
 from paged.config import SchedulerConfig
+from paged.detokenizer import IncrementalDetokenizer
 from paged.executor.output import ExecutorOutput
 from paged.memory import AllocStatus, BlockManager, KVStats
+from paged.model.sampler import Samples
 from paged.request import FinishReason, Request, SeqStatus, Sequence
 from paged.scheduler.output import ScheduledSeq, SchedulerOutput
 from paged.scheduler.policy import SchedulingPolicy
 from paged.scheduler.preemption import PreemptionMode, RecomputePreemption
-from paged.scheduler.sequence_group import GroupUpdate, ParallelSampling, SequenceGroup
+from paged.scheduler.sequence_group import GroupUpdate, SequenceGroup, Token, make_group
 
 
 @dataclass
@@ -53,6 +58,7 @@ class Scheduler:
         *,
         preemption: PreemptionMode | None = None,
         eos_token_ids: Collection[int] = (),
+        tokenizer: Any = None,
     ) -> None:
         self.cfg = cfg
         # plain ints: the per-token checks must not pay for a config-node lookup
@@ -63,6 +69,8 @@ class Scheduler:
         self.policy = policy
         self.preemption = preemption or RecomputePreemption()
         self.eos_token_ids = frozenset(eos_token_ids)
+        # detokenizes outputs with stop strings as they grow; None: such requests are refused
+        self.tokenizer = tokenizer
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -80,19 +88,36 @@ class Scheduler:
         if reason is not None:
             self.abort(request, reason)
             return
-        self._groups[request] = ParallelSampling(request)
+        params = request.params
+        self._groups[request] = make_group(request, self.eos_token_ids, self.max_model_len)
+        if params.stop_strings:
+            for seq in request.seqs:
+                seq.detokenizer = IncrementalDetokenizer(
+                    self.tokenizer, request.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+                    stop=params.stop_strings, include_stop_str_in_output=params.include_stop_str_in_output,
+                )
         self.waiting.extend(request.seqs)
 
     def _rejection(self, request: Request) -> str | None:
         if request.abort_reason is not None:
             return request.abort_reason
-        if request.num_prompt_tokens == 0:
+        params, num_prompt = request.params, request.num_prompt_tokens
+        if num_prompt == 0:
             return "empty prompt"
-        if request.num_prompt_tokens > self.max_model_len:
+        if num_prompt > self.max_model_len:
+            return f"prompt has {num_prompt} tokens, more than max_model_len={self.max_model_len}"
+        if num_prompt + params.max_tokens > self.max_model_len:
+            # what vLLM's server answers: nothing is silently cut short
             return (
-                f"prompt has {request.num_prompt_tokens} tokens, more than "
-                f"max_model_len={self.max_model_len}"
+                f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) = {num_prompt + params.max_tokens} "
+                f"tokens, more than max_model_len={self.max_model_len}; max_tokens <= "
+                f"{self.max_model_len - num_prompt} fits"
             )
+        if params.best_of > self.max_num_seqs:
+            what = "beam width" if params.use_beam_search else "best_of"
+            return f"{what} {params.best_of} needs more sequences than max_num_seqs={self.max_num_seqs}"
+        if params.stop_strings and self.tokenizer is None:
+            return "stop strings need a tokenizer, and this executor has none (use stop_token_ids)"
         return self.block_manager.rejection(request)
 
     def abort(self, request: Request, reason: str) -> None:
@@ -133,6 +158,11 @@ class Scheduler:
         out.aborted, self._pending_aborts = self._pending_aborts, []
         return out
 
+    @staticmethod
+    def _gang(seq: Sequence, status: SeqStatus) -> list[Sequence]:
+        """`seq` and the other sequences of its request in the same state: they move together."""
+        return [seq, *(s for s in seq.request.seqs if s.status is status and s is not seq)]
+
     def _schedule_prefills(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput(is_prefill=True)
         if not self.waiting:
@@ -140,46 +170,54 @@ class Scheduler:
         token_budget = self.max_num_batched_tokens
         admitted: list[Sequence] = []
         for seq in self.policy.order(self.waiting, now):
-            if len(self.running) + len(admitted) >= self.max_num_seqs or seq.num_tokens > token_budget:
+            if seq.status is not SeqStatus.WAITING:  # admitted with its group, or aborted
+                continue
+            gang = self._gang(seq, SeqStatus.WAITING)
+            num_tokens = sum(s.num_tokens for s in gang)
+            # A recomputed group can hold more tokens than a step's budget: it then runs alone
+            # rather than never (the budget still bounds every other prefill step).
+            over_budget = num_tokens > token_budget and (admitted or num_tokens <= self.max_num_batched_tokens)
+            if len(self.running) + len(admitted) + len(gang) > self.max_num_seqs or over_budget:
                 break
-            status = self._admission_status(seq, idle=not (self.running or admitted))
+            status = self._admission_status(gang, idle=not (self.running or admitted))
             if status is AllocStatus.NEVER:
                 continue
             if status is AllocStatus.LATER:
-                self._blocked_blocks = self.block_manager.admission_blocks(seq)
+                self._blocked_blocks = sum(map(self.block_manager.admission_blocks, gang))
                 break
-            seq.num_computed_tokens = self.block_manager.allocate(seq)
-            seq.status = SeqStatus.RUNNING
-            token_budget -= seq.num_tokens
-            admitted.append(seq)
-            out.scheduled.append(self._scheduled(seq, seq.num_tokens - seq.num_computed_tokens))
+            if seq.request.first_scheduled_time is None:
+                seq.request.first_scheduled_time = now
+            for s in gang:
+                s.num_computed_tokens = self.block_manager.allocate(s)
+                s.status = SeqStatus.RUNNING
+                admitted.append(s)
+                out.scheduled.append(self._scheduled(s, s.num_tokens - s.num_computed_tokens))
+            token_budget -= num_tokens
         for seq in admitted:
             self.waiting.remove(seq)
         self.running.extend(admitted)
         return out
 
-    def _admission_status(self, seq: Sequence, *, idle: bool) -> AllocStatus:
-        """OK or LATER; NEVER once `seq`'s request is aborted with the reason. With nothing running
+    def _admission_status(self, gang: list[Sequence], *, idle: bool) -> AllocStatus:
+        """OK or LATER; NEVER once the request is aborted with the reason. With nothing running
         (`idle`) nothing will free blocks, so LATER is NEVER too."""
         bm = self.block_manager
-        status = bm.can_allocate(seq)
-        required = bm.admission_blocks(seq)
-        needs = f"needs {required} blocks for {seq.num_tokens} tokens but"
+        status = bm.can_allocate(*gang)
+        required = sum(map(bm.admission_blocks, gang))
+        needs = f"needs {required} blocks for {sum(s.num_tokens for s in gang)} tokens but"
+        request = gang[0].request
         if status is AllocStatus.NEVER and required > bm.allocator.max_allocation < bm.num_total_blocks:
             self.abort(
-                seq.request,
+                request,
                 f"{needs} the largest contiguous extent the allocator can give is "
                 f"{bm.allocator.max_allocation} blocks",
             )
         elif status is AllocStatus.NEVER:
-            self.abort(
-                seq.request,
-                f"{needs} the cache has {bm.num_total_blocks} blocks (watermark {bm.watermark_blocks})",
-            )
+            self.abort(request, f"{needs} the cache has {bm.num_total_blocks} blocks (watermark {bm.watermark_blocks})")
         elif status is AllocStatus.LATER and idle:
             status = AllocStatus.NEVER
             self.abort(
-                seq.request,
+                request,
                 f"{needs} with nothing running only {bm.allocator.num_free_blocks} of the cache's "
                 f"{bm.num_total_blocks} blocks are free",
             )
@@ -187,115 +225,166 @@ class Scheduler:
 
     def _schedule_decodes(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput(is_prefill=False)
-        queue = deque(self.running)
-        try_append = self.block_manager.try_append_slots
+        gangs: dict[Request, list[Sequence]] = {}
+        for seq in self.running:
+            gangs.setdefault(seq.request, []).append(seq)
+        queue = deque(gangs.values())
+        bm = self.block_manager
         while queue:
-            seq = queue.popleft()
-            while (copies := try_append(seq)) is None:
-                victim = self.policy.choose_victim([*queue, seq], now)
-                self._preempt(victim, out)
-                if victim is seq:
+            gang = queue.popleft()
+            # A lone sequence checks and grows in one pass. A group checks first: once one of its
+            # sequences has grown (its copy-on-write targets not yet copied), it cannot be swapped out.
+            lone = len(gang) == 1
+            copies = bm.try_append_slots(gang[0]) if lone else None
+            while copies is None and not (not lone and bm.can_append_slots(*gang)):
+                victim = self.policy.choose_victim([*(s for g in queue for s in g), *gang], now)
+                victim_gang = gangs[victim.request]
+                self._preempt(victim_gang, out)
+                if victim_gang is gang:
                     break
-                queue.remove(victim)
+                queue.remove(victim_gang)
+                if lone:
+                    copies = bm.try_append_slots(gang[0])
             else:
-                if copies:
-                    out.blocks_to_copy.extend(copies)
-                out.scheduled.append(self._scheduled(seq, 1))
+                if lone:
+                    out.blocks_to_copy.extend(copies or ())
+                    out.scheduled.append(self._scheduled(gang[0], 1))
+                    continue
+                for seq in gang:
+                    out.blocks_to_copy.extend(bm.append_slots(seq))
+                    out.scheduled.append(self._scheduled(seq, 1))
         return out
 
     def _schedule_swap_ins(self, out: SchedulerOutput, now: float) -> None:
-        """Bring swapped-out sequences back into this decode step while blocks and seats allow."""
+        """Bring swapped-out requests back into this decode step while blocks and seats allow."""
         bm = self.block_manager
         for seq in self.policy.order(self.swapped, now):
-            if len(self.running) >= self.max_num_seqs:
+            if seq.status is not SeqStatus.SWAPPED:  # swapped in with its group, or aborted
+                continue
+            gang = self._gang(seq, SeqStatus.SWAPPED)
+            if len(self.running) + len(gang) > self.max_num_seqs:
                 break
-            status = bm.can_swap_in(seq)
+            status = bm.can_swap_in(*gang)
             if status is AllocStatus.LATER and self.running:
-                self._blocked_blocks = bm.admission_blocks(seq)
+                self._blocked_blocks = sum(map(bm.admission_blocks, gang))
                 break
             if status is not AllocStatus.OK:
-                self.abort(seq.request, f"needs {bm.admission_blocks(seq)} blocks to swap back in; the cache of "
-                                        f"{bm.num_total_blocks} blocks cannot give them even with nothing running")
+                self.abort(seq.request, f"needs {sum(map(bm.admission_blocks, gang))} blocks to swap back in; the cache "
+                                        f"of {bm.num_total_blocks} blocks cannot give them even with nothing running")
                 continue
-            out.blocks_to_swap_in.extend(bm.swap_in(seq))
-            self.swapped.remove(seq)
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
+            out.blocks_to_swap_in.extend(bm.swap_in(*gang))
             self.counters.num_swaps_in += 1
-            out.scheduled.append(self._scheduled(seq, 1))
+            for s in gang:
+                self.swapped.remove(s)
+                s.status = SeqStatus.RUNNING
+                self.running.append(s)
+                out.scheduled.append(self._scheduled(s, 1))
 
     def _scheduled(self, seq: Sequence, num_new_tokens: int) -> ScheduledSeq:
         num_samples = self._groups[seq.request].num_samples(seq)
         return ScheduledSeq(seq, num_new_tokens, self.block_manager.block_table(seq), num_samples)
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        swapped = self.preemption.preempt(seq, self.block_manager, out)
-        self.running.remove(seq)
-        seq.num_preemptions += 1
-        seq.request.num_preemptions += 1
+    def _preempt(self, gang: list[Sequence], out: SchedulerOutput) -> None:
+        """Take the blocks of one request's running sequences, all of them (gang preemption)."""
+        swapped = self.preemption.preempt(gang, self.block_manager, out)
+        request = gang[0].request
+        request.num_preemptions += 1
         self.counters.num_preemptions += 1
         if swapped:
-            seq.status = SeqStatus.SWAPPED
-            self.swapped.append(seq)
             self.counters.num_swaps_out += 1
-        else:
-            seq.status = SeqStatus.WAITING
-            self.waiting.append(seq)
-        out.preempted.append(seq)
+        for seq in gang:
+            self.running.remove(seq)
+            seq.num_preemptions += 1
+            if swapped:
+                seq.status = SeqStatus.SWAPPED
+                self.swapped.append(seq)
+            else:
+                seq.status = SeqStatus.WAITING
+                self.waiting.append(seq)
+            out.preempted.append(seq)
 
     # -- update ----------------------------------------------------------------------------------
 
     def update_from_output(self, sched: SchedulerOutput, output: ExecutorOutput, now: float) -> list[Request]:
         """Apply one executed step; returns the requests that finished (or were aborted) in it."""
         finished = list(sched.aborted)
-        samples: dict[Request, list[tuple[Sequence, list[int]]]] = {}
+        samples: dict[Request, list[tuple[Sequence, Samples]]] = {}
         mark_computed = self.block_manager.mark_computed
-        for item, tokens in zip(sched.scheduled, output.sampled, strict=True):
+        for i, (item, tokens) in enumerate(zip(sched.scheduled, output.sampled, strict=True)):
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
             mark_computed(seq)
             if tokens:
-                samples.setdefault(seq.request, []).append((seq, tokens))
+                samples.setdefault(seq.request, []).append((seq, output.samples(i)))
+        for seq_id, prompt_logprobs in output.prompt_logprobs.items():
+            request = next(item.seq.request for item in sched.scheduled if item.seq.seq_id == seq_id)
+            if request.prompt_logprobs is None:
+                request.prompt_logprobs = prompt_logprobs
         for request, group_samples in samples.items():
             if request.first_token_time is None:
                 request.first_token_time = now
             group = self._groups[request]
             # a group can only finish when one of its sequences does
-            if self._apply(request, group.process(group_samples)) and group.is_finished:
+            if self._apply(request, group, group.process(group_samples)) and group.is_finished:
                 del self._groups[request]
+                request.completions = group.completions()
                 finished.append(request)
         for request in finished:
             request.finish_time = now
         return finished
 
-    def _apply(self, request: Request, update: GroupUpdate) -> bool:
-        """Fork and append; True when a sequence finished."""
+    def _apply(self, request: Request, group: SequenceGroup, update: GroupUpdate) -> bool:
+        """Fork, append, prune and finish; True when a sequence finished."""
         finished = False
+        checks = group.checks_stops
         for parent, token in update.forks:
-            child = parent.fork(len(request.seqs))
+            child = parent.fork(request.next_seq_index())
             self.block_manager.fork(parent, child)
             request.seqs.append(child)
             self.running.append(child)
-            finished |= self._append(child, token)
+            finished |= self._append(child, token, checks)
         for seq, token in update.appends:
-            finished |= self._append(seq, token)
+            finished |= self._append(seq, token, checks)
+        for seq in update.prunes:
+            self._finish(seq, None)
+            request.seqs.remove(seq)
+        if update.done:
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    self._finish(seq, None)
+            finished = True
         return finished
 
-    def _append(self, seq: Sequence, token: int) -> bool:
+    def _append(self, seq: Sequence, token: Token, check_stops: bool) -> bool:
         """Extend `seq` by `token`; True when that finishes it."""
         tokens = seq.token_ids
-        tokens.append(token)
+        token_id = token.token_id
+        tokens.append(token_id)
+        seq.cumulative_logprob += token.logprob
+        if seq.logprobs is not None:
+            seq.logprobs.append(token.top_logprobs or {token_id: (token.logprob, 0)})
+        if not check_stops:
+            return False
         params = seq.request.params
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            self._finish(seq, FinishReason.STOP)
-            return True
-        if len(tokens) - seq.num_prompt_tokens >= params.max_tokens or len(tokens) >= self.max_model_len:
-            self._finish(seq, FinishReason.LENGTH)
-            return True
+        num_output = len(tokens) - seq.num_prompt_tokens
+        stop = seq.detokenizer.append(token_id) if seq.detokenizer is not None else None
+        # vLLM: no stop condition but length counts before min_tokens (the sampler bans stop tokens too)
+        if num_output >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                return self._finish(seq, FinishReason.STOP, token_id)
+            if token_id in self.eos_token_ids and not params.ignore_eos:
+                return self._finish(seq, FinishReason.STOP)
+            if stop is not None:
+                return self._finish(seq, FinishReason.STOP, stop)
+        if num_output >= params.max_tokens or len(tokens) >= self.max_model_len:
+            return self._finish(seq, FinishReason.LENGTH)
         return False
 
-    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+    def _finish(self, seq: Sequence, reason: FinishReason | None, stop_reason: str | int | None = None) -> bool:
+        """End `seq` and free its blocks; `reason` None for a beam that is not an output itself."""
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        seq.stop_reason = stop_reason
         self.block_manager.free(seq)
         self.running.remove(seq)
+        return True

@@ -1,10 +1,11 @@
-"""The preemption seam: what taking a running sequence's blocks does to its KV.
+"""The preemption seam: what taking a request's running sequences' blocks does to their KV.
 
 `scheduler.preemption_mode` picks a built-in mode: `recompute` frees the blocks and recomputes the
 sequence as one prefill when it is admitted again; `swap` parks its KV in the CPU pool, from which
 the scheduler's swapped queue brings it back before any waiting request is admitted; `auto` is vLLM
-V0's rule (swap a request that has several running sequences, recompute a lone one). A custom mode
-is a `PreemptionMode` named by `scheduler.preemption._target_`.
+V0's rule (swap a request that has several running sequences, recompute a lone one). A request's
+sequences are preempted together (gang scheduling), and a swap keeps the blocks they share shared.
+A custom mode is a `PreemptionMode` named by `scheduler.preemption._target_`.
 """
 
 from __future__ import annotations
@@ -24,22 +25,24 @@ class PreemptionMode(ABC):
     num_recompute_fallbacks: int = 0
 
     @abstractmethod
-    def preempt(self, seq: Sequence, block_manager: BlockManager, out: SchedulerOutput) -> bool:
-        """Release `seq`'s device blocks; True when its KV was swapped out (the scheduler then puts
-        it in the swapped queue), False when it must be recomputed (the waiting queue)."""
+    def preempt(self, seqs: list[Sequence], block_manager: BlockManager, out: SchedulerOutput) -> bool:
+        """Release the device blocks of `seqs` (one request's running sequences); True when their KV
+        was swapped out (the scheduler then puts them in the swapped queue), False when they must be
+        recomputed (the waiting queue)."""
 
 
-def recompute(seq: Sequence, block_manager: BlockManager) -> bool:
-    block_manager.free(seq)
-    seq.num_computed_tokens = 0
+def recompute(seqs: list[Sequence], block_manager: BlockManager) -> bool:
+    for seq in seqs:
+        block_manager.free(seq)
+        seq.num_computed_tokens = 0
     return False
 
 
 class RecomputePreemption(PreemptionMode):
     """vLLM's default: free the blocks; prompt and generated tokens are recomputed as one prefill."""
 
-    def preempt(self, seq: Sequence, block_manager: BlockManager, out: SchedulerOutput) -> bool:
-        return recompute(seq, block_manager)
+    def preempt(self, seqs: list[Sequence], block_manager: BlockManager, out: SchedulerOutput) -> bool:
+        return recompute(seqs, block_manager)
 
 
 class SwapPreemption(PreemptionMode):
@@ -47,22 +50,22 @@ class SwapPreemption(PreemptionMode):
 
     swaps = True
 
-    def preempt(self, seq: Sequence, block_manager: BlockManager, out: SchedulerOutput) -> bool:
-        if block_manager.can_swap_out(seq):
-            out.blocks_to_swap_out.extend(block_manager.swap_out(seq))
+    def preempt(self, seqs: list[Sequence], block_manager: BlockManager, out: SchedulerOutput) -> bool:
+        if block_manager.can_swap_out(*seqs):
+            out.blocks_to_swap_out.extend(block_manager.swap_out(*seqs))
             return True
         self.num_recompute_fallbacks += 1
-        return recompute(seq, block_manager)
+        return recompute(seqs, block_manager)
 
 
 class AutoPreemption(SwapPreemption):
     """vLLM V0: swap when the request has several running sequences (samples sharing blocks would
     each be recomputed), recompute a request's only sequence."""
 
-    def preempt(self, seq: Sequence, block_manager: BlockManager, out: SchedulerOutput) -> bool:
-        if sum(not s.is_finished for s in seq.request.seqs) > 1:
-            return super().preempt(seq, block_manager, out)
-        return recompute(seq, block_manager)
+    def preempt(self, seqs: list[Sequence], block_manager: BlockManager, out: SchedulerOutput) -> bool:
+        if len(seqs) > 1:
+            return super().preempt(seqs, block_manager, out)
+        return recompute(seqs, block_manager)
 
 
 MODES: dict[str, type[PreemptionMode]] = {

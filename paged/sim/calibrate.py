@@ -211,7 +211,7 @@ def _overhead(model: ModelConfig, spec: ModelSpec, values: dict[str, Any]) -> di
         manager = BlockManager(NaiveAllocator(alloc_cfg.num_blocks, alloc_cfg.block_size))
         scheduler = Scheduler(SchedulerConfig(name="fcfs"), manager, FCFSPolicy(), eos_token_ids=())
         for i in range(batch):
-            params = SamplingParams(max_tokens=24, ignore_eos=True)
+            params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
             scheduler.add_request(Request(f"cal-{batch}-{i}", [(7 * i + j) % 1000 + 1 for j in range(64)], params))
         while scheduler.has_unfinished:
             start = time.perf_counter()
