@@ -6,13 +6,13 @@ from typing import Any
 
 from paged.request import SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "BeamSearchParams", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:
     # LLM pulls in Hydra and the model stack; keep `import paged.memory` and friends light.
-    if name == "LLM":
-        from paged.llm import LLM
+    if name in ("LLM", "BeamSearchParams"):
+        from paged import llm
 
-        return LLM
+        return getattr(llm, name)
     raise AttributeError(f"module 'paged' has no attribute {name!r}")

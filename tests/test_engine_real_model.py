@@ -105,7 +105,8 @@ def test_repeated_preemption_keeps_greedy_outputs(executor, prompt_ids, hf_greed
 @pytest.fixture(scope="module")
 def unconstrained(executor, prompt_ids) -> list[list[int]]:
     llm = llm_on(executor, "naive", "v2", ROOMY)
-    return [o.token_ids for o in llm.generate(prompt_ids, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, temperature=0.0))]
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, temperature=0.0)
+    return [o.token_ids for o in llm.generate(prompt_ids, params)]
 
 
 @pytest.mark.parametrize(

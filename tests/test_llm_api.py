@@ -76,9 +76,11 @@ def test_eos_stops_generation_unless_ignore_eos(llm: LLM) -> None:
 
     (stopped,) = eos_llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0)).pop().outputs
     assert (stopped.token_ids, stopped.finish_reason) == (greedy[: k + 1], "stop")
-    (ignored,) = eos_llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)).pop().outputs
+    ignoring = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
+    (ignored,) = eos_llm.generate(PROMPTS[0], ignoring).pop().outputs
     assert (ignored.token_ids, ignored.finish_reason) == (greedy, "length")
-    (stop_token,) = llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, stop_token_ids=[greedy[k]], temperature=0.0)).pop().outputs
+    stopping = SamplingParams(max_tokens=8, stop_token_ids=[greedy[k]], temperature=0.0)
+    (stop_token,) = llm.generate(PROMPTS[0], stopping).pop().outputs
     assert (stop_token.token_ids, stop_token.finish_reason) == (greedy[: k + 1], "stop")
 
 

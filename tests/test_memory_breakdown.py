@@ -456,7 +456,8 @@ class MemoryBreakdownMachine(RuleBasedStateMachine):
     def add(self, prompt, max_tokens):
         prompt = prompt[: self.mml - 1]  # the engine refuses prompts with no room for an output
         self.num_requests += 1
-        request = Request(f"r{self.num_requests}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0))
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        request = Request(f"r{self.num_requests}", prompt, params)
         assert self.bm.rejection(request) is None
         eos = Request("eos", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
         assert (self.bm.rejection(eos) is not None) == (self.kind == "oracle")

@@ -6,6 +6,8 @@ import torch
 from paged.model.sampler import SampleRow, sample, sample_probs
 from paged.request import SamplingParams
 
+GREEDY = SamplingParams(temperature=0)
+
 
 def draw(x: torch.Tensor, rows: list[SampleRow]) -> list[list[int]]:
     return [s.token_ids for s in sample(x, rows)]
@@ -38,7 +40,7 @@ def test_a_draw_does_not_depend_on_its_batch_neighbours() -> None:
     alone = [draw(x[1:2], [SampleRow(params, seed=99, num_output_tokens=s)])[0] for s in range(30)]
     filtering = SampleRow(SamplingParams(temperature=1.0, top_k=5), 1)
     batched = [
-        draw(x, [SampleRow(SamplingParams(temperature=0), 0), SampleRow(params, seed=99, num_output_tokens=s), filtering])[1]
+        draw(x, [SampleRow(GREEDY, 0), SampleRow(params, seed=99, num_output_tokens=s), filtering])[1]
         for s in range(30)
     ]
     assert batched == alone

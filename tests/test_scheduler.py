@@ -107,8 +107,8 @@ def test_invalid_requests_are_aborted_with_reasons():
 
 def test_max_tokens_beyond_max_model_len_is_refused_with_the_numbers_and_stop_tokens_stop():
     engine = make_engine("scheduler.max_model_len=16", "scheduler.max_num_batched_tokens=64")
-    long, fits = run_requests(engine, [[1] * 10, [1] * 10], [SamplingParams(max_tokens=50, ignore_eos=True, temperature=0.0),
-                                                             SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)])
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0) for m in (50, 6)]
+    long, fits = run_requests(engine, [[1] * 10, [1] * 10], params)
     assert long.abort_reason == (
         "prompt (10 tokens) + max_tokens (50) = 60 tokens, more than max_model_len=16; max_tokens <= 6 fits"
     )
@@ -116,7 +116,8 @@ def test_max_tokens_beyond_max_model_len_is_refused_with_the_numbers_and_stop_to
     probe = make_engine()
     (free,) = run_requests(probe, [[4, 5, 6]], [SamplingParams(max_tokens=8, temperature=0.0)])
     stop_at = free.seqs[0].output_token_ids[3]
-    (stopped,) = run_requests(make_engine(), [[4, 5, 6]], [SamplingParams(max_tokens=8, stop_token_ids=[stop_at], temperature=0.0)])
+    stopping = SamplingParams(max_tokens=8, stop_token_ids=[stop_at], temperature=0.0)
+    (stopped,) = run_requests(make_engine(), [[4, 5, 6]], [stopping])
     assert stopped.seqs[0].output_token_ids == free.seqs[0].output_token_ids[:4]
     assert stopped.finish_reason.value == "stop"
 
@@ -156,7 +157,8 @@ def test_toy_allocator_and_policy_plug_in_through_config():
         "scheduler.policy._target_=tests.toy_plugins.LongestPromptFirstPolicy",
         "scheduler.max_num_seqs=1",
     )
-    requests = run_requests(engine, [[1] * 3, [2] * 20], [SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)] * 2)
+    params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)
+    requests = run_requests(engine, [[1] * 3, [2] * 20], [params] * 2)
     assert CountingAllocator.calls > 0
     assert type(engine.scheduler.policy).__name__ == "LongestPromptFirstPolicy"
     assert requests[1].first_token_time < requests[0].first_token_time

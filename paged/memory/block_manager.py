@@ -105,7 +105,8 @@ class BlockManager:
         reason = self.reservation.rejection(request)
         params = request.params
         if reason is None and self.allocator.contiguous and params.best_of > 1:
-            what = f"beams (width {params.best_of})" if params.use_beam_search else f"samples (best_of={params.best_of})"
+            width = params.best_of
+            what = f"beams (width {width})" if params.use_beam_search else f"samples (best_of={width})"
             reason = (
                 f"{type(self.allocator).__name__} gives each sequence its own contiguous extent and cannot "
                 f"share blocks between {what}; use a paged allocator (naive, prefix)"

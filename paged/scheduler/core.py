@@ -269,8 +269,9 @@ class Scheduler:
                 self._blocked_blocks = sum(map(bm.admission_blocks, gang))
                 break
             if status is not AllocStatus.OK:
-                self.abort(seq.request, f"needs {sum(map(bm.admission_blocks, gang))} blocks to swap back in; the cache "
-                                        f"of {bm.num_total_blocks} blocks cannot give them even with nothing running")
+                needed = sum(map(bm.admission_blocks, gang))
+                self.abort(seq.request, f"needs {needed} blocks to swap back in; the cache of {bm.num_total_blocks} "
+                                        "blocks cannot give them even with nothing running")
                 continue
             out.blocks_to_swap_in.extend(bm.swap_in(*gang))
             self.counters.num_swaps_in += 1
