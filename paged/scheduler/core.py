@@ -168,16 +168,20 @@ class Scheduler:
         if not self.waiting:
             return out
         token_budget = self.max_num_batched_tokens
+        num_seats = len(self.running)
         admitted: list[Sequence] = []
         for seq in self.policy.order(self.waiting, now):
             if seq.status is not SeqStatus.WAITING:  # admitted with its group, or aborted
                 continue
             gang = self._gang(seq, SeqStatus.WAITING)
             num_tokens = sum(s.num_tokens for s in gang)
+            # a request not yet forked takes the seats its samples or beams will fill (vLLM's
+            # max_num_running_seqs), so forking never overfills the batch
+            seats = max(len(gang), seq.request.params.best_of) if len(seq.request.seqs) == 1 else len(gang)
             # A recomputed group can hold more tokens than a step's budget: it then runs alone
             # rather than never (the budget still bounds every other prefill step).
             over_budget = num_tokens > token_budget and (admitted or num_tokens <= self.max_num_batched_tokens)
-            if len(self.running) + len(admitted) + len(gang) > self.max_num_seqs or over_budget:
+            if num_seats + seats > self.max_num_seqs or over_budget:
                 break
             status = self._admission_status(gang, idle=not (self.running or admitted))
             if status is AllocStatus.NEVER:
@@ -193,6 +197,7 @@ class Scheduler:
                 admitted.append(s)
                 out.scheduled.append(self._scheduled(s, s.num_tokens - s.num_computed_tokens))
             token_budget -= num_tokens
+            num_seats += seats
         for seq in admitted:
             self.waiting.remove(seq)
         self.running.extend(admitted)
