@@ -80,13 +80,19 @@ class IncrementalDetokenizer:
             self._chunks = ["".join(self._chunks)]
         return self._chunks[0] if self._chunks else ""
 
-    def append(self, token_id: int) -> str | None:
+    def append(self, token_id: int, check_stop: bool = True) -> str | None:
         """Add one generated token; returns the stop string it completed (None if none). After a stop,
-        `text` is cut before the stop string (or just after it with include_stop_str_in_output)."""
+        `text` is cut before the stop string (or just after it with include_stop_str_in_output).
+        `check_stop=False` only grows the text (vLLM ignores stop strings before min_tokens)."""
         if self._stopped_by is not None:
             raise RuntimeError(f"append after the sequence stopped at stop string {self._stopped_by!r}")
         new_text = self._next_text(token_id)
         if not new_text:
+            return None
+        if not check_stop:
+            self._chunks.append(new_text)
+            region = self._tail + new_text
+            self._tail = region[max(0, len(region) - self._tail_len) :]
             return None
         return self._add_text(new_text)
 

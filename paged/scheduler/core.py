@@ -373,9 +373,10 @@ class Scheduler:
             return False
         params = seq.request.params
         num_output = len(tokens) - seq.num_prompt_tokens
-        stop = seq.detokenizer.append(token_id) if seq.detokenizer is not None else None
         # vLLM: no stop condition but length counts before min_tokens (the sampler bans stop tokens too)
-        if num_output >= params.min_tokens:
+        past_min = num_output >= params.min_tokens
+        stop = seq.detokenizer.append(token_id, check_stop=past_min) if seq.detokenizer is not None else None
+        if past_min:
             if token_id in params.stop_token_ids:
                 return self._finish(seq, FinishReason.STOP, token_id)
             if token_id in self.eos_token_ids and not params.ignore_eos:
