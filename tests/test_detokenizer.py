@@ -283,3 +283,16 @@ def test_fork_keeps_a_half_matched_stop_string(tok: Tokenizer) -> None:
     assert parent.text == "The quick brown dog"
     with pytest.raises(RuntimeError):
         child.append(dog[0])
+
+
+def test_unchecked_appends_skip_a_stop_string_and_a_later_one_still_stops(tok: Tokenizer) -> None:
+    # the scheduler does not check stop strings before min_tokens: the first " fox" must not stop,
+    # and the tail kept meanwhile still finds a later match
+    text = "the fox and the fox"
+    ids = tok.encode(text)
+    ends = char_end_of_token(tok, ids)
+    first_end = text.index(" fox") + len(" fox")
+    detok = IncrementalDetokenizer(tok, [], stop=(" fox",))
+    hits = [detok.append(t, check_stop=ends[i] > first_end) for i, t in enumerate(ids)]
+    assert hits[:-1] == [None] * (len(ids) - 1) and hits[-1] == " fox"
+    assert detok.text == "the fox and the"
