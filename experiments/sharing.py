@@ -46,8 +46,9 @@ from rich.console import Console
 from rich.table import Table
 
 from paged.build import build_engine, build_executor
-from paged.experiment import workload_for
+from paged.experiment import swap_summary, workload_for
 from paged.llm import LLM, compose_config
+from paged.metrics import StepRecord
 from paged.request import SamplingParams
 from paged.runner import run_workload
 
@@ -105,15 +106,37 @@ def difference(measured: float, point: float | None, span: tuple[float, float] |
     return None
 
 
-def sim_run(overrides: list[str]) -> tuple[dict[str, Any], float]:
-    """One simulated serving run: its summary and the host seconds it took."""
+def saving_views(steps: list[StepRecord]) -> dict[str, Any]:
+    """Other averages of the per-step saving than summary.json's plain step mean, in %. A step mean
+    weighs the many short steps of the drain (a few long requests left) as much as full-batch ones,
+    so: weighted by step time; over the steps at capacity (requests queued for a seat or memory);
+    and the step mean per tenth of the run's time, to show how the saving moves as the load does."""
+    held = [s for s in steps if s.num_logical_blocks]
+    if not held:
+        return {"time_weighted_pct": None, "at_capacity_pct": None, "by_time_decile_pct": []}
+    weights = [s.step_time_s for s in held]
+    loaded = [s.kv_sharing_saving for s in held if s.num_waiting or s.num_swapped]
+    start, end = held[0].time_s, held[-1].time_s
+    deciles: list[list[float]] = [[] for _ in range(10)]
+    for s in held:
+        deciles[min(int(10 * (s.time_s - start) / (end - start or 1.0)), 9)].append(s.kv_sharing_saving)
+    return {
+        "time_weighted_pct": 100 * sum(w * s.kv_sharing_saving for w, s in zip(weights, held)) / sum(weights),
+        "at_capacity_pct": 100 * statistics.fmean(loaded) if loaded else None,
+        "by_time_decile_pct": [100 * statistics.fmean(d) if d else None for d in deciles],
+    }
+
+
+def sim_run(overrides: list[str]) -> tuple[dict[str, Any], dict[str, Any], float]:
+    """One simulated serving run: its summary, `saving_views` and the host seconds it took."""
     start = time.perf_counter()
     cfg = compose_config([*SIM_BASE, *overrides])
     engine = build_engine(cfg)
     run_workload(engine, workload_for(cfg, engine), progress=False)
     bm = engine.scheduler.block_manager
     summary = engine.metrics.summary(kv_end=bm.stats(), caches_prefixes=bm.allocator.caches_prefixes)
-    return summary, time.perf_counter() - start
+    summary |= swap_summary(cfg, engine)
+    return summary, saving_views(engine.metrics.steps), time.perf_counter() - start
 
 
 def sampling_overrides(mode: str, width: int) -> list[str]:
@@ -125,9 +148,9 @@ def sampling_overrides(mode: str, width: int) -> list[str]:
 
 def run_sim(args: argparse.Namespace, extra: list[str]) -> list[dict[str, Any]]:
     loads = {"alpaca": args.alpaca, "sharegpt": args.sharegpt}
-    columns = ["mode", "n / width", "saving %", "paper %", "diff (pts)", "KV used mean / max %", "preemptions",
-               "decode batch", "finished", "host s"]
-    console = Console(width=160)
+    columns = ["mode", "n / width", "saving %", "paper %", "diff (pts)", "time-wtd %", "at capacity %",
+               "KV used mean / max %", "preempt (swap fallback)", "decode batch", "finished", "host s"]
+    console = Console(width=200)
     rows = []
     for workload, (requests, rate) in loads.items():
         table = Table(title=f"KV memory saved by sharing: OPT-13B, simulated A100-40GB, {workload}-like lengths, "
@@ -136,7 +159,7 @@ def run_sim(args: argparse.Namespace, extra: list[str]) -> list[dict[str, Any]]:
             table.add_column(col, justify="left" if col == "mode" else "right")
         for mode in MODES:
             for width in args.widths:
-                summary, host_s = sim_run([
+                summary, views, host_s = sim_run([
                     f"workload={workload}", f"workload.num_requests={int(requests)}", f"workload.arrival_rate={rate}",
                     *sampling_overrides(mode, width), *extra,
                 ])
@@ -145,14 +168,16 @@ def run_sim(args: argparse.Namespace, extra: list[str]) -> list[dict[str, Any]]:
                 diff = difference(saving, point, span)
                 table.add_row(
                     mode, str(width), f"{saving:.2f}", paper, "-" if diff is None else f"{diff:+.2f}",
+                    *("-" if views[k] is None else f"{views[k]:.2f}" for k in ("time_weighted_pct", "at_capacity_pct")),
                     f"{100 * summary['kv_usage_mean']:.0f} / {100 * summary['kv_usage_max']:.0f}",
-                    str(summary["num_preemptions"]), f"{summary['mean_decode_batch_size']:.1f}",
+                    f"{summary['num_preemptions']} ({summary['num_swap_fallbacks']})",
+                    f"{summary['mean_decode_batch_size']:.1f}",
                     f"{summary['num_finished']}/{summary['num_requests']}", f"{host_s:.1f}",
                 )
                 rows.append({
                     "target": "sim", "workload": workload, "mode": mode, "width": width, "requests": int(requests),
                     "rate": rate, "saving_pct": saving, "paper_pct": point, "paper_span": span, "diff_pts": diff,
-                    "host_s": host_s, "summary": summary,
+                    "host_s": host_s, **views, "summary": summary,
                 })
         console.print(table)
     return rows

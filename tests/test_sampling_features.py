@@ -234,23 +234,25 @@ def test_min_tokens_end_to_end_holds_off_eos_unless_ignore_eos(tiny: LLM) -> Non
     first = probe.token_ids[0]
     executor = tiny.executor
     saved = executor.eos_token_ids
-    executor.eos_token_ids = frozenset([first])  # the token the model is about to emit is its EOS
+    # the token the model is about to emit is its EOS (the scheduler stops at it, the sampler bans it)
+    executor.eos_token_ids = frozenset([first])
     try:
         eos_llm = LLM("tiny-random", executor=executor)
+        at_once, held = eos_llm.generate(
+            [PROMPT, PROMPT],
+            [SamplingParams(temperature=0.0, max_tokens=6),
+             SamplingParams(temperature=0.0, max_tokens=6, min_tokens=4)],
+            use_tqdm=False,
+        )
+        # ignore_eos: nothing is banned, the greedy path is the probe's
+        (ignoring,) = eos_llm.generate(
+            PROMPT, SamplingParams(temperature=0.0, max_tokens=6, min_tokens=4, ignore_eos=True), use_tqdm=False
+        )
     finally:
         executor.eos_token_ids = saved
-    at_once, held = eos_llm.generate(
-        [PROMPT, PROMPT],
-        [SamplingParams(temperature=0.0, max_tokens=6), SamplingParams(temperature=0.0, max_tokens=6, min_tokens=4)],
-        use_tqdm=False,
-    )
     assert at_once.token_ids == [first] and at_once.outputs[0].finish_reason == "stop"
     assert at_once.outputs[0].stop_reason is None
     assert len(held.token_ids) >= 4 and first not in held.token_ids[:4]
-    # ignore_eos: nothing is banned, the greedy path is the probe's
-    (ignoring,) = eos_llm.generate(
-        PROMPT, SamplingParams(temperature=0.0, max_tokens=6, min_tokens=4, ignore_eos=True), use_tqdm=False
-    )
     assert ignoring.token_ids == probe.token_ids
 
 
