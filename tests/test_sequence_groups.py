@@ -181,7 +181,7 @@ def request_specs(draw, prefix: list[int]) -> tuple[list[int], SamplingParams]:
 @st.composite
 def workloads(draw) -> list[tuple[list[int], SamplingParams]]:
     prefix = draw(st.lists(st.integers(0, 48), min_size=0, max_size=10))
-    return draw(st.lists(request_specs(prefix), min_size=1, max_size=5))
+    return draw(st.lists(request_specs(prefix), min_size=1, max_size=6))
 
 
 def unshared_blocks(prompt: list[int], params: SamplingParams, block_size: int) -> int:
@@ -205,7 +205,7 @@ def test_groups_under_memory_pressure_match_a_large_cache(mode, workload, data):
     block_size = data.draw(st.sampled_from([1, 2, 4]), label="block_size")
     need = max(unshared_blocks(p, sp, block_size) for p, sp in workload)
     # mostly a cache that fits every request alone; sometimes one that some requests cannot get
-    extra = data.draw(st.one_of(st.integers(0, 4), st.integers(-need // 2, -1)), label="extra_blocks")
+    extra = data.draw(st.one_of(st.integers(0, 2), st.integers(-need // 2, -1)), label="extra_blocks")
     num_blocks = max(need + extra, 1)
     num_cpu = data.draw(st.integers(1, 2 * num_blocks), label="num_cpu_blocks") if mode != "recompute" else 0
     engine = engine_for(allocator, num_blocks=num_blocks, block_size=block_size, mode=mode, num_cpu_blocks=num_cpu)
@@ -222,8 +222,8 @@ def test_groups_under_memory_pressure_match_a_large_cache(mode, workload, data):
     assert_no_leak(engine)
     counters = engine.scheduler.counters
     event(f"preempted: {counters.num_preemptions > 0}, swapped: {counters.num_swaps_out > 0}")
-    if extra >= 0:
-        assert finished * 2 >= len(workload), [r.abort_reason for r in tight]
+    if extra >= 0:  # every request fits alone: at least most of them finish
+        assert finished * 2 > len(workload), [r.abort_reason for r in tight]
     event(f"aborted with every request fitting alone: {extra >= 0 and finished < len(workload)}")
 
 
@@ -273,6 +273,25 @@ def test_without_sharing_outputs_are_the_same_and_the_saving_is_lower():
     assert_no_leak(shared_engine)
     assert_no_leak(unshared_engine)
     assert_no_leak(tight)
+
+
+def test_forked_samples_count_against_max_num_seqs():
+    """A best_of request is admitted as one sequence but takes the seats of the samples it forks."""
+    engine = engine_for()
+    engine.scheduler.max_num_seqs = 4
+    specs = [([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=5))] * 3
+    specs.append(([4, 5], SamplingParams(n=4, temperature=1.0, max_tokens=5)))
+    specs.append(([6, 7], SamplingParams(n=3, use_beam_search=True, temperature=0.0, max_tokens=5)))
+    requests = [Request(f"r{i}", p, copy.deepcopy(sp)) for i, (p, sp) in enumerate(specs)]
+    for r in requests:
+        engine.add_request(r)
+    most = 0
+    while engine.has_unfinished:
+        engine.step()
+        most = max(most, len(engine.scheduler.running))
+    assert most <= 4, f"{most} sequences running with max_num_seqs=4"
+    assert [r.abort_reason for r in requests] == [None] * len(specs)
+    assert_no_leak(engine)
 
 
 # -- 3. beam search shares blocks --------------------------------------------------------------------
@@ -433,10 +452,11 @@ class GroupMachine(RuleBasedStateMachine):
         event(f"admit: group of {min(len(gang), 3)}+")
         self.compute(gang, [], data)
         self.where[request] = "running"
-        (first,) = gang if self.best_of[request] > 1 else (None,)
-        for _ in range(self.best_of[request] - 1):
-            self.fork_seq(request, first, data.draw(st.integers(0, 2), label="sampled token"))
-        self.best_of[request] = 1
+        if self.best_of[request] > 1:  # a new request: the other samples fork off its first sequence
+            (first,) = gang
+            for _ in range(self.best_of[request] - 1):
+                self.fork_seq(request, first, data.draw(st.integers(0, 2), label="sampled token"))
+            self.best_of[request] = 1
 
     @rule(data=st.data())
     def step(self, data):
