@@ -12,6 +12,7 @@ from paged.executor.model_executor import ModelExecutor
 from paged.llm import BeamSearchParams
 from tests.test_model_parity import QUESTIONS, reference, smollm  # noqa: F401 - module fixtures
 
+pytestmark = pytest.mark.slow
 MAX_NEW = 10
 
 
