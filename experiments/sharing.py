@@ -16,16 +16,23 @@ preempted group keeps its sharing; recompute a lone one). The saving is summary.
 saved by sharing / blocks without sharing), averaged over the steps in which sequences hold
 blocks. The paper gives per-width numbers for Alpaca; for ShareGPT only the span over widths 2..6,
 so its ends stand for widths 2 and 6 (the saving grows with the width) and width 4 is compared with
-the whole span. Every run is deterministic: seeded lengths and arrivals, and the simulator's
-placeholder tokens and beam log-probabilities are hashes (paged/executor/sim_executor.py).
+the whole span. Beside it: the same saving weighted by step time, and over the steps at capacity
+(requests queued for a seat or memory), since the plain step mean counts the many short steps of
+the drain (a few long requests left) as much as full batches; `--out` also keeps it per tenth of
+the run's time. Every run is deterministic: seeded lengths and arrivals, and the simulator's
+placeholder tokens and beam log-probabilities are hashes (paged/executor/sim_executor.py). The
+defaults keep each run under ~15 s here with the queue or the memory full for most of the run.
 
 `cpu`: the real SmolLM2-135M on this CPU, beam search of `--width` over `--prompts` short prompts,
 `--max-tokens` tokens each (EOS ignored, so every run does the same work), with block sharing
 (`allocator.share_blocks=true`) and the paper's no-sharing baseline (false: a beam copies every
 block it shares before its next step). One loaded model serves every run, so loading is not timed.
-The two settings alternate (on, off, off, on, ...) over `--repeats` to spread this machine's noise
-over both; the table gives medians and the median of the per-repeat throughput ratios, and checks
-that both settings return the same hypotheses token for token (they do the same computation).
+After an untimed warm-up of each, the two settings alternate (on, off, off, on, ...) over
+`--repeats` to spread this machine's noise over both; the table gives medians, the median of the
+per-repeat throughput ratios, and whether every run returned the same hypotheses token for token
+(both settings do the same computation). Peak KV blocks is the most blocks allocated after any
+step. The baseline's saving is not 0: a step's forks are recorded after the step and are copied
+only before the next one.
 
 `--out F` writes every run's row (and, for `sim`, its whole summary) as JSON, or as CSV when F ends
 in .csv. Extra `key=value` arguments are Hydra overrides applied to every run.
