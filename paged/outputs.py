@@ -81,6 +81,7 @@ _SHOWN = [
     ("normalized_latency_s_per_token", "normalized latency (s/token)", "{:.4f}"),
     ("kv_usage_mean", "KV usage mean", "{:.3f}"),
     ("token_state_fraction_mean", "token-state fraction mean", "{:.3f}"),
+    ("kv_sharing_saving_mean", "KV saved by sharing, mean", "{:.3f}"),
     ("prefix_cache_hit_rate", "prefix cache hit rate", "{:.3f}"),
     ("engine_overhead_fraction", "engine overhead fraction", "{:.3f}"),
     ("wall_time_s", "wall time (s)", "{:.2f}"),

@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.initialization import no_init_weights
-from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from paged import LLM, SamplingParams
 from paged.build import build_executor
 from paged.executor.model_executor import ModelExecutor
 from paged.llm import compose_config
-from paged.model.locate import locate_smollm2
+from tests.hf_reference import arch_kwargs, smollm2_reference
 
 pytestmark = pytest.mark.slow
 
@@ -63,21 +60,9 @@ def prompt_ids(executor) -> list[list[int]]:
 @pytest.fixture(scope="module")
 @torch.inference_mode()
 def hf_greedy(executor, prompt_ids) -> list[list[int]]:
-    a = executor.arch
-    arch = dict(
-        vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
-        num_hidden_layers=a.num_layers, num_attention_heads=a.num_heads, num_key_value_heads=a.num_kv_heads,
-        head_dim=a.head_dim, rope_theta=a.rope_theta, rms_norm_eps=a.rms_norm_eps,
-        max_position_embeddings=a.max_position_embeddings, tie_word_embeddings=a.tie_word_embeddings,
-    )
-    with no_init_weights():
-        hf = LlamaForCausalLM(LlamaConfig(**arch, bos_token_id=1, eos_token_id=2, pad_token_id=2))
-    converted = load_gguf_checkpoint(str(locate_smollm2()), return_tensors=True, model_to_load=hf)
-    assert {k: converted["config"][k] for k in arch} == arch  # the config transformers reads from the GGUF
-    missing, unexpected = hf.load_state_dict(converted["tensors"], strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    hf.tie_weights()
-    hf.eval()
+    hf, config = smollm2_reference(executor.arch)
+    arch = arch_kwargs(executor.arch)
+    assert {k: config[k] for k in arch} == arch  # the config transformers reads from the GGUF
     outs = [hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=MAX_NEW) for ids in prompt_ids]
     return [out[0, len(ids) :].tolist() for ids, out in zip(prompt_ids, outs, strict=True)]
 

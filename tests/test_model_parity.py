@@ -1,9 +1,5 @@
-"""Our Llama against transformers: the real SmolLM2-135M GGUF and tiny random HF checkpoints.
-
-transformers' `from_pretrained(gguf_file=...)` insists on `accelerate`, which the project does not
-need, so the reference is built the way it would be without it: transformers' own GGUF
-conversion (`load_gguf_checkpoint`, with its own de-permutation of Q/K) into a `LlamaForCausalLM`.
-"""
+"""Our Llama against transformers: the real SmolLM2-135M GGUF (reference: tests/hf_reference.py)
+and tiny random HF checkpoints."""
 
 from __future__ import annotations
 
@@ -20,7 +16,6 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
-from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from paged.config import KernelConfig, ModelConfig
 from paged.executor.model_executor import ModelExecutor
@@ -28,6 +23,7 @@ from paged.model.hf_loader import load_hf
 from paged.model.llama import LlamaModel
 from paged.model.locate import GGUF_NAME, INSTALL_HINT, locate_smollm2
 from paged.model.tokenizer import load_hf_tokenizer
+from tests.hf_reference import smollm2_reference
 from tests.test_executor import causal_attention, generate
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
@@ -46,20 +42,7 @@ def smollm() -> ModelExecutor:
 
 @pytest.fixture(scope="module")
 def reference(smollm: ModelExecutor) -> tuple[LlamaForCausalLM, dict]:
-    a = smollm.arch
-    hf = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
-            num_hidden_layers=a.num_layers, num_attention_heads=a.num_heads, num_key_value_heads=a.num_kv_heads,
-            head_dim=a.head_dim, rope_theta=a.rope_theta, rms_norm_eps=a.rms_norm_eps,
-            max_position_embeddings=a.max_position_embeddings, tie_word_embeddings=a.tie_word_embeddings,
-        )
-    )
-    converted = load_gguf_checkpoint(str(locate_smollm2()), return_tensors=True, model_to_load=hf)
-    missing, unexpected = hf.load_state_dict(converted["tensors"], strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    hf.tie_weights()
-    return hf.eval(), converted["config"]
+    return smollm2_reference(smollm.arch)
 
 
 @pytest.fixture(scope="module")

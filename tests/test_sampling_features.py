@@ -19,6 +19,7 @@ from paged import LLM, SamplingParams
 from paged.config import KernelConfig, ModelConfig
 from paged.model.sampler import SampleRow, apply_penalties, sample, sample_probs
 from paged.request import MAX_LOGPROBS, Request
+from tests.hf_reference import smollm2_reference
 
 # ---------------------------------------------------------------------------------------------
 # 1. Bad input
@@ -378,26 +379,7 @@ def greedy(real: LLM):
 def reference(smollm, greedy):
     """transformers on the same GGUF: (transition scores of its greedy generate, its tokens,
     teacher-forced log-softmax over the prompt)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.initialization import no_init_weights
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    from paged.model.locate import locate_smollm2
-
-    a = smollm.arch
-    arch = dict(
-        vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
-        num_hidden_layers=a.num_layers, num_attention_heads=a.num_heads, num_key_value_heads=a.num_kv_heads,
-        head_dim=a.head_dim, rope_theta=a.rope_theta, rms_norm_eps=a.rms_norm_eps,
-        max_position_embeddings=a.max_position_embeddings, tie_word_embeddings=a.tie_word_embeddings,
-    )
-    with no_init_weights():
-        hf = LlamaForCausalLM(LlamaConfig(**arch, bos_token_id=1, eos_token_id=2, pad_token_id=2))
-    converted = load_gguf_checkpoint(str(locate_smollm2()), return_tensors=True, model_to_load=hf)
-    missing, unexpected = hf.load_state_dict(converted["tensors"], strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    hf.tie_weights()
-    hf.eval()
+    hf, _ = smollm2_reference(smollm.arch)
     prompt = torch.tensor([greedy.prompt_token_ids])
     out = hf.generate(prompt, do_sample=False, max_new_tokens=len(greedy.token_ids), output_scores=True,
                       return_dict_in_generate=True)
