@@ -190,8 +190,11 @@ class SimExecutor(Executor):
                 tokens = [(base + 7919 * j) % vocab for j in range(n)] if params.use_beam_search else [base % vocab] * n
             else:  # samples differ between a request's sequences, as sampling would make them
                 tokens = [(base + 7919 * (seq.index + i + 1)) % vocab for i in range(n)]
+            sampled.append(tokens)
+            if params.best_of == 1:  # nothing ranks a lone sample by its log-probability
+                logprobs.append([0.0])
+                continue
             q = BEAM_TOP_PROB_MIN + (1 - BEAM_TOP_PROB_MIN) * _unit(last, length, seq.index)
             ranks = range(n) if params.use_beam_search else [0] * n
             logprobs.append([_candidate_logprob(q, j) for j in ranks])
-            sampled.append(tokens)
         return sampled, logprobs

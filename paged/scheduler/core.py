@@ -24,12 +24,12 @@ from paged.config import SchedulerConfig
 from paged.detokenizer import IncrementalDetokenizer
 from paged.executor.output import ExecutorOutput
 from paged.memory import AllocStatus, BlockManager, KVStats
-from paged.model.sampler import Samples
+from paged.model.sampler import Samples, TokenLogprobs
 from paged.request import FinishReason, Request, SeqStatus, Sequence
 from paged.scheduler.output import ScheduledSeq, SchedulerOutput
 from paged.scheduler.policy import SchedulingPolicy
 from paged.scheduler.preemption import PreemptionMode, RecomputePreemption
-from paged.scheduler.sequence_group import GroupUpdate, SequenceGroup, Token, make_group
+from paged.scheduler.sequence_group import GroupUpdate, SequenceGroup, make_group
 
 
 @dataclass
@@ -316,28 +316,39 @@ class Scheduler:
         finished = list(sched.aborted)
         samples: dict[Request, list[tuple[Sequence, Samples]]] = {}
         mark_computed = self.block_manager.mark_computed
+        logprobs, tops = output.logprobs, output.top_logprobs
         for i, (item, tokens) in enumerate(zip(sched.scheduled, output.sampled, strict=True)):
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
             mark_computed(seq)
-            if tokens:
-                samples.setdefault(seq.request, []).append((seq, output.samples(i)))
+            if not tokens:
+                continue
+            request = seq.request
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if request.params.best_of > 1:
+                samples.setdefault(request, []).append((seq, output.samples(i)))
+                continue
+            # a lone sequence is its own group: one token, no group bookkeeping (the hot path)
+            top = tops[i] if tops else None
+            if self._append(seq, tokens[0], logprobs[i][0] if logprobs else 0.0, top[0] if top else None):
+                finished.append(self._complete(request))
         for seq_id, prompt_logprobs in output.prompt_logprobs.items():
             request = next(item.seq.request for item in sched.scheduled if item.seq.seq_id == seq_id)
             if request.prompt_logprobs is None:
                 request.prompt_logprobs = prompt_logprobs
         for request, group_samples in samples.items():
-            if request.first_token_time is None:
-                request.first_token_time = now
             group = self._groups[request]
             # a group can only finish when one of its sequences does
             if self._apply(request, group, group.process(group_samples)) and group.is_finished:
-                del self._groups[request]
-                request.completions = group.completions()
-                finished.append(request)
+                finished.append(self._complete(request))
         for request in finished:
             request.finish_time = now
         return finished
+
+    def _complete(self, request: Request) -> Request:
+        request.completions = self._groups.pop(request).completions()
+        return request
 
     def _apply(self, request: Request, group: SequenceGroup, update: GroupUpdate) -> bool:
         """Fork, append, prune and finish; True when a sequence finished."""
@@ -348,9 +359,9 @@ class Scheduler:
             self.block_manager.fork(parent, child)
             request.seqs.append(child)
             self.running.append(child)
-            finished |= self._append(child, token, checks)
+            finished |= self._append(child, *token, check_stops=checks)
         for seq, token in update.appends:
-            finished |= self._append(seq, token, checks)
+            finished |= self._append(seq, *token, check_stops=checks)
         for seq in update.prunes:
             self._finish(seq, None)
             request.seqs.remove(seq)
@@ -361,14 +372,16 @@ class Scheduler:
             finished = True
         return finished
 
-    def _append(self, seq: Sequence, token: Token, check_stops: bool) -> bool:
-        """Extend `seq` by `token`; True when that finishes it."""
+    def _append(
+        self, seq: Sequence, token_id: int, logprob: float, top_logprobs: TokenLogprobs | None,
+        check_stops: bool = True,
+    ) -> bool:
+        """Extend `seq` by one token; True when that finishes it."""
         tokens = seq.token_ids
-        token_id = token.token_id
         tokens.append(token_id)
-        seq.cumulative_logprob += token.logprob
+        seq.cumulative_logprob += logprob
         if seq.logprobs is not None:
-            seq.logprobs.append(token.top_logprobs or {token_id: (token.logprob, 0)})
+            seq.logprobs.append(top_logprobs or {token_id: (logprob, 0)})
         if not check_stops:
             return False
         params = seq.request.params

@@ -13,13 +13,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from paged.model.sampler import Samples, TokenLogprobs
 from paged.request import Completion, FinishReason, Request, Sequence
 
 
-@dataclass(frozen=True, slots=True)
-class Token:
+class Token(NamedTuple):
     token_id: int
     logprob: float = 0.0
     top_logprobs: TokenLogprobs | None = None
