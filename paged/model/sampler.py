@@ -166,17 +166,29 @@ def top_logprobs(logprobs: torch.Tensor, token_ids: list[int], k: int) -> list[T
     return out
 
 
+def _gathered_logprobs(logits: torch.Tensor, idx: torch.Tensor) -> list[list[float]]:
+    """log_softmax(logits) at `idx`, without materialising the whole log-softmax."""
+    return (logits.gather(1, idx) - torch.logsumexp(logits, dim=-1, keepdim=True)).tolist()
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: Collection[int] = ()) -> list[Samples]:
     """`Samples` per row from fp32 logits `[len(rows), vocab]`."""
     processed = apply_penalties(logits, rows, eos_token_ids)
     chosen = _choose(processed, rows)
-    raw = torch.log_softmax(logits, dim=-1)
-    ranked = raw if processed is logits else torch.log_softmax(processed, dim=-1)
+    width = max(map(len, chosen))
+    idx = torch.tensor([t + t[:1] * (width - len(t)) for t in chosen], device=logits.device)
+    raw = _gathered_logprobs(logits, idx)
+    # beam candidates carry the scores they were ranked by; sampled tokens the model's raw ones
+    beams = any(r.params.use_beam_search for r in rows)
+    ranked = _gathered_logprobs(processed, idx) if beams and processed is not logits else raw
     out = []
     for i, (r, tokens) in enumerate(zip(rows, chosen)):
-        # beam candidates carry the scores they were ranked by; sampled tokens the model's raw ones
-        source = ranked[i] if r.params.use_beam_search else raw[i]
-        logprobs = source[tokens].tolist()
-        k = r.params.logprobs
-        out.append(Samples(tokens, logprobs, None if k is None else top_logprobs(raw[i], tokens, k)))
+        logprobs = (ranked if r.params.use_beam_search else raw)[i][: len(tokens)]
+        k, top = r.params.logprobs, None
+        if k is not None:
+            row = torch.log_softmax(logits[i], dim=-1)
+            top = top_logprobs(row, tokens, k)
+            if not r.params.use_beam_search:  # the very values `top` reports
+                logprobs = row[tokens].tolist()
+        out.append(Samples(tokens, logprobs, top))
     return out
