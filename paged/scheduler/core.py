@@ -234,31 +234,31 @@ class Scheduler:
         for seq in self.running:
             gangs.setdefault(seq.request, []).append(seq)
         queue = deque(gangs.values())
-        bm = self.block_manager
         while queue:
             gang = queue.popleft()
-            # A lone sequence checks and grows in one pass. A group checks first: once one of its
-            # sequences has grown (its copy-on-write targets not yet copied), it cannot be swapped out.
-            lone = len(gang) == 1
-            copies = bm.try_append_slots(gang[0]) if lone else None
-            while copies is None and not (not lone and bm.can_append_slots(*gang)):
+            while (copies := self._grow(gang)) is None:
                 victim = self.policy.choose_victim([*(s for g in queue for s in g), *gang], now)
                 victim_gang = gangs[victim.request]
                 self._preempt(victim_gang, out)
                 if victim_gang is gang:
                     break
                 queue.remove(victim_gang)
-                if lone:
-                    copies = bm.try_append_slots(gang[0])
             else:
-                if lone:
-                    out.blocks_to_copy.extend(copies or ())
-                    out.scheduled.append(self._scheduled(gang[0], 1))
-                    continue
-                for seq in gang:
-                    out.blocks_to_copy.extend(bm.append_slots(seq))
-                    out.scheduled.append(self._scheduled(seq, 1))
+                out.blocks_to_copy.extend(copies)
+                out.scheduled.extend(self._scheduled(seq, 1) for seq in gang)
         return out
+
+    def _grow(self, gang: list[Sequence]) -> list[tuple[int, int]] | None:
+        """A slot for each sequence's next token: the copy-on-write copies to make first, or None
+        (nothing changed) when the free blocks do not suffice."""
+        bm = self.block_manager
+        if len(gang) == 1:  # checks and grows in one pass
+            return bm.try_append_slots(gang[0])
+        # A group checks first: once one of its sequences has grown (its copy-on-write targets not
+        # yet copied), the group could no longer be swapped out whole.
+        if not bm.can_append_slots(*gang):
+            return None
+        return [copy for seq in gang for copy in bm.append_slots(seq)]
 
     def _schedule_swap_ins(self, out: SchedulerOutput, now: float) -> None:
         """Bring swapped-out requests back into this decode step while blocks and seats allow."""
