@@ -16,6 +16,7 @@ from paged.config import register_configs
 from paged.engine import Engine
 from paged.executor.base import Executor
 from paged.model.sampler import TokenLogprobs
+from paged.outputs import completion_text
 from paged.request import Request, SamplingParams
 
 CONF_DIR = asset_dir("conf")
@@ -219,10 +220,6 @@ class LLM:
         self.engine.add_request(request)
         return request
 
-    def _decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        tokenizer = self.executor.tokenizer
-        return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens) if tokenizer is not None else ""
-
     def _logprobs(self, entries: list[TokenLogprobs | None] | None) -> list[LogprobDict | None] | None:
         if entries is None:
             return None
@@ -236,11 +233,12 @@ class LLM:
         ]
 
     def _output(self, request: Request) -> RequestOutput:
-        skip = request.params.skip_special_tokens
+        skip, tokenizer = request.params.skip_special_tokens, self.executor.tokenizer
+        decode = tokenizer.decode if tokenizer is not None else None
         outputs = [
             CompletionOutput(
                 c.index,
-                c.text if c.text is not None else self._decode(c.token_ids, skip),
+                completion_text(c, skip, decode) or "",
                 c.token_ids,
                 c.cumulative_logprob,
                 self._logprobs(c.logprobs),  # type: ignore[arg-type]

@@ -13,8 +13,19 @@ from rich.table import Table
 from paged.metrics import RequestMetrics
 from paged.request import Completion, Request
 
+# a tokenizer's `decode(token_ids, skip_special_tokens=...)`
+Decode = Callable[..., str]
 
-def _completion_record(c: Completion, decode: Callable[[list[int]], str] | None) -> dict[str, Any]:
+
+def completion_text(c: Completion, skip_special_tokens: bool, decode: Decode | None) -> str | None:
+    """A completion's text: as detokenized while it grew (already cut at its stop string), else
+    decoded now under the request's `skip_special_tokens`; None without a tokenizer."""
+    if c.text is not None or decode is None:
+        return c.text
+    return decode(c.token_ids, skip_special_tokens=skip_special_tokens)
+
+
+def _completion_record(c: Completion, skip_special_tokens: bool, decode: Decode | None) -> dict[str, Any]:
     record: dict[str, Any] = {
         "index": c.index,
         "output_token_ids": c.token_ids,
@@ -23,18 +34,20 @@ def _completion_record(c: Completion, decode: Callable[[list[int]], str] | None)
     }
     if c.stop_reason is not None:
         record["stop_reason"] = c.stop_reason
-    if c.text is not None or decode is not None:
-        record["output_text"] = c.text if c.text is not None else decode(c.token_ids)  # type: ignore[misc]
+    text = completion_text(c, skip_special_tokens, decode)
+    if text is not None:
+        record["output_text"] = text
     if c.logprobs is not None:
         # JSON keys are strings: per token, [token id, log-probability, rank] of each entry
         record["logprobs"] = [[[t, lp, rank] for t, (lp, rank) in entry.items()] for entry in c.logprobs]
     return record
 
 
-def request_record(request: Request, metrics: RequestMetrics, decode: Callable[[list[int]], str] | None) -> dict:
+def request_record(request: Request, metrics: RequestMetrics, decode: Decode | None) -> dict:
     """One requests.jsonl line: `output_token_ids` / `output_text` of the best completion (the top
     beam, or sample 0), and `outputs` with every completion."""
-    completions = [_completion_record(c, decode) for c in request.outputs()]
+    skip = request.params.skip_special_tokens
+    completions = [_completion_record(c, skip, decode) for c in request.outputs()]
     best = completions[0] if completions else {"output_token_ids": []}
     record: dict[str, Any] = {
         "request_id": request.request_id,
@@ -58,7 +71,7 @@ def write_outputs(
     summary: dict[str, Any],
     requests: list[Request],
     metrics: list[RequestMetrics],
-    decode: Callable[[list[int]], str] | None,
+    decode: Decode | None,
 ) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

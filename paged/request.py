@@ -5,7 +5,10 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from paged.detokenizer import IncrementalDetokenizer
 
 # vLLM's `max_logprobs` default: the most top log-probabilities a request may ask for per token.
 MAX_LOGPROBS = 20
@@ -181,8 +184,8 @@ class Sequence:
         # per output token, when the request asks for logprobs: token -> (log-probability, rank)
         self.logprobs: list[dict[int, tuple[float, int]]] | None = [] if request.params.logprobs is not None else None
         self.stop_reason: str | int | None = None
-        # an IncrementalDetokenizer when the request has stop strings (set by the scheduler)
-        self.detokenizer: Any = None
+        # set by the scheduler when the request has stop strings
+        self.detokenizer: IncrementalDetokenizer | None = None
 
     @property
     def num_tokens(self) -> int:
