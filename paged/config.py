@@ -59,6 +59,20 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
     max_model_len: int = 2048
+    # A step fills its token budget with chunks of prompts, so a prompt longer than the budget runs
+    # in several steps and decodes never wait behind a whole prefill (vLLM V1, Sarathi).
+    chunked_prefill: bool = True
+    # decode-first: running rows, then new prefills in what budget is left (vLLM V1);
+    # prefill-first: prefills first (without chunking a step that admits any is prefill-only, vLLM V0)
+    batch_order: str = "decode-first"
+    # at most this many prompts are left partly computed between steps (vLLM's max_num_partial_prefills)
+    max_num_partial_prefills: int = 1
+    # a prompt's chunk is at most this many tokens per step; 0: only the budget caps it (vLLM's
+    # long_prefill_token_threshold)
+    long_prefill_token_threshold: int = 0
+    # Among waiting requests whose first uncached block another request is computing right now,
+    # admit none: they hit its blocks a step later (SGLang's in-batch prefix de-duplication).
+    prefix_dedup: bool = True
     policy: PluginConfig = field(default_factory=PluginConfig)
     # recompute | swap | auto (paged.scheduler.preemption.MODES); `preemption._target_` names a custom mode
     preemption_mode: str = "recompute"
@@ -226,11 +240,24 @@ def validate(cfg: Any, block_sizes: tuple[int, ...] = BLOCK_SIZES) -> None:
     _choice("scheduler.preemption_mode", s.preemption_mode, ("recompute", "swap", "auto"))
     for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
         _positive(f"scheduler.{key}", getattr(s, key))
-    if s.max_num_batched_tokens < s.max_model_len:
-        # a preempted sequence is recomputed in one prefill, so the budget must hold the longest one
+    _choice("scheduler.batch_order", s.batch_order, ("decode-first", "prefill-first"))
+    _positive("scheduler.max_num_partial_prefills", s.max_num_partial_prefills)
+    if s.long_prefill_token_threshold < 0:
+        raise ConfigError(
+            f"scheduler.long_prefill_token_threshold={s.long_prefill_token_threshold!r} must be >= 0 "
+            "(0: a chunk is capped by the token budget only)"
+        )
+    if s.max_num_batched_tokens < a.block_size:
+        raise ConfigError(
+            f"scheduler.max_num_batched_tokens={s.max_num_batched_tokens} is below one KV block "
+            f"(allocator.block_size={a.block_size}); a step must be able to fill a block"
+        )
+    if s.max_num_batched_tokens < s.max_model_len and not s.chunked_prefill:
+        # without chunks a prompt (or a recomputed sequence) runs in one step: the budget must hold the longest
         raise ConfigError(
             f"scheduler.max_num_batched_tokens={s.max_num_batched_tokens} must be >= "
-            f"scheduler.max_model_len={s.max_model_len}"
+            f"scheduler.max_model_len={s.max_model_len} when scheduler.chunked_prefill=false "
+            "(chunked prefill runs longer prompts in several steps)"
         )
     k = cfg.kernel
     _choice("kernel.version", k.version, ("auto", *VERSIONS))

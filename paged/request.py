@@ -240,6 +240,7 @@ class Request:
         prompt: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        client_id: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -248,6 +249,8 @@ class Request:
         self.arrival_time = arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        # who sent it, for per-client fair sharing (None: the workload names no clients)
+        self.client_id = client_id
         self.seqs: list[Sequence] = [Sequence(self, list(prompt_token_ids))]
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

@@ -312,6 +312,10 @@ class BlockManager:
             self.allocator.insert(state.table[i], chain[i])
         state.num_published = num_full
 
+    def num_cached_tokens(self, seq: Sequence) -> int:
+        """Tokens of `seq`'s prompt the prefix cache holds now (what admitting it would skip)."""
+        return len(self._peek_hits(seq)) * self.block_size
+
     def _peek_hits(self, seq: Sequence) -> list[int]:
         """Block ids of the cached prefix, excluding the block holding the last token (its
         logits must be computed) so a shared cached block is never written."""
