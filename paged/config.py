@@ -121,6 +121,15 @@ class WorkloadConfig:
     temperature: float = 0.0
     ignore_eos: bool = True
     shared_prefix_len: int = 0
+    # > 1 (with shared_prefix_len > 0): that many distinct prefixes, each request's drawn at random,
+    # so requests sharing a prefix interleave in arrival order (longest-prefix-match studies)
+    num_prefixes: int = 1
+    # > 0: each request names one of client-0 .. client-{num_clients - 1} (per-client fair sharing),
+    # drawn in proportion to client_weights (None: equal shares); 0: requests name no client
+    num_clients: int = 0
+    client_weights: list[float] | None = None
+    # > 0: each request's priority is uniform in [0, num_priorities); 0: every request's is 0
+    num_priorities: int = 0
     # vLLM's sampling keys, for every request (prompt files: each line's default, its own keys win).
     # A combination SamplingParams rejects fails at load, naming these keys.
     n: int = 1  # sequences returned per request (parallel sampling, or the beam width)
@@ -304,6 +313,34 @@ def validate(cfg: Any, block_sizes: tuple[int, ...] = BLOCK_SIZES) -> None:
                 f"workload.shared_prefix_len={w.shared_prefix_len!r} must be in [0, workload.prompt_len="
                 f"{w.prompt_len}] for workload=fixed"
             )
+    if w.num_prefixes < 1:
+        raise ConfigError(f"workload.num_prefixes={w.num_prefixes!r} must be >= 1 (1: one prefix shared by all)")
+    if w.num_prefixes > 1 and w.shared_prefix_len <= 0:
+        raise ConfigError(
+            f"workload.num_prefixes={w.num_prefixes} needs workload.shared_prefix_len > 0, got "
+            f"{w.shared_prefix_len}: there is no prefix to vary"
+        )
+    if w.num_clients < 0:
+        raise ConfigError(f"workload.num_clients={w.num_clients!r} must be >= 0 (0: requests name no client)")
+    if w.client_weights is not None:
+        weights = list(w.client_weights)
+        if w.num_clients == 0:
+            raise ConfigError(
+                f"workload.client_weights={weights} needs workload.num_clients > 0 (one weight per client)"
+            )
+        if len(weights) != w.num_clients:
+            raise ConfigError(
+                f"workload.client_weights={weights} must have one weight per client: "
+                f"{w.num_clients} (workload.num_clients), got {len(weights)}"
+            )
+        if min(weights) < 0 or sum(weights) <= 0:
+            raise ConfigError(
+                f"workload.client_weights={weights} must all be >= 0 with a sum > 0 (relative request shares)"
+            )
+    if w.num_priorities < 0:
+        raise ConfigError(
+            f"workload.num_priorities={w.num_priorities!r} must be >= 0 (0: every request's priority is 0)"
+        )
     _choice("logger.backend", cfg.logger.backend, ("wandb", "none"))
     _choice("logger.mode", cfg.logger.mode, ("offline", "disabled", "online"))
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -19,8 +20,9 @@ from paged.scheduler.output import SchedulerOutput
 class StepRecord:
     engine_step: int
     time_s: float
-    is_prefill: bool
+    is_prefill: bool  # some row computes a prompt (with chunked prefill, decode rows may run beside it)
     batch_size: int
+    num_decode_rows: int
     num_scheduled_tokens: int
     num_computed_tokens: int
     step_time_s: float
@@ -95,8 +97,13 @@ def _mean(values: list[float]) -> float | None:
     return float(np.mean(values)) if values else None
 
 
-def _p99(values: list[float]) -> float | None:
-    return float(np.percentile(values, 99)) if values else None
+def _percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def _latencies(name: str, values: list[float]) -> dict[str, float | None]:
+    """`<name>_mean_s` and the p50 / p90 / p99 percentiles (`<name>_p50_s`, ...)."""
+    return {f"{name}_mean_s": _mean(values), **{f"{name}_p{q}_s": _percentile(values, q) for q in (50, 90, 99)}}
 
 
 # StepRecord fields averaged into summary.json as `<key>_mean` (shares of the whole KV pool)
@@ -106,16 +113,45 @@ BREAKDOWN_KEYS = (
 )
 
 
+# VTC's service weights (OSDI'24): a prompt token costs 1, a generated token 2
+SERVICE_WEIGHTS = (1.0, 2.0)
+
+
 class MetricsRecorder:
-    """Collects step and request records; listeners (console, W&B) see each step as it happens."""
+    """Collects step and request records; listeners (console, W&B) see each step as it happens.
+
+    With requests from two or more clients it also measures fairness as the VTC paper does: the
+    service (prompt tokens + 2 x generated tokens) each client receives over the steps in which every
+    client that has sent a request still has one unfinished (all are backlogged, so each could use
+    more)."""
 
     def __init__(self) -> None:
         self.requests: list[Request] = []
         self.steps: list[StepRecord] = []
         self.step_listeners: list[Callable[[StepRecord], None]] = []
+        self._unfinished: Counter[str] = Counter()
+        self.client_service: dict[str, float] = {}
 
     def on_add(self, request: Request) -> None:
         self.requests.append(request)
+        if request.client_id is not None:
+            self._unfinished[request.client_id] += 1
+            self.client_service.setdefault(request.client_id, 0.0)
+
+    def on_scheduled(self, sched: SchedulerOutput) -> None:
+        """A step is about to run: its rows are service to their clients, if all are backlogged."""
+        if len(self.client_service) > 1 and all(self._unfinished[c] for c in self.client_service):
+            prompt_weight, output_weight = SERVICE_WEIGHTS
+            for item in sched.scheduled:
+                client = item.seq.request.client_id
+                if client is not None:
+                    weight = output_weight if item.is_decode else prompt_weight
+                    self.client_service[client] += item.num_new_tokens * weight
+
+    def on_finished(self, finished: Sequence[Request]) -> None:
+        for request in finished:
+            if request.client_id is not None:
+                self._unfinished[request.client_id] -= 1
 
     def on_step(
         self, sched: SchedulerOutput, output: ExecutorOutput, stats: SchedulerStats, start: float, end: float
@@ -127,6 +163,7 @@ class MetricsRecorder:
             time_s=end,
             is_prefill=sched.is_prefill,
             batch_size=len(sched.scheduled),
+            num_decode_rows=sched.num_decode_rows,
             num_scheduled_tokens=sched.num_batched_tokens,
             num_computed_tokens=output.num_computed_tokens,
             step_time_s=end - start,
@@ -155,6 +192,14 @@ class MetricsRecorder:
         for listener in self.step_listeners:
             listener(record)
 
+    def client_service_ratio(self) -> float | None:
+        """Most over least service between clients while all were backlogged; None with fewer than
+        two clients or no such step."""
+        service = self.client_service.values()
+        if len(service) < 2 or not any(service):
+            return None
+        return max(service) / max(min(service), 1.0)
+
     def request_metrics(self) -> list[RequestMetrics]:
         return [RequestMetrics.of(r) for r in self.requests]
 
@@ -172,7 +217,7 @@ class MetricsRecorder:
         steps = self.steps
         allocated_steps = [s.token_state_fraction for s in steps if s.num_allocated_blocks > 0]
         step_time = sum(s.step_time_s for s in steps)
-        decode_steps = [s for s in steps if not s.is_prefill]
+        decode_rows = [float(s.num_decode_rows) for s in steps if s.num_decode_rows]
         hit_rate = None
         if caches_prefixes and kv_end.num_queried_tokens > 0:
             hit_rate = kv_end.num_hit_tokens / kv_end.num_queried_tokens
@@ -186,11 +231,9 @@ class MetricsRecorder:
             "computed_tokens": sum(s.num_computed_tokens for s in steps),
             "output_tokens_per_s": useful_tokens / wall if wall > 0 else 0.0,
             "requests_per_s": len(done) / wall if wall > 0 else 0.0,
-            "ttft_mean_s": _mean([m.ttft_s for m in done if m.ttft_s is not None]),
-            "ttft_p99_s": _p99([m.ttft_s for m in done if m.ttft_s is not None]),
-            "tpot_mean_s": _mean([m.tpot_s for m in done if m.tpot_s is not None]),
-            "e2e_latency_mean_s": _mean([m.e2e_latency_s for m in done if m.e2e_latency_s is not None]),
-            "e2e_latency_p99_s": _p99([m.e2e_latency_s for m in done if m.e2e_latency_s is not None]),
+            **_latencies("ttft", [m.ttft_s for m in done if m.ttft_s is not None]),
+            **_latencies("tpot", [m.tpot_s for m in done if m.tpot_s is not None]),
+            **_latencies("e2e_latency", [m.e2e_latency_s for m in done if m.e2e_latency_s is not None]),
             "normalized_latency_s_per_token": _mean(
                 [m.normalized_latency_s_per_token for m in done if m.normalized_latency_s_per_token is not None]
             ),
@@ -203,10 +246,12 @@ class MetricsRecorder:
             "prefix_cache_hit_rate": hit_rate,
             "wall_time_s": wall,
             "num_engine_steps": len(steps),
-            "mean_decode_batch_size": _mean([float(s.batch_size) for s in decode_steps]),
+            # decode rows per step that has any (a chunked-prefill step also runs prompt chunks)
+            "mean_decode_batch_size": _mean(decode_rows),
             "engine_overhead_fraction": (sum(s.overhead_s for s in steps) / step_time) if step_time > 0 else 0.0,
             "decode_steps_v1": sum(s.attention_version == "v1" for s in steps),
             "decode_steps_v2": sum(s.attention_version == "v2" for s in steps),
+            "client_service_ratio": self.client_service_ratio(),
             "kv_blocks_in_use_end": kv_end.num_allocated_blocks,
             "num_total_blocks": kv_end.num_total_blocks,
         }

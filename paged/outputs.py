@@ -57,6 +57,8 @@ def request_record(request: Request, metrics: RequestMetrics, decode: Decode | N
         "ttft_s": metrics.ttft_s,
         "e2e_latency_s": metrics.e2e_latency_s,
         "num_preemptions": request.num_preemptions,
+        "priority": request.priority,
+        "client_id": request.client_id,
     }
     if "output_text" in best:
         record["output_text"] = best["output_text"]
@@ -90,12 +92,14 @@ _SHOWN = [
     ("ttft_mean_s", "TTFT mean (s)", "{:.3f}"),
     ("ttft_p99_s", "TTFT p99 (s)", "{:.3f}"),
     ("tpot_mean_s", "TPOT mean (s)", "{:.4f}"),
+    ("tpot_p99_s", "TPOT p99 (s)", "{:.4f}"),
     ("e2e_latency_mean_s", "e2e latency mean (s)", "{:.3f}"),
     ("normalized_latency_s_per_token", "normalized latency (s/token)", "{:.4f}"),
     ("kv_usage_mean", "KV usage mean", "{:.3f}"),
     ("token_state_fraction_mean", "token-state fraction mean", "{:.3f}"),
     ("kv_sharing_saving_mean", "KV saved by sharing, mean", "{:.3f}"),
     ("prefix_cache_hit_rate", "prefix cache hit rate", "{:.3f}"),
+    ("client_service_ratio", "client service ratio (max/min)", "{:.2f}"),
     ("engine_overhead_fraction", "engine overhead fraction", "{:.3f}"),
     ("wall_time_s", "wall time (s)", "{:.2f}"),
     ("kv_blocks_in_use_end", "KV blocks in use at end", "{}"),

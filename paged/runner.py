@@ -13,7 +13,7 @@ from paged.workload import WorkloadItem
 def to_request(item: WorkloadItem) -> Request:
     request = Request(
         item.request_id, item.prompt_token_ids, item.params or SamplingParams(), arrival_time=item.arrival_time,
-        prompt=item.prompt, priority=item.priority,
+        prompt=item.prompt, priority=item.priority, client_id=item.client_id,
     )
     request.abort_reason = item.error
     return request

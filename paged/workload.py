@@ -9,7 +9,15 @@ whole trace when None) with the trace's lengths scaled the same way and its arri
 `time_scale`; `fixed` gives every request exactly `prompt_len` and `output_len`.
 
 `shared_prefix_len` tokens, the same in every request, are prepended to each sampled (synthetic,
-trace) prompt; for `fixed` they are part of `prompt_len`.
+trace) prompt; for `fixed` they are part of `prompt_len`. With `num_prefixes` k > 1 there are k
+distinct prefixes of that length and each request gets one at random, so requests sharing a prefix
+interleave in arrival order (a shuffled shared-prefix workload, for longest-prefix-match studies).
+
+Clients and priorities: with `num_clients` k > 0 each request names a client, `client-0` ..
+`client-{k-1}`, drawn in proportion to `client_weights` (equal shares when None); with 0 it names
+none (`client_id` None). With `num_priorities` k > 0 each request's priority is uniform in [0, k);
+with 0 it is 0. The per-request draws (client, priority, which prefix) each come from their own
+stream seeded by `seed`, so turning them on changes no length, arrival or token id of the rest.
 
 Lengths are clipped in two steps. Sampled lengths are first clipped to the config's
 [`*_len_min`, `*_len_max`] (a None max means no such limit). Then, when the caller passes the
@@ -24,10 +32,11 @@ combination SamplingParams rejects (beam search with n = 1, n = 0, ...) raises a
 the `workload.` keys before any request is built.
 
 Prompt files are JSONL: per line an object with `prompt` (a string), an optional integer
-`priority`, and any SamplingParams constructor field under vLLM's name (`stop`, `logprobs`,
-`min_tokens`, `use_beam_search`, ...). The workload's `temperature`, `n`, `best_of`,
-`use_beam_search` and `length_penalty` are defaults a line's own keys override, so a line without
-`temperature` samples at the workload's (0.0, greedy), not at SamplingParams' 1.0. The file is UTF-8
+`priority`, an optional string `client`, and any SamplingParams constructor field under vLLM's name
+(`stop`, `logprobs`, `min_tokens`, `use_beam_search`, ...). The workload's `temperature`, `n`,
+`best_of`, `use_beam_search` and `length_penalty`, and its drawn client and priority, are defaults a
+line's own keys override, so a line without `temperature` samples at the workload's (0.0, greedy),
+not at SamplingParams' 1.0. The file is UTF-8
 (a byte order mark opening it is skipped); lines are numbered from 1 over all lines, blank ones
 included.
 
@@ -61,7 +70,7 @@ _LOGNORMAL_SIGMA = 1.0
 # there; derived fields (`stop_strings`) are not inputs.
 _SAMPLING_FIELDS = {f.name: f.type for f in dataclasses.fields(SamplingParams) if f.init}
 _SAMPLING_HINTS = typing.get_type_hints(SamplingParams)
-_PROMPT_FILE_KEYS = ("prompt", *_SAMPLING_FIELDS, "priority")
+_PROMPT_FILE_KEYS = ("prompt", *_SAMPLING_FIELDS, "priority", "client")
 # The workload keys that set every request's sampling (for prompt files: the defaults of each line)
 _WORKLOAD_SAMPLING_KEYS = ("temperature", "n", "best_of", "use_beam_search", "length_penalty")
 # The JSON values an annotated type accepts: an integer is a valid float, a bool is no number.
@@ -71,6 +80,11 @@ _JSON_TYPES: dict[Any, tuple[type, ...]] = {
 # Seeds the synthetic prefix ids apart from the request stream, so the prefix does not change with
 # the request count or lengths (as the corpus prefix does not).
 _PREFIX_STREAM = 1
+# Per-request draws each have their own stream too, so turning one on (or changing its setting)
+# leaves the lengths, arrivals, ids and the other draws of every request as they were.
+_CLIENT_STREAM = 2
+_PRIORITY_STREAM = 3
+_PREFIX_CHOICE_STREAM = 4
 
 
 class Tokenizer(Protocol):
@@ -85,6 +99,7 @@ class WorkloadItem:
     arrival_time: float = 0.0
     prompt: str | None = None
     priority: int = 0
+    client_id: str | None = None  # None: the workload names no clients
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -135,21 +150,50 @@ def load_workload(
         body = np.minimum(body, max_model_len - 1 - cfg.shared_prefix_len)
         output = np.minimum(output, max_model_len - cfg.shared_prefix_len - body)
     if tokenizer is not None:
-        prefix, bodies = _corpus_ids(tokenizer, cfg.shared_prefix_len, body, rng)
+        prefixes, bodies = _corpus_ids(tokenizer, cfg.shared_prefix_len, cfg.num_prefixes, body, rng)
     elif vocab_size is not None:
-        prefix, bodies = _random_ids(cfg, vocab_size, body, rng)
+        prefixes, bodies = _random_ids(cfg, vocab_size, body, rng)
     else:
         raise ValueError(
             f"workload={cfg.kind} without a tokenizer (a spec-only model) needs vocab_size= to draw "
             "synthetic token ids"
         )
+    distinct = len(set(map(tuple, prefixes)))
+    if distinct < len(prefixes):
+        # short prefixes of a small vocabulary or corpus can coincide; two equal ones would be one
+        # prefix to the cache, silently fewer than asked for
+        raise ValueError(
+            f"workload.num_prefixes={cfg.num_prefixes}: only {distinct} distinct prefixes "
+            f"of workload.shared_prefix_len={cfg.shared_prefix_len} tokens could be drawn; use fewer or longer "
+            "prefixes"
+        )
+    prefix_rng = np.random.default_rng([cfg.seed, _PREFIX_CHOICE_STREAM])
+    prefix_of = prefix_rng.integers(len(prefixes), size=len(bodies)).tolist()
+    clients, priorities = _request_mix(cfg, len(bodies))
     # read once: a DictConfig attribute costs microseconds, too much per request at paper scale
     sampling["ignore_eos"] = cfg.ignore_eos
     items = []
-    for i, (ids, o_len, t) in enumerate(zip(bodies, output.tolist(), lengths.arrival.tolist())):
+    per_request = zip(bodies, output.tolist(), lengths.arrival.tolist(), prefix_of, clients, priorities)
+    for i, (ids, o_len, t, p, client, priority) in enumerate(per_request):
         params = SamplingParams(max_tokens=o_len, **sampling)
-        items.append(WorkloadItem(f"req-{i}", prefix + ids, params, t))
+        items.append(WorkloadItem(f"req-{i}", prefixes[p] + ids, params, t, priority=priority, client_id=client))
     return items
+
+
+def _request_mix(cfg: WorkloadConfig, n: int) -> tuple[list[str | None], list[int]]:
+    """Per request: the client it names (None when `num_clients` is 0) and its priority."""
+    clients: list[str | None] = [None] * n
+    if cfg.num_clients > 0:
+        weights = np.ones(cfg.num_clients) if cfg.client_weights is None else np.array(list(cfg.client_weights))
+        names = [f"client-{k}" for k in range(cfg.num_clients)]
+        drawn = np.random.default_rng([cfg.seed, _CLIENT_STREAM]).choice(
+            cfg.num_clients, size=n, p=weights / weights.sum()
+        )
+        clients = [names[k] for k in drawn.tolist()]
+    priorities = [0] * n
+    if cfg.num_priorities > 0:
+        priorities = np.random.default_rng([cfg.seed, _PRIORITY_STREAM]).integers(cfg.num_priorities, size=n).tolist()
+    return clients, priorities
 
 
 def _workload_sampling(cfg: WorkloadConfig) -> dict[str, Any]:
@@ -247,27 +291,32 @@ def _split(flat: np.ndarray, lengths: np.ndarray) -> list[list[int]]:
 
 
 def _corpus_ids(
-    tokenizer: Tokenizer, prefix_len: int, body: np.ndarray, rng: np.random.Generator
-) -> tuple[list[int], list[list[int]]]:
-    """The corpus's first `prefix_len` tokens, and per request a window from a random start; windows
-    wrap around at the corpus end."""
+    tokenizer: Tokenizer, prefix_len: int, num_prefixes: int, body: np.ndarray, rng: np.random.Generator
+) -> tuple[list[list[int]], list[list[int]]]:
+    """`num_prefixes` windows of `prefix_len` tokens at evenly spaced corpus starts (the first at
+    the corpus's start), and per request a window from a random start; windows wrap around at the
+    corpus end."""
     text = resources.files("paged.data").joinpath("corpus.txt").read_text()
     tokens = np.asarray(tokenizer.encode(text), dtype=object)
     # one draw per request, in request order: the same stream as drawing them one by one
     starts = rng.integers(len(tokens), size=len(body))
     offsets = np.arange(int(body.sum())) - np.repeat(np.cumsum(body) - body, body)
     flat = tokens[(np.repeat(starts, body) + offsets) % len(tokens)]
-    return tokens[np.arange(prefix_len) % len(tokens)].tolist(), _split(flat, body)
+    prefix_starts = np.arange(num_prefixes) * len(tokens) // num_prefixes
+    prefixes = tokens[(prefix_starts[:, None] + np.arange(prefix_len)) % len(tokens)].tolist()
+    return prefixes, _split(flat, body)
 
 
 def _random_ids(
     cfg: WorkloadConfig, vocab_size: int, body: np.ndarray, rng: np.random.Generator
-) -> tuple[list[int], list[list[int]]]:
-    """Seeded uniform ids in [0, vocab_size) for a model without a tokenizer."""
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Seeded uniform ids in [0, vocab_size) for a model without a tokenizer: `num_prefixes`
+    prefixes, then the request bodies."""
     vocab = np.arange(vocab_size).astype(object)
     prefix_rng = np.random.default_rng([cfg.seed, _PREFIX_STREAM])
-    prefix = vocab[prefix_rng.integers(vocab_size, size=cfg.shared_prefix_len)].tolist()
-    return prefix, _split(vocab[rng.integers(vocab_size, size=int(body.sum()))], body)
+    # row by row from one stream, so prefix 0 is the very ids a single shared prefix has
+    prefixes = vocab[prefix_rng.integers(vocab_size, size=(cfg.num_prefixes, cfg.shared_prefix_len))].tolist()
+    return prefixes, _split(vocab[rng.integers(vocab_size, size=int(body.sum()))], body)
 
 
 def _json_fits(value: Any, hint: Any) -> bool:
@@ -294,35 +343,46 @@ def _line_params(record: dict[str, Any], defaults: dict[str, Any]) -> SamplingPa
 
 
 def parse_prompt_line(
-    line: str, index: int, line_no: int, tokenizer: Tokenizer, defaults: dict[str, Any]
+    line: str,
+    index: int,
+    line_no: int,
+    tokenizer: Tokenizer,
+    defaults: dict[str, Any],
+    *,
+    client_id: str | None = None,
+    priority: int = 0,
 ) -> WorkloadItem:
     """One JSONL line -> an item; anything wrong with it becomes the item's `error`. `defaults` are
-    the workload's sampling keys (`_workload_sampling`), which the line's own keys override."""
-    request_id = f"req-{index}"
+    the workload's sampling keys (`_workload_sampling`), which the line's own keys override; so do
+    its `client` and `priority` override `client_id` and `priority`, the workload's draws for this
+    request. An item with an error keeps the drawn client: it is still that client's request."""
+    item = WorkloadItem(f"req-{index}", [], None, priority=priority, client_id=client_id)
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
-        return WorkloadItem(request_id, [], None, error=f"line {line_no} is not valid JSON: {e.msg}")
+        return dataclasses.replace(item, error=f"line {line_no} is not valid JSON: {e.msg}")
     if not isinstance(record, dict):
-        return WorkloadItem(request_id, [], None, error=f"line {line_no} is not a JSON object")
+        return dataclasses.replace(item, error=f"line {line_no} is not a JSON object")
     unknown = sorted(set(record) - set(_PROMPT_FILE_KEYS))
     if unknown:
-        return WorkloadItem(
-            request_id, [], None,
-            error=f"line {line_no}: unknown keys {unknown}; allowed: {', '.join(_PROMPT_FILE_KEYS)}",
+        return dataclasses.replace(
+            item, error=f"line {line_no}: unknown keys {unknown}; allowed: {', '.join(_PROMPT_FILE_KEYS)}"
         )
     prompt = record.get("prompt")
     if not isinstance(prompt, str):
-        return WorkloadItem(request_id, [], None, error=f"line {line_no}: 'prompt' must be a string, got {prompt!r}")
-    tokens = tokenizer.encode(prompt) if prompt else []
-    priority = record.get("priority", 0)
+        return dataclasses.replace(item, error=f"line {line_no}: 'prompt' must be a string, got {prompt!r}")
+    item = dataclasses.replace(item, prompt_token_ids=tokenizer.encode(prompt) if prompt else [], prompt=prompt)
+    line_priority = record.get("priority", priority)
+    client = record.get("client", client_id)
     try:
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if isinstance(line_priority, bool) or not isinstance(line_priority, int):
+            raise ValueError(f"priority must be an integer, got {line_priority!r}")
+        if "client" in record and not isinstance(client, str):
+            raise ValueError(f"client must be a string, got {client!r}")
         params = _line_params(record, defaults)
     except (TypeError, ValueError) as e:
-        return WorkloadItem(request_id, tokens, None, prompt=prompt, error=f"line {line_no}: {e}")
-    return WorkloadItem(request_id, tokens, params, prompt=prompt, priority=priority)
+        return dataclasses.replace(item, error=f"line {line_no}: {e}")
+    return dataclasses.replace(item, params=params, priority=line_priority, client_id=client)
 
 
 def prompt_file(cfg: WorkloadConfig, tokenizer: Tokenizer) -> list[WorkloadItem]:
@@ -334,17 +394,28 @@ def prompt_file(cfg: WorkloadConfig, tokenizer: Tokenizer) -> list[WorkloadItem]
     # Decoded line by line, so one line that is not UTF-8 is that item's error, not the run's end.
     # Splitting the bytes on \n, \r\n and \r only (not str.splitlines' U+2028 and the like, which
     # JSON allows inside a string) keeps the line numbers an editor shows.
-    items = []
+    lines: list[tuple[int, str | UnicodeDecodeError]] = []
     for line_no, raw in enumerate(path.read_bytes().removeprefix(codecs.BOM_UTF8).splitlines(), start=1):
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            # column: the bad byte's 1-based offset among the line's bytes (no character is there)
-            error = f"line {line_no} is not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
-            items.append(WorkloadItem(f"req-{len(items)}", [], None, error=error))
+            lines.append((line_no, e))
             continue
         if line.strip():
-            items.append(parse_prompt_line(line, len(items), line_no, tokenizer, defaults))
+            lines.append((line_no, line))
+    # drawn once the request count is known, as for the length-only workloads
+    clients, priorities = _request_mix(cfg, len(lines))
+    items = []
+    for index, ((line_no, line), client, priority) in enumerate(zip(lines, clients, priorities)):
+        if isinstance(line, UnicodeDecodeError):
+            # column: the bad byte's 1-based offset among the line's bytes (no character is there)
+            bad = f"byte 0x{line.object[line.start]:02x} at column {line.start + 1}"
+            error = f"line {line_no} is not valid UTF-8 ({bad})"
+            items.append(WorkloadItem(f"req-{index}", [], None, priority=priority, client_id=client, error=error))
+        else:
+            items.append(
+                parse_prompt_line(line, index, line_no, tokenizer, defaults, client_id=client, priority=priority)
+            )
     rng = np.random.default_rng(cfg.seed)
     for item, t in zip(items, _arrivals(rng, cfg.arrival_rate, len(items))):
         item.arrival_time = float(t)

@@ -164,8 +164,9 @@ class ModelExecutor(Executor):
         ]
 
     def _prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor) -> dict[int, list[TokenLogprobs | None]]:
-        """Per sequence whose request asks for prompt_logprobs and whose whole prompt this step
-        computes for the first time: each prompt token's log-probability given the ones before it."""
+        """Per sequence whose request asks for prompt_logprobs and whose prompt this step computes
+        further (a whole prompt, or the next chunk of one): each newly covered prompt token's
+        log-probability given the ones before it (None for the first); the scheduler joins chunks."""
         out: dict[int, list[TokenLogprobs | None]] = {}
         if not sched.is_prefill:
             return out
@@ -173,12 +174,17 @@ class ModelExecutor(Executor):
         for it in sched.scheduled:
             request = it.seq.request
             k = request.params.prompt_logprobs
-            if k is not None and request.prompt_logprobs is None and it.num_computed == 0:
+            start = it.num_computed
+            # entries so far: None for token 0, then one per prompt token up to `start` (the row
+            # before a token predicts it); a recomputed prompt's were all collected already
+            collected = len(request.prompt_logprobs or ())
+            if k is not None and collected == (start + 1 if start else 0) and collected < request.num_prompt_tokens:
                 prompt = request.prompt_token_ids
-                rows = hidden[offset : offset + len(prompt) - 1]
+                stop = min(start + it.num_new_tokens, len(prompt) - 1)  # rows j < stop predict token j + 1
+                rows = hidden[offset : offset + stop - start]
                 logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
-                out[it.seq.seq_id] = [None] + [
-                    top_logprobs(logprobs[j], [prompt[j + 1]], k)[0] for j in range(len(prompt) - 1)
+                out[it.seq.seq_id] = [None] * (start == 0) + [
+                    top_logprobs(logprobs[j - start], [prompt[j + 1]], k)[0] for j in range(start, stop)
                 ]
             offset += it.num_new_tokens
         return out
@@ -222,7 +228,7 @@ class ModelExecutor(Executor):
         per_seq = [next(drawn) if s.num_samples > 0 else None for s in sched.scheduled]
         sampled = [d.token_ids if d else [] for d in per_seq]
         # a decode token extends a generation; everything else computes a prompt (or recomputes one)
-        num_decode_tokens = sum(it.num_new_tokens == 1 and it.seq.num_output_tokens > 0 for it in sched.scheduled)
+        num_decode_tokens = sum(it.is_decode for it in sched.scheduled)
         self.num_decode_tokens_computed += num_decode_tokens
         self.num_prefill_tokens_computed += batch.num_tokens - num_decode_tokens
         model_time = time.perf_counter() - start - prep_time

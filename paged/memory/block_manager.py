@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import weakref
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -31,6 +32,9 @@ class _SeqBlocks:
     # Leading blocks freed because they lie wholly before the sliding window; their table entries
     # are stale ids that the attention kernels never read.
     num_dropped: int = 0
+    # Leading blocks whose hashes were announced as being computed (from `num_published` on, until
+    # published or freed): what waiting requests with the same prefix can wait for.
+    num_announced: int = 0
 
 
 @dataclass(slots=True)
@@ -90,6 +94,8 @@ class BlockManager:
         # Hash chains are cached per Sequence object (weakly, so aborted waiting sequences don't
         # leak): admission re-asks every step while a sequence waits, and survives preemption.
         self._chains: weakref.WeakKeyDictionary[Sequence, list[bytes]] = weakref.WeakKeyDictionary()
+        # hashes of full blocks an admitted sequence is still computing, and how many such holders
+        self._computing: Counter[bytes] = Counter()
         # Filled slots per physical block. A shared block is never written (CoW first), so every
         # sequence referencing it agrees on its fill; summing once per block counts token states.
         self._fill = [0] * self.num_total_blocks
@@ -162,9 +168,10 @@ class BlockManager:
         if required > len(hits):
             table.extend(alloc.allocate_blocks(required - len(hits)))
         self._account_blocks(table, range(len(hits), required), num_tokens, final)
-        self._seqs[seq.seq_id] = _SeqBlocks(table, num_tokens, final, len(hits))
+        state = self._seqs[seq.seq_id] = _SeqBlocks(table, num_tokens, final, len(hits))
         num_hit_tokens = len(hits) * bs
         if self._caching:
+            self._announce(seq, state)
             self.num_queried_tokens += num_tokens
             self.num_hit_tokens += num_hit_tokens
         return num_hit_tokens
@@ -310,7 +317,34 @@ class BlockManager:
         chain = self._chain(seq, num_full)
         for i in range(max(state.num_published, state.num_dropped), num_full):
             self.allocator.insert(state.table[i], chain[i])
+        self._withdraw(chain, state.num_published, min(num_full, state.num_announced))
         state.num_published = num_full
+
+    def _announce(self, seq: Sequence, state: _SeqBlocks) -> None:
+        """Record the full blocks `seq` is about to compute, so `awaits_prefix` sees them."""
+        num_full = seq.num_tokens // self.block_size
+        chain = self._chain(seq, num_full)
+        for i in range(state.num_published, num_full):
+            self._computing[chain[i]] += 1
+        state.num_announced = max(num_full, state.num_published)
+
+    def _withdraw(self, chain: list[bytes], start: int, stop: int) -> None:
+        for i in range(start, stop):
+            block_hash = chain[i]
+            if self._computing[block_hash] <= 1:
+                del self._computing[block_hash]
+            else:
+                self._computing[block_hash] -= 1
+
+    def awaits_prefix(self, seq: Sequence) -> bool:
+        """Whether the first block of `seq` the cache misses is one an admitted sequence is computing
+        now: admitted a step later, `seq` would hit it instead of computing it again."""
+        if not self._computing or seq.request.params.prompt_logprobs is not None:
+            return False
+        num_hits = len(self._peek_hits(seq))
+        if (num_hits + 1) * self.block_size > seq.num_tokens - 1:  # no further block could be a hit
+            return False
+        return self._chain(seq, num_hits + 1)[num_hits] in self._computing
 
     def num_cached_tokens(self, seq: Sequence) -> int:
         """Tokens of `seq`'s prompt the prefix cache holds now (what admitting it would skip)."""
@@ -373,6 +407,8 @@ class BlockManager:
         state = self._seqs.pop(seq.seq_id, None)
         if state is None:
             raise KeyError(f"sequence {seq.seq_id} has no blocks to free")
+        if state.num_announced > state.num_published:
+            self._withdraw(self._chains[seq], state.num_published, state.num_announced)
         for block_id in reversed(state.table[state.num_dropped :]):
             self._release(block_id)
 

@@ -1,16 +1,24 @@
-"""Continuous (iteration-level) batching, prefill-first as in vLLM V0, and the one place where
-sequence state changes.
+"""Continuous (iteration-level) batching with chunked prefill, and the one place where sequence
+state changes.
 
-Each step is either a prefill step (admit waiting sequences while the token, sequence and block
-budgets allow) or, when nothing can be admitted, a decode step over every running sequence. When a
-running sequence cannot get a slot for its next token, the policy picks a victim and the preemption
-mode takes its blocks: recomputed, it rejoins the waiting queue; swapped out, the swapped queue,
-which is served first (as in vLLM V0: no prefill while a sequence is swapped out, and swap-ins join
-a decode step in which nothing was preempted). A request's sequences (samples, beams) are gang
-scheduled, as the paper's sequence groups: admitted, preempted and swapped in all together.
-`update_from_output` applies what the executor computed and sampled: it advances sequences,
-publishes prefix blocks, lets each request's sequence group fork, prune and finish its sequences,
-checks stop conditions (EOS, stop tokens, stop strings, length), and frees what finished.
+Each step fills a token budget (`max_num_batched_tokens`) and up to `max_num_seqs` seats. With
+`batch_order=decode-first` (vLLM V1, Sarathi's stall-free batching) the running requests come first
+(a token for each decoding sequence, the next chunk of each prompt in progress), then swap-ins, then
+new requests in the policy's order, each admitted with blocks for its whole prompt and computed in
+chunks of what budget is left (`chunked_prefill`, capped by `long_prefill_token_threshold`; at most
+`max_num_partial_prefills` prompts stay part-computed between steps). `prefill-first` admits before
+it decodes; without chunked prefill a step that admits anything is then prefill-only (vLLM V0).
+A waiting request whose next uncached block another request is computing waits a step to hit it
+(`prefix_dedup`). When a decoding sequence cannot get a slot for its next token, the policy picks a
+victim among the requests not yet scheduled and the preemption mode takes its blocks: recomputed, it
+rejoins the waiting queue; swapped out, the swapped queue, which is served before any new request
+(swap-ins join a step in which nothing was preempted). A preemptive policy also displaces running
+requests that its best waiting one outranks (they are recomputed). A request's sequences (samples,
+beams) are gang scheduled, as the paper's sequence groups: admitted, preempted and swapped in all
+together, and never chunked. `update_from_output` applies what the executor computed and sampled: it
+advances sequences, publishes prefix blocks, lets each request's sequence group fork, prune and
+finish its sequences, checks stop conditions (EOS, stop tokens, stop strings, length), and frees
+what finished.
 """
 
 from __future__ import annotations
@@ -41,6 +49,14 @@ class SchedulerCounters:
     num_swapped_blocks: int = 0  # blocks moved either way
 
 
+@dataclass
+class _Budget:
+    """What is left of one step: tokens, and how many prompts it leaves part-computed."""
+
+    tokens: int
+    num_partial: int = 0
+
+
 @dataclass(frozen=True)
 class SchedulerStats:
     num_running: int
@@ -65,9 +81,18 @@ class Scheduler:
         self.max_model_len = int(cfg.max_model_len)
         self.max_num_seqs = int(cfg.max_num_seqs)
         self.max_num_batched_tokens = int(cfg.max_num_batched_tokens)
+        self.chunked_prefill = bool(cfg.chunked_prefill)
+        self.prefill_first = cfg.batch_order == "prefill-first"
+        self.max_num_partial_prefills = int(cfg.max_num_partial_prefills)
+        self.long_prefill_token_threshold = int(cfg.long_prefill_token_threshold)
+        self.prefix_dedup = bool(cfg.prefix_dedup)
         self.block_manager = block_manager
         self.policy = policy
         self.preemption = preemption or RecomputePreemption()
+        # what a preemptive policy's preemptions use: the displaced request simply waits again
+        self._recompute = RecomputePreemption()
+        policy.bind(block_manager)
+        self._now = 0.0
         self.eos_token_ids = frozenset(eos_token_ids)
         # detokenizes outputs with stop strings as they grow; None: such requests are refused
         self.tokenizer = tokenizer
@@ -97,6 +122,7 @@ class Scheduler:
                     stop=params.stop_strings, include_stop_str_in_output=params.include_stop_str_in_output,
                 )
         self.waiting.extend(request.seqs)
+        self.policy.on_add(request, self._now)
 
     def _rejection(self, request: Request) -> str | None:
         if request.abort_reason is not None:
@@ -133,7 +159,8 @@ class Scheduler:
                 self.swapped.remove(seq)
             seq.status = SeqStatus.FINISHED
             seq.finish_reason = FinishReason.ABORTED
-        self._groups.pop(request, None)
+        if self._groups.pop(request, None) is not None:  # it was queued: the policy knows it
+            self.policy.on_finished(request, self._now)
         self.counters.num_aborted += 1
         self._pending_aborts.append(request)
 
@@ -148,14 +175,36 @@ class Scheduler:
     # -- schedule --------------------------------------------------------------------------------
 
     def schedule(self, now: float) -> SchedulerOutput:
+        """One step: the token budget filled with running rows (decodes, chunks of prompts in
+        progress), swap-ins and new prefills, in `batch_order` (module docstring)."""
         self._blocked_blocks = 0
-        out = SchedulerOutput() if self.swapped else self._schedule_prefills(now)
-        if out.is_empty:
-            out = self._schedule_decodes(now)
-            if self.swapped and not out.preempted:
-                self._schedule_swap_ins(out, now)
+        self._now = now
+        out = SchedulerOutput()
+        if self.policy.preemptive and self.waiting:
+            self._preempt_for_waiting(out, now)
+        budget = _Budget(self.max_num_batched_tokens)
+        gangs = self._running_gangs(now)
+        prefilling = [g for g in gangs if len(g) == 1 and g[0].num_tokens - g[0].num_computed_tokens > 1]
+        decoding = [g for g in gangs if not (len(g) == 1 and g[0].num_tokens - g[0].num_computed_tokens > 1)]
+        if self.prefill_first:
+            self._run(out, budget, prefilling, now)
+            if not self.swapped:
+                self._admit(out, budget, now)
+            # vLLM V0: without chunks, a step that admits prompts runs nothing else
+            if self.chunked_prefill or not out.scheduled:
+                self._run(out, budget, decoding, now)
+                self._swap_in(out, budget, now)
+        else:
+            self._run(out, budget, decoding + prefilling, now)
+            self._swap_in(out, budget, now)
+            if not self.swapped:  # swapped-out requests are served before new ones
+                self._admit(out, budget, now)
+        out.num_decode_rows = sum(item.is_decode for item in out.scheduled)
+        out.is_prefill = out.num_decode_rows < len(out.scheduled)
         self.counters.num_swapped_blocks += len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
         out.aborted, self._pending_aborts = self._pending_aborts, []
+        if out.scheduled:
+            self.policy.on_scheduled(out, now)
         return out
 
     @staticmethod
@@ -163,45 +212,111 @@ class Scheduler:
         """`seq` and the other sequences of its request in the same state: they move together."""
         return [seq, *(s for s in seq.request.seqs if s.status is status and s is not seq)]
 
-    def _schedule_prefills(self, now: float) -> SchedulerOutput:
-        out = SchedulerOutput(is_prefill=True)
+    def _running_gangs(self, now: float) -> list[list[Sequence]]:
+        """The running sequences by request, in the policy's order."""
+        gangs: dict[Request, list[Sequence]] = {}
+        for seq in self.running:
+            gangs.setdefault(seq.request, []).append(seq)
+        if len(gangs) <= 1:
+            return list(gangs.values())
+        return [gangs[s.request] for s in self.policy.order([g[0] for g in gangs.values()], now)]
+
+    @staticmethod
+    def _seats(gang: list[Sequence]) -> int:
+        """Batch seats a request holds: one not yet forked takes those its samples or beams will fill
+        (vLLM's max_num_running_seqs), so forking never overfills the batch."""
+        return max(len(gang), gang[0].request.params.best_of) if len(gang[0].request.seqs) == 1 else len(gang)
+
+    def _seats_in_use(self) -> int:
+        return len(self.running) + sum(
+            s.request.params.best_of - 1 for s in self.running if len(s.request.seqs) == 1
+        )
+
+    def _chunk(self, remaining: int, budget: _Budget) -> int:
+        """Tokens of a prompt (or recomputed sequence) with `remaining` uncomputed ones to run now."""
+        if not self.chunked_prefill:
+            return remaining
+        n = min(remaining, budget.tokens)
+        return min(n, self.long_prefill_token_threshold) if self.long_prefill_token_threshold else n
+
+    def _run(self, out: SchedulerOutput, budget: _Budget, gangs: list[list[Sequence]], now: float) -> None:
+        """Schedule running requests in order: a chunk of each prompt in progress, a token for each
+        decoding sequence. A decode that finds no free block preempts the policy's victim among the
+        requests not yet scheduled this step (possibly itself)."""
+        queue = deque(gangs)
+        while queue:
+            gang = queue.popleft()
+            seq = gang[0]
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            if len(gang) == 1 and remaining > 1:  # a prompt in progress: its blocks exist already
+                n = self._chunk(remaining, budget)
+                if n:
+                    out.scheduled.append(self._scheduled(seq, n))
+                    budget.tokens -= n
+                budget.num_partial += n < remaining
+                continue
+            if budget.tokens < len(gang):  # waits for a step with room
+                continue
+            while (copies := self._grow(gang)) is None:
+                victim = self.policy.choose_victim([*(s for g in queue for s in g), *gang], now)
+                victim_gang = next(g for g in (*queue, gang) if g[0].request is victim.request)
+                self._preempt(victim_gang, out)
+                if victim_gang is gang:
+                    break
+                queue.remove(victim_gang)
+            else:
+                out.blocks_to_copy.extend(copies)
+                out.scheduled.extend(self._scheduled(s, 1) for s in gang)
+                budget.tokens -= len(gang)
+
+    def _admit(self, out: SchedulerOutput, budget: _Budget, now: float) -> None:
+        """Admit waiting requests in the policy's order while seats, tokens and blocks allow."""
         if not self.waiting:
-            return out
-        token_budget = self.max_num_batched_tokens
-        num_seats = len(self.running)
+            return
+        bm = self.block_manager
+        num_seats = self._seats_in_use()
         admitted: list[Sequence] = []
         for seq in self.policy.order(self.waiting, now):
             if seq.status is not SeqStatus.WAITING:  # admitted with its group, or aborted
                 continue
-            gang = self._gang(seq, SeqStatus.WAITING)
-            num_tokens = sum(s.num_tokens for s in gang)
-            # a request not yet forked takes the seats its samples or beams will fill (vLLM's
-            # max_num_running_seqs), so forking never overfills the batch
-            seats = max(len(gang), seq.request.params.best_of) if len(seq.request.seqs) == 1 else len(gang)
-            # A recomputed group can hold more tokens than a step's budget: it then runs alone
-            # rather than never (the budget still bounds every other prefill step).
-            over_budget = num_tokens > token_budget and (admitted or num_tokens <= self.max_num_batched_tokens)
-            if num_seats + seats > self.max_num_seqs or over_budget:
+            if budget.tokens <= 0:
                 break
+            gang = self._gang(seq, SeqStatus.WAITING)
+            seats = self._seats(gang)
+            if num_seats + seats > self.max_num_seqs:
+                break
+            chunked = self.chunked_prefill and len(gang) == 1
+            num_tokens = sum(s.num_tokens for s in gang)
+            # Unchunked, a gang runs whole. A recomputed group can hold more tokens than a step's
+            # budget: it then runs alone rather than never (the budget still bounds every other step).
+            if not chunked and num_tokens > budget.tokens and (admitted or num_tokens <= self.max_num_batched_tokens):
+                break
+            if self.prefix_dedup and len(gang) == 1 and bm.awaits_prefix(seq):
+                continue  # another request is computing its next blocks: hit them next step
+            if chunked:
+                remaining = seq.num_tokens - bm.num_cached_tokens(seq)
+                if self._chunk(remaining, budget) < remaining and budget.num_partial >= self.max_num_partial_prefills:
+                    continue  # it would be left part-computed; a shorter prompt may still fit whole
             status = self._admission_status(gang, idle=not (self.running or admitted))
             if status is AllocStatus.NEVER:
                 continue
             if status is AllocStatus.LATER:
-                self._blocked_blocks = sum(map(self.block_manager.admission_blocks, gang))
+                self._blocked_blocks = sum(map(bm.admission_blocks, gang))
                 break
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = now
             for s in gang:
-                s.num_computed_tokens = self.block_manager.allocate(s)
+                s.num_computed_tokens = bm.allocate(s)
                 s.status = SeqStatus.RUNNING
                 admitted.append(s)
-                out.scheduled.append(self._scheduled(s, s.num_tokens - s.num_computed_tokens))
-            token_budget -= num_tokens
+                self.waiting.remove(s)
+                self.running.append(s)
+                remaining = s.num_tokens - s.num_computed_tokens
+                n = self._chunk(remaining, budget) if chunked else remaining
+                out.scheduled.append(self._scheduled(s, n))
+                budget.tokens -= n
+                budget.num_partial += n < remaining
             num_seats += seats
-        for seq in admitted:
-            self.waiting.remove(seq)
-        self.running.extend(admitted)
-        return out
 
     def _admission_status(self, gang: list[Sequence], *, idle: bool) -> AllocStatus:
         """OK or LATER; NEVER once the request is aborted with the reason. With nothing running
@@ -228,25 +343,21 @@ class Scheduler:
             )
         return status
 
-    def _schedule_decodes(self, now: float) -> SchedulerOutput:
-        out = SchedulerOutput(is_prefill=False)
-        gangs: dict[Request, list[Sequence]] = {}
-        for seq in self.running:
-            gangs.setdefault(seq.request, []).append(seq)
-        queue = deque(gangs.values())
-        while queue:
-            gang = queue.popleft()
-            while (copies := self._grow(gang)) is None:
-                victim = self.policy.choose_victim([*(s for g in queue for s in g), *gang], now)
-                victim_gang = gangs[victim.request]
-                self._preempt(victim_gang, out)
-                if victim_gang is gang:
-                    break
-                queue.remove(victim_gang)
-            else:
-                out.blocks_to_copy.extend(copies)
-                out.scheduled.extend(self._scheduled(seq, 1) for seq in gang)
-        return out
+    def _preempt_for_waiting(self, out: SchedulerOutput, now: float) -> None:
+        """A preemptive policy (vLLM V0's priority preemption): while the best-ranked waiting request
+        does not fit, recompute the running request it outranks that the policy would give up first."""
+        seq = next((s for s in self.policy.order(self.waiting, now) if s.status is SeqStatus.WAITING), None)
+        if seq is None:
+            return
+        gang = self._gang(seq, SeqStatus.WAITING)
+        bm = self.block_manager
+        seats = self._seats(gang)
+        while self._seats_in_use() + seats > self.max_num_seqs or bm.can_allocate(*gang) is AllocStatus.LATER:
+            candidates = [s for s in self.running if self.policy.outranks(seq, s, now)]
+            if not candidates:
+                return
+            victim = self.policy.choose_victim(candidates, now).request
+            self._preempt([s for s in self.running if s.request is victim], out, self._recompute)
 
     def _grow(self, gang: list[Sequence]) -> list[tuple[int, int]] | None:
         """A slot for each sequence's next token: the copy-on-write copies to make first, or None
@@ -260,14 +371,17 @@ class Scheduler:
             return None
         return [copy for seq in gang for copy in bm.append_slots(seq)]
 
-    def _schedule_swap_ins(self, out: SchedulerOutput, now: float) -> None:
-        """Bring swapped-out requests back into this decode step while blocks and seats allow."""
+    def _swap_in(self, out: SchedulerOutput, budget: _Budget, now: float) -> None:
+        """Bring swapped-out requests back into this step while blocks, seats and tokens allow; not
+        in a step that preempted (it just ran out of blocks)."""
+        if not self.swapped or out.preempted:
+            return
         bm = self.block_manager
         for seq in self.policy.order(self.swapped, now):
             if seq.status is not SeqStatus.SWAPPED:  # swapped in with its group, or aborted
                 continue
             gang = self._gang(seq, SeqStatus.SWAPPED)
-            if len(self.running) + len(gang) > self.max_num_seqs:
+            if self._seats_in_use() + len(gang) > self.max_num_seqs or budget.tokens < len(gang):
                 break
             status = bm.can_swap_in(*gang)
             if status is AllocStatus.LATER and self.running:
@@ -285,14 +399,18 @@ class Scheduler:
                 s.status = SeqStatus.RUNNING
                 self.running.append(s)
                 out.scheduled.append(self._scheduled(s, 1))
+            budget.tokens -= len(gang)
 
     def _scheduled(self, seq: Sequence, num_new_tokens: int) -> ScheduledSeq:
-        num_samples = self._groups[seq.request].num_samples(seq)
+        # a chunk that leaves part of the prompt uncomputed samples nothing
+        done = seq.num_computed_tokens + num_new_tokens == seq.num_tokens
+        num_samples = self._groups[seq.request].num_samples(seq) if done else 0
         return ScheduledSeq(seq, num_new_tokens, self.block_manager.block_table(seq), num_samples)
 
-    def _preempt(self, gang: list[Sequence], out: SchedulerOutput) -> None:
-        """Take the blocks of one request's running sequences, all of them (gang preemption)."""
-        swapped = self.preemption.preempt(gang, self.block_manager, out)
+    def _preempt(self, gang: list[Sequence], out: SchedulerOutput, mode: PreemptionMode | None = None) -> None:
+        """Take the blocks of one request's running sequences, all of them (gang preemption), by
+        `mode` (the configured preemption mode by default)."""
+        swapped = (mode or self.preemption).preempt(gang, self.block_manager, out)
         request = gang[0].request
         request.num_preemptions += 1
         self.counters.num_preemptions += 1
@@ -313,6 +431,7 @@ class Scheduler:
 
     def update_from_output(self, sched: SchedulerOutput, output: ExecutorOutput, now: float) -> list[Request]:
         """Apply one executed step; returns the requests that finished (or were aborted) in it."""
+        self._now = now
         finished = list(sched.aborted)
         samples: dict[Request, list[tuple[Sequence, Samples]]] = {}
         mark_computed = self.block_manager.mark_computed
@@ -334,9 +453,11 @@ class Scheduler:
             if self._append(seq, tokens[0], logprobs[i][0] if logprobs else 0.0, top[0] if top else None):
                 finished.append(self._complete(request))
         for seq_id, prompt_logprobs in output.prompt_logprobs.items():
+            # chunk after chunk; a recomputed prompt's are not kept twice
             request = next(item.seq.request for item in sched.scheduled if item.seq.seq_id == seq_id)
-            if request.prompt_logprobs is None:
-                request.prompt_logprobs = prompt_logprobs
+            collected = request.prompt_logprobs or []
+            if len(collected) < request.num_prompt_tokens:
+                request.prompt_logprobs = collected + prompt_logprobs
         for request, group_samples in samples.items():
             group = self._groups[request]
             # a group can only finish when one of its sequences does
@@ -348,6 +469,7 @@ class Scheduler:
 
     def _complete(self, request: Request) -> Request:
         request.completions = self._groups.pop(request).completions()
+        self.policy.on_finished(request, self._now)
         return request
 
     def _apply(self, request: Request, group: SequenceGroup, update: GroupUpdate) -> bool:

@@ -31,11 +31,20 @@ class ScheduledSeq:
     def context_len(self) -> int:
         return self.seq.num_computed_tokens + self.num_new_tokens
 
+    @property
+    def is_decode(self) -> bool:
+        """One generated token extends the sequence; any other row computes (part of) a prompt, or
+        recomputes a preempted sequence. Only meaningful before the step is applied."""
+        seq = self.seq
+        return self.num_new_tokens == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens + 1 == seq.num_tokens
+
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
+    # whether any row computes a prompt (chunked prefill mixes them with decode rows in one step)
     is_prefill: bool = False
+    num_decode_rows: int = 0
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     # (device block, CPU block) pairs to move out before the step, (CPU block, device block) in;
     # a step never does both (swap-ins are only scheduled when nothing was preempted)

@@ -51,12 +51,12 @@ class SchedulingPolicy(ABC):
         """Whether `waiting` may preempt `running` to be admitted; only asked when `preemptive`."""
         return False
 
-    def on_add(self, request: Request, now: float) -> None:
+    def on_add(self, request: Request, now: float) -> None:  # noqa: B027 - an optional hook, a no-op by default
         """A request was queued."""
 
-    def on_scheduled(self, out: SchedulerOutput, now: float) -> None:
+    def on_scheduled(self, out: SchedulerOutput, now: float) -> None:  # noqa: B027 - an optional hook, a no-op by default
         """The scheduler hands `out` to the executor: the service each sequence gets this step is
         `num_new_tokens` of its `ScheduledSeq` (a prefill chunk, or 1 for a decode)."""
 
-    def on_finished(self, request: Request, now: float) -> None:
+    def on_finished(self, request: Request, now: float) -> None:  # noqa: B027 - an optional hook, a no-op by default
         """`request` finished or was aborted: forget what was kept for it."""
