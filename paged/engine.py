@@ -34,14 +34,13 @@ class Engine:
         """Run one iteration; returns the requests that finished (or were aborted) in it."""
         start = self.clock.now()
         sched = self.scheduler.schedule(start)
-        self.metrics.on_scheduled(sched)
+        self.metrics.on_scheduled(sched, self.scheduler.waiting)
         # a step whose only sequence was swapped out still moves its blocks
         busy = sched.scheduled or sched.blocks_to_swap_out or sched.blocks_to_swap_in
         output = self.executor.execute(sched) if busy else ExecutorOutput([])
         finished = self.scheduler.update_from_output(sched, output, self.clock.now())
         if sched.scheduled:
             self.metrics.on_step(sched, output, self.scheduler.stats(), start, self.clock.now())
-        self.metrics.on_finished(finished)
         return finished
 
     def run_until_done(self, on_step: Callable[[list[Request]], None] | None = None) -> None:

@@ -157,16 +157,33 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+        client_id: Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's `LLM.generate`: one `RequestOutput` per prompt, in prompt order. Prompts are
         strings, token id lists, or vLLM's dicts ({"prompt": ...} / {"prompt_token_ids": [...]}).
-        Without `sampling_params`, vLLM's defaults (temperature 1.0, 16 tokens)."""
+        Without `sampling_params`, vLLM's defaults (temperature 1.0, 16 tokens). `priority` (vLLM's:
+        lower first, for scheduler=priority) and `client_id` (for scheduler=fair) are per prompt."""
         prompts = self._prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts")
-        requests = [self._add(prompt, p) for prompt, p in zip(prompts, sampling_params)]
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        clients = list(client_id) if client_id is not None else [None] * len(prompts)
+        for name, values in (("priority", priorities), ("client_id", clients)):
+            if len(values) != len(prompts):
+                raise ValueError(f"got {len(values)} {name} values for {len(prompts)} prompts")
+        for p in priorities:
+            if isinstance(p, bool) or not isinstance(p, int):
+                raise ValueError(f"priority must be an integer (lower is served first), got {p!r}")
+        for c in clients:
+            if c is not None and not isinstance(c, str):
+                raise ValueError(f"client_id must be a string or None, got {c!r}")
+        requests = [
+            self._add(prompt, p, prio, client)
+            for prompt, p, prio, client in zip(prompts, sampling_params, priorities, clients, strict=True)
+        ]
         with tqdm(total=len(requests), desc="Processed prompts", unit="req", disable=not use_tqdm) as bar:
             self.engine.run_until_done(lambda finished: bar.update(len(finished)))
         return [self._output(r) for r in requests]
@@ -199,7 +216,7 @@ class LLM:
             return [prompts]  # type: ignore[list-item]
         return list(prompts)  # type: ignore[arg-type]
 
-    def _add(self, prompt: PromptType, params: SamplingParams) -> Request:
+    def _add(self, prompt: PromptType, params: SamplingParams, priority: int, client_id: str | None) -> Request:
         tokenizer = self.executor.tokenizer
         text: str | None = None
         if isinstance(prompt, dict):
@@ -215,7 +232,10 @@ class LLM:
             text, tokens = prompt, tokenizer.encode(prompt)
         else:
             tokens = list(prompt)
-        request = Request(f"llm-{self._counter}", tokens, params, arrival_time=self.engine.clock.now(), prompt=text)
+        request = Request(
+            f"llm-{self._counter}", tokens, params, arrival_time=self.engine.clock.now(), prompt=text,
+            priority=priority, client_id=client_id,
+        )
         self._counter += 1
         self.engine.add_request(request)
         return request

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -11,7 +10,7 @@ import numpy as np
 
 from paged.executor.output import ExecutorOutput
 from paged.memory import KVStats
-from paged.request import FinishReason, Request
+from paged.request import FinishReason, Request, Sequence
 from paged.scheduler.core import SchedulerStats
 from paged.scheduler.output import SchedulerOutput
 
@@ -122,36 +121,37 @@ class MetricsRecorder:
 
     With requests from two or more clients it also measures fairness as the VTC paper does: the
     service (prompt tokens + 2 x generated tokens) each client receives over the steps in which every
-    client that has sent a request still has one unfinished (all are backlogged, so each could use
-    more)."""
+    client that has sent a request has one waiting (all are backlogged: each would take more)."""
 
     def __init__(self) -> None:
         self.requests: list[Request] = []
         self.steps: list[StepRecord] = []
         self.step_listeners: list[Callable[[StepRecord], None]] = []
-        self._unfinished: Counter[str] = Counter()
         self.client_service: dict[str, float] = {}
 
     def on_add(self, request: Request) -> None:
         self.requests.append(request)
         if request.client_id is not None:
-            self._unfinished[request.client_id] += 1
             self.client_service.setdefault(request.client_id, 0.0)
 
-    def on_scheduled(self, sched: SchedulerOutput) -> None:
-        """A step is about to run: its rows are service to their clients, if all are backlogged."""
-        if len(self.client_service) > 1 and all(self._unfinished[c] for c in self.client_service):
-            prompt_weight, output_weight = SERVICE_WEIGHTS
-            for item in sched.scheduled:
-                client = item.seq.request.client_id
-                if client is not None:
-                    weight = output_weight if item.is_decode else prompt_weight
-                    self.client_service[client] += item.num_new_tokens * weight
-
-    def on_finished(self, finished: Sequence[Request]) -> None:
-        for request in finished:
-            if request.client_id is not None:
-                self._unfinished[request.client_id] -= 1
+    def on_scheduled(self, sched: SchedulerOutput, waiting: Iterable[Sequence]) -> None:
+        """A step is about to run: its rows are service to their clients when every client has a
+        request `waiting` (VTC's backlogged clients: each would take more than it gets)."""
+        if len(self.client_service) < 2:
+            return
+        backlogged: set[str | None] = set()
+        for seq in waiting:
+            backlogged.add(seq.request.client_id)
+            if len(backlogged) > len(self.client_service):
+                break
+        if not backlogged.issuperset(self.client_service):
+            return
+        prompt_weight, output_weight = SERVICE_WEIGHTS
+        for item in sched.scheduled:
+            client = item.seq.request.client_id
+            if client is not None:
+                weight = output_weight if item.is_decode else prompt_weight
+                self.client_service[client] += item.num_new_tokens * weight
 
     def on_step(
         self, sched: SchedulerOutput, output: ExecutorOutput, stats: SchedulerStats, start: float, end: float

@@ -191,3 +191,17 @@ def test_sim_runs_mixed_steps_and_chunks_long_prompts() -> None:
     assert all(s.num_scheduled_tokens <= 512 for s in steps)
     assert any(s.is_prefill and s.num_decode_rows for s in steps)
     assert sum(r.finish_reason is not None and r.abort_reason is None for r in engine.metrics.requests) == 16
+
+
+def test_swap_preemption_recomputes_a_prompt_in_progress() -> None:
+    # 13 blocks: two short requests decode while the newest, 150 tokens (10 blocks), is chunked 14
+    # tokens a step; the first decode that needs a block preempts it before its prompt is done
+    engine = make_engine("scheduler.preemption_mode=swap", "allocator=naive", "allocator.num_blocks=13",
+                         "scheduler.max_num_batched_tokens=16")
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    prompts = [PROMPTS[1], PROMPTS[5], PROMPTS[0]]
+    requests = run_requests(engine, prompts, [params] * 3)
+    assert outputs(requests) == outputs(run_requests(make_engine("allocator=naive"), prompts, [params] * 3))
+    assert requests[2].num_preemptions >= 1
+    assert engine.scheduler.counters.num_swaps_out == 0  # recomputed, though the mode swaps
+    assert engine.scheduler.block_manager.stats().num_allocated_blocks == 0

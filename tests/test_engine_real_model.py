@@ -68,6 +68,17 @@ def hf_greedy(executor, prompt_ids) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_chunked_prefill_with_mixed_steps_keeps_greedy_outputs(executor, prompt_ids, hf_greedy, backend) -> None:
+    """Prompts longer than the 24-token budget run in chunks, beside other requests' decode rows."""
+    llm = llm_on(executor, "prefix", "v2", ROOMY, "scheduler.max_num_batched_tokens=24", f"kernel.backend={backend}")
+    outs = llm.generate(prompt_ids, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
+    assert [o.token_ids for o in outs] == hf_greedy
+    steps = llm.engine.metrics.steps
+    assert max(s.num_scheduled_tokens for s in steps) <= 24
+    assert any(s.is_prefill and s.num_decode_rows for s in steps)
+
+
 @pytest.mark.parametrize("allocator", ["naive", "prefix"])
 def test_batched_greedy_outputs_equal_hf_generate(executor, prompt_ids, hf_greedy, allocator, version) -> None:
     llm = llm_on(executor, allocator, version, ROOMY)

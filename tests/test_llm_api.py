@@ -109,3 +109,27 @@ def test_llm_runs_the_same_engine_as_run_py(llm: LLM, tmp_path: Path) -> None:
     outs = llm.generate([r["prompt"] for r in records], params)
     assert [line["output_token_ids"] for line in lines] == [o.token_ids for o in outs]
     assert [line["output_text"] for line in lines] == [o.text for o in outs]
+
+
+def test_priority_and_client_id_reach_the_policy() -> None:
+    llm = LLM("tiny-random", scheduler="priority", overrides=["scheduler.max_num_seqs=1"])
+    params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0)
+    outs = llm.generate(PROMPTS, params, priority=[2, 0, 1], client_id=["a", "b", None])
+    # one seat: the requests run one after another, most important (lowest value) first
+    assert sorted(range(3), key=lambda i: outs[i].metrics.first_token_time) == [1, 2, 0]
+    assert [r.client_id for r in llm.engine.metrics.requests] == ["a", "b", None]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"priority": [0, 1.5, 2]}, "priority must be an integer (lower is served first), got 1.5"),
+        ({"priority": [0, True, 2]}, "priority must be an integer"),
+        ({"priority": [0]}, "got 1 priority values for 3 prompts"),
+        ({"client_id": ["a", 7, None]}, "client_id must be a string or None, got 7"),
+    ],
+)
+def test_bad_priority_or_client_is_refused_before_anything_runs(llm: LLM, kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        llm.generate(PROMPTS, SamplingParams(max_tokens=2), **kwargs)
+    assert not llm.engine.has_unfinished

@@ -507,3 +507,18 @@ def test_stop_token_id_is_the_stop_reason(stop_case) -> None:
     assert c.token_ids == base.token_ids[: i + 1]
     assert (c.finish_reason, c.stop_reason) == ("stop", stop_token)
     assert c.text == base.text[: len(c.text)] and c.text.strip()
+
+
+@pytest.mark.slow
+def test_prompt_logprobs_computed_chunk_by_chunk_equal_one_pass(smollm, greedy) -> None:
+    chunked = LLM("smollm2-135m", executor=smollm, allocator="naive",
+                  overrides=["allocator.num_blocks=32", "scheduler.max_num_batched_tokens=16"])
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=TOP, prompt_logprobs=PROMPT_TOP)
+    (out,) = chunked.generate(QUESTION, params, use_tqdm=False)
+    assert len(greedy.prompt_token_ids) > 2 * 16  # at least three chunks
+    assert out.token_ids == greedy.token_ids
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(greedy.prompt_logprobs)
+    for mine, whole in zip(out.prompt_logprobs[1:], greedy.prompt_logprobs[1:], strict=True):
+        assert mine.keys() == whole.keys()
+        for token, lp in mine.items():
+            assert lp.logprob == pytest.approx(whole[token].logprob, abs=1e-5) and lp.rank == whole[token].rank

@@ -410,6 +410,8 @@ class Scheduler:
     def _preempt(self, gang: list[Sequence], out: SchedulerOutput, mode: PreemptionMode | None = None) -> None:
         """Take the blocks of one request's running sequences, all of them (gang preemption), by
         `mode` (the configured preemption mode by default)."""
+        if any(s.num_computed_tokens < s.num_tokens - 1 for s in gang):
+            mode = self._recompute  # a prompt in progress: little KV to save, and a swap-in would decode
         swapped = (mode or self.preemption).preempt(gang, self.block_manager, out)
         request = gang[0].request
         request.num_preemptions += 1
