@@ -97,7 +97,7 @@ class BucketMeanPredictor(OutputLengthPredictor):
             return self._sums[bucket] / self._counts[bucket]
         return self._total / self._count if self._count else self.prior
 
-    def observe(self, request: Request) -> None:  # noqa: B027 - a hook that only learning predictors fill
+    def observe(self, request: Request) -> None:
         if request.abort_reason is not None:
             return
         length = max(len(c.token_ids) for c in request.outputs())

@@ -1,11 +1,12 @@
 """The preemption seam: what taking a request's running sequences' blocks does to their KV.
 
 `scheduler.preemption_mode` picks a built-in mode: `recompute` frees the blocks and recomputes the
-sequence as one prefill when it is admitted again; `swap` parks its KV in the CPU pool, from which
-the scheduler's swapped queue brings it back before any waiting request is admitted; `auto` is vLLM
-V0's rule (swap a request that has several running sequences, recompute a lone one). A request's
-sequences are preempted together (gang scheduling), and a swap keeps the blocks they share shared.
-A custom mode is a `PreemptionMode` named by `scheduler.preemption._target_`.
+sequence's tokens as a prefill (chunked like any prompt) when it is admitted again; `swap` parks its
+KV in the CPU pool, from which the scheduler's swapped queue brings it back before any waiting
+request is admitted; `auto` is vLLM V0's rule (swap a request that has several running sequences,
+recompute a lone one). A request's sequences are preempted together (gang scheduling), and a swap
+keeps the blocks they share shared. A prompt still being computed is always recomputed. A custom
+mode is a `PreemptionMode` named by `scheduler.preemption._target_`.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def recompute(seqs: list[Sequence], block_manager: BlockManager) -> bool:
 
 
 class RecomputePreemption(PreemptionMode):
-    """vLLM's default: free the blocks; prompt and generated tokens are recomputed as one prefill."""
+    """vLLM's default: free the blocks; prompt and generated tokens are recomputed as a prefill."""
 
     def preempt(self, seqs: list[Sequence], block_manager: BlockManager, out: SchedulerOutput) -> bool:
         return recompute(seqs, block_manager)
