@@ -183,9 +183,12 @@ class Scheduler:
         if self.policy.preemptive and self.waiting:
             self._preempt_for_waiting(out, now)
         budget = _Budget(self.max_num_batched_tokens)
-        gangs = self._running_gangs(now)
-        prefilling = [g for g in gangs if len(g) == 1 and g[0].num_tokens - g[0].num_computed_tokens > 1]
-        decoding = [g for g in gangs if not (len(g) == 1 and g[0].num_tokens - g[0].num_computed_tokens > 1)]
+        prefilling: list[list[Sequence]] = []
+        decoding: list[list[Sequence]] = []
+        for gang in self._running_gangs(now):
+            # a lone sequence with more than its next token to compute has a prompt in progress
+            in_prefill = len(gang) == 1 and gang[0].num_tokens - gang[0].num_computed_tokens > 1
+            (prefilling if in_prefill else decoding).append(gang)
         if self.prefill_first:
             self._run(out, budget, prefilling, now)
             if not self.swapped:
