@@ -9,7 +9,7 @@ sending 4x the requests): throughput, TTFT / TPOT / e2e percentiles, preemptions
 requests interleaved, all submitted at once into a cache that holds only a few prefixes: prefix hit
 rate, throughput and mean e2e latency of fcfs vs lpm.
 (c) Fairness with one heavy client: two clients submit everything at once, one 4x more requests,
-both more than the server runs at a time; the service ratio (max/min over clients of prompt + 2 x
+both more than the server runs at a time (--cpu: 8 seats); the service ratio (max/min over clients of prompt + 2 x
 generated tokens served while both have requests waiting, VTC's measure) of fcfs vs fair.
 Simulated runs are OPT-13B on one A100-40GB (simulated seconds); --cpu runs SmolLM2-135M here.
 """
@@ -84,9 +84,11 @@ def prefix_match(base: list[str], num_blocks: int, requests: int, extra: list[st
     return table
 
 
-def fairness(base: list[str], requests: int, extra: list[str]) -> Table:
+def fairness(base: list[str], requests: int, extra: list[str], max_num_seqs: int | None = None) -> Table:
     load = [f"workload.num_requests={requests}", "workload.arrival_rate=0", "workload.num_clients=2",
             "workload.client_weights=[4,1]"]
+    if max_num_seqs is not None:  # fewer seats than requests, so both clients keep some waiting
+        load.append(f"scheduler.max_num_seqs={max_num_seqs}")
     table = Table(title=f"(c) {requests} requests at once from two clients (4:1): service while both wait")
     for col in ["policy", "service ratio (max/min)", "heavy e2e mean (s)", "light e2e mean (s)", "req/s"]:
         table.add_column(col, justify="right")
@@ -115,7 +117,10 @@ def main() -> None:
     rate = args.rate or (2.0 if args.cpu else 3.0)
     console.print(latency(base, requests, rate, extra))
     console.print(prefix_match(CPU if args.cpu else SIM, 160 if args.cpu else 400, 48 if args.cpu else 120, extra))
-    console.print(fairness(base, 2 * requests if args.cpu else 400, extra))
+    if args.cpu:
+        console.print(fairness(base, 2 * requests, extra, max_num_seqs=8))
+    else:
+        console.print(fairness(base, 400, extra))
 
 
 if __name__ == "__main__":

@@ -67,7 +67,6 @@ def hf_greedy(executor, prompt_ids) -> list[list[int]]:
     return [out[0, len(ids) :].tolist() for ids, out in zip(prompt_ids, outs, strict=True)]
 
 
-@pytest.mark.parametrize("version", ["v1", "v2"])
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_chunked_prefill_with_mixed_steps_keeps_greedy_outputs(executor, prompt_ids, hf_greedy, backend) -> None:
     """Prompts longer than the 24-token budget run in chunks, beside other requests' decode rows."""
@@ -79,6 +78,7 @@ def test_chunked_prefill_with_mixed_steps_keeps_greedy_outputs(executor, prompt_
     assert any(s.is_prefill and s.num_decode_rows for s in steps)
 
 
+@pytest.mark.parametrize("version", ["v1", "v2"])
 @pytest.mark.parametrize("allocator", ["naive", "prefix"])
 def test_batched_greedy_outputs_equal_hf_generate(executor, prompt_ids, hf_greedy, allocator, version) -> None:
     llm = llm_on(executor, allocator, version, ROOMY)
