@@ -139,12 +139,12 @@ class MetricsRecorder:
         request `waiting` (VTC's backlogged clients: each would take more than it gets)."""
         if len(self.client_service) < 2:
             return
-        backlogged: set[str | None] = set()
+        idle = set(self.client_service)
         for seq in waiting:
-            backlogged.add(seq.request.client_id)
-            if len(backlogged) > len(self.client_service):
+            idle.discard(seq.request.client_id)
+            if not idle:
                 break
-        if not backlogged.issuperset(self.client_service):
+        if idle:
             return
         prompt_weight, output_weight = SERVICE_WEIGHTS
         for item in sched.scheduled:
