@@ -26,6 +26,7 @@ def record_steps(engine: Engine) -> list[list[tuple[int, int, bool]]]:
 
     def recording(now: float) -> SchedulerOutput:
         out = schedule(now)
+        assert out.num_decode_rows == sum(it.is_decode for it in out.scheduled)
         steps.append([(it.seq.seq_id, it.num_new_tokens, it.is_decode) for it in out.scheduled])
         return out
 

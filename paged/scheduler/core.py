@@ -185,9 +185,9 @@ class Scheduler:
         budget = _Budget(self.max_num_batched_tokens)
         prefilling: list[list[Sequence]] = []
         decoding: list[list[Sequence]] = []
-        for gang in self._running_gangs(now):
+        for gang in self._running_gangs(budget, now):
             # a lone sequence with more than its next token to compute has a prompt in progress
-            in_prefill = len(gang) == 1 and gang[0].num_tokens - gang[0].num_computed_tokens > 1
+            in_prefill = len(gang) == 1 and len(gang[0].token_ids) - gang[0].num_computed_tokens > 1
             (prefilling if in_prefill else decoding).append(gang)
         if self.prefill_first:
             self._run(out, budget, prefilling, now)
@@ -202,7 +202,6 @@ class Scheduler:
             self._swap_in(out, budget, now)
             if not self.swapped:  # swapped-out requests are served before new ones
                 self._admit(out, budget, now)
-        out.num_decode_rows = sum(item.is_decode for item in out.scheduled)
         out.is_prefill = out.num_decode_rows < len(out.scheduled)
         self.counters.num_swapped_blocks += len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
         out.aborted, self._pending_aborts = self._pending_aborts, []
@@ -215,12 +214,15 @@ class Scheduler:
         """`seq` and the other sequences of its request in the same state: they move together."""
         return [seq, *(s for s in seq.request.seqs if s.status is status and s is not seq)]
 
-    def _running_gangs(self, now: float) -> list[list[Sequence]]:
-        """The running sequences by request, in the policy's order."""
+    def _running_gangs(self, budget: _Budget, now: float) -> list[list[Sequence]]:
+        """The running sequences by request: in the policy's order when the budget cannot hold all
+        their rows (who goes first then decides who runs), else in admission order."""
         gangs: dict[Request, list[Sequence]] = {}
+        need = 0
         for seq in self.running:
             gangs.setdefault(seq.request, []).append(seq)
-        if len(gangs) <= 1:
+            need += len(seq.token_ids) - seq.num_computed_tokens
+        if need <= budget.tokens or len(gangs) <= 1:
             return list(gangs.values())
         return [gangs[s.request] for s in self.policy.order([g[0] for g in gangs.values()], now)]
 
@@ -271,6 +273,8 @@ class Scheduler:
                 out.blocks_to_copy.extend(copies)
                 out.scheduled.extend(self._scheduled(s, 1) for s in gang)
                 budget.tokens -= len(gang)
+                # a lone sequence's last prompt token is not a decode
+                out.num_decode_rows += len(gang) if len(gang) > 1 or seq.num_output_tokens else 0
 
     def _admit(self, out: SchedulerOutput, budget: _Budget, now: float) -> None:
         """Admit waiting requests in the policy's order while seats, tokens and blocks allow."""
@@ -403,10 +407,11 @@ class Scheduler:
                 self.running.append(s)
                 out.scheduled.append(self._scheduled(s, 1))
             budget.tokens -= len(gang)
+            out.num_decode_rows += len(gang)
 
     def _scheduled(self, seq: Sequence, num_new_tokens: int) -> ScheduledSeq:
         # a chunk that leaves part of the prompt uncomputed samples nothing
-        done = seq.num_computed_tokens + num_new_tokens == seq.num_tokens
+        done = seq.num_computed_tokens + num_new_tokens == len(seq.token_ids)
         num_samples = self._groups[seq.request].num_samples(seq) if done else 0
         return ScheduledSeq(seq, num_new_tokens, self.block_manager.block_table(seq), num_samples)
 
