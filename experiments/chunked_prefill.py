@@ -24,20 +24,13 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from paged.build import build_engine
-from paged.experiment import workload_for
-from paged.llm import compose_config
-from paged.runner import run_workload
+from paged.experiment import run_quietly
 
-BASE = ["model=smollm2-135m", "logger=none", "progress=false", "allocator.num_blocks=1024"]
+BASE = ["model=smollm2-135m", "allocator.num_blocks=1024"]
 
 
 def run(overrides: list[str]) -> tuple[dict[str, Any], list[list[int]]]:
-    cfg = compose_config([*BASE, *overrides])
-    engine = build_engine(cfg)
-    run_workload(engine, workload_for(cfg, engine), progress=False)
-    bm = engine.scheduler.block_manager
-    summary = engine.metrics.summary(kv_end=bm.stats(), caches_prefixes=bm.allocator.caches_prefixes)
+    summary, engine = run_quietly([*BASE, *overrides])
     return summary, [r.outputs()[0].token_ids for r in engine.metrics.requests]
 
 

@@ -21,10 +21,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from paged.build import build_engine
-from paged.experiment import workload_for
-from paged.llm import compose_config
-from paged.runner import run_workload
+from paged.experiment import run_quietly
 
 ALLOCATORS = ["orca-max", "orca-pow2", "orca-oracle", "naive"]
 # Fig. 2 (token states, reservation, internal, external & others), % of KV memory
@@ -38,12 +35,7 @@ SHARES = ["token_state", "reserved", "internal_frag", "external_frag", "free"]
 
 
 def run(overrides: list[str]) -> dict[str, Any]:
-    cfg = compose_config(["logger=none", "progress=false", *overrides])
-    engine = build_engine(cfg)
-    run_workload(engine, workload_for(cfg, engine), progress=False)
-    bm = engine.scheduler.block_manager
-    summary = engine.metrics.summary(kv_end=bm.stats(), caches_prefixes=bm.allocator.caches_prefixes)
-    return summary
+    return run_quietly(overrides)[0]
 
 
 def row(label: str, s: dict[str, Any], paper: tuple[float | None, ...] | None) -> list[str]:

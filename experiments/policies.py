@@ -18,15 +18,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from paged.build import build_engine
-from paged.experiment import workload_for
-from paged.llm import compose_config
-from paged.runner import run_workload
+from paged.experiment import run_quietly
 
 SIM = ["executor=sim", "model=opt-13b", "hardware=a100-40g"]
 CPU = ["model=smollm2-135m", "allocator.num_blocks=512", "workload.length_scale=0.25"]
@@ -43,14 +39,6 @@ POLICIES = [
 ]
 
 
-def run(overrides: list[str]) -> tuple[dict[str, Any], Any]:
-    cfg = compose_config(["logger=none", "progress=false", *overrides])
-    engine = build_engine(cfg)
-    run_workload(engine, workload_for(cfg, engine), progress=False)
-    bm = engine.scheduler.block_manager
-    return engine.metrics.summary(kv_end=bm.stats(), caches_prefixes=bm.allocator.caches_prefixes), engine
-
-
 def fmt(value: float | None, spec: str = ".3f") -> str:
     return "n/a" if value is None else format(value, spec)
 
@@ -64,7 +52,7 @@ def latency(base: list[str], requests: int, rate: float, extra: list[str]) -> Ta
     for col in cols:
         table.add_column(col, justify="right")
     for label, overrides in POLICIES:
-        s, _ = run([*base, *load, *overrides, *extra])
+        s, _ = run_quietly([*base, *load, *overrides, *extra])
         table.add_row(label, fmt(s["requests_per_s"]), *(fmt(s[k]) for k in (
             "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "e2e_latency_mean_s", "e2e_latency_p50_s",
             "e2e_latency_p99_s")), str(s["num_preemptions"]))
@@ -78,7 +66,7 @@ def prefix_match(base: list[str], num_blocks: int, requests: int, extra: list[st
     for col in ["policy", "prefix hit rate", "req/s", "e2e mean (s)", "preemptions"]:
         table.add_column(col, justify="right")
     for policy in ("fcfs", "lpm"):  # lpm: fewer than its fcfs_above=128 waiting, so it matches prefixes
-        s, _ = run([*base, *load, f"scheduler={policy}", *extra])
+        s, _ = run_quietly([*base, *load, f"scheduler={policy}", *extra])
         table.add_row(policy, fmt(s["prefix_cache_hit_rate"]), fmt(s["requests_per_s"]),
                       fmt(s["e2e_latency_mean_s"]), str(s["num_preemptions"]))
     return table
@@ -93,7 +81,7 @@ def fairness(base: list[str], requests: int, extra: list[str], max_num_seqs: int
     for col in ["policy", "service ratio (max/min)", "heavy e2e mean (s)", "light e2e mean (s)", "req/s"]:
         table.add_column(col, justify="right")
     for policy in ("fcfs", "fair"):
-        s, engine = run([*base, *load, f"scheduler={policy}", *extra])
+        s, engine = run_quietly([*base, *load, f"scheduler={policy}", *extra])
         e2e: dict[str, list[float]] = {}
         for r in engine.metrics.requests:
             if r.finish_time is not None and r.abort_reason is None:

@@ -52,12 +52,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from paged.build import build_engine, build_executor
-from paged.experiment import swap_summary, workload_for
+from paged.build import build_executor
+from paged.experiment import run_quietly
 from paged.llm import LLM, compose_config
 from paged.metrics import StepRecord
 from paged.request import SamplingParams
-from paged.runner import run_workload
 
 WIDTHS = [2, 4, 6]
 MODES = ["parallel", "beam"]
@@ -137,12 +136,7 @@ def saving_views(steps: list[StepRecord]) -> dict[str, Any]:
 def sim_run(overrides: list[str]) -> tuple[dict[str, Any], dict[str, Any], float]:
     """One simulated serving run: its summary, `saving_views` and the host seconds it took."""
     start = time.perf_counter()
-    cfg = compose_config([*SIM_BASE, *overrides])
-    engine = build_engine(cfg)
-    run_workload(engine, workload_for(cfg, engine), progress=False)
-    bm = engine.scheduler.block_manager
-    summary = engine.metrics.summary(kv_end=bm.stats(), caches_prefixes=bm.allocator.caches_prefixes)
-    summary |= swap_summary(cfg, engine)
+    summary, engine = run_quietly([*SIM_BASE, *overrides])
     return summary, saving_views(engine.metrics.steps), time.perf_counter() - start
 
 

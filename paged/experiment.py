@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from paged.build import build_engine
 from paged.engine import Engine
+from paged.llm import compose_config
 from paged.outputs import print_summary, write_outputs
 from paged.runner import run_workload
 from paged.wandb_logger import WandbLogger
@@ -80,6 +81,17 @@ def swap_summary(cfg: Any, engine: Engine) -> dict[str, Any]:
         "swap_bytes": counters.num_swapped_blocks * bytes_per_block,
         "num_swap_fallbacks": preemption.num_recompute_fallbacks,
     }
+
+
+def run_quietly(overrides: list[str]) -> tuple[dict[str, Any], Engine]:
+    """The experiment scripts' run: compose `overrides` (no logger, no progress bar), build, run the
+    workload, and return the summary (with the swap counters) and the engine; nothing is written."""
+    cfg = compose_config(["logger=none", "progress=false", *overrides])
+    engine = build_engine(cfg)
+    run_workload(engine, workload_for(cfg, engine), progress=False)
+    bm = engine.scheduler.block_manager
+    summary = engine.metrics.summary(kv_end=bm.stats(), caches_prefixes=bm.allocator.caches_prefixes)
+    return summary | swap_summary(cfg, engine), engine
 
 
 def workload_for(cfg: Any, engine: Engine) -> list[WorkloadItem]:

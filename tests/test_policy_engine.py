@@ -8,22 +8,16 @@ from typing import Any
 
 import pytest
 
-from paged.build import build_engine
 from paged.engine import Engine
-from paged.experiment import workload_for
-from paged.llm import compose_config
-from paged.runner import run_workload
+from paged.experiment import run_quietly
 
-SIM = ["executor=sim", "model=opt-13b", "hardware=a100-40g", "logger=none", "progress=false"]
+SIM = ["executor=sim", "model=opt-13b", "hardware=a100-40g"]
 
 
 def run(*overrides: str) -> tuple[dict[str, Any], Engine]:
-    cfg = compose_config([*SIM, *overrides])
-    engine = build_engine(cfg)
-    run_workload(engine, workload_for(cfg, engine), progress=False)
-    bm = engine.scheduler.block_manager
-    assert bm.stats().num_allocated_blocks == 0
-    return engine.metrics.summary(kv_end=bm.stats(), caches_prefixes=bm.allocator.caches_prefixes), engine
+    summary, engine = run_quietly([*SIM, *overrides])
+    assert engine.scheduler.block_manager.stats().num_allocated_blocks == 0
+    return summary, engine
 
 
 def test_vtc_keeps_two_clients_service_within_1_5x_where_fcfs_exceeds_3x() -> None:

@@ -384,11 +384,12 @@ class Scheduler:
         if not self.swapped or out.preempted:
             return
         bm = self.block_manager
+        num_seats = self._seats_in_use()
         for seq in self.policy.order(self.swapped, now):
             if seq.status is not SeqStatus.SWAPPED:  # swapped in with its group, or aborted
                 continue
             gang = self._gang(seq, SeqStatus.SWAPPED)
-            if self._seats_in_use() + len(gang) > self.max_num_seqs or budget.tokens < len(gang):
+            if num_seats + len(gang) > self.max_num_seqs or budget.tokens < len(gang):
                 break
             status = bm.can_swap_in(*gang)
             if status is AllocStatus.LATER and self.running:
@@ -408,6 +409,7 @@ class Scheduler:
                 out.scheduled.append(self._scheduled(s, 1))
             budget.tokens -= len(gang)
             out.num_decode_rows += len(gang)
+            num_seats += len(gang)
 
     def _scheduled(self, seq: Sequence, num_new_tokens: int) -> ScheduledSeq:
         # a chunk that leaves part of the prompt uncomputed samples nothing
