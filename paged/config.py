@@ -85,6 +85,14 @@ class KernelConfig:
     version: str = "auto"
     backend: str = "auto"
     partition_size: int = DEFAULT_PARTITION_SIZE
+    # auto: the model's dtype; fp8_e4m3 / fp8_e5m2 store K/V in one byte with per-head scales
+    kv_cache_dtype: str = "auto"
+    # fp8 scales (> 0); null: calibrated from the first prefill's K/V (amax / the format's max)
+    k_scale: float | None = None
+    v_scale: float | None = None
+    # vLLM's block-sparse attention: null = dense; else local_blocks, vert_stride, block_size,
+    # head_sliding_step
+    blocksparse: dict[str, int] | None = None
 
 
 @dataclass

@@ -13,10 +13,13 @@ from collections.abc import Sequence
 import torch
 
 from paged.kernels.backends.base import CacheView, KernelBackend, device_side
+from paged.kernels.features import FP8_DTYPES, NONE, AttentionFeatures, BlockSparse
 from paged.kernels.limits import DEFAULT_PARTITION_SIZE
 from paged.kernels.registry import get_backend
 from paged.kernels.validate import (
+    cache_scales,
     check_copy_blocks,
+    check_features,
     check_max_len,
     check_paged_attention,
     check_prefill_attention,
@@ -43,10 +46,13 @@ def choose_version(
 
 def _serving(
     backend: str | KernelBackend, tensor: torch.Tensor, head_size: int, block_size: int,
-    partition_size: int | None = None,
+    partition_size: int | None = None, cache_dtype: torch.dtype | None = None, features: AttentionFeatures = NONE,
 ) -> KernelBackend:
+    """The backend for an op on `tensor` (activations, or for block copies a cache, whose dtype is
+    then checked as `cache_dtype` only)."""
     impl = get_backend(backend)
-    reason = impl.unsupported_reason(tensor.device, tensor.dtype, head_size, block_size, partition_size)
+    dtype = None if tensor.dtype in FP8_DTYPES else tensor.dtype
+    reason = impl.unsupported_reason(tensor.device, dtype, head_size, block_size, partition_size, cache_dtype, features)
     if reason:
         raise ValueError(reason)
     return impl
@@ -54,10 +60,10 @@ def _serving(
 
 def _serving_attention(
     backend: str | KernelBackend, query: torch.Tensor, cache: CacheView, partition_size: int | None,
-    max_seq_len: int | None,
+    max_seq_len: int | None, features: AttentionFeatures,
 ) -> tuple[KernelBackend, int]:
     """The backend for attention over a checked `cache`, and the checked `max_seq_len`."""
-    impl = _serving(backend, query, cache.head_size, cache.block_size, partition_size)
+    impl = _serving(backend, query, cache.head_size, cache.block_size, partition_size, cache.key_cache.dtype, features)
     max_seq_len = check_max_len("max_seq_len", cache.seq_lens, max_seq_len)
     check_table_covers(cache, max_seq_len)
     return impl, max_seq_len
@@ -66,6 +72,13 @@ def _serving_attention(
 def _narrower(sliding_window: int | None, max_seq_len: int) -> int | None:
     """The window, or `None` where it covers every context: no query can see past position 0."""
     return sliding_window if sliding_window is not None and sliding_window < max_seq_len else None
+
+
+def _view(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    k_scale: float | torch.Tensor | None, v_scale: float | torch.Tensor | None,
+) -> CacheView:
+    return CacheView(key_cache, value_cache, block_tables, seq_lens, *cache_scales(key_cache, k_scale, v_scale))
 
 
 def paged_attention(
@@ -81,6 +94,10 @@ def paged_attention(
     partition_size: int = DEFAULT_PARTITION_SIZE,
     max_seq_len: int | None = None,
     sliding_window: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    blocksparse: BlockSparse | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention, one query token per sequence: `[num_seqs, num_heads, head_size]`.
 
@@ -88,18 +105,21 @@ def paged_attention(
     including the query's own token, already in the cache). `max_seq_len` may be passed when the
     caller knows it, which saves a device-to-host sync. `sliding_window` W limits each query to
     its last W positions, itself included (Mistral's window); table entries of blocks wholly
-    before the window are never read, so they may be stale.
+    before the window are never read, so they may be stale. `alibi_slopes` (`[num_heads]`),
+    `blocksparse`, and the fp8 cache's `k_scale` / `v_scale` (a number or `[num_kv_heads]`; 1 when
+    not given) are described in `paged.kernels.features`.
     """
-    cache = CacheView(key_cache, value_cache, block_tables, seq_lens)
+    cache = _view(key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale)
     check_paged_attention(query, cache, version, partition_size)
     sliding_window = check_sliding_window(sliding_window)
+    features = check_features(query, cache.block_size, alibi_slopes, blocksparse)
     impl, max_seq_len = _serving_attention(
-        backend, query, cache, partition_size if version == "v2" else None, max_seq_len
+        backend, query, cache, partition_size if version == "v2" else None, max_seq_len, features
     )
     if query.shape[0] == 0 or max_seq_len == 0:
         return torch.zeros_like(query)
     return impl.paged_attention(
-        query, cache, scale, version, partition_size, max_seq_len, _narrower(sliding_window, max_seq_len)
+        query, cache, scale, version, partition_size, max_seq_len, _narrower(sliding_window, max_seq_len), features
     )
 
 
@@ -116,6 +136,10 @@ def prefill_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     sliding_window: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    blocksparse: BlockSparse | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention over the paged cache for a variable-length batch: `[num_tokens, num_heads,
     head_size]`.
@@ -126,17 +150,19 @@ def prefill_attention(
     prefix-cache hit or a chunk of a prefill; one query is a decode row, so a batch may mix both.
     Passing `max_query_len` / `max_seq_len` saves device-to-host syncs. `sliding_window` W: the
     query at position p attends to positions p - W < k <= p; blocks wholly before the first query's
-    window are never read.
+    window are never read. The features and scales are `paged_attention`'s.
     """
-    cache = CacheView(key_cache, value_cache, block_tables, seq_lens)
+    cache = _view(key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale)
     check_prefill_attention(query, cache, query_start_loc)
     sliding_window = check_sliding_window(sliding_window)
-    impl, max_seq_len = _serving_attention(backend, query, cache, None, max_seq_len)
+    features = check_features(query, cache.block_size, alibi_slopes, blocksparse)
+    impl, max_seq_len = _serving_attention(backend, query, cache, None, max_seq_len, features)
     max_query_len = check_max_len("max_query_len", query_start_loc.diff(), max_query_len, sizes_memory=False)
     if query.shape[0] == 0:
         return torch.empty_like(query)
     return impl.prefill_attention(
-        query, cache, query_start_loc, scale, max_query_len, max_seq_len, _narrower(sliding_window, max_seq_len)
+        query, cache, query_start_loc, scale, max_query_len, max_seq_len, _narrower(sliding_window, max_seq_len),
+        features,
     )
 
 
@@ -148,10 +174,15 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,
     *,
     backend: str | KernelBackend = "torch",
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
 ) -> None:
-    """Write `key`/`value` `[num_tokens, kv_heads, head_size]` into the cache at `slot_mapping` (-1 skipped)."""
+    """Write `key`/`value` `[num_tokens, kv_heads, head_size]` into the cache at `slot_mapping` (-1
+    skipped); an fp8 cache stores them divided by `k_scale` / `v_scale`, clamped and rounded."""
     head_size, block_size = check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-    _serving(backend, key, head_size, block_size).reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    k_scale, v_scale = cache_scales(key_cache, k_scale, v_scale)
+    impl = _serving(backend, key, head_size, block_size, cache_dtype=key_cache.dtype)
+    impl.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
 def copy_blocks(
@@ -165,7 +196,8 @@ def copy_blocks(
     if not isinstance(block_mapping, torch.Tensor):
         block_mapping = torch.tensor(list(block_mapping), dtype=torch.int64).reshape(-1, 2)
     head_size, block_size = check_copy_blocks(key_caches, value_caches, block_mapping)
-    _serving(backend, key_caches[0], head_size, block_size).copy_blocks(key_caches, value_caches, block_mapping)
+    impl = _serving(backend, key_caches[0], head_size, block_size, cache_dtype=key_caches[0].dtype)
+    impl.copy_blocks(key_caches, value_caches, block_mapping)
 
 
 def _pairs(block_mapping: Sequence[tuple[int, int]]) -> torch.Tensor:
@@ -194,6 +226,7 @@ def swap_blocks(
     if not isinstance(block_mapping, torch.Tensor):
         block_mapping = _pairs(block_mapping)
     head_size, block_size = check_swap_blocks(src_caches, dst_caches, block_mapping)
-    impl = _serving(backend, device_side(src_caches, dst_caches), head_size, block_size)
+    side = device_side(src_caches, dst_caches)
+    impl = _serving(backend, side, head_size, block_size, cache_dtype=side.dtype)
     if block_mapping.numel():
         impl.swap_blocks(src_caches, dst_caches, block_mapping)

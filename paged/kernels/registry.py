@@ -8,6 +8,7 @@ import logging
 import torch
 
 from paged.kernels.backends.base import KernelBackend, listing
+from paged.kernels.features import NONE, AttentionFeatures
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ def resolve_backend(
     head_size: int,
     block_size: int | None,
     partition_size: int | None,
+    cache_dtype: torch.dtype | None = None,
+    features: AttentionFeatures = NONE,
 ) -> tuple[KernelBackend, str]:
     """The backend that runs a model's attention, and why, e.g. `"cpu (native C++/OpenMP; auto:
     backend='cuda' needs cuda tensors, got tensors on cpu)"`. `block_size` is `None` where it is not
@@ -50,7 +53,8 @@ def resolve_backend(
     """
 
     def problem(backend: KernelBackend) -> str | None:
-        unsupported = backend.unsupported_reason(device, dtype, head_size, block_size, partition_size)
+        unsupported = backend.unsupported_reason(device, dtype, head_size, block_size, partition_size, cache_dtype,
+                                                 features)
         if unsupported:
             return unsupported
         unavailable = backend.unavailable_reason()

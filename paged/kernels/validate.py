@@ -14,13 +14,21 @@ import weakref
 
 import torch
 
-from paged.kernels.backends.base import DTYPES, CacheView, listing
+from paged.kernels.backends.base import CACHE_DTYPES, DTYPES, CacheView, listing
+from paged.kernels.features import FP8_DTYPES, AttentionFeatures, BlockSparse, kv_scales
 from paged.kernels.limits import VERSIONS
 
 
-def _dtype(name: str, t: torch.Tensor) -> None:
-    if t.dtype not in DTYPES:
-        raise TypeError(f"{name} has dtype {t.dtype}; supported: {listing(DTYPES)}")
+def _dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...] = DTYPES) -> None:
+    if t.dtype not in allowed:
+        raise TypeError(f"{name} has dtype {t.dtype}; supported: {listing(allowed)}")
+
+
+def _matches_cache(name: str, t: torch.Tensor, cache_dtype: torch.dtype) -> None:
+    """Activations are in the cache's dtype, or in any model dtype when the cache is fp8."""
+    _dtype(name, t)
+    if cache_dtype not in FP8_DTYPES and t.dtype != cache_dtype:
+        raise TypeError(f"{name} dtype {t.dtype} != cache dtype {cache_dtype}")
 
 
 def _index(name: str, t: torch.Tensor, dtype: torch.dtype, ndim: int) -> None:
@@ -55,7 +63,7 @@ def check_disjoint(*named: tuple[str, torch.Tensor]) -> None:
 
 def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int, int, int, int]:
     """Returns (num_blocks, num_kv_heads, head_size, block_size) of a valid K/V cache pair."""
-    _dtype("key_cache", key_cache)
+    _dtype("key_cache", key_cache, CACHE_DTYPES)
     if key_cache.dim() != 5:
         raise ValueError(
             f"key_cache must be [num_blocks, num_kv_heads, head_size/x, block_size, x], got {tuple(key_cache.shape)}"
@@ -80,9 +88,7 @@ def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tupl
 def _check_attention(query: torch.Tensor, cache: CacheView, rows: str) -> None:
     """What decode and prefill share; `rows` names query's first dimension."""
     _, num_kv_heads, head_size, _ = check_cache_pair(cache.key_cache, cache.value_cache)
-    _dtype("query", query)
-    if query.dtype != cache.key_cache.dtype:
-        raise TypeError(f"query dtype {query.dtype} != cache dtype {cache.key_cache.dtype}")
+    _matches_cache("query", query, cache.key_cache.dtype)
     if query.dim() != 3 or query.shape[2] != head_size:
         raise ValueError(f"query must be [{rows}, num_heads, {head_size}], got {tuple(query.shape)}")
     if query.shape[1] % num_kv_heads:
@@ -203,8 +209,8 @@ def check_reshape_and_cache(
             f"key/value must be [num_tokens, {num_kv_heads}, {head_size}], "
             f"got {tuple(key.shape)} and {tuple(value.shape)}"
         )
-    if key.dtype != key_cache.dtype or value.dtype != key_cache.dtype:
-        raise TypeError(f"key/value dtypes {key.dtype}/{value.dtype} != cache dtype {key_cache.dtype}")
+    _matches_cache("key", key, key_cache.dtype)
+    _matches_cache("value", value, key_cache.dtype)
     _index("slot_mapping", slot_mapping, torch.int64, 1)
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
@@ -297,3 +303,36 @@ def check_swap_blocks(
     check_disjoint(*writes, *reads)
     _check_swap_mapping(block_mapping, src_blocks, dst_blocks)
     return _block_geometry("src_caches[0]", src_caches[0])
+
+
+def cache_scales(
+    key_cache: torch.Tensor, k_scale: float | torch.Tensor | None, v_scale: float | torch.Tensor | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """fp32 `[num_kv_heads]` scales on the cache's device for an fp8 cache (1 where not given);
+    scales for any other cache are an error, since nothing would apply them."""
+    if key_cache.dtype not in FP8_DTYPES:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale/v_scale apply to fp8 KV caches only; this cache is {key_cache.dtype}")
+        return None, None
+    num_kv_heads = key_cache.shape[1]
+    return (kv_scales("k_scale", k_scale, num_kv_heads, key_cache.device),
+            kv_scales("v_scale", v_scale, num_kv_heads, key_cache.device))
+
+
+def check_features(
+    query: torch.Tensor, block_size: int, alibi_slopes: torch.Tensor | None, blocksparse: BlockSparse | None
+) -> AttentionFeatures:
+    """ALiBi slopes as fp32 `[num_heads]` on the query's device, and a block-sparse pattern whose
+    sparse blocks hold whole cache blocks."""
+    if alibi_slopes is not None:
+        num_heads = query.shape[1]
+        if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dim() != 1 or alibi_slopes.numel() != num_heads:
+            shape = tuple(alibi_slopes.shape) if isinstance(alibi_slopes, torch.Tensor) else type(alibi_slopes).__name__
+            raise ValueError(f"alibi_slopes must be a 1-d tensor of num_heads={num_heads} slopes, got {shape}")
+        _same_device(("query", query), ("alibi_slopes", alibi_slopes))
+        alibi_slopes = alibi_slopes.float().contiguous()
+        if alibi_slopes.device.type == "cpu" and not bool(torch.isfinite(alibi_slopes).all()):
+            raise ValueError(f"alibi_slopes must be finite, got {alibi_slopes.tolist()}")
+    if blocksparse is not None:
+        blocksparse.check(block_size)
+    return AttentionFeatures(alibi_slopes, blocksparse)

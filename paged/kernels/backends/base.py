@@ -14,9 +14,13 @@ from typing import ClassVar
 
 import torch
 
+from paged.kernels.features import FP8_DTYPES, NONE, AttentionFeatures
 from paged.kernels.limits import DTYPE_NAMES
 
 DTYPES: tuple[torch.dtype, ...] = tuple(getattr(torch, name) for name in DTYPE_NAMES)
+# What a KV cache may hold: a model dtype, or fp8 with scales.
+CACHE_DTYPES: tuple[torch.dtype, ...] = DTYPES + FP8_DTYPES
+FEATURES = ("alibi", "blocksparse")
 
 
 def _text(value: object) -> str:
@@ -53,12 +57,19 @@ def require_contiguous(**caches: torch.Tensor) -> None:
 @dataclass(frozen=True)
 class CacheView:
     """One layer's paged K/V cache as a batch's sequences see it (layouts in DESIGN.md):
-    `block_tables` int32 `[num_seqs, max_blocks]`, `seq_lens` int32 `[num_seqs]`."""
+    `block_tables` int32 `[num_seqs, max_blocks]`, `seq_lens` int32 `[num_seqs]`; an fp8 cache
+    carries its fp32 `[num_kv_heads]` dequantisation scales (`paged.kernels.features`)."""
 
     key_cache: torch.Tensor  # [num_blocks, num_kv_heads, head_size / x, block_size, x]
     value_cache: torch.Tensor  # [num_blocks, num_kv_heads, head_size, block_size]
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def fp8(self) -> bool:
+        return self.key_cache.dtype in FP8_DTYPES
 
     @property
     def num_kv_heads(self) -> int:
@@ -87,6 +98,10 @@ class KernelBackend(ABC):
     head_sizes: ClassVar[tuple[int, ...] | None] = None
     block_sizes: ClassVar[tuple[int, ...] | None] = None
     partition_sizes: ClassVar[tuple[int, ...] | None] = None
+    # KV cache dtypes besides the model's own: a backend that declares none stores K/V as they come.
+    cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = DTYPES
+    # The `AttentionFeatures` it implements, of FEATURES.
+    features: ClassVar[tuple[str, ...]] = ()
 
     def unsupported_reason(
         self,
@@ -95,20 +110,27 @@ class KernelBackend(ABC):
         head_size: int,
         block_size: int | None,
         partition_size: int | None = None,
+        cache_dtype: torch.dtype | None = None,
+        features: AttentionFeatures = NONE,
     ) -> str | None:
         """Why this backend cannot serve the configuration, naming the value and what it supports;
         `None` when it can. A `None` value is not checked: a block size not known yet, a partition
-        size where v2 never runs."""
+        size where v2 never runs, the cache dtype of an op that reads no cache."""
+        wanted = [name for name, on in (("alibi", features.alibi_slopes is not None),
+                                        ("blocksparse", features.blocksparse is not None)) if on]
         declared = (
             ("dtype", dtype, self.dtypes),
+            ("kv cache dtype", cache_dtype, self.cache_dtypes),
             ("head_size", head_size, self.head_sizes),
             ("block_size", block_size, self.block_sizes),
             ("partition_size", partition_size, self.partition_sizes),
+            *(("attention feature", name, self.features) for name in wanted),
         )
         for what, value, supported in declared:
             if value is not None and supported is not None and value not in supported:
                 return (
-                    f"{what}={_text(value)} is not supported by backend={self.name!r}; supported: {listing(supported)}"
+                    f"{what}={_text(value)} is not supported by backend={self.name!r}; supported: "
+                    f"{listing(supported) or 'none'}"
                 )
         if self.device_type is not None and device.type != self.device_type:
             return f"backend={self.name!r} needs {self.device_type} tensors, got tensors on {device}"
@@ -122,25 +144,25 @@ class KernelBackend(ABC):
     @abstractmethod
     def paged_attention(
         self, query: torch.Tensor, cache: CacheView, scale: float, version: str, partition_size: int, max_seq_len: int,
-        sliding_window: int | None,
+        sliding_window: int | None, features: AttentionFeatures = NONE,
     ) -> torch.Tensor:
         """`paged.kernels.paged_attention` on a non-empty batch; `sliding_window` is `None` or
-        shorter than `max_seq_len`."""
+        shorter than `max_seq_len`; an fp8 cache has its scales set."""
 
     @abstractmethod
     def prefill_attention(
         self, query: torch.Tensor, cache: CacheView, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-        max_seq_len: int, sliding_window: int | None,
+        max_seq_len: int, sliding_window: int | None, features: AttentionFeatures = NONE,
     ) -> torch.Tensor:
         """`paged.kernels.prefill_attention` on a non-empty batch; `sliding_window` is `None` or
-        shorter than `max_seq_len`."""
+        shorter than `max_seq_len`; an fp8 cache has its scales set."""
 
     @abstractmethod
     def reshape_and_cache(
         self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
+        slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     ) -> None:
-        """`paged.kernels.reshape_and_cache`."""
+        """`paged.kernels.reshape_and_cache`; fp8 caches get fp32 `[num_kv_heads]` scales."""
 
     @abstractmethod
     def copy_blocks(

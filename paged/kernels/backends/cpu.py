@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-from paged.kernels.backends.base import CacheView, require_contiguous
+from paged.kernels.backends.base import DTYPES, CacheView, require_contiguous
 from paged.kernels.backends.torch_ref import TorchBackend
+from paged.kernels.features import NONE, AttentionFeatures
 from paged.kernels.limits import BLOCK_SIZES
 from paged.kernels.toolchain import host_compiler
 from paged.kernels.toolchain.cache_dir import ArtifactCache
@@ -148,13 +149,15 @@ class CpuBackend(TorchBackend):
     description = "native C++/OpenMP"
     device_type = "cpu"
     block_sizes = BLOCK_SIZES
+    cache_dtypes = DTYPES
+    features = ()
 
     def unavailable_reason(self) -> str | None:
         return _load_failure()
 
     def paged_attention(
         self, query: torch.Tensor, cache: CacheView, scale: float, version: str, partition_size: int, max_seq_len: int,
-        sliding_window: int | None,
+        sliding_window: int | None, features: AttentionFeatures = NONE,
     ) -> torch.Tensor:
         version_number = 1 if version == "v1" else 2
         return _call("paged_attention_cpu", query, cache, scale, sliding_window, version_number, partition_size,
@@ -162,7 +165,7 @@ class CpuBackend(TorchBackend):
 
     def prefill_attention(
         self, query: torch.Tensor, cache: CacheView, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-        max_seq_len: int, sliding_window: int | None,
+        max_seq_len: int, sliding_window: int | None, features: AttentionFeatures = NONE,
     ) -> torch.Tensor:
         query_start_loc = query_start_loc.contiguous()
         # `query_start_loc` must outlive the call: `_call` only holds its address.

@@ -14,8 +14,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from paged.kernels.backends.base import CacheView, device_side, require_contiguous, window_span
+from paged.kernels.backends.base import DTYPES, CacheView, device_side, require_contiguous, window_span
 from paged.kernels.backends.torch_ref import TorchBackend
+from paged.kernels.features import NONE, AttentionFeatures
 from paged.kernels.limits import BLOCK_SIZES, NATIVE_HEAD_SIZES, NATIVE_PARTITION_SIZES
 from paged.kernels.toolchain.specs import NUM_THREADS, Unit, attention_unit, cache_unit
 
@@ -135,6 +136,8 @@ class RunnerBackend(TorchBackend):
     head_sizes = NATIVE_HEAD_SIZES
     block_sizes = BLOCK_SIZES
     partition_sizes = NATIVE_PARTITION_SIZES
+    cache_dtypes = DTYPES
+    features = ()
 
     @abstractmethod
     def runner(self, tensor: torch.Tensor) -> Runner:
@@ -142,7 +145,7 @@ class RunnerBackend(TorchBackend):
 
     def paged_attention(
         self, query: torch.Tensor, cache: CacheView, scale: float, version: str, partition_size: int, max_seq_len: int,
-        sliding_window: int | None,
+        sliding_window: int | None, features: AttentionFeatures = NONE,
     ) -> torch.Tensor:
         """With a window, v1's logits and v2's partitions cover only the positions the window
         reaches: the kernels index them from the window's first block (v1) or partition (v2)."""
@@ -190,7 +193,7 @@ class RunnerBackend(TorchBackend):
 
     def reshape_and_cache(
         self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
+        slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     ) -> None:
         runner = self.runner(key)
         num_tokens, num_heads, head_size = key.shape

@@ -4,14 +4,17 @@ Decode attention implements both of vLLM's algorithms so `kernel=v1|v2` changes 
 just a label: v1 takes one softmax over the whole context; v2 splits the context into partitions,
 keeps per-partition max logit, exp-sum and normalised partial output, then rescales and reduces.
 Prefill attention is one padded `scaled_dot_product_attention` over the whole batch. With a
-sliding window, both gather only the blocks the window reaches, as the kernels do.
+sliding window, both gather only the blocks the window reaches, as the kernels do. An fp8 cache is
+dequantised as it is gathered (value * its head's scale); ALiBi adds slope * (key - query position)
+to the logits and block-sparse attention masks what its pattern leaves out (`paged.kernels.features`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from paged.kernels.backends.base import CacheView, KernelBackend, window_span
+from paged.kernels.backends.base import CACHE_DTYPES, FEATURES, CacheView, KernelBackend, window_span
+from paged.kernels.features import FP8_DTYPES, NONE, AttentionFeatures, quantize
 
 _NEG_INF = float("-inf")
 # Bounds one prefill SDPA call's padded K (V alike) and mask, in elements.
@@ -20,7 +23,7 @@ PREFILL_GROUP_ELEMENTS = 1 << 25
 
 def reshape_and_cache(
     key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
     keep = slot_mapping >= 0
     if not bool(keep.all()):
@@ -28,6 +31,8 @@ def reshape_and_cache(
     if slot_mapping.numel() == 0:
         return
     num_blocks, num_kv_heads, d_over_x, block_size, x = key_cache.shape
+    if key_cache.dtype in FP8_DTYPES:
+        key, value = quantize(key, k_scale, key_cache.dtype), quantize(value, v_scale, value_cache.dtype)
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping - blocks * block_size
     k = key.reshape(-1, num_kv_heads, d_over_x, x).to(key_cache.dtype)
@@ -95,17 +100,35 @@ def _blocks(
     valid = (positions >= window_start[:, None]) & (positions < seq_lens[:, None])
     k = cache.key_cache[blocks].float().permute(2, 0, 1, 4, 3, 5)
     v = cache.value_cache.permute(1, 0, 2, 3)[:, blocks].float()
+    if cache.fp8:
+        k = k * cache.k_scale.view(-1, 1, 1, 1, 1, 1)
+        v = v * cache.v_scale.view(-1, 1, 1, 1, 1)
     v.masked_fill_(~valid.view(num_seqs, num_blocks, 1, bs), 0)
     return k.reshape(cache.num_kv_heads, num_seqs, num_blocks * bs, -1), v, valid
 
 
-def _logits(query: torch.Tensor, k: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
-    """fp32 logits `[Hk, S, G, L]`, -inf where a slot is not `valid`."""
+def _logits(
+    query: torch.Tensor, k: torch.Tensor, valid: torch.Tensor, scale: float, positions: torch.Tensor,
+    seq_lens: torch.Tensor, features: AttentionFeatures,
+) -> torch.Tensor:
+    """fp32 logits `[Hk, S, G, L]` of the decode query (at `seq_lens - 1`) against the slots at
+    `positions` `[S, L]`, with the features applied; -inf where a slot is not `valid` or the
+    block-sparse pattern leaves it out."""
     num_seqs, num_heads, head_size = query.shape
     num_kv_heads = k.shape[0]
-    q = query.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_size).transpose(0, 1)
+    group = num_heads // num_kv_heads
+    q = query.float().view(num_seqs, num_kv_heads, group, head_size).transpose(0, 1)
     logits = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
-    return logits.masked_fill_(~valid[None, :, None, :], _NEG_INF)
+    query_pos = (seq_lens.long() - 1)[:, None]  # [S, 1]
+    if features.alibi_slopes is not None:
+        slopes = features.alibi_slopes.view(num_kv_heads, 1, group, 1)
+        logits += slopes * (positions - query_pos)[None, :, None, :]
+    masked = ~valid[None, :, None, :]
+    if features.blocksparse is not None:
+        offsets = features.blocksparse.offsets(num_heads, num_kv_heads, query.device).view(num_kv_heads, 1, group, 1)
+        masked = masked | ~features.blocksparse.allowed(query_pos[None, :, None, :], positions[None, :, None, :],
+                                                        offsets)
+    return logits.masked_fill_(masked, _NEG_INF)
 
 
 def _weighted_values(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -129,13 +152,20 @@ def _window(cache: CacheView, sliding_window: int | None, align: int) -> tuple[t
     return window_start, window_start // align * align
 
 
+def _positions(first: torch.Tensor, length: int) -> torch.Tensor:
+    """`[S, length]` context positions from each sequence's `first`."""
+    return first[:, None] + torch.arange(length, device=first.device)
+
+
 def paged_attention_v1(
-    query: torch.Tensor, cache: CacheView, scale: float, max_seq_len: int, sliding_window: int | None = None
+    query: torch.Tensor, cache: CacheView, scale: float, max_seq_len: int, sliding_window: int | None = None,
+    features: AttentionFeatures = NONE,
 ) -> torch.Tensor:
     window_start, first = _window(cache, sliding_window, cache.block_size)
     num_blocks = -(-window_span(max_seq_len, sliding_window, cache.block_size) // cache.block_size)
     k, v, valid = _blocks(cache, first, num_blocks, window_start)
-    probs = torch.softmax(_logits(query, k, valid, scale), dim=-1)
+    positions = _positions(first, num_blocks * cache.block_size)
+    probs = torch.softmax(_logits(query, k, valid, scale, positions, cache.seq_lens, features), dim=-1)
     hk, s, g, _ = probs.shape
     out = _weighted_values(probs.view(hk, s, g, 1, num_blocks, -1), v.unsqueeze(2))
     return _finish(out.squeeze(2), query)
@@ -143,7 +173,7 @@ def paged_attention_v1(
 
 def paged_attention_v2(
     query: torch.Tensor, cache: CacheView, scale: float, max_seq_len: int, partition_size: int,
-    sliding_window: int | None = None,
+    sliding_window: int | None = None, features: AttentionFeatures = NONE,
 ) -> torch.Tensor:
     """Partitions are whole `partition_size` spans of positions, as in the kernels; with a window,
     those wholly before it are not computed."""
@@ -152,7 +182,8 @@ def paged_attention_v2(
     num_partitions = -(-window_span(max_seq_len, sliding_window, partition_size) // partition_size)
     blocks_per_partition = partition_size // block_size
     k, v, valid = _blocks(cache, first, num_partitions * blocks_per_partition, window_start)
-    logits = _logits(query, k, valid, scale)
+    positions = _positions(first, num_partitions * partition_size)
+    logits = _logits(query, k, valid, scale, positions, cache.seq_lens, features)
     hk, s, g, _ = logits.shape
     parts = logits.view(hk, s, g, num_partitions, partition_size)
     max_logits = parts.amax(dim=-1)  # [Hk, S, G, P]; -inf for partitions outside the context
@@ -181,6 +212,9 @@ def _padded_context(
     padded = num_blocks * bs
     k = cache.key_cache[blocks].permute(0, 2, 1, 4, 3, 5).reshape(num_seqs, num_kv_heads, padded, -1)
     v = cache.value_cache[blocks].permute(0, 2, 1, 4, 3).reshape(num_seqs, num_kv_heads, padded, -1)
+    if cache.fp8:
+        k = k.float() * cache.k_scale.view(1, -1, 1, 1)
+        v = v.float() * cache.v_scale.view(1, -1, 1, 1)
     positions = (first_block * bs)[:, None] + torch.arange(padded, device=k.device)
     outside = (positions < window_start[:, None]) | (positions >= cache.seq_lens[:, None])
     outside = outside[:, None, :, None]
@@ -189,7 +223,7 @@ def _padded_context(
 
 def _attend_group(
     query: torch.Tensor, cache: CacheView, starts: torch.Tensor, q_lens: torch.Tensor, window_start: torch.Tensor,
-    scale: float, sliding_window: int | None,
+    scale: float, sliding_window: int | None, features: AttentionFeatures,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One padded SDPA call for a group of sequences: queries padded to `[n, H, Lq, D]`, K/V
     gathered from the block holding `window_start` (the first query's window start), a boolean mask
@@ -212,16 +246,26 @@ def _attend_group(
     mask = key_positions <= positions
     if sliding_window is not None:
         mask &= key_positions > positions - sliding_window
+    mask = mask[:, None]  # [n, 1 or H, Lq, Lk]
+    num_heads, num_kv_heads = query.shape[1], cache.num_kv_heads
+    if features.blocksparse is not None:
+        offsets = features.blocksparse.offsets(num_heads, num_kv_heads, device).view(1, -1, 1, 1)
+        mask = mask & features.blocksparse.allowed(positions[:, None], key_positions[:, None], offsets)
+    if features.alibi_slopes is not None:
+        bias = features.alibi_slopes.view(1, -1, 1, 1) * (key_positions - positions)[:, None].float()
+        mask = bias.masked_fill_(~mask, _NEG_INF)
+    if cache.fp8 or features.alibi_slopes is not None:
+        # fp32 throughout: the dequantised cache is fp32, and a float mask must match the query's dtype
+        q, k, v = q.float(), k.float(), v.float()
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k[:, :, :max_span], v[:, :, :max_span], attn_mask=mask[:, None], scale=scale,
-        enable_gqa=True,
+        q.transpose(1, 2), k[:, :, :max_span], v[:, :, :max_span], attn_mask=mask, scale=scale, enable_gqa=True,
     )
-    return tokens, out.transpose(1, 2)[owner, rows]
+    return tokens, out.transpose(1, 2)[owner, rows].to(query.dtype)
 
 
 def prefill_attention(
     query: torch.Tensor, cache: CacheView, query_start_loc: torch.Tensor, scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | None = None, features: AttentionFeatures = NONE,
 ) -> torch.Tensor:
     """Padded SDPA calls over groups of sequences whose gathered spans (their contexts, or less
     with a window) lie within a factor of two, so padding at most doubles a group's span; a group
@@ -239,9 +283,10 @@ def prefill_attention(
         group_q, span = int(q_lens[group].max()), int(spans[group].max())
         per_call = PREFILL_GROUP_ELEMENTS // max(span * cache.num_kv_heads * cache.head_size, group_q * span)
         for part in group.split(max(1, per_call)):
-            part_cache = CacheView(cache.key_cache, cache.value_cache, cache.block_tables[part], cache.seq_lens[part])
+            part_cache = CacheView(cache.key_cache, cache.value_cache, cache.block_tables[part], cache.seq_lens[part],
+                                   cache.k_scale, cache.v_scale)
             tokens, part_out = _attend_group(query, part_cache, starts[part], q_lens[part], window_start[part], scale,
-                                             sliding_window)
+                                             sliding_window, features)
             out[tokens] = part_out
     return out
 
@@ -252,20 +297,31 @@ class TorchBackend(KernelBackend):
 
     name = "torch"
     description = "torch reference"
+    cache_dtypes = CACHE_DTYPES
+    features = FEATURES
+
+    def unsupported_reason(
+        self, device: torch.device, dtype: torch.dtype, head_size: int, block_size: int | None,
+        partition_size: int | None = None, cache_dtype: torch.dtype | None = None,
+        features: AttentionFeatures = NONE,
+    ) -> str | None:
+        if cache_dtype in FP8_DTYPES and device.type == "mps":
+            return f"kv cache dtype={cache_dtype} needs float8 tensors, which torch does not implement on mps"
+        return super().unsupported_reason(device, dtype, head_size, block_size, partition_size, cache_dtype, features)
 
     def paged_attention(
         self, query: torch.Tensor, cache: CacheView, scale: float, version: str, partition_size: int, max_seq_len: int,
-        sliding_window: int | None,
+        sliding_window: int | None, features: AttentionFeatures = NONE,
     ) -> torch.Tensor:
         if version == "v1":
-            return paged_attention_v1(query, cache, scale, max_seq_len, sliding_window)
-        return paged_attention_v2(query, cache, scale, max_seq_len, partition_size, sliding_window)
+            return paged_attention_v1(query, cache, scale, max_seq_len, sliding_window, features)
+        return paged_attention_v2(query, cache, scale, max_seq_len, partition_size, sliding_window, features)
 
     def prefill_attention(
         self, query: torch.Tensor, cache: CacheView, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-        max_seq_len: int, sliding_window: int | None,
+        max_seq_len: int, sliding_window: int | None, features: AttentionFeatures = NONE,
     ) -> torch.Tensor:
-        return prefill_attention(query, cache, query_start_loc, scale, sliding_window)
+        return prefill_attention(query, cache, query_start_loc, scale, sliding_window, features)
 
     reshape_and_cache = staticmethod(reshape_and_cache)
     copy_blocks = staticmethod(copy_blocks)

@@ -1,0 +1,154 @@
+"""The kernel options beyond plain attention, vLLM's names and meanings: an fp8 KV cache with
+per-head scales, ALiBi slopes, and block-sparse attention. Checked here once, for every backend.
+
+fp8 (`kv_cache_dtype` fp8_e4m3 / fp8_e5m2): the cache tensors have torch's `float8_e4m3fn` /
+`float8_e5m2` dtype. `reshape_and_cache` stores `fp8(clamp(x / scale, -max, max))`, rounding to
+nearest even, and attention reads `float(fp8) * scale`, with one scale per KV head (a per-tensor
+scale is the same number for every head). Every backend rounds the same way: the clamp makes the
+saturating CUDA conversion and torch's (which overflows to NaN / inf) agree.
+
+Block-sparse (`BlockSparse`): positions are grouped in sparse blocks of `block_size` tokens; a
+query in sparse block q attends to sparse block k (k <= q) when it is one of the `local_blocks`
+last ones (k > q - local_blocks) or a "vertical" one, (k + offset) % vert_stride == 0, where the
+offset slides with the head: head * head_sliding_step + 1 (a negative step slides per KV head).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+import torch
+
+KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FP8_DTYPES = tuple(KV_CACHE_DTYPES.values())
+# The largest finite value of each format: stored values are clamped to it.
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_DTYPES
+
+
+def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype of the KV cache for `kernel.kv_cache_dtype` (auto: the model's)."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported; allowed: auto, "
+                         f"{', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[kv_cache_dtype]
+
+
+def check_scale(name: str, value: float | None) -> None:
+    """A given fp8 scale must be a finite number > 0 (it divides every stored value)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a finite number > 0")
+
+
+def kv_scales(
+    name: str, scale: float | torch.Tensor | None, num_kv_heads: int, device: torch.device
+) -> torch.Tensor:
+    """fp32 `[num_kv_heads]` on `device`: a per-tensor scale repeated, or per-head scales checked.
+    `None` is 1 (an fp8 cache without calibration stores values as they are)."""
+    if scale is None:
+        return torch.ones(num_kv_heads, dtype=torch.float32, device=device)
+    if not isinstance(scale, torch.Tensor):
+        check_scale(name, scale)
+        return torch.full((num_kv_heads,), float(scale), dtype=torch.float32, device=device)
+    if scale.numel() == 1:
+        scale = scale.reshape(1).expand(num_kv_heads)
+    if scale.shape != (num_kv_heads,):
+        raise ValueError(f"{name} has shape {tuple(scale.shape)}; expected one scale per tensor or "
+                         f"[num_kv_heads={num_kv_heads}]")
+    values = scale.detach().float()
+    if not bool(torch.isfinite(values).all()) or not bool((values > 0).all()):
+        raise ValueError(f"{name}={values.tolist()} must be finite numbers > 0")
+    return values.to(device).contiguous()
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` `[..., num_kv_heads, head_size]` stored as fp8 `dtype` with per-head `scale`."""
+    limit = FP8_MAX[dtype]
+    return (x.float() / scale[:, None]).clamp(-limit, limit).to(dtype)
+
+
+@dataclass(frozen=True)
+class BlockSparse:
+    """vLLM's blocksparse_local_blocks / _vert_stride / _block_size / _head_sliding_step."""
+
+    local_blocks: int
+    vert_stride: int
+    block_size: int
+    head_sliding_step: int = 0
+
+    @classmethod
+    def from_config(cls, values: Mapping[str, int]) -> BlockSparse:
+        allowed = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - allowed)
+        if unknown:
+            raise ValueError(f"kernel.blocksparse has unknown keys {unknown}; allowed: {', '.join(sorted(allowed))}")
+        missing = sorted({"local_blocks", "vert_stride", "block_size"} - set(values))
+        if missing:
+            raise ValueError(f"kernel.blocksparse needs {', '.join(missing)}")
+        return cls(**{k: int(v) for k, v in values.items()})
+
+    def check(self, cache_block_size: int) -> None:
+        """The kernels skip whole cache blocks, so a cache block must lie inside one sparse block."""
+        for name in ("local_blocks", "vert_stride", "block_size"):
+            value = getattr(self, name)
+            if value <= 0:
+                raise ValueError(f"blocksparse {name}={value} must be > 0")
+        if self.block_size % cache_block_size:
+            raise ValueError(
+                f"blocksparse block_size={self.block_size} must be a multiple of the KV cache block size "
+                f"{cache_block_size} (the kernels keep or skip whole cache blocks)"
+            )
+
+    def offsets(self, num_heads: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
+        """int64 `[num_heads]`: each query head's vertical offset."""
+        heads = torch.arange(num_heads, device=device)
+        if self.head_sliding_step >= 0:
+            return heads * self.head_sliding_step + 1
+        return heads // (num_heads // num_kv_heads) * -self.head_sliding_step + 1
+
+    def allowed(
+        self, query_pos: torch.Tensor, key_pos: torch.Tensor, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """bool, broadcast of `query_pos` `[..., Q, 1]`, `key_pos` `[..., 1, K]` and `offsets`
+        `[H, 1, 1]`: the sparse pattern (causality is the caller's)."""
+        q_block = torch.div(query_pos, self.block_size, rounding_mode="floor")
+        k_block = torch.div(key_pos, self.block_size, rounding_mode="floor")
+        local = k_block > q_block - self.local_blocks
+        remote = (k_block + offsets) % self.vert_stride == 0
+        return local | remote
+
+
+@dataclass(frozen=True)
+class AttentionFeatures:
+    """What attention adds to q·k: ALiBi slopes (fp32 `[num_heads]`, bias slope * (k - q)) and a
+    block-sparse pattern. `NONE` is plain attention."""
+
+    alibi_slopes: torch.Tensor | None = None
+    blocksparse: BlockSparse | None = None
+
+    @property
+    def plain(self) -> bool:
+        return self.alibi_slopes is None and self.blocksparse is None
+
+
+NONE = AttentionFeatures()
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """ALiBi's geometric slopes (Press et al.; BLOOM's build_alibi_tensor), fp32 `[num_heads]`."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = 2.0 ** (-(2.0 ** -(math.log2(closest) - 3)))
+    slopes = [base ** (i + 1) for i in range(closest)]
+    if closest != num_heads:
+        extra = 2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3)))
+        slopes += [extra ** (2 * i + 1) for i in range(min(closest, num_heads - closest))]
+    return torch.tensor(slopes, dtype=torch.float32)
