@@ -13,7 +13,7 @@ from paged.config import KernelConfig, ModelConfig
 from paged.executor.attention import BatchInput, PagedAttention, prepare_batch
 from paged.executor.base import Executor, KVCacheSpec
 from paged.executor.output import ExecutorOutput
-from paged.model.llama import LlamaModel
+from paged.model.build import build_model
 from paged.model.sampler import SampleRow, TokenLogprobs, sample, top_logprobs
 from paged.model.tokenizer import load_tokenizer
 from paged.model.weights import load_weights
@@ -41,7 +41,7 @@ class ModelExecutor(Executor):
         self.seed = seed
         arch, state, tokenizer_source = load_weights(model_cfg)
         self.arch = arch
-        self.model = LlamaModel(arch, state, self.dtype, self.device)
+        self.model = build_model(arch, state, self.dtype, self.device)
         self.tokenizer = load_tokenizer(tokenizer_source, chat_template=model_cfg.chat_template)
         eos = self.tokenizer.eos_token_id
         self.eos_token_ids = frozenset([eos] if eos is not None else arch.eos_token_ids[:1])
