@@ -19,7 +19,9 @@ import numpy as np
 import torch
 
 from paged import kernels
+from paged.executor.kv_scales import KVScales
 from paged.kernels.backends.base import KernelBackend
+from paged.kernels.features import BlockSparse
 from paged.scheduler.output import SchedulerOutput
 
 
@@ -114,7 +116,9 @@ def prepare_batch(sched: SchedulerOutput, block_size: int, device: torch.device)
 class PagedAttention:
     """The model's attention callback for one step: `(layer, q, k, v) -> out`, rows in batch order.
     `decode_version` (v1/v2) is the kernel the decode rows run, `None` when the step has none;
-    `sliding_window` the attention window in tokens, `None` for the whole context."""
+    `sliding_window` the attention window in tokens, `None` for the whole context; `kv_scales`
+    the fp8 cache's scales (`None` for a cache in the model's dtype); `alibi_slopes` and
+    `blocksparse` as in `paged.kernels.features`."""
 
     def __init__(
         self,
@@ -127,6 +131,9 @@ class PagedAttention:
         backend: str | KernelBackend,
         partition_size: int,
         sliding_window: int | None = None,
+        kv_scales: KVScales | None = None,
+        alibi_slopes: torch.Tensor | None = None,
+        blocksparse: BlockSparse | None = None,
     ) -> None:
         assert (decode_version is None) == (batch.decode is None), "decode rows need a version, and only they"
         self.batch = batch
@@ -137,33 +144,36 @@ class PagedAttention:
         self.backend = kernels.get_backend(backend)
         self.partition_size = partition_size
         self.sliding_window = sliding_window
+        self.kv_scales = kv_scales
+        self.features = {"sliding_window": sliding_window, "alibi_slopes": alibi_slopes, "blocksparse": blocksparse}
 
-    def _decode(self, rows: AttentionRows, q: torch.Tensor, key_cache: torch.Tensor,
-                value_cache: torch.Tensor) -> torch.Tensor:
+    def _decode(self, rows: AttentionRows, q: torch.Tensor, caches: tuple[torch.Tensor, ...],
+                scales: dict[str, torch.Tensor]) -> torch.Tensor:
         assert self.decode_version is not None
         return kernels.paged_attention(
-            q, key_cache, value_cache, rows.block_tables, rows.seq_lens, self.scale,
-            version=self.decode_version, backend=self.backend, partition_size=self.partition_size,
-            max_seq_len=rows.max_seq_len, sliding_window=self.sliding_window,
+            q, *caches, rows.block_tables, rows.seq_lens, self.scale, version=self.decode_version, backend=self.backend,
+            partition_size=self.partition_size, max_seq_len=rows.max_seq_len, **self.features, **scales,
         )
 
-    def _prefill(self, rows: AttentionRows, q: torch.Tensor, key_cache: torch.Tensor,
-                 value_cache: torch.Tensor) -> torch.Tensor:
+    def _prefill(self, rows: AttentionRows, q: torch.Tensor, caches: tuple[torch.Tensor, ...],
+                 scales: dict[str, torch.Tensor]) -> torch.Tensor:
         return kernels.prefill_attention(
-            q, key_cache, value_cache, rows.block_tables, rows.query_start_loc, rows.seq_lens, self.scale,
-            backend=self.backend, max_query_len=rows.max_query_len, max_seq_len=rows.max_seq_len,
-            sliding_window=self.sliding_window,
+            q, *caches, rows.block_tables, rows.query_start_loc, rows.seq_lens, self.scale, backend=self.backend,
+            max_query_len=rows.max_query_len, max_seq_len=rows.max_seq_len, **self.features, **scales,
         )
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b = self.batch
-        key_cache, value_cache = self.key_caches[layer], self.value_caches[layer]
-        kernels.reshape_and_cache(k, v, key_cache, value_cache, b.slot_mapping, backend=self.backend)
+        caches = self.key_caches[layer], self.value_caches[layer]
+        scales: dict[str, torch.Tensor] = {}
+        if self.kv_scales is not None:
+            scales = dict(zip(("k_scale", "v_scale"), self.kv_scales.for_layer(layer, k, v)))
+        kernels.reshape_and_cache(k, v, *caches, b.slot_mapping, backend=self.backend, **scales)
         if b.prefill is None:
-            return self._decode(b.decode, q, key_cache, value_cache)
+            return self._decode(b.decode, q, caches, scales)
         if b.decode is None:
-            return self._prefill(b.prefill, q, key_cache, value_cache)
+            return self._prefill(b.prefill, q, caches, scales)
         out = torch.empty_like(q)
-        out[b.decode.tokens] = self._decode(b.decode, q[b.decode.tokens], key_cache, value_cache)
-        out[b.prefill.tokens] = self._prefill(b.prefill, q[b.prefill.tokens], key_cache, value_cache)
+        out[b.decode.tokens] = self._decode(b.decode, q[b.decode.tokens], caches, scales)
+        out[b.prefill.tokens] = self._prefill(b.prefill, q[b.prefill.tokens], caches, scales)
         return out

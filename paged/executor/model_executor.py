@@ -12,7 +12,9 @@ from paged import kernels
 from paged.config import KernelConfig, ModelConfig
 from paged.executor.attention import BatchInput, PagedAttention, prepare_batch
 from paged.executor.base import Executor, KVCacheSpec
+from paged.executor.kv_scales import KVScales
 from paged.executor.output import ExecutorOutput
+from paged.kernels.features import AttentionFeatures, BlockSparse, cache_dtype, is_fp8
 from paged.model.build import build_model
 from paged.model.sampler import SampleRow, TokenLogprobs, sample, top_logprobs
 from paged.model.tokenizer import load_tokenizer
@@ -48,6 +50,9 @@ class ModelExecutor(Executor):
         self.model_name = model_cfg.name
         self.scale = arch.head_dim**-0.5
         self.sliding_window = arch.sliding_window
+        # ALiBi models (BLOOM) carry their slopes; RoPE models have none
+        self.alibi_slopes: torch.Tensor | None = getattr(self.model, "alibi_slopes", None)
+        self.kv_scales: KVScales | None = None
 
         self._announced: set[str] = set()
         self.key_caches: list[torch.Tensor] = []
@@ -63,14 +68,21 @@ class ModelExecutor(Executor):
     @property
     def description(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
-        return f"{self.model_name} on {self.device} ({dtype}); attention {self.kernel_description}"
+        kv = f", KV cache {self.kv_cache_dtype_name}" if is_fp8(self.cache_dtype) else ""
+        return f"{self.model_name} on {self.device} ({dtype}{kv}); attention {self.kernel_description}"
 
     def configure_kernel(self, kernel_cfg: KernelConfig) -> None:
-        """Pick the decode algorithm, and the backend once for this model's device, dtype and head
-        size; an engine reusing this executor calls it again."""
+        """Pick the decode algorithm, the KV cache's dtype and the attention features, and the
+        backend once for this model's device, dtype and head size; an engine reusing this executor
+        calls it again (before `init_kv_cache`)."""
         self.version = kernel_cfg.version
         self.partition_size = kernel_cfg.partition_size
         self.requested_backend = kernel_cfg.backend
+        self.kv_cache_dtype_name = kernel_cfg.kv_cache_dtype
+        self.cache_dtype = cache_dtype(kernel_cfg.kv_cache_dtype, self.dtype)
+        self.k_scale, self.v_scale = kernel_cfg.k_scale, kernel_cfg.v_scale
+        sparse = kernel_cfg.blocksparse
+        self.blocksparse = BlockSparse.from_config(dict(sparse)) if sparse else None
         self._resolve_backend()
 
     @property
@@ -83,17 +95,22 @@ class ModelExecutor(Executor):
         self.backend, reason = kernels.resolve_backend(
             self.requested_backend, device=self.device, dtype=self.dtype, head_size=self.arch.head_dim,
             block_size=self.block_size or None, partition_size=self._v2_partition_size,
+            cache_dtype=self.cache_dtype, features=self._features,
         )
         version = "auto(v1/v2)" if self.version == "auto" else self.version
         self.kernel_description = f"{version}/{reason}"
+
+    @property
+    def _features(self) -> AttentionFeatures:
+        return AttentionFeatures(self.alibi_slopes, self.blocksparse)
 
     def kv_cache_spec(self, block_size: int) -> KVCacheSpec:
         a = self.arch
         return KVCacheSpec(
             block_size,
-            2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize,
+            2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * self.cache_dtype.itemsize,
             f"vLLM's per layer: key [blocks, {a.num_kv_heads}, {a.head_dim}/x, {block_size}, x], "
-            f"value [blocks, {a.num_kv_heads}, {a.head_dim}, {block_size}], {self.dtype}",
+            f"value [blocks, {a.num_kv_heads}, {a.head_dim}, {block_size}], {self.cache_dtype}",
         )
 
     def init_kv_cache(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
@@ -102,25 +119,32 @@ class ModelExecutor(Executor):
         whole device block was swapped into it. It is pinned for a CUDA model, so swaps are DMA
         copies."""
         a = self.arch
-        x = 16 // self.dtype.itemsize
+        x = 16 // self.cache_dtype.itemsize
         if a.head_dim % x:
             raise ValueError(f"head_dim={a.head_dim} is not a multiple of the key cache's x={x}")
 
         def shapes(n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
             return (n, a.num_kv_heads, a.head_dim // x, block_size, x), (n, a.num_kv_heads, a.head_dim, block_size)
 
+        if self.blocksparse is not None:
+            self.blocksparse.check(block_size)
         key_shape, value_shape = shapes(num_blocks)
-        kw = {"dtype": self.dtype, "device": self.device}
+        kw = {"dtype": self.cache_dtype, "device": self.device}
         self.key_caches = [torch.zeros(key_shape, **kw) for _ in range(a.num_layers)]
         self.value_caches = [torch.zeros(value_shape, **kw) for _ in range(a.num_layers)]
         cpu_key_shape, cpu_value_shape = shapes(num_cpu_blocks)
-        cpu_kw = {"dtype": self.dtype, "device": "cpu", "pin_memory": self.device.type == "cuda"}
+        cpu_kw = {"dtype": self.cache_dtype, "device": "cpu", "pin_memory": self.device.type == "cuda"}
         self.cpu_key_caches = [torch.empty(cpu_key_shape, **cpu_kw) for _ in range(a.num_layers)]
         self.cpu_value_caches = [torch.empty(cpu_value_shape, **cpu_kw) for _ in range(a.num_layers)]
         self.block_size = block_size
+        self.kv_scales = (
+            KVScales(a.num_layers, a.num_kv_heads, self.cache_dtype, self.device, self.k_scale, self.v_scale)
+            if is_fp8(self.cache_dtype) else None
+        )
         # resolved without a block size at construction: resolve again only if this one is refused
         if self.backend.unsupported_reason(
-            self.device, self.dtype, self.arch.head_dim, block_size, self._v2_partition_size
+            self.device, self.dtype, self.arch.head_dim, block_size, self._v2_partition_size, self.cache_dtype,
+            self._features,
         ):
             self._resolve_backend()
 
@@ -218,7 +242,8 @@ class ModelExecutor(Executor):
             attn = PagedAttention(
                 batch, self.key_caches, self.value_caches, self.scale,
                 decode_version=version, backend=self.backend, partition_size=self.partition_size,
-                sliding_window=self.sliding_window,
+                sliding_window=self.sliding_window, kv_scales=self.kv_scales, alibi_slopes=self.alibi_slopes,
+                blocksparse=self.blocksparse,
             )
             hidden = self.model.forward(batch.input_ids, batch.positions, attn)
             rows = self._sample_rows(sched)

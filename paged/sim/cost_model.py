@@ -14,6 +14,9 @@ Per layer (all layers are alike, so one layer is costed and multiplied):
   step also cannot end before its largest work unit streams at one SM's share of the bandwidth:
   with few, long sequences v1 leaves SMs idle and v2 wins, as vLLM's heuristic assumes;
 - layer norms, residual adds, rotary, the MLP activation and the KV-cache write: memory-bound;
+- the KV cache's element size (`kv_dtype_bytes`: 1 for an fp8 cache) prices every byte of K/V that
+  attention reads from the cache, the cache write stores and a swap moves; weights and activations
+  stay at the model's `dtype_bytes`;
 - tensor parallelism splits weights and heads over `num_gpus` and adds two ring all-reduces of
   the hidden states per layer over the interconnect;
 - launches: a layer cannot run faster than its kernels can be launched.
@@ -114,11 +117,13 @@ _KERNELS_PER_LAYER = 12
 class CostModel:
     def __init__(
         self, spec: ModelSpec, hardware: Hardware, dtype_bytes: int, *, version: str = "auto",
-        partition_size: int = 512,
+        partition_size: int = 512, kv_dtype_bytes: int | None = None,
     ) -> None:
+        """`kv_dtype_bytes`: one KV cache element's bytes (None: `dtype_bytes`, the model's)."""
         if version not in ("auto", "v1", "v2"):
             raise ValueError(f"kernel.version={version!r} is not supported; allowed: auto, v1, v2")
         self.spec, self.hw, self.b = spec, hardware, dtype_bytes
+        self.kv_b = dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes
         self.version, self.partition_size = version, partition_size
         g = hardware.num_gpus
         s = spec
@@ -138,9 +143,13 @@ class CostModel:
         self.linear_act = h + (self.q_size + 2 * self.kv_size) + self.q_size + h + h + up_out + inter + h
         act = 3 * inter if s.mlp == "gated-silu" else 2 * inter
         rotary = 2 * (self.q_size + self.kv_size) if s.positions == "rope" else 0
-        # elements per token: 2 norms (read + write), 2 residual adds (2 reads + write), the MLP
-        # activation, rotary, and the KV-cache write (read K/V, write the cache)
-        self.elementwise = 2 * 2 * h + 2 * 3 * h + act + rotary + 2 * 2 * self.kv_size
+        # elements per token at the model's dtype: 2 norms (read + write), 2 residual adds (2 reads
+        # + write), the MLP activation and rotary
+        self.elementwise = 2 * 2 * h + 2 * 3 * h + act + rotary
+        # bytes per token of the KV-cache write: read K and V at the model's dtype, store them at the
+        # cache's. fp8 adds no time: dividing by the scale happens in registers on the way through a
+        # memory-bound kernel
+        self.cache_write_bytes = 2 * self.kv_size * (self.b + self.kv_b)
         self.lm_head_weights = s.vocab_size * h / g
         # (output features, parameters) of each linear layer on one GPU, for wave quantization
         self.linears = [
@@ -182,7 +191,7 @@ class CostModel:
             (self.linear_weights + t * self.linear_act) * b / self.bw,
         )
         attention, version = self._attention(shape)
-        elementwise = t * self.elementwise * b / self.bw
+        elementwise = t * (self.elementwise * b + self.cache_write_bytes) / self.bw
         kernels = _KERNELS_PER_LAYER + (version == "v2") + (shape.num_prefill_rows > 0 and version is not None)
         layer = max(linear + attention + elementwise, kernels * hw.kernel_launch_s)
         communication = 0.0
@@ -211,15 +220,19 @@ class CostModel:
             return 0.0
         hw = self.hw
         copies = 2 * self.spec.num_layers * shape.num_swap_blocks
-        copy_bytes = shape.block_size * self.kv_size * self.b
+        copy_bytes = shape.block_size * self.kv_size * self.kv_b
         return copies * (hw.pcie_latency_s + copy_bytes / (hw.pcie_bandwidth * hw.memory_efficiency))
 
     def _attention(self, shape: StepShape) -> tuple[float, str | None]:
-        hw, b, d = self.hw, self.b, self.spec.head_dim
+        """Queries and outputs move at the model's dtype, K/V at the cache's, as both attention
+        kernels read every context token from the cache. An fp8 cache adds no dequantisation time:
+        decode attention is priced by its bytes alone (the conversion to fp32 happens in registers as
+        the K/V stream in), and prefill's flops run on the dequantised fp16 tiles."""
+        hw, b, kv_b, d = self.hw, self.b, self.kv_b, self.spec.head_dim
         time = 0.0
         if shape.num_prefill_rows:
             flops = 4 * d * self.heads * shape.prefill_pairs
-            traffic = (2 * shape.prefill_queries * self.q_size + 2 * shape.prefill_context * self.kv_size) * b
+            traffic = 2 * shape.prefill_queries * self.q_size * b + 2 * shape.prefill_context * self.kv_size * kv_b
             time += max(flops / (self.flops * hw.prefill_attention_efficiency), traffic / self.bw)
         contexts = shape.decode_contexts
         if not contexts:
@@ -229,10 +242,10 @@ class CostModel:
         if version == "auto":
             version = choose_version(longest, num, self.heads, self.partition_size)
         bandwidth = hw.memory_bandwidth * hw.decode_attention_efficiency
-        traffic = (2 * total * self.kv_size + 2 * num * self.q_size) * b
+        traffic = 2 * total * self.kv_size * kv_b + 2 * num * self.q_size * b
         unit = min(longest, self.partition_size) if version == "v2" else longest
         # one thread block streams its unit at one SM's share of the bandwidth
-        time += max(traffic / bandwidth, 2 * unit * d * b * hw.num_sms / bandwidth)
+        time += max(traffic / bandwidth, 2 * unit * d * kv_b * hw.num_sms / bandwidth)
         if version == "v2":
             p = self.partition_size
             partitions = sum(-(-c // p) for c in contexts)
