@@ -14,6 +14,15 @@
 // first block, and v2 numbers its partitions from the window's first one (grid z and the scratch
 // arrays cover only the partitions the window reaches); positions before the window inside that
 // first block are masked.
+//
+// The cache's element type CACHE_T is T, or fp8 (__nv_fp8_e4m3 / __nv_fp8_e5m2) with one fp32
+// scale per KV head: a key's dot product and a value row's weighted sum are taken on the fp8 values
+// converted to float and multiplied by the head's scale once (x = 16 / sizeof(CACHE_T) = 16).
+// ALiBi (alibi_slopes non-null) adds slope * (token - query position) to each logit. Block-sparse
+// attention (bs_vert_stride > 0) keeps a cache block when its sparse block is among the query's
+// bs_local_blocks last ones or a vertical one ((sparse block + offset) % bs_vert_stride == 0, the
+// offset sliding with the head); other blocks are never read, their logits set to -FLT_MAX so
+// their probability is 0 (a v2 partition with none left gets weight 0 in the reduce).
 #pragma once
 
 #include "vec.cuh"
@@ -25,16 +34,45 @@ PAGED_DEVICE int window_start(int seq_len, int sliding_window) {
   return sliding_window > 0 && seq_len > sliding_window ? seq_len - sliding_window : 0;
 }
 
-template <typename T, typename OUT_T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, int PARTITION_SIZE>
+// The optional features' arguments, the same for every kernel that attends.
+struct Features {
+  const float* k_scales;      // [num_kv_heads], read only for an fp8 cache
+  const float* v_scales;
+  const float* alibi_slopes;  // [num_heads] or null
+  int bs_block_size;          // tokens per sparse block (a multiple of BLOCK_SIZE)
+  int bs_local_blocks;
+  int bs_vert_stride;         // 0: dense
+  int bs_head_sliding_step;
+};
+
+// Kernels take the features as plain arguments (the launch paths pass pointers and ints only).
+#define FEATURE_PARAMS                                                                                 \
+  const float *__restrict__ k_scales, const float *__restrict__ v_scales,                              \
+      const float *__restrict__ alibi_slopes, int bs_block_size, int bs_local_blocks, int bs_vert_stride, \
+      int bs_head_sliding_step
+#define FEATURE_ARGS                                                                                      \
+  Features{k_scales, v_scales, alibi_slopes, bs_block_size, bs_local_blocks, bs_vert_stride, bs_head_sliding_step}
+
+// Whether a query whose last position is in sparse block q_block attends to the cache block
+// starting at token `block_start`.
+PAGED_DEVICE bool sparse_keeps(const Features& f, int block_start, int q_block, int offset) {
+  const int k_block = block_start / f.bs_block_size;
+  return k_block > q_block - f.bs_local_blocks || (k_block + offset) % f.bs_vert_stride == 0;
+}
+
+template <typename T, typename CACHE_T, typename OUT_T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS,
+          int PARTITION_SIZE>
 PAGED_DEVICE void paged_attention(float* __restrict__ exp_sums, float* __restrict__ max_logits,
                                   OUT_T* __restrict__ out, const T* __restrict__ q,
-                                  const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+                                  const CACHE_T* __restrict__ k_cache, const CACHE_T* __restrict__ v_cache,
                                   int num_kv_heads, float scale, const int* __restrict__ block_tables,
                                   const int* __restrict__ seq_lens, int max_num_blocks_per_seq,
-                                  int q_stride, int kv_block_stride, int kv_head_stride, int sliding_window) {
+                                  int q_stride, int kv_block_stride, int kv_head_stride, int sliding_window,
+                                  const Features& f) {
   constexpr bool PARTITIONED = PARTITION_SIZE > 0;
+  constexpr bool FP8 = sizeof(CACHE_T) == 1;
   constexpr int NUM_WARPS = NUM_THREADS / WARP_SIZE;
-  constexpr int X = 16 / sizeof(T);
+  constexpr int X = 16 / sizeof(CACHE_T);
   constexpr int GROUP = cmax(WARP_SIZE / BLOCK_SIZE, 1);
   constexpr int NUM_GROUPS = NUM_THREADS / GROUP;
   constexpr int VEC = cmax(16 / (GROUP * static_cast<int>(sizeof(T))), 1);
@@ -70,6 +108,13 @@ PAGED_DEVICE void paged_attention(float* __restrict__ exp_sums, float* __restric
   const int num_tokens = cmin(end_block * BLOCK_SIZE, seq_len) - start_token;
   const int kv_head = head / (num_heads / num_kv_heads);
   const int* block_table = block_tables + static_cast<int64>(seq) * max_num_blocks_per_seq;
+  const float k_scale = FP8 ? f.k_scales[kv_head] : 1.f;
+  const float v_scale = FP8 ? f.v_scales[kv_head] : 1.f;
+  const float alibi_slope = f.alibi_slopes ? f.alibi_slopes[head] : 0.f;
+  const bool sparse = f.bs_vert_stride > 0;
+  const int q_sparse_block = sparse ? (seq_len - 1) / f.bs_block_size : 0;
+  const int sparse_offset =
+      f.bs_head_sliding_step >= 0 ? head * f.bs_head_sliding_step + 1 : kv_head * -f.bs_head_sliding_step + 1;
 
   __shared__ Vec<T, VEC> q_vecs[GROUP][VECS_PER_THREAD];
   __shared__ float red_smem[2 * NUM_WARPS];
@@ -87,21 +132,26 @@ PAGED_DEVICE void paged_attention(float* __restrict__ exp_sums, float* __restric
   const int token_in_block = lane / GROUP;
   float qk_max = -FLT_MAX_;
   for (int block_idx = start_block + warp; block_idx < end_block; block_idx += NUM_WARPS) {
+    if (sparse && !sparse_keeps(f, block_idx * BLOCK_SIZE, q_sparse_block, sparse_offset)) {
+      if (group_lane == 0) logits[block_idx * BLOCK_SIZE + token_in_block - start_token] = -FLT_MAX_;
+      continue;
+    }
     const int64 physical_block = block_table[block_idx];
-    const T* k_ptr = k_cache + physical_block * kv_block_stride + static_cast<int64>(kv_head) * kv_head_stride +
-                     token_in_block * X;
+    const CACHE_T* k_ptr = k_cache + physical_block * kv_block_stride +
+                           static_cast<int64>(kv_head) * kv_head_stride + token_in_block * X;
     float qk = 0.f;
 #pragma unroll
     for (int j = 0; j < VECS_PER_THREAD; ++j) {
       const int elem = (group_lane + j * GROUP) * VEC;
-      const Vec<T, VEC> k = load_vec<T, VEC>(k_ptr + (elem / X) * BLOCK_SIZE * X + elem % X);
+      const Vec<CACHE_T, VEC> k = load_vec<CACHE_T, VEC>(k_ptr + (elem / X) * BLOCK_SIZE * X + elem % X);
       const Vec<T, VEC>& qv = q_vecs[group_lane][j];
 #pragma unroll
       for (int e = 0; e < VEC; ++e) qk += to_float(qv.val[e]) * to_float(k.val[e]);
     }
-    qk = scale * warp_reduce<GROUP / 2>(qk, SumOp());
+    qk = scale * k_scale * warp_reduce<GROUP / 2>(qk, SumOp());
     if (group_lane == 0) {
       const int token = block_idx * BLOCK_SIZE + token_in_block;
+      qk += alibi_slope * (token - seq_len + 1);
       // Masked slots get 0, not -inf: P·V multiplies them with zeroed V, and 0 * -inf is NaN.
       const bool masked = token >= seq_len || token < first_token;
       logits[token - start_token] = masked ? 0.f : qk;
@@ -135,12 +185,14 @@ PAGED_DEVICE void paged_attention(float* __restrict__ exp_sums, float* __restric
   for (int i = 0; i < ROWS_PER_THREAD; ++i) accs[i] = 0.f;
   const int v_offset = (lane % V_VECS_PER_ROW) * V_VEC;
   for (int block_idx = start_block + warp; block_idx < end_block; block_idx += NUM_WARPS) {
+    if (sparse && !sparse_keeps(f, block_idx * BLOCK_SIZE, q_sparse_block, sparse_offset)) continue;
     const int64 physical_block = block_table[block_idx];
     const int lane_token = block_idx * BLOCK_SIZE + v_offset;
     float probs[V_VEC];
 #pragma unroll
     for (int e = 0; e < V_VEC; ++e) probs[e] = logits[lane_token - start_token + e];
-    const T* v_ptr = v_cache + physical_block * kv_block_stride + static_cast<int64>(kv_head) * kv_head_stride;
+    const CACHE_T* v_ptr =
+        v_cache + physical_block * kv_block_stride + static_cast<int64>(kv_head) * kv_head_stride;
     // Slots past seq_len in the last block may hold NaN from unwritten cache memory, and slots
     // before the window in its first block anything the sequence no longer needs.
     const bool edge_block = block_idx == num_seq_blocks - 1 || block_idx == first_block;
@@ -148,7 +200,7 @@ PAGED_DEVICE void paged_attention(float* __restrict__ exp_sums, float* __restric
     for (int i = 0; i < ROWS_PER_THREAD; ++i) {
       const int row = lane / V_VECS_PER_ROW + i * ROWS_PER_ITER;
       if (row < HEAD_SIZE) {
-        const Vec<T, V_VEC> v = load_vec<T, V_VEC>(v_ptr + row * BLOCK_SIZE + v_offset);
+        const Vec<CACHE_T, V_VEC> v = load_vec<CACHE_T, V_VEC>(v_ptr + row * BLOCK_SIZE + v_offset);
         float sum = 0.f;
 #pragma unroll
         for (int e = 0; e < V_VEC; ++e) {
@@ -157,7 +209,7 @@ PAGED_DEVICE void paged_attention(float* __restrict__ exp_sums, float* __restric
           const float value = masked ? 0.f : to_float(v.val[e]);
           sum += probs[e] * value;
         }
-        accs[i] += sum;
+        accs[i] += sum * v_scale;
       }
     }
   }
@@ -204,32 +256,32 @@ PAGED_DEVICE void paged_attention(float* __restrict__ exp_sums, float* __restric
 
 // Grid (num_heads, num_seqs, 1); dynamic shared memory: max(padded max_seq_len, NUM_WARPS/2 *
 // HEAD_SIZE) floats, where with a window the padded length needs only cover the window's blocks.
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
+template <typename T, typename CACHE_T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
 __global__ void paged_attention_v1_kernel(T* __restrict__ out, const T* __restrict__ q,
-                                          const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+                                          const CACHE_T* __restrict__ k_cache, const CACHE_T* __restrict__ v_cache,
                                           int num_kv_heads, float scale, const int* __restrict__ block_tables,
                                           const int* __restrict__ seq_lens, int max_num_blocks_per_seq,
                                           int q_stride, int kv_block_stride, int kv_head_stride,
-                                          int sliding_window) {
-  paged_attention<T, T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, 0>(
+                                          int sliding_window, FEATURE_PARAMS) {
+  paged_attention<T, CACHE_T, T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, 0>(
       nullptr, nullptr, out, q, k_cache, v_cache, num_kv_heads, scale, block_tables, seq_lens,
-      max_num_blocks_per_seq, q_stride, kv_block_stride, kv_head_stride, sliding_window);
+      max_num_blocks_per_seq, q_stride, kv_block_stride, kv_head_stride, sliding_window, FEATURE_ARGS);
 }
 
 // Grid (num_heads, num_seqs, max_num_partitions), where with a window max_num_partitions need only
 // cover the partitions one window reaches. The partial outputs stay fp32 so the reduce kernel
 // rounds to T once.
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, int PARTITION_SIZE>
+template <typename T, typename CACHE_T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, int PARTITION_SIZE>
 __global__ void paged_attention_v2_kernel(float* __restrict__ exp_sums, float* __restrict__ max_logits,
                                           float* __restrict__ tmp_out, const T* __restrict__ q,
-                                          const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+                                          const CACHE_T* __restrict__ k_cache, const CACHE_T* __restrict__ v_cache,
                                           int num_kv_heads, float scale, const int* __restrict__ block_tables,
                                           const int* __restrict__ seq_lens, int max_num_blocks_per_seq,
                                           int q_stride, int kv_block_stride, int kv_head_stride,
-                                          int sliding_window) {
-  paged_attention<T, float, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, PARTITION_SIZE>(
+                                          int sliding_window, FEATURE_PARAMS) {
+  paged_attention<T, CACHE_T, float, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, PARTITION_SIZE>(
       exp_sums, max_logits, tmp_out, q, k_cache, v_cache, num_kv_heads, scale, block_tables, seq_lens,
-      max_num_blocks_per_seq, q_stride, kv_block_stride, kv_head_stride, sliding_window);
+      max_num_blocks_per_seq, q_stride, kv_block_stride, kv_head_stride, sliding_window, FEATURE_ARGS);
 }
 
 // Grid (num_heads, num_seqs); dynamic shared memory: max_num_partitions floats. Each partition's

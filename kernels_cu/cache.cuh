@@ -5,12 +5,26 @@
 
 namespace paged {
 
+// A value as the cache stores it: itself, or for fp8 x / scale clamped to the format's finite
+// range (NaN kept) and rounded to nearest even, as the torch reference does.
+template <typename CACHE_T, typename T>
+PAGED_DEVICE CACHE_T to_cache(T x, const float* scales, int head) {
+  if constexpr (sizeof(CACHE_T) == 1) {
+    const float limit = Fp8Max<CACHE_T>::value;
+    const float scaled = to_float(x) / scales[head];
+    return from_float<CACHE_T>(scaled != scaled ? scaled : fminf(fmaxf(scaled, -limit), limit));
+  } else {
+    return x;
+  }
+}
+
 // Grid (num_tokens); slot -1 marks a padding token whose K/V must not be written.
-template <typename T>
+template <typename T, typename CACHE_T>
 __global__ void reshape_and_cache_kernel(const T* __restrict__ key, const T* __restrict__ value,
-                                         T* __restrict__ key_cache, T* __restrict__ value_cache,
+                                         CACHE_T* __restrict__ key_cache, CACHE_T* __restrict__ value_cache,
                                          const int64* __restrict__ slot_mapping, int key_stride, int value_stride,
-                                         int num_heads, int head_size, int block_size, int x) {
+                                         int num_heads, int head_size, int block_size, int x,
+                                         const float* __restrict__ k_scales, const float* __restrict__ v_scales) {
   const int64 token = blockIdx.x;
   const int64 slot = slot_mapping[token];
   if (slot < 0) return;
@@ -22,8 +36,8 @@ __global__ void reshape_and_cache_kernel(const T* __restrict__ key, const T* __r
     const int dim = i % head_size;
     const int64 key_dst = (((block * num_heads + head) * (head_size / x) + dim / x) * block_size + offset) * x + dim % x;
     const int64 value_dst = ((block * num_heads + head) * head_size + dim) * block_size + offset;
-    key_cache[key_dst] = key[token * key_stride + i];
-    value_cache[value_dst] = value[token * value_stride + i];
+    key_cache[key_dst] = to_cache<CACHE_T>(key[token * key_stride + i], k_scales, head);
+    value_cache[value_dst] = to_cache<CACHE_T>(value[token * value_stride + i], v_scales, head);
   }
 }
 

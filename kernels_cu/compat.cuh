@@ -6,6 +6,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #define PAGED_DEVICE __device__ __forceinline__
 #define PAGED_HD __host__ __device__
@@ -45,6 +46,20 @@ PAGED_HD constexpr int cmin(int a, int b) { return a < b ? a : b; }
 PAGED_DEVICE float to_float(float v) { return v; }
 PAGED_DEVICE float to_float(__half v) { return __half2float(v); }
 PAGED_DEVICE float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+PAGED_DEVICE float to_float(__nv_fp8_e4m3 v) { return static_cast<float>(v); }
+PAGED_DEVICE float to_float(__nv_fp8_e5m2 v) { return static_cast<float>(v); }
+
+// The largest finite value of each fp8 format.
+template <typename T>
+struct Fp8Max;
+template <>
+struct Fp8Max<__nv_fp8_e4m3> {
+  static constexpr float value = 448.f;
+};
+template <>
+struct Fp8Max<__nv_fp8_e5m2> {
+  static constexpr float value = 57344.f;
+};
 
 template <typename T>
 struct Convert;
@@ -59,6 +74,16 @@ struct Convert<__half> {
 template <>
 struct Convert<__nv_bfloat16> {
   static PAGED_DEVICE __nv_bfloat16 from(float v) { return __float2bfloat16_rn(v); }
+};
+
+// fp8 conversions round to nearest even and saturate to the finite range (__NV_SATFINITE).
+template <>
+struct Convert<__nv_fp8_e4m3> {
+  static PAGED_DEVICE __nv_fp8_e4m3 from(float v) { return __nv_fp8_e4m3(v); }
+};
+template <>
+struct Convert<__nv_fp8_e5m2> {
+  static PAGED_DEVICE __nv_fp8_e5m2 from(float v) { return __nv_fp8_e5m2(v); }
 };
 
 template <typename T>

@@ -8,6 +8,10 @@ namespace paged {
 template <int BYTES>
 struct Words;
 template <>
+struct Words<1> {
+  typedef unsigned char type;
+};
+template <>
 struct Words<2> {
   typedef unsigned short type;
 };

@@ -1,5 +1,5 @@
-// Shared by the cpu backend's decode and prefill attention: dtypes, 16-bit conversions, the
-// argument block both entry points fill, and the cache tile addressing.
+// Shared by the cpu backend's decode and prefill attention: dtypes and their conversions, the
+// argument block both entry points fill, the cache tile addressing and the attention features.
 //
 // Layouts (elements, all contiguous except the query):
 //   key_cache   [num_blocks, num_kv_heads, head_size / x, block_size, x], x = 16 / element_size
@@ -8,6 +8,9 @@
 //   seq_lens    int32 [num_seqs]
 //   query       [rows, num_heads, head_size] with arbitrary strides (e.g. a view of fused qkv)
 //   out         [rows, num_heads, head_size], contiguous, query dtype
+// The cache holds the query's dtype, or fp8 (e4m3fn / e5m2, x = 16) read as value * its KV head's
+// scale. The kernels are templates over the cache's element type, which their inner loops read;
+// the query and output are converted a row at a time, so their dtype is a runtime switch.
 #pragma once
 
 #include <algorithm>
@@ -18,9 +21,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "fp8.h"
+
 namespace paged_cpu {
 
-enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kE4M3 = 3, kE5M2 = 4 };
 
 // ---- 16-bit conversions -----------------------------------------------------------------------
 
@@ -62,8 +67,50 @@ struct BF16 {
   static float load(storage v) { return bf16_to_float(v); }
   static storage store(float v) { return float_to_bf16(v); }
 };
+// fp8 caches are only read here (reshape_and_cache is the torch reference's).
+struct E4M3 {
+  using storage = uint8_t;
+  static float load(storage v) { return paged_fp8::e4m3_to_float(v); }
+};
+struct E5M2 {
+  using storage = uint8_t;
+  static float load(storage v) { return paged_fp8::e5m2_to_float(v); }
+};
+
+template <typename C>
+constexpr bool is_fp8() { return sizeof(typename C::storage) == 1; }
+
+// A cache element as fp32: an fp8 one times its KV head's scale.
+template <typename C>
+inline float dequant(typename C::storage v, float scale) {
+  if constexpr (is_fp8<C>()) {
+    return C::load(v) * scale;
+  } else {
+    return C::load(v);
+  }
+}
+
+// vLLM's block-sparse pattern (paged/kernels/features.py), off when local_blocks is 0. Its block
+// size is a multiple of the cache's (checked in run), so a cache block lies in one sparse block
+// and is seen or not as a whole.
+struct BlockSparse {
+  int local_blocks, vert_stride, block_size, head_sliding_step;
+
+  bool on() const { return local_blocks > 0; }
+  // Query head `head`'s vertical offset; a negative step slides per KV head (group of G heads).
+  int64_t offset(int head, int G) const {
+    return head_sliding_step >= 0 ? static_cast<int64_t>(head) * head_sliding_step + 1
+                                  : static_cast<int64_t>(head / G) * -static_cast<int64_t>(head_sliding_step) + 1;
+  }
+  // Whether a query at position q sees key position k <= q (causality is the caller's).
+  bool sees(int q, int k, int64_t offset) const {
+    const int q_block = q / block_size, k_block = k / block_size;
+    return k_block > q_block - local_blocks || (k_block + offset) % vert_stride == 0;
+  }
+};
 
 struct Args {
+  int dtype, cache_dtype;  // DType of the query and output; of the cache
   void* out;
   const void* query;
   int64_t q_stride_seq, q_stride_head, q_stride_dim;  // seq: the stride between query rows
@@ -72,10 +119,14 @@ struct Args {
   const int32_t* block_tables;
   int64_t bt_stride;
   const int32_t* seq_lens;
-  const int32_t* query_start_loc;  // prefill only: [num_seqs + 1] row offsets
   int num_seqs, num_heads, num_kv_heads, head_size, block_size;
   float scale;
   int sliding_window;  // 0: the whole context; else W, a query at p sees positions p - W < k <= p
+  const float* k_scale;  // fp8 caches: [num_kv_heads] dequantisation scales; else null
+  const float* v_scale;
+  const float* alibi_slopes;  // [num_heads], logits get slope * (key - query position); or null
+  BlockSparse sparse;
+  const int32_t* query_start_loc;  // prefill only: [num_seqs + 1] row offsets
   int partition_size;  // decode v2 only
   int max_seq_len;     // decode only
   int max_query_len;   // prefill only
@@ -83,8 +134,40 @@ struct Args {
 };
 
 
+template <typename C>
+constexpr int x_of() { return 16 / static_cast<int>(sizeof(typename C::storage)); }
+
+// The dequantisation scale of KV head `kvh` in `scales` (1 for a cache that is not fp8).
+inline float kv_scale(const float* scales, int kvh) { return scales ? scales[kvh] : 1.f; }
+
+// A query head's row as fp32, an output row from fp32: in the model dtype, one switch per row.
 template <typename T>
-constexpr int x_of() { return 16 / static_cast<int>(sizeof(typename T::storage)); }
+inline void load_row_as(const void* base, int64_t offset, int64_t stride, int n, float* dst) {
+  const typename T::storage* src = static_cast<const typename T::storage*>(base) + offset;
+  for (int i = 0; i < n; ++i) dst[i] = T::load(src[i * stride]);
+}
+
+inline void load_query_row(const Args& a, int64_t offset, int n, float* dst) {
+  switch (a.dtype) {
+    case kF32: load_row_as<F32>(a.query, offset, a.q_stride_dim, n, dst); break;
+    case kF16: load_row_as<F16>(a.query, offset, a.q_stride_dim, n, dst); break;
+    default: load_row_as<BF16>(a.query, offset, a.q_stride_dim, n, dst); break;
+  }
+}
+
+template <typename T>
+inline void store_row_as(void* base, int64_t offset, int n, const float* src) {
+  typename T::storage* dst = static_cast<typename T::storage*>(base) + offset;
+  for (int i = 0; i < n; ++i) dst[i] = T::store(src[i]);
+}
+
+inline void store_out_row(const Args& a, int64_t offset, int n, const float* src) {
+  switch (a.dtype) {
+    case kF32: store_row_as<F32>(a.out, offset, n, src); break;
+    case kF16: store_row_as<F16>(a.out, offset, n, src); break;
+    default: store_row_as<BF16>(a.out, offset, n, src); break;
+  }
+}
 
 // The first position a query at `position` attends to. Blocks wholly before it are never read:
 // the block manager frees them, so their table entries may name blocks other sequences now own.
@@ -92,10 +175,10 @@ inline int window_start(const Args& a, int position) {
   return a.sliding_window > 0 && position >= a.sliding_window ? position - a.sliding_window + 1 : 0;
 }
 
-template <typename T>
-inline const typename T::storage* tile_ptr(const void* cache, const Args& a, int64_t blk, int kv_head) {
+template <typename C>
+inline const typename C::storage* tile_ptr(const void* cache, const Args& a, int64_t blk, int kv_head) {
   const int64_t tile = static_cast<int64_t>(a.head_size) * a.block_size;
-  return static_cast<const typename T::storage*>(cache) + (blk * a.num_kv_heads + kv_head) * tile;
+  return static_cast<const typename C::storage*>(cache) + (blk * a.num_kv_heads + kv_head) * tile;
 }
 
 }  // namespace paged_cpu

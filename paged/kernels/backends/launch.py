@@ -14,7 +14,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from paged.kernels.backends.base import DTYPES, CacheView, device_side, require_contiguous, window_span
+from paged.kernels.backends.base import CACHE_DTYPES, FEATURES, CacheView, device_side, require_contiguous, window_span
 from paged.kernels.backends.torch_ref import TorchBackend
 from paged.kernels.features import NONE, AttentionFeatures
 from paged.kernels.limits import BLOCK_SIZES, NATIVE_HEAD_SIZES, NATIVE_PARTITION_SIZES
@@ -119,6 +119,20 @@ def copy_plan(
     return plan
 
 
+def _optional_ptr(t: torch.Tensor | None) -> Ptr:
+    return Ptr(0) if t is None else _ptr(t)
+
+
+def _feature_args(cache: CacheView, features: AttentionFeatures) -> tuple[Arg, ...]:
+    """The kernels' FEATURE_PARAMS: fp8 scales, ALiBi slopes (null: none), block-sparse ints
+    (vert_stride 0: dense)."""
+    sparse = features.blocksparse
+    ints = (0, 0, 0, 0) if sparse is None else (
+        sparse.block_size, sparse.local_blocks, sparse.vert_stride, sparse.head_sliding_step)
+    return (_optional_ptr(cache.k_scale), _optional_ptr(cache.v_scale), _optional_ptr(features.alibi_slopes),
+            *map(np.int32, ints))
+
+
 def _check_shared_memory(runner: Runner, unit: Unit, kernel: str, needed: int, what: str) -> None:
     limit = runner.dynamic_shared_memory_limit(unit, kernel)
     if needed > limit:
@@ -131,13 +145,13 @@ def _check_shared_memory(runner: Runner, unit: Unit, kernel: str, needed: int, w
 class RunnerBackend(TorchBackend):
     """Decode attention and the cache ops of kernels_cu/, for backends whose runner executes
     `Launch`es (cuda, emu); they support only the instantiated shapes. Prefill is inherited from
-    the torch backend: kernels_cu/ has no prefill kernel yet."""
+    the torch backend (features and fp8 included): kernels_cu/ has no prefill kernel yet."""
 
     head_sizes = NATIVE_HEAD_SIZES
     block_sizes = BLOCK_SIZES
     partition_sizes = NATIVE_PARTITION_SIZES
-    cache_dtypes = DTYPES
-    features = ()
+    cache_dtypes = CACHE_DTYPES
+    features = FEATURES
 
     @abstractmethod
     def runner(self, tensor: torch.Tensor) -> Runner:
@@ -157,12 +171,12 @@ class RunnerBackend(TorchBackend):
         query = _rows(query, vectors=True)
         block_tables, seq_lens = cache.block_tables.contiguous(), cache.seq_lens.contiguous()
         out = torch.empty_like(query)
-        unit = attention_unit(query.dtype, head_size, block_size, version, partition_size)
+        unit = attention_unit(query.dtype, head_size, block_size, version, partition_size, key_cache.dtype)
         window = np.int32(sliding_window or 0)  # 0: the whole context
         common = (
             _ptr(query), _ptr(key_cache), _ptr(value_cache), np.int32(num_kv_heads), np.float32(scale),
             _ptr(block_tables), _ptr(seq_lens), np.int32(block_tables.shape[1]), np.int32(query.stride(0)),
-            np.int32(key_cache.stride(0)), np.int32(key_cache.stride(1)), window,
+            np.int32(key_cache.stride(0)), np.int32(key_cache.stride(1)), window, *_feature_args(cache, features),
         )
         # The logits buffer doubles as the cross-warp output buffer.
         outputs_smem = (NUM_THREADS // WARP_SIZE // 2) * head_size * 4
@@ -202,11 +216,11 @@ class RunnerBackend(TorchBackend):
         _require_in_place_layout(key_cache=key_cache, value_cache=value_cache)
         key, value = _rows(key, vectors=False), _rows(value, vectors=False)
         slot_mapping = slot_mapping.contiguous()
-        unit = cache_unit(key.dtype)
+        unit = cache_unit(key.dtype, key_cache.dtype)
         args = (
             _ptr(key), _ptr(value), _ptr(key_cache), _ptr(value_cache), _ptr(slot_mapping),
             np.int32(key.stride(0)), np.int32(value.stride(0)), np.int32(num_heads), np.int32(head_size),
-            np.int32(key_cache.shape[3]), np.int32(key_cache.shape[4]),
+            np.int32(key_cache.shape[3]), np.int32(key_cache.shape[4]), _optional_ptr(k_scale), _optional_ptr(v_scale),
         )
         threads = min(num_heads * head_size, MAX_CACHE_THREADS)
         runner.run(unit, [Launch(unit.kernels[0], (num_tokens, 1, 1), threads, 0, args)])

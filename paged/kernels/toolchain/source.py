@@ -24,9 +24,10 @@ def source_dir() -> Path:
 @cache
 def _hash_of(path: Path) -> str:
     digest = hashlib.sha256()
-    # cpu/ holds the cpu backend's standalone C++ (keyed by its own hash), not part of paged.cu
+    # cpu/ holds the cpu backend's standalone C++ (keyed by its own hash), not part of paged.cu,
+    # except the fp8 conversions the emulator shares
     files = (p for p in path.rglob("*") if p.is_file() and p.suffix in {".cu", ".cuh", ".h", ".cpp"})
-    for file in sorted(f for f in files if f.relative_to(path).parts[0] != "cpu"):
+    for file in sorted(f for f in files if f.relative_to(path).parts[0] != "cpu" or f.name == "fp8.h"):
         digest.update(file.relative_to(path).as_posix().encode() + b"\0" + file.read_bytes() + b"\0")
     return digest.hexdigest()
 

@@ -10,10 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
+from paged.kernels.features import FP8_DTYPES
 from paged.kernels.limits import BLOCK_SIZES, DEFAULT_PARTITION_SIZE, NATIVE_HEAD_SIZES
 
 NUM_THREADS = 128
 CXX_TYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
+CXX_CACHE_TYPES = {torch.float8_e4m3fn: "__nv_fp8_e4m3", torch.float8_e5m2: "__nv_fp8_e5m2"}
 OPS = ("attention_v1", "attention_v2", "cache")
 
 
@@ -24,57 +26,78 @@ class Unit:
     head_size: int = 0
     block_size: int = 0
     partition_size: int = 0
+    cache: str = ""  # the KV cache's element type when it is not `dtype` (fp8)
 
     def __post_init__(self) -> None:
         assert self.op in OPS, self.op
         assert self.dtype in CXX_TYPES.values(), self.dtype
+        assert self.cache in ("", *CXX_CACHE_TYPES.values()), self.cache
         assert (self.op == "attention_v2") == (self.partition_size > 0), self
 
     @property
     def kernels(self) -> tuple[str, ...]:
         """C++ name expressions of the kernels this unit launches."""
-        t, h, b, p = self.dtype, self.head_size, self.block_size, self.partition_size
+        t, c, h, b, p = self.dtype, self.cache or self.dtype, self.head_size, self.block_size, self.partition_size
         if self.op == "attention_v1":
-            return (f"paged::paged_attention_v1_kernel<{t}, {h}, {b}, {NUM_THREADS}>",)
+            return (f"paged::paged_attention_v1_kernel<{t}, {c}, {h}, {b}, {NUM_THREADS}>",)
         if self.op == "attention_v2":
             return (
-                f"paged::paged_attention_v2_kernel<{t}, {h}, {b}, {NUM_THREADS}, {p}>",
+                f"paged::paged_attention_v2_kernel<{t}, {c}, {h}, {b}, {NUM_THREADS}, {p}>",
                 f"paged::paged_attention_v2_reduce_kernel<{t}, {h}, {NUM_THREADS}, {p}>",
             )
-        return (f"paged::reshape_and_cache_kernel<{t}>", f"paged::copy_blocks_kernel<{t}>")
+        return (f"paged::reshape_and_cache_kernel<{t}, {c}>", f"paged::copy_blocks_kernel<{c}>")
 
     @property
     def label(self) -> str:
+        cache = f"/{self.cache}" if self.cache else ""
         if self.op == "cache":
-            return f"cache {self.dtype}"
-        label = f"{self.op.removeprefix('attention_')} {self.dtype} h{self.head_size} b{self.block_size}"
+            return f"cache {self.dtype}{cache}"
+        label = f"{self.op.removeprefix('attention_')} {self.dtype}{cache} h{self.head_size} b{self.block_size}"
         return label + (f" p{self.partition_size}" if self.partition_size else "")
 
 
-def attention_unit(dtype: torch.dtype, head_size: int, block_size: int, version: str, partition_size: int) -> Unit:
+def _cache_type(dtype: torch.dtype, cache_dtype: torch.dtype | None) -> str:
+    return CXX_CACHE_TYPES[cache_dtype] if cache_dtype in FP8_DTYPES else ""
+
+
+def attention_unit(
+    dtype: torch.dtype, head_size: int, block_size: int, version: str, partition_size: int,
+    cache_dtype: torch.dtype | None = None,
+) -> Unit:
+    cache = _cache_type(dtype, cache_dtype)
     if version == "v1":
-        return Unit("attention_v1", CXX_TYPES[dtype], head_size, block_size)
-    return Unit("attention_v2", CXX_TYPES[dtype], head_size, block_size, partition_size)
+        return Unit("attention_v1", CXX_TYPES[dtype], head_size, block_size, cache=cache)
+    return Unit("attention_v2", CXX_TYPES[dtype], head_size, block_size, partition_size, cache)
 
 
-def cache_unit(dtype: torch.dtype) -> Unit:
-    return Unit("cache", CXX_TYPES[dtype])
+def cache_unit(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> Unit:
+    """The cache write kernel of `dtype` activations into a `cache_dtype` cache, with the block
+    copy kernel of that cache. `copy_blocks` alone knows only the cache, so it takes an fp8 cache's
+    unit with float activations."""
+    if dtype in FP8_DTYPES:
+        dtype, cache_dtype = torch.float32, dtype
+    return Unit("cache", CXX_TYPES[dtype], cache=_cache_type(dtype, cache_dtype))
 
 
 def dispatchable_units(partition_size: int = DEFAULT_PARTITION_SIZE) -> list[Unit]:
-    """Every unit the front end can pick with the given v2 partition size."""
-    units = [cache_unit(dtype) for dtype in CXX_TYPES]
+    """Every unit the front end can pick with the given v2 partition size: each activation dtype
+    with a cache of its own dtype or of either fp8 format."""
+    caches = (None, *FP8_DTYPES)
+    units = [cache_unit(dtype, cache) for dtype in CXX_TYPES for cache in caches]
     for dtype in CXX_TYPES:
-        for head in NATIVE_HEAD_SIZES:
-            for block in BLOCK_SIZES:
-                units += [attention_unit(dtype, head, block, v, partition_size) for v in ("v1", "v2")]
+        for cache in caches:
+            for head in NATIVE_HEAD_SIZES:
+                for block in BLOCK_SIZES:
+                    units += [attention_unit(dtype, head, block, v, partition_size, cache) for v in ("v1", "v2")]
     return units
 
 
 def default_units() -> list[Unit]:
-    """The configurations models run with most: fp16/bf16, head 128, block 16."""
+    """The configurations models run with most: fp16/bf16, head 128, block 16, with a cache of the
+    model's dtype or fp8 e4m3."""
     units = []
     for dtype in (torch.float16, torch.bfloat16):
-        units.append(cache_unit(dtype))
-        units += [attention_unit(dtype, 128, 16, v, DEFAULT_PARTITION_SIZE) for v in ("v1", "v2")]
+        for cache in (None, torch.float8_e4m3fn):
+            units.append(cache_unit(dtype, cache))
+            units += [attention_unit(dtype, 128, 16, v, DEFAULT_PARTITION_SIZE, cache) for v in ("v1", "v2")]
     return units
