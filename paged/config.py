@@ -9,6 +9,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from paged.kernels.features import KV_CACHE_DTYPES, BlockSparse, check_scale
 from paged.kernels.limits import BLOCK_SIZES, DEFAULT_PARTITION_SIZE, DTYPE_NAMES, VERSIONS
 from paged.kernels.registry import BACKENDS
 
@@ -91,8 +92,9 @@ class KernelConfig:
     k_scale: float | None = None
     v_scale: float | None = None
     # vLLM's block-sparse attention: null = dense; else local_blocks, vert_stride, block_size,
-    # head_sliding_step
-    blocksparse: dict[str, int] | None = None
+    # head_sliding_step. Typed Any: OmegaConf cannot merge a mapping into a typed field whose
+    # default is null (omegaconf#1035), which `kernel.blocksparse={...}` on the command line needs.
+    blocksparse: Any = None
 
 
 @dataclass
@@ -240,6 +242,17 @@ def _positive(key: str, value: float | int | None, *, allow_none: bool = False) 
         raise ConfigError(f"{key}={value!r} must be > 0")
 
 
+def _check_blocksparse(values: Any, cache_block_size: int) -> None:
+    try:
+        sparse = BlockSparse.from_config(values)  # its errors name kernel.blocksparse and the allowed keys
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    try:
+        sparse.check(cache_block_size)
+    except ValueError as err:
+        raise ConfigError(f"kernel.blocksparse: {err}; allocator.block_size={cache_block_size}") from err
+
+
 def validate(cfg: Any, block_sizes: tuple[int, ...] = BLOCK_SIZES) -> None:
     """Range and choice checks on a composed config (a DictConfig or a `Config`); `block_sizes` are
     those the executor runs (the kernels' by default)."""
@@ -285,6 +298,14 @@ def validate(cfg: Any, block_sizes: tuple[int, ...] = BLOCK_SIZES) -> None:
             f"kernel.partition_size={k.partition_size} must be a multiple of "
             f"allocator.block_size={a.block_size}"
         )
+    _choice("kernel.kv_cache_dtype", k.kv_cache_dtype, ("auto", *KV_CACHE_DTYPES))
+    for key in ("k_scale", "v_scale"):
+        try:
+            check_scale(f"kernel.{key}", getattr(k, key))
+        except ValueError as err:
+            raise ConfigError(f"{err} (null: calibrated from the first prefill)") from err
+    if k.blocksparse is not None:
+        _check_blocksparse(k.blocksparse, a.block_size)
     m = cfg.model
     _choice("model.source", m.source, ("gguf", "hf", "random", "spec"))
     _choice("model.dtype", m.dtype, DTYPE_NAMES)

@@ -32,6 +32,7 @@ from paged.clock import Clock, VirtualClock
 from paged.config import HardwareConfig, KernelConfig, ModelConfig
 from paged.executor.base import Executor, KVCacheSpec, Tokenizer
 from paged.executor.output import ExecutorOutput
+from paged.kernels.features import cache_dtype
 from paged.model.spec import ModelSpec
 from paged.model.weights import arch_overrides, load_arch
 from paged.scheduler.output import SchedulerOutput
@@ -75,8 +76,9 @@ def model_spec(model: ModelConfig) -> tuple[ModelSpec, Any]:
 
 
 class SimExecutor(Executor):
-    """Public state besides the `Executor` contract: `spec`, `hardware`, `cost_model`, `dtype_bytes`,
-    and the `last_cost` breakdown of the latest step."""
+    """Public state besides the `Executor` contract: `spec`, `hardware`, `cost_model`, `dtype_bytes`
+    (weights and activations), `kv_cache_dtype` and `kv_dtype_bytes` (the KV cache's element, from
+    `kernel.kv_cache_dtype`), and the `last_cost` breakdown of the latest step."""
 
     runs_spec_models = True
     supports_swap = True
@@ -123,11 +125,25 @@ class SimExecutor(Executor):
     @property
     def description(self) -> str:
         dtype = self.model_cfg.dtype
-        return f"{self.spec.name} ({dtype}) simulated on {self.hardware.num_gpus} x {self.hardware.name}"
+        return (
+            f"{self.spec.name} ({dtype}) simulated on {self.hardware.num_gpus} x {self.hardware.name}, "
+            f"KV cache {self.kv_cache_label}"
+        )
+
+    @property
+    def kv_cache_label(self) -> str:
+        """The cache's element type and size, e.g. "fp8_e4m3 (1 B/elem)"."""
+        return f"{self.kv_cache_dtype} ({self.kv_dtype_bytes} B/elem)"
 
     def configure_kernel(self, kernel: KernelConfig) -> None:
+        """The kernel settings, the KV cache's dtype among them: a reused executor's blocks take
+        the new engine's element size."""
+        model_dtype = getattr(torch, self.model_cfg.dtype)
+        self.kv_cache_dtype = self.model_cfg.dtype if kernel.kv_cache_dtype == "auto" else kernel.kv_cache_dtype
+        self.kv_dtype_bytes = cache_dtype(kernel.kv_cache_dtype, model_dtype).itemsize
         self.cost_model = CostModel(
-            self.spec, self.hardware, self.dtype_bytes, version=kernel.version, partition_size=kernel.partition_size
+            self.spec, self.hardware, self.dtype_bytes, version=kernel.version, partition_size=kernel.partition_size,
+            kv_dtype_bytes=self.kv_dtype_bytes,
         )
         self.kernel_description = f"{kernel.version} (simulated paged attention)"
 
@@ -138,12 +154,12 @@ class SimExecutor(Executor):
     def kv_cache_spec(self, block_size: int) -> KVCacheSpec:
         """A block across all GPUs: with more GPUs than KV heads each GPU keeps a replica of one."""
         gpus, kv_heads = self.hardware.num_gpus, self.cost_model.kv_heads
-        per_token = 2 * self.spec.num_layers * kv_heads * gpus * self.spec.head_dim * self.dtype_bytes
+        per_token = 2 * self.spec.num_layers * kv_heads * gpus * self.spec.head_dim * self.kv_dtype_bytes
         return KVCacheSpec(
             block_size,
             per_token * block_size,
             f"simulated: {self.spec.num_layers} layers x K/V x {kv_heads} heads x {self.spec.head_dim} x "
-            f"{self.model_cfg.dtype} on each of {gpus} GPU(s)",
+            f"{self.kv_cache_label} on each of {gpus} GPU(s)",
         )
 
     def kv_cache_budget(self, utilization: float, max_num_batched_tokens: int, max_num_seqs: int) -> int:
@@ -151,7 +167,7 @@ class SimExecutor(Executor):
             self.spec, self.hardware, self.dtype_bytes, utilization=utilization,
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
         )
-        log.info("memory: %s", plan.describe(self.hardware, utilization))
+        log.info("memory: %s", plan.describe(self.hardware, utilization, self.kv_cache_label))
         return plan.kv_cache_bytes
 
     def init_kv_cache(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:

@@ -1,7 +1,9 @@
 """Where a simulated deployment's GPU memory goes, and how much is left for the KV cache.
 
 As vLLM profiles it: `gpu_memory_utilization` of every GPU's memory, less that GPU's share of the
-weights, less the activation peak of one `max_num_batched_tokens` step, holds the KV cache.
+weights, less the activation peak of one `max_num_batched_tokens` step, holds the KV cache. Weights
+and activations are at the model's dtype whatever the cache's: an fp8 cache gets the same bytes,
+and its blocks (priced by `SimExecutor.kv_cache_spec`) are smaller.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ class MemoryPlan:
     activation_bytes: int
     kv_cache_bytes: int
 
-    def describe(self, hw: Hardware, utilization: float) -> str:
+    def describe(self, hw: Hardware, utilization: float, kv_cache: str) -> str:
+        """`kv_cache` names the cache's element type, e.g. "fp8_e4m3 (1 B/elem)"."""
         return (
             f"{hw.num_gpus} x {hw.name}: {utilization:g} x {hw.memory / GB:.1f} GB = {self.usable_bytes / GB:.1f} GB "
             f"per GPU, less {self.weights_bytes / GB:.1f} GB weights and {self.activation_bytes / GB:.2f} GB "
-            f"activations, leaves {self.kv_cache_bytes / GB:.1f} GB of KV cache in all"
+            f"activations, leaves {self.kv_cache_bytes / GB:.1f} GB of KV cache {kv_cache} in all"
         )
 
 
