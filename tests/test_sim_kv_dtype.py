@@ -146,3 +146,14 @@ def test_valid_kv_cache_settings_pass():
     cfg = compose_config(["kernel.kv_cache_dtype=fp8_e5m2", "kernel.k_scale=0.5", "kernel.v_scale=2"])
     cfg.kernel.blocksparse = {"local_blocks": 2, "vert_stride": 4, "block_size": 64, "head_sliding_step": -1}
     validate(cfg)
+
+
+def test_block_sparse_decode_reads_only_the_kept_blocks() -> None:
+    """Local blocks plus one in vert_stride of the rest: a long context's decode attention reads
+    far less, a context inside the local window reads all of it."""
+    dense = _executor().cost_model
+    sparse = _executor("kernel.blocksparse={local_blocks:4,vert_stride:8,block_size:64}").cost_model
+    assert sparse._read(200) == dense._read(200) == 200
+    assert sparse._read(4096) == 4 * 64 + (64 - 4) * 64 / 8
+    shape = _decode([4096] * 32)
+    assert sparse.step(shape).attention_s < 0.3 * dense.step(shape).attention_s

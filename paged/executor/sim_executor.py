@@ -32,7 +32,7 @@ from paged.clock import Clock, VirtualClock
 from paged.config import HardwareConfig, KernelConfig, ModelConfig
 from paged.executor.base import Executor, KVCacheSpec, Tokenizer
 from paged.executor.output import ExecutorOutput
-from paged.kernels.features import cache_dtype
+from paged.kernels.features import BlockSparse, cache_dtype
 from paged.model.spec import ModelSpec
 from paged.model.weights import arch_overrides, load_arch
 from paged.scheduler.output import SchedulerOutput
@@ -141,11 +141,13 @@ class SimExecutor(Executor):
         model_dtype = getattr(torch, self.model_cfg.dtype)
         self.kv_cache_dtype = self.model_cfg.dtype if kernel.kv_cache_dtype == "auto" else kernel.kv_cache_dtype
         self.kv_dtype_bytes = cache_dtype(kernel.kv_cache_dtype, model_dtype).itemsize
+        sparse = BlockSparse.from_config(dict(kernel.blocksparse)) if kernel.blocksparse else None
         self.cost_model = CostModel(
             self.spec, self.hardware, self.dtype_bytes, version=kernel.version, partition_size=kernel.partition_size,
-            kv_dtype_bytes=self.kv_dtype_bytes,
+            kv_dtype_bytes=self.kv_dtype_bytes, blocksparse=sparse,
         )
-        self.kernel_description = f"{kernel.version} (simulated paged attention)"
+        pattern = f", block-sparse {sparse}" if sparse else ""
+        self.kernel_description = f"{kernel.version} (simulated paged attention{pattern})"
 
     @cached_property
     def clock(self) -> Clock:

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paged.kernels import choose_version
+from paged.kernels.features import BlockSparse
 from paged.model.spec import ModelSpec
 from paged.scheduler.output import SchedulerOutput
 from paged.sim.hardware import Hardware
@@ -117,14 +118,16 @@ _KERNELS_PER_LAYER = 12
 class CostModel:
     def __init__(
         self, spec: ModelSpec, hardware: Hardware, dtype_bytes: int, *, version: str = "auto",
-        partition_size: int = 512, kv_dtype_bytes: int | None = None,
+        partition_size: int = 512, kv_dtype_bytes: int | None = None, blocksparse: BlockSparse | None = None,
     ) -> None:
-        """`kv_dtype_bytes`: one KV cache element's bytes (None: `dtype_bytes`, the model's)."""
+        """`kv_dtype_bytes`: one KV cache element's bytes (None: `dtype_bytes`, the model's);
+        `blocksparse`: the decode kernels read only the blocks its pattern keeps."""
         if version not in ("auto", "v1", "v2"):
             raise ValueError(f"kernel.version={version!r} is not supported; allowed: auto, v1, v2")
         self.spec, self.hw, self.b = spec, hardware, dtype_bytes
         self.kv_b = dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes
         self.version, self.partition_size = version, partition_size
+        self.blocksparse = blocksparse
         g = hardware.num_gpus
         s = spec
         self.heads = s.num_heads // g
@@ -223,6 +226,19 @@ class CostModel:
         copy_bytes = shape.block_size * self.kv_size * self.kv_b
         return copies * (hw.pcie_latency_s + copy_bytes / (hw.pcie_bandwidth * hw.memory_efficiency))
 
+    def _read(self, context: int) -> float:
+        """Context tokens one decode row's kernel reads: all of them, or with block-sparse attention
+        the query's `local_blocks` last sparse blocks plus one in `vert_stride` of the others (the
+        vertical ones shift with the head, so across heads a row reads that share on average).
+        Prefill stays priced dense: the prefill paths mask the pattern rather than skip it."""
+        sparse = self.blocksparse
+        if sparse is None:
+            return context
+        num_sparse = -(-context // sparse.block_size)
+        remote = max(0, num_sparse - sparse.local_blocks)
+        local = context - remote * sparse.block_size
+        return local + remote * sparse.block_size / sparse.vert_stride
+
     def _attention(self, shape: StepShape) -> tuple[float, str | None]:
         """Queries and outputs move at the model's dtype, K/V at the cache's, as both attention
         kernels read every context token from the cache. An fp8 cache adds no dequantisation time:
@@ -237,7 +253,8 @@ class CostModel:
         contexts = shape.decode_contexts
         if not contexts:
             return time, None
-        num, longest, total = len(contexts), max(contexts), sum(contexts)
+        num, longest = len(contexts), max(contexts)
+        total = sum(map(self._read, contexts))
         version = self.version
         if version == "auto":
             version = choose_version(longest, num, self.heads, self.partition_size)
