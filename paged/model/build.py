@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from paged.model.bloom import BloomModel
 from paged.model.config import LlamaArch
 from paged.model.llama import LlamaModel
 
 
-def build_model(arch: LlamaArch, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> LlamaModel:
+def build_model(
+    arch: LlamaArch, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+) -> LlamaModel | BloomModel:
     """The inference model for `arch`, its weights from the HF-named `state`."""
+    if arch.architecture == "bloom":
+        return BloomModel(arch, state, dtype, device)
     return LlamaModel(arch, state, dtype, device)

@@ -1,12 +1,17 @@
-"""`LlamaArch`: the shape of a Llama-family decoder, from GGUF metadata, an HF config.json or a dict."""
+"""`LlamaArch`: the shape of a Llama-family (or BLOOM) decoder, from GGUF metadata, an HF config.json or a dict."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-# Architectures whose math is the Llama decoder; Qwen2 adds a bias to q/k/v, Mistral a sliding window.
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# Llama, Mistral and Qwen2 are the Llama decoder (Qwen2 adds a bias to q/k/v, Mistral a sliding
+# window); BLOOM is a decoder of its own.
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "bloom")
+# The decoder's math, `LlamaArch.architecture`: llama is RoPE, RMSNorm and a gated SiLU MLP
+# (paged.model.llama); bloom is ALiBi, LayerNorm, a GELU MLP and a bias on every linear layer
+# (paged.model.bloom), its intermediate_size 4 * hidden_size.
+ARCHITECTURES = ("llama", "bloom")
 
 
 @dataclass
@@ -19,7 +24,7 @@ class LlamaArch:
     num_kv_heads: int
     head_dim: int
     rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
+    rms_norm_eps: float = 1e-5  # the norms' epsilon: LayerNorm's for bloom
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
@@ -27,14 +32,21 @@ class LlamaArch:
     qkv_bias: bool = False
     # Mistral's local attention: a query at position p sees keys p - W < k <= p; None: all of them.
     sliding_window: int | None = None
+    architecture: str = "llama"
 
     def __post_init__(self) -> None:
         window = self.sliding_window
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
             raise ValueError(f"sliding_window={window!r} must be a positive integer or None")
+        if self.architecture not in ARCHITECTURES:
+            allowed = ", ".join(ARCHITECTURES)
+            raise ValueError(f"architecture={self.architecture!r} is not supported; allowed: {allowed}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
-        if self.head_dim % 2:
+        if self.architecture == "bloom" and self.num_kv_heads != self.num_heads:
+            raise ValueError(f"bloom has one KV head per query head: num_kv_heads={self.num_kv_heads} must be "
+                             f"num_heads={self.num_heads}")
+        if self.architecture == "llama" and self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
 
     @classmethod
@@ -47,10 +59,12 @@ class LlamaArch:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> LlamaArch:
-        """From a parsed HF config.json (Llama, SmolLM, Mistral or Qwen2)."""
+        """From a parsed HF config.json (Llama, SmolLM, Mistral, Qwen2 or BLOOM)."""
         model_type = cfg.get("model_type")
         if model_type not in HF_MODEL_TYPES:
             raise ValueError(f"model_type={model_type!r} is not supported; supported: {', '.join(HF_MODEL_TYPES)}")
+        if model_type == "bloom":
+            return cls._from_bloom_config(cfg)
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
@@ -73,6 +87,33 @@ class LlamaArch:
             eos_token_ids=[] if eos is None else list(eos) if isinstance(eos, list) else [eos],
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
             sliding_window=_hf_sliding_window(cfg),
+        )
+
+    @classmethod
+    def _from_bloom_config(cls, cfg: dict[str, Any]) -> LlamaArch:
+        """BloomConfig's keys and defaults: `n_embed` (older configs) wins over `hidden_size`, and
+        `n_layer` / `n_head` may be spelled `num_hidden_layers` / `num_attention_heads`."""
+        if cfg.get("apply_residual_connection_post_layernorm", False):
+            raise NotImplementedError("bloom with apply_residual_connection_post_layernorm=true is not implemented")
+        hidden = cfg.get("n_embed") or cfg.get("hidden_size", 64)
+        num_heads = cfg.get("n_head") or cfg.get("num_attention_heads", 8)
+        if hidden % num_heads:
+            raise ValueError(f"bloom hidden_size={hidden} is not a multiple of n_head={num_heads}")
+        eos = cfg.get("eos_token_id", 2)
+        return cls(
+            vocab_size=cfg.get("vocab_size", 250880),
+            hidden_size=hidden,
+            intermediate_size=4 * hidden,
+            num_layers=cfg.get("n_layer") or cfg.get("num_hidden_layers", 2),
+            num_heads=num_heads,
+            num_kv_heads=num_heads,
+            head_dim=hidden // num_heads,
+            rms_norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            bos_token_id=cfg.get("bos_token_id", 1),
+            eos_token_ids=[] if eos is None else list(eos) if isinstance(eos, list) else [eos],
+            qkv_bias=True,
+            architecture="bloom",
         )
 
     @classmethod

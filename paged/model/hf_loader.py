@@ -19,7 +19,7 @@ def read_hf_arch(path: str | Path) -> LlamaArch:
 
 
 def load_hf(path: str | Path) -> tuple[LlamaArch, dict[str, torch.Tensor]]:
-    """Architecture and weights of a Llama / SmolLM / Mistral / Qwen2 checkpoint, HF names kept."""
+    """Architecture and weights of a Llama / SmolLM / Mistral / Qwen2 / BLOOM checkpoint, HF names kept."""
     root = Path(path)
     arch = read_hf_arch(root)
     shards = sorted(root.glob("*.safetensors"))

@@ -4,7 +4,8 @@ Spec-only models (`model.source=spec`, e.g. `model=opt-13b`) describe their arch
 `model.arch`; a model with weights (gguf / hf / random) is described by its `LlamaArch`. OPT is
 not a Llama: learned absolute positions, multi-head attention, a ReLU MLP of two matrices
 (fc1 h -> 4h, fc2 4h -> h), LayerNorm, and a bias on every linear layer; the fields below say so
-rather than forcing it into Llama's gated-SiLU, RoPE and RMSNorm shape.
+rather than forcing it into Llama's gated-SiLU, RoPE and RMSNorm shape. BLOOM (a `LlamaArch` with
+architecture bloom) is OPT's shape with a GELU MLP and ALiBi, which adds no position parameters.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from typing import Any
 
 from paged.model.config import LlamaArch
 
-MLP_KINDS = ("gated-silu", "relu")
-POSITION_KINDS = ("rope", "learned")
+MLP_KINDS = ("gated-silu", "relu", "gelu")
+POSITION_KINDS = ("rope", "learned", "alibi")
 NORM_KINDS = ("rmsnorm", "layernorm")
 
 
@@ -30,8 +31,9 @@ class ModelSpec:
     num_kv_heads: int
     head_dim: int
     max_position_embeddings: int = 2048
-    mlp: str = "gated-silu"  # gated-silu: gate, up, down (Llama); relu: fc1, fc2 (OPT)
-    positions: str = "rope"  # rope: rotary on q/k; learned: a position embedding table (OPT)
+    mlp: str = "gated-silu"  # gated-silu: gate, up, down (Llama); relu: fc1, fc2 (OPT); gelu: the same two (BLOOM)
+    # rope: rotary on q/k; learned: a position embedding table (OPT); alibi: a bias in attention (BLOOM)
+    positions: str = "rope"
     norm: str = "rmsnorm"
     linear_bias: bool = False  # a bias on every linear layer (OPT), else none
     qkv_bias: bool = False  # a bias on q/k/v only (Qwen2)
@@ -64,6 +66,7 @@ class ModelSpec:
 
     @classmethod
     def from_llama(cls, name: str, arch: LlamaArch) -> ModelSpec:
+        bloom = arch.architecture == "bloom"
         return cls(
             name=name,
             vocab_size=arch.vocab_size,
@@ -74,6 +77,10 @@ class ModelSpec:
             num_kv_heads=arch.num_kv_heads,
             head_dim=arch.head_dim,
             max_position_embeddings=arch.max_position_embeddings,
+            mlp="gelu" if bloom else "gated-silu",
+            positions="alibi" if bloom else "rope",
+            norm="layernorm" if bloom else "rmsnorm",
+            linear_bias=bloom,
             qkv_bias=arch.qkv_bias,
             tie_word_embeddings=arch.tie_word_embeddings,
             sliding_window=arch.sliding_window,

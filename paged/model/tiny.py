@@ -1,4 +1,5 @@
-"""`model=tiny-random`: a two-layer Llama with seeded random weights and SmolLM2's vocabulary.
+"""`model=tiny-random` / `model=tiny-bloom`: a two-layer Llama or BLOOM with seeded random weights
+and SmolLM2's vocabulary.
 
 Fast enough for unit tests of the whole engine. Weights are scaled to keep activations O(1) and the
 untied LM head gives logits of std ~3: peaked enough that greedy outputs never hinge on float
@@ -9,6 +10,7 @@ token) the output depends on the whole context, so a cache bug changes it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,18 +35,33 @@ TINY_ARCH: dict[str, Any] = {
     "eos_token_ids": [2],
 }
 
+# `model.arch.architecture=bloom`'s shape: head_dim 64, the smallest head size the native kernels run.
+TINY_BLOOM_ARCH: dict[str, Any] = {
+    **TINY_ARCH,
+    "architecture": "bloom",
+    "hidden_size": 256,
+    "intermediate_size": 1024,
+    "num_heads": 4,
+    "num_kv_heads": 4,
+    "qkv_bias": True,
+}
+
 
 def tiny_arch(overrides: dict[str, Any] | None = None) -> LlamaArch:
-    return LlamaArch.from_dict({**TINY_ARCH, **(overrides or {})})
+    overrides = overrides or {}
+    base = TINY_BLOOM_ARCH if overrides.get("architecture") == "bloom" else TINY_ARCH
+    return LlamaArch.from_dict({**base, **overrides})
 
 
 def random_state(arch: LlamaArch, seed: int = 0) -> dict[str, torch.Tensor]:
-    """HF-named weights: N(0, 1/fan_in) projections, N(0, 1) embeddings, ones for norms."""
+    """HF-named weights: N(0, 1/fan_in) projections, N(0, 1) embeddings, ones for RMSNorms."""
     gen = torch.Generator().manual_seed(seed)
 
     def linear(out_features: int, in_features: int) -> torch.Tensor:
         return torch.randn(out_features, in_features, generator=gen) / math.sqrt(in_features)
 
+    if arch.architecture == "bloom":
+        return _bloom_state(arch, gen, linear)
     h, d = arch.hidden_size, arch.head_dim
     state = {
         "model.embed_tokens.weight": torch.randn(arch.vocab_size, h, generator=gen),
@@ -68,4 +85,42 @@ def random_state(arch: LlamaArch, seed: int = 0) -> dict[str, torch.Tensor]:
         if arch.qkv_bias:
             for n, width in (("q", arch.num_heads * d), ("k", arch.num_kv_heads * d), ("v", arch.num_kv_heads * d)):
                 state[f"{p}self_attn.{n}_proj.bias"] = 0.1 * torch.randn(width, generator=gen)
+    return state
+
+
+def _bloom_state(
+    arch: LlamaArch, gen: torch.Generator, linear: Callable[[int, int], torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """`BloomForCausalLM`'s names. Biases and LayerNorm gains are perturbed away from 0 and 1, so a
+    bias or norm parameter read wrongly changes the logits."""
+    h, inter = arch.hidden_size, arch.intermediate_size
+
+    def bias(n: int) -> torch.Tensor:
+        return 0.1 * torch.randn(n, generator=gen)
+
+    def norm(name: str) -> dict[str, torch.Tensor]:
+        return {f"{name}.weight": 1 + bias(h), f"{name}.bias": bias(h)}
+
+    t = "transformer."
+    state = {
+        f"{t}word_embeddings.weight": torch.randn(arch.vocab_size, h, generator=gen),
+        **norm(f"{t}word_embeddings_layernorm"),
+        **norm(f"{t}ln_f"),
+    }
+    if not arch.tie_word_embeddings:
+        state["lm_head.weight"] = _LM_HEAD_GAIN * linear(arch.vocab_size, h)
+    for i in range(arch.num_layers):
+        p = f"{t}h.{i}."
+        state |= {
+            **norm(p + "input_layernorm"),
+            **norm(p + "post_attention_layernorm"),
+            p + "self_attention.query_key_value.weight": linear(3 * h, h),
+            p + "self_attention.query_key_value.bias": bias(3 * h),
+            p + "self_attention.dense.weight": linear(h, h),
+            p + "self_attention.dense.bias": bias(h),
+            p + "mlp.dense_h_to_4h.weight": linear(inter, h),
+            p + "mlp.dense_h_to_4h.bias": bias(inter),
+            p + "mlp.dense_4h_to_h.weight": linear(h, inter),
+            p + "mlp.dense_4h_to_h.bias": bias(h),
+        }
     return state
