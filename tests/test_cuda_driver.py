@@ -100,7 +100,8 @@ def _check_attention(case: Any, version: str, r: dict[str, Any], calls: list[dic
     kv_block_stride, kv_head_stride = case.num_kv_heads * head * block, head * block
     common = [_ptr(q_ptr), _ptr(r["key_cache"]), _ptr(r["value_cache"]), _i32(case.num_kv_heads),
               _i32(_f32(r["scale"])), _ptr(r["block_tables"]), _ptr(r["seq_lens"]), _i32(r["max_blocks"]),
-              _i32(q_stride), _i32(kv_block_stride), _i32(kv_head_stride), _i32(window)]
+              _i32(q_stride), _i32(kv_block_stride), _i32(kv_head_stride), _i32(window),
+              *map(_ptr, r["features"]), *map(_i32, r["sparse"])]
     if version == "v1":
         (launch,) = launched
         smem = max(math.ceil(_span(max_seq_len, window, block) / block) * block * 4, outputs_smem)
@@ -137,6 +138,22 @@ def test_driver_gets_the_window_and_a_grid_that_covers_only_it(launches: fake_dr
         assert partitions < math.ceil(r["max_seq_len"] / case.partition_size)
 
 
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_driver_gets_fp8_scales_alibi_slopes_and_the_sparse_pattern(launches: fake_driver.Run, version: str) -> None:
+    case = attention_grid()[0]
+    r, calls = _case(launches, f"features-{version}-{case.id}")
+    assert all(r["features"]) and r["sparse"][2] == 3 and "__nv_fp8_e4m3" in r["kernels"][0]
+    _check_attention(case, version, r, calls, q_ptr=r["query"], q_stride=r["q_stride"])
+
+
+def test_driver_gets_an_fp8_cache_write_with_its_scales(launches: fake_driver.Run) -> None:
+    r, calls = _case(launches, "cache-fp8")
+    assert all(r["scales"]) and r["x"] == 16
+    assert r["kernels"] == ["paged::reshape_and_cache_kernel<__half, __nv_fp8_e5m2>",
+                            "paged::copy_blocks_kernel<__nv_fp8_e5m2>"]
+    _check_cache_ops(r, calls)
+
+
 def test_driver_gets_a_fused_qkv_query_as_it_is(launches: fake_driver.Run) -> None:
     case = attention_grid()[0]
     r, calls = _case(launches, f"query-fused-{case.id}")
@@ -167,6 +184,7 @@ def _check_cache_ops(r: dict[str, Any], calls: list[dict[str, Any]], device: int
     assert _decode(write) == [
         _ptr(r["key"]), _ptr(r["value"]), _ptr(r["key_cache"]), _ptr(r["value_cache"]), _ptr(r["slots"]),
         _i32(r["key_stride"]), _i32(r["value_stride"]), _i32(heads), _i32(head), _i32(r["block"]), _i32(r["x"]),
+        *map(_ptr, r["scales"]),
     ]
     assert r["key_stride"] == r["value_stride"] == 4 * heads * head  # rows of the fused QKV, not copies
     numel = r["numel_per_block"]

@@ -24,6 +24,7 @@ import torch
 
 from paged import kernels
 from paged.kernels.backends.launch import RunnerBackend
+from paged.kernels.features import BlockSparse, alibi_slopes
 from paged.kernels.testing import AttentionCase, attention_grid, attention_inputs, default_partition_grid, random_cache
 from paged.kernels.toolchain import nvrtc
 from paged.kernels.toolchain.specs import Unit, attention_unit, cache_unit
@@ -84,7 +85,7 @@ def _lowered(unit: Unit, arch: str) -> dict[str, Any]:
     compiled = nvrtc.compile_unit(unit, arch)
     static = {info.kernel: info.static_smem for info in compiled.infos}
     return {"names": [compiled.symbol_mapping[k].decode() for k in unit.kernels],
-            "static_smem": [static[k] for k in unit.kernels]}
+            "static_smem": [static[k] for k in unit.kernels], "kernels": list(unit.kernels)}
 
 
 def _query(case: AttentionCase, layout: str, gen: torch.Generator) -> torch.Tensor:
@@ -100,45 +101,73 @@ def _query(case: AttentionCase, layout: str, gen: torch.Generator) -> torch.Tens
     return torch.randn(shape, generator=gen).to(case.dtype)
 
 
+def _fp8_features(case: AttentionCase, x: Any) -> dict[str, Any]:
+    """fp8 e4m3 caches of the inputs' shape, per-head scales, ALiBi slopes and a block-sparse
+    pattern: what the features' launch arguments carry."""
+    key_cache = torch.zeros(x.key_cache.shape[:2] + (case.head_size // 16, case.block_size, 16),
+                            dtype=torch.float8_e4m3fn)
+    value_cache = torch.zeros(x.value_cache.shape, dtype=torch.float8_e4m3fn)
+    return {"key_cache": key_cache, "value_cache": value_cache,
+            "k_scale": torch.linspace(0.5, 1.0, case.num_kv_heads), "v_scale": torch.full((case.num_kv_heads,), 0.25),
+            "alibi_slopes": alibi_slopes(case.num_heads),
+            "blocksparse": BlockSparse(local_blocks=2, vert_stride=3, block_size=2 * case.block_size,
+                                       head_sliding_step=-1)}
+
+
 def attention_case(case: AttentionCase, version: str, backend: HostMemoryCuda, stream: Any, arch: str,
                    layout: str = "packed", max_seq_len: int | None = None,
-                   sliding_window: int | None = None) -> dict[str, Any]:
+                   sliding_window: int | None = None, features: bool = False) -> dict[str, Any]:
     x = attention_inputs(case)
+    extra = _fp8_features(case, x) if features else {}
+    key_cache, value_cache = extra.pop("key_cache", x.key_cache), extra.pop("value_cache", x.value_cache)
     query = _query(case, layout, torch.Generator().manual_seed(1))
     max_seq_len = max_seq_len or max(case.seq_lens)
     tables = x.block_tables
     if tables.shape[1] * case.block_size < max_seq_len:  # room for an overstated max_seq_len
         tables = torch.nn.functional.pad(tables, (0, -(-max_seq_len // case.block_size) - tables.shape[1]))
-    result = {"query": query.data_ptr(), "q_stride": query.stride(0), "key_cache": x.key_cache.data_ptr(),
-              "value_cache": x.value_cache.data_ptr(), "block_tables": tables.data_ptr(),
+    sparse = extra.get("blocksparse")
+    result = {"query": query.data_ptr(), "q_stride": query.stride(0), "key_cache": key_cache.data_ptr(),
+              "value_cache": value_cache.data_ptr(), "block_tables": tables.data_ptr(),
               "max_blocks": tables.shape[1], "seq_lens": x.seq_lens.data_ptr(), "scale": x.scale,
               "stream": _stream_id(stream), "max_seq_len": max_seq_len, "sliding_window": sliding_window or 0,
-              **_lowered(attention_unit(case.dtype, case.head_size, case.block_size, version, case.partition_size),
-                         arch)}
-    out = kernels.paged_attention(query, x.key_cache, x.value_cache, tables, x.seq_lens, x.scale, version=version,
+              "features": [extra[k].data_ptr() if k in extra else 0 for k in ("k_scale", "v_scale", "alibi_slopes")],
+              "sparse": [sparse.block_size, sparse.local_blocks, sparse.vert_stride, sparse.head_sliding_step]
+              if sparse else [0, 0, 0, 0],
+              **_lowered(attention_unit(case.dtype, case.head_size, case.block_size, version, case.partition_size,
+                                        key_cache.dtype), arch)}
+    out = kernels.paged_attention(query, key_cache, value_cache, tables, x.seq_lens, x.scale, version=version,
                                   backend=backend, partition_size=case.partition_size, max_seq_len=max_seq_len,
-                                  sliding_window=sliding_window)
+                                  sliding_window=sliding_window, **extra)
     return {**result, "out": out.data_ptr()}
 
 
-def cache_case(dtype: torch.dtype, backend: HostMemoryCuda, stream: Any, arch: str) -> dict[str, Any]:
+def cache_case(dtype: torch.dtype, backend: HostMemoryCuda, stream: Any, arch: str,
+               cache_dtype: torch.dtype | None = None) -> dict[str, Any]:
     """reshape_and_cache from key/value slices of a fused QKV (strided rows), then copy_blocks over
-    two layers."""
+    two layers; `cache_dtype` fp8 stores them with per-head scales."""
     num_tokens, heads, head, block, num_blocks = 5, 2, 64, 16, 6
+    cache_dtype = cache_dtype or dtype
     qkv = torch.randn(num_tokens, 4 * heads * head).to(dtype)
     key = qkv[:, 2 * heads * head: 3 * heads * head].view(num_tokens, heads, head)
     value = qkv[:, 3 * heads * head:].view(num_tokens, heads, head)
     caches = [random_cache(num_blocks, heads, head, block, dtype) for _ in range(2)]
+    scales = {}
+    if cache_dtype != dtype:
+        caches = [(torch.zeros(num_blocks, heads, head // 16, block, 16, dtype=cache_dtype),
+                   torch.zeros(num_blocks, heads, head, block, dtype=cache_dtype)) for _ in range(2)]
+        scales = {"k_scale": torch.tensor([0.5, 2.0]), "v_scale": torch.tensor([1.5, 0.25])}
     slots = torch.tensor([3, -1, 17, 40, 95], dtype=torch.int64)
-    kernels.reshape_and_cache(key, value, *caches[0], slots, backend=backend)
+    kernels.reshape_and_cache(key, value, *caches[0], slots, backend=backend, **scales)
     mapping = torch.tensor([[0, 4], [1, 5], [2, 3]], dtype=torch.int64)
     kernels.copy_blocks([c[0] for c in caches], [c[1] for c in caches], mapping, backend=backend)
     return {"key": key.data_ptr(), "value": value.data_ptr(), "key_stride": key.stride(0),
             "value_stride": value.stride(0), "key_cache": caches[0][0].data_ptr(),
             "value_cache": caches[0][1].data_ptr(), "slots": slots.data_ptr(), "num_tokens": num_tokens,
-            "heads": heads, "head": head, "block": block, "x": 16 // qkv.element_size(), "layers": len(caches),
-            "pairs": mapping.shape[0], "numel_per_block": heads * head * block, "stream": _stream_id(stream),
-            **_lowered(cache_unit(dtype), arch)}
+            "heads": heads, "head": head, "block": block, "x": 16 // caches[0][0].element_size(),
+            "layers": len(caches), "pairs": mapping.shape[0], "numel_per_block": heads * head * block,
+            "stream": _stream_id(stream),
+            "scales": [scales[k].data_ptr() if scales else 0 for k in ("k_scale", "v_scale")],
+            **_lowered(cache_unit(dtype, cache_dtype), arch)}
 
 
 class PinnedHost(torch.Tensor):
@@ -231,9 +260,14 @@ def launch_cases(arch: str) -> list[Case]:
     for version in ("v1", "v2"):
         cases.append(Case(f"window-{version}-{window_case.id}", lambda v=version: attention_case(
             window_case, v, backend, active["stream"], arch, sliding_window=WINDOW)))
+    for version in ("v1", "v2"):
+        cases.append(Case(f"features-{version}-{window_case.id}", lambda v=version: attention_case(
+            window_case, v, backend, active["stream"], arch, features=True)))
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         cases.append(Case(f"cache-{str(dtype).removeprefix('torch.')}",
                           lambda d=dtype: cache_case(d, backend, active["stream"], arch)))
+    cases.append(Case("cache-fp8", lambda: cache_case(torch.float16, backend, active["stream"], arch,
+                                                      torch.float8_e5m2)))
     cases += smem_cases(active["stream"], backend, arch)
     for kind in ("strided_cache", "misaligned_cache", "overlapping_caches"):
         cases.append(Case(f"bad-{kind}", lambda k=kind: bad_cache_case(k, backend)))
