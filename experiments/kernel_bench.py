@@ -1,11 +1,13 @@
 """Paged attention latency: v1 / v2 (NVRTC-compiled kernels_cu/) and the torch reference.
 
     python experiments/kernel_bench.py [--batch 1 4 16 64 256] [--context 512 1024 4096 16384]
-        [--dtype float16 bfloat16] [--iters 100] [--repeats 11]
+        [--dtype float16 bfloat16] [--kv-cache-dtype auto fp8_e4m3] [--iters 100] [--repeats 11]
 
 Setup after vLLM's benchmark_paged_attention.py: 64 query / 8 KV heads, head 128, block 16, fp16 and
-bf16, random block tables, every sequence of the same length. Besides µs it prints achieved bandwidth
-(unique K+V bytes read / time) as % of a measured device-to-device copy, so a reader knows how far
+bf16, random block tables, every sequence of the same length; `--kv-cache-dtype fp8_e4m3` adds rows
+with a one-byte cache (per-head scales), which reads half the bytes. Besides µs it prints achieved
+bandwidth (unique K+V bytes read / time, at the cache's element size) as % of a measured
+device-to-device copy, so a reader knows how far
 from the memory limit each kernel is, the ratio v1 µs / v2 µs, and the faster of v1 and v2 with its %.
 
 How it times, and why:
@@ -45,6 +47,7 @@ from unittest import mock
 import torch
 
 from paged import kernels
+from paged.kernels.features import KV_CACHE_DTYPES, cache_dtype
 from paged.kernels.testing import random_cache
 from paged.kernels.toolchain import nvrtc, specs
 from paged.kernels.toolchain.cache_dir import ENV_VAR
@@ -61,6 +64,7 @@ MEMORY_FRACTION = 0.5
 COPY_BYTES = 1 << 30
 COPY_CALLS = 10  # 1 GiB copies per graph: each takes ~1 ms, well above event resolution
 DTYPE_LABELS = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+KV_LABELS = {"auto": "=", "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2"}
 
 
 def compile_times(arch: str, full: bool) -> None:
@@ -163,14 +167,24 @@ class _Inputs:
     block_tables: torch.Tensor
 
 
-def _input_sets(batch: int, context: int, dtype: torch.dtype) -> list[_Inputs]:
+def _cache(num_blocks: int, dtype: torch.dtype, kv_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random K/V caches in `kv_dtype` (an fp8 one from the `dtype` values, read with scales of 1)."""
+    key_cache, value_cache = random_cache(num_blocks, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, dtype, device="cuda")
+    if kv_dtype == dtype:
+        return key_cache, value_cache
+    x = 16 // kv_dtype.itemsize
+    key_cache = key_cache.transpose(2, 3).reshape(num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_SIZE // x, x)
+    return key_cache.transpose(2, 3).contiguous().to(kv_dtype), value_cache.to(kv_dtype)
+
+
+def _input_sets(batch: int, context: int, dtype: torch.dtype, kv_dtype: torch.dtype) -> list[_Inputs]:
     """Independent input sets, together over `L2_MULTIPLE` L2 sizes (at least two, at most `MAX_SETS`)
     where memory allows."""
     blocks_per_seq = -(-context // BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq
     element = torch.empty((), dtype=dtype).element_size()
-    set_bytes = (element * (2 * num_blocks * NUM_KV_HEADS * HEAD_SIZE * BLOCK_SIZE + batch * NUM_HEADS * HEAD_SIZE)
-                 + 4 * num_blocks)
+    set_bytes = (kv_dtype.itemsize * 2 * num_blocks * NUM_KV_HEADS * HEAD_SIZE * BLOCK_SIZE
+                 + element * batch * NUM_HEADS * HEAD_SIZE + 4 * num_blocks)
     wanted = min(MAX_SETS, max(2, -(-L2_MULTIPLE * torch.cuda.get_device_properties().L2_cache_size // set_bytes)))
     torch.cuda.empty_cache()  # so that free memory counts what earlier rows released
     fits = int(torch.cuda.mem_get_info()[0] * MEMORY_FRACTION) // set_bytes
@@ -179,7 +193,7 @@ def _input_sets(batch: int, context: int, dtype: torch.dtype) -> list[_Inputs]:
     scale = HEAD_SIZE**-0.5
     sets = []
     for _ in range(count):
-        key_cache, value_cache = random_cache(num_blocks, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, dtype, device="cuda")
+        key_cache, value_cache = _cache(num_blocks, dtype, kv_dtype)
         tables = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(batch, blocks_per_seq)
         query = torch.empty(batch, NUM_HEADS, HEAD_SIZE, dtype=dtype, device="cuda").uniform_(-scale, scale)
         sets.append(_Inputs(query, key_cache, value_cache, tables))
@@ -193,8 +207,9 @@ def _kernel_cell(timing: Timing | None, kv_bytes: int, peak: float) -> str:
     return f"{timing.us:>10.1f} {spread:>5} {100 * kv_bytes / (timing.us * 1e-6) / peak:>5.0f}%"
 
 
-def _row(batch: int, context: int, dtype: torch.dtype, peak: float, iters: int, repeats: int) -> str:
-    sets = _input_sets(batch, context, dtype)
+def _row(batch: int, context: int, dtype: torch.dtype, kv: str, peak: float, iters: int, repeats: int) -> str:
+    kv_dtype = cache_dtype(kv, dtype)
+    sets = _input_sets(batch, context, dtype, kv_dtype)
     length = -(-iters // len(sets)) * len(sets)  # every set equally often
     # One tensor for every set, since all sequences have the same length. The warm-up calls use the
     # very tensors the graph captures, so a check the op memoises per tensor (max_seq_len against
@@ -203,10 +218,15 @@ def _row(batch: int, context: int, dtype: torch.dtype, peak: float, iters: int, 
     scale = HEAD_SIZE**-0.5
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_SIZE * sets[0].key_cache.element_size()
 
+    scales = {}
+    if kv_dtype != dtype:
+        ones = torch.ones(NUM_KV_HEADS, device="cuda")
+        scales = {"k_scale": ones, "v_scale": ones}
+
     def calls(backend: str, version: str) -> list[Callable[[], object]]:
         return [
             functools.partial(kernels.paged_attention, s.query, s.key_cache, s.value_cache, s.block_tables,
-                              seq_lens, scale, version=version, backend=backend, max_seq_len=context)
+                              seq_lens, scale, version=version, backend=backend, max_seq_len=context, **scales)
             for s in sets
         ]
 
@@ -227,7 +247,7 @@ def _row(batch: int, context: int, dtype: torch.dtype, peak: float, iters: int, 
         name = min(measured, key=lambda n: measured[n].us)
         best = f"{name} {100 * kv_bytes / (measured[name].us * 1e-6) / peak:.0f}%"
     return " ".join([
-        f"{batch:>6} {context:>8} {DTYPE_LABELS[dtype]:>5}",
+        f"{batch:>6} {context:>8} {DTYPE_LABELS[dtype]:>5} {KV_LABELS[kv]:>5}",
         _kernel_cell(v1, kv_bytes, peak), _kernel_cell(v2, kv_bytes, peak), f"{ratio:>6}",
         _kernel_cell(reference, kv_bytes, peak), f"{kernels.choose_version(context, batch, NUM_HEADS):>5}",
         f"{best:>8}",
@@ -238,19 +258,22 @@ def _kernel_header(name: str) -> str:
     return f"{name + ' µs':>10} {'±':>5} {name + ' %':>6}"
 
 
-def gpu_table(batches: list[int], contexts: list[int], dtypes: list[torch.dtype], iters: int, repeats: int) -> None:
+def gpu_table(batches: list[int], contexts: list[int], dtypes: list[torch.dtype], kvs: list[str], iters: int,
+              repeats: int) -> None:
     peak, copy = copy_bandwidth(repeats)
     props = torch.cuda.get_device_properties()
     print(f"{props.name}: L2 {props.L2_cache_size / 2**20:.0f} MiB, device-to-device copy {peak / 1e9:.0f} GB/s "
           f"(±{copy.spread:.0f}%)")
     print(f"v1, v2: median of {repeats} CUDA-graph replays of >= {iters} calls rotating over inputs > {L2_MULTIPLE}x "
           f"L2; ±: half the interquartile range; %: of copy bandwidth at the median. torch: eager, host included")
-    print(f"{'batch':>6} {'context':>8} {'dtype':>5} {_kernel_header('v1')} {_kernel_header('v2')} {'v1/v2':>6} "
-          f"{_kernel_header('torch')} {'auto':>5} {'best':>8}")
+    print("kv: the cache's dtype ('=': the query's; e4m3 / e5m2: fp8, whose % counts its one-byte reads)")
+    print(f"{'batch':>6} {'context':>8} {'dtype':>5} {'kv':>5} {_kernel_header('v1')} {_kernel_header('v2')} "
+          f"{'v1/v2':>6} {_kernel_header('torch')} {'auto':>5} {'best':>8}")
     for batch in batches:
         for context in contexts:
             for dtype in dtypes:
-                print(_row(batch, context, dtype, peak, iters, repeats), flush=True)
+                for kv in kvs:
+                    print(_row(batch, context, dtype, kv, peak, iters, repeats), flush=True)
 
 
 def main() -> None:
@@ -258,6 +281,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     parser.add_argument("--context", type=int, nargs="+", default=[512, 1024, 4096, 16384])
     parser.add_argument("--dtype", nargs="+", choices=["float16", "bfloat16"], default=["float16", "bfloat16"])
+    parser.add_argument("--kv-cache-dtype", nargs="+", choices=["auto", *KV_CACHE_DTYPES], default=["auto"],
+                        help="cache dtypes per row (auto: the query's)")
     parser.add_argument("--iters", type=int, default=100, help="calls per CUDA graph (rounded up to whole rotations)")
     parser.add_argument("--repeats", type=int, default=11, help="graph replays per cell; the median is reported")
     parser.add_argument("--arch", default="sm_90", help="compile target when no GPU is present")
@@ -268,7 +293,8 @@ def main() -> None:
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         compile_times(f"sm_{major}{minor}", args.full)
-        gpu_table(args.batch, args.context, [getattr(torch, d) for d in args.dtype], args.iters, args.repeats)
+        gpu_table(args.batch, args.context, [getattr(torch, d) for d in args.dtype], args.kv_cache_dtype, args.iters,
+                  args.repeats)
     else:
         compile_times(args.arch, args.full)
         print("no CUDA device: no kernel timing was taken (compile times only)")

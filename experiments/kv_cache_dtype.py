@@ -1,8 +1,16 @@
-"""An fp8 KV cache against the model's fp16 one on the simulator: twice the blocks in the same memory,
-so more requests batched and a higher sustainable request rate.
+"""An fp8 KV cache against the model's own: on the simulator, twice the blocks in the same memory,
+so more requests batched and a higher sustainable request rate; on this CPU, the real model's
+throughput, KV memory and greedy agreement.
 
     python experiments/kv_cache_dtype.py sim [--requests 1000] [--rates 0.5 1 ...] [--paper-rate 2]
                                              [--max-latency 0.05] [--dtypes auto fp8_e4m3] [override ...]
+    python experiments/kv_cache_dtype.py cpu [--repeats 3] [--dtypes auto fp8_e4m3 fp8_e5m2] [override ...]
+
+cpu: the default job (SmolLM2-135M fp32, 48 requests) once per dtype per repeat, the dtypes' order
+rotating between repeats, medians of output tokens/s; the KV pool's bytes (2048 blocks: a quarter for
+fp8), the peak bytes in use, the blocks the fp32 pool's bytes would hold; and the greedy outputs of
+the parity prompts (tests/test_model_parity.py) with each fp8 cache against the fp32 cache: tokens
+equal before the first difference, of the first 32.
 
 OPT-13B on one simulated A100-40GB, ShareGPT-like lengths (`workload=sharegpt`) with Poisson
 arrivals, as in `memory_breakdown.py` and `sharing.py`; the scheduler runs with vLLM's
@@ -27,12 +35,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import statistics
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from paged.experiment import run_quietly
+from paged.llm import LLM
+from paged.request import SamplingParams
 
 BASE = [
     "executor=sim", "model=opt-13b", "hardware=a100-40g", "workload=sharegpt",
@@ -66,16 +77,67 @@ def sustainable_rate(runs: dict[float, dict[str, Any]], max_latency: float) -> f
     return best
 
 
+# The parity prompts of tests/test_model_parity.py.
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
+AGREEMENT_TOKENS = 32
+
+
+def _agreement(dtypes: list[str], extra: list[str]) -> dict[str, list[int]]:
+    """Per dtype, per prompt: greedy tokens equal to the first dtype's before the first difference."""
+    params = SamplingParams(max_tokens=AGREEMENT_TOKENS, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for dtype in dtypes:
+        llm = LLM("smollm2-135m", overrides=["model.chat_template=true", f"kernel.kv_cache_dtype={dtype}", *extra])
+        outputs[dtype] = [o.token_ids for o in llm.generate(QUESTIONS, params)]
+    reference = outputs[dtypes[0]]
+
+    def prefix(a: list[int], b: list[int]) -> int:
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+    return {d: [prefix(o, r) for o, r in zip(outputs[d], reference)] for d in dtypes}
+
+
+def cpu(dtypes: list[str], repeats: int, extra: list[str]) -> None:
+    runs: dict[str, list[dict[str, Any]]] = {d: [] for d in dtypes}
+    for i in range(repeats):
+        for dtype in dtypes[i % len(dtypes):] + dtypes[: i % len(dtypes)]:
+            summary, engine = run_quietly(["logger=none", f"kernel.kv_cache_dtype={dtype}", *extra])
+            block_bytes = engine.executor.kv_cache_spec(engine.scheduler.block_manager.block_size).bytes_per_block
+            runs[dtype].append(summary | {"block_bytes": block_bytes})
+    agreement = _agreement(dtypes, extra)
+    base_bytes = runs[dtypes[0]][0]["block_bytes"]
+    table = Table(title=f"KV cache dtype on this CPU: the default job, median of {repeats} (order rotating)")
+    for col in ["KV cache", "output tok/s", "KV pool MiB", "peak KV in use MiB", "blocks in the first's bytes",
+                f"greedy agreement (of {AGREEMENT_TOKENS}, per prompt)"]:
+        table.add_column(col, justify="left" if col == "KV cache" else "right")
+    for dtype, results in runs.items():
+        first = results[0]
+        pool = first["num_total_blocks"] * first["block_bytes"]
+        peak = max(r["kv_usage_max"] for r in results) * pool
+        table.add_row(
+            dtype, f"{statistics.median(r['output_tokens_per_s'] for r in results):.1f}", f"{pool / 2**20:.1f}",
+            f"{peak / 2**20:.1f}", f"{first['num_total_blocks'] * base_bytes // first['block_bytes']}",
+            " / ".join(map(str, agreement[dtype])),
+        )
+    Console(width=200).print(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("target", choices=["sim"])
+    parser.add_argument("target", choices=["sim", "cpu"])
+    parser.add_argument("--repeats", type=int, default=3, help="cpu: runs per dtype")
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--rates", type=float, nargs="+", default=RATES, help="req/s to sweep")
     parser.add_argument("--paper-rate", type=float, default=2.0, help="where batched requests are compared")
     parser.add_argument("--max-latency", type=float, default=0.05, help="normalized latency bound, s/token")
-    parser.add_argument("--dtypes", nargs="+", default=["auto", "fp8_e4m3"], help="kernel.kv_cache_dtype values")
+    parser.add_argument("--dtypes", nargs="+", help="kernel.kv_cache_dtype values (default: sim auto fp8_e4m3, "
+                        "cpu auto fp8_e4m3 fp8_e5m2)")
     args, extra = parser.parse_known_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.target == "cpu":
+        cpu(args.dtypes or ["auto", "fp8_e4m3", "fp8_e5m2"], args.repeats, extra)
+        return
+    args.dtypes = args.dtypes or ["auto", "fp8_e4m3"]
     rates = sorted({*args.rates, args.paper_rate})
     runs = {dtype: sweep(dtype, args.requests, rates, extra) for dtype in args.dtypes}
     label = {dtype: "fp16 (auto)" if dtype == "auto" else dtype for dtype in args.dtypes}
