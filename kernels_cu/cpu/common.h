@@ -96,7 +96,7 @@ inline float dequant(typename C::storage v, float scale) {
 struct BlockSparse {
   int local_blocks, vert_stride, block_size, head_sliding_step;
 
-  bool on() const { return local_blocks > 0; }
+  bool on() const { return local_blocks != 0; }
   // Query head `head`'s vertical offset; a negative step slides per KV head (group of G heads).
   int64_t offset(int head, int G) const {
     return head_sliding_step >= 0 ? static_cast<int64_t>(head) * head_sliding_step + 1
@@ -139,6 +139,11 @@ constexpr int x_of() { return 16 / static_cast<int>(sizeof(typename C::storage))
 
 // The dequantisation scale of KV head `kvh` in `scales` (1 for a cache that is not fp8).
 inline float kv_scale(const float* scales, int kvh) { return scales ? scales[kvh] : 1.f; }
+
+// ALiBi on the logits of `n` consecutive keys, the first `rel` positions after the query's.
+inline void add_alibi(float* logits, int n, float slope, int rel) {
+  for (int i = 0; i < n; ++i) logits[i] += slope * static_cast<float>(rel + i);
+}
 
 // A query head's row as fp32, an output row from fp32: in the model dtype, one switch per row.
 template <typename T>

@@ -18,6 +18,13 @@
 //     (the math of torch_ref.paged_attention_v2).
 // With a sliding window both start at the window's first block (v2: at the partition holding it)
 // and never read the blocks before it.
+//
+// The features (paged/kernels/features.py) branch per block, never per element: an fp8 cache is
+// dequantised as its tiles are converted to fp32 (value * the KV head's scale), ALiBi adds
+// slope * (key - query position) to a block's logits, and block-sparse attention gives -inf
+// logits to a block a head does not see and skips reading one that no head of the group sees
+// (as vLLM's kernel does). A v2 partition may then hold nothing a head sees: its max logit stays
+// -inf and its weight 0.
 
 #include "common.h"
 #include "prefill.h"
@@ -27,15 +34,19 @@ namespace paged_cpu {
 
 // Per-thread scratch, sized once per call.
 struct Scratch {
+  std::vector<float> q;        // [D]: one query head
   std::vector<float> qx;       // [G][D/x][BS][x]: each head's query chunk repeated for every slot
-  std::vector<float> kt, vt;   // fp32 copies of one block's K and V tiles (16-bit caches only for K)
+  std::vector<float> kt, vt;   // fp32 copies of one block's K and V tiles (not for an fp32 cache's K)
   std::vector<float> logits;   // v1: [G][max_len]; v2: [G][partition_size]
   std::vector<float> vacc;     // [G][D][BS]: per-slot partial sums of the weighted values
   std::vector<float> acc;      // [G][D]
   std::vector<float> part_max, part_sum, part_out;  // v2: [G][P], [G][P], [G][P][D]
   std::vector<float> weights;  // v1: per-head exp-sums [G]; v2: partition weights [P]
+  std::vector<char> sees;      // block-sparse: [G] whether each head sees the current block
 
   void init(int G, int D, int BS, int64_t logits_len) {
+    q.resize(D);
+    sees.resize(G);
     qx.resize(static_cast<size_t>(G) * D * BS);
     kt.resize(static_cast<size_t>(D) * BS);
     vt.resize(static_cast<size_t>(D) * BS);
@@ -45,35 +56,34 @@ struct Scratch {
   }
 };
 
-// Query of the G heads of kv head `kvh`, laid out like a key tile ([D/x][BS][x]) with each x-chunk
-// repeated for every slot, so a block's logits are one elementwise multiply-add over the K tile.
-template <typename T, int BS_T>
-inline void load_query(const Args& a, int seq, int head0, int G, float* qx) {
-  using S = typename T::storage;
-  constexpr int x = x_of<T>();
+// Query of the G heads from `head0`, laid out like a key tile ([D/x][BS][x], x of the cache) with
+// each x-chunk repeated for every slot, so a block's logits are one elementwise multiply-add over
+// the K tile.
+template <typename C, int BS_T>
+inline void load_query(const Args& a, int seq, int head0, int G, Scratch& s) {
+  constexpr int x = x_of<C>();
   const int BS = BS_T, D = a.head_size;
-  const S* base = static_cast<const S*>(a.query);
   for (int g = 0; g < G; ++g) {
-    const S* qh = base + seq * a.q_stride_seq + (head0 + g) * a.q_stride_head;
-    float* dst = qx + static_cast<int64_t>(g) * D * BS;
+    load_query_row(a, seq * a.q_stride_seq + (head0 + g) * a.q_stride_head, D, s.q.data());
+    float* dst = s.qx.data() + static_cast<int64_t>(g) * D * BS;
     for (int c = 0; c < D / x; ++c)
       for (int off = 0; off < BS; ++off)
-        for (int i = 0; i < x; ++i) dst[(c * BS + off) * x + i] = T::load(qh[(c * x + i) * a.q_stride_dim]);
+        for (int i = 0; i < x; ++i) dst[(c * BS + off) * x + i] = s.q[c * x + i];
   }
 }
 
 // logits[g][off] = scale * q[g] . k[off] for off < valid, reading the K tile in cache order.
-template <typename T, int BS_T>
-inline void block_logits(const Args& a, int G, const typename T::storage* k, Scratch& s, int valid,
+template <typename C, int BS_T>
+inline void block_logits(const Args& a, int G, const typename C::storage* k, float k_scale, Scratch& s, int valid,
                          float* logits, int64_t logits_stride) {
-  constexpr int x = x_of<T>();
+  constexpr int x = x_of<C>();
   const int BS = BS_T, D = a.head_size;
   const int n = D * BS;
   const float* kf;
-  if constexpr (std::is_same_v<T, F32>) {
+  if constexpr (std::is_same_v<C, F32>) {
     kf = k;
   } else {
-    for (int j = 0; j < n; ++j) s.kt[j] = T::load(k[j]);
+    for (int j = 0; j < n; ++j) s.kt[j] = dequant<C>(k[j], k_scale);
     kf = s.kt.data();
   }
   const int chunk = BS * x;
@@ -97,17 +107,22 @@ inline void block_logits(const Args& a, int G, const typename T::storage* k, Scr
 
 // vacc[g][d][off] += w[g][off] * v[d][off] for lo <= off < valid (other slots contribute nothing,
 // even where the cache holds NaN there).
-template <typename T, int BS_T>
-inline void block_values(const Args& a, int G, const typename T::storage* v, Scratch& s, int lo, int valid,
-                         const float* w, int64_t w_stride) {
+template <typename C, int BS_T>
+inline void block_values(const Args& a, int G, const typename C::storage* v, float v_scale, Scratch& s, int lo,
+                         int valid, const float* w, int64_t w_stride) {
   const int BS = BS_T, D = a.head_size;
+  const bool whole = lo == 0 && valid == BS;
   const float* vf;
-  if (std::is_same_v<T, F32> && lo == 0 && valid == BS) {
+  if (std::is_same_v<C, F32> && whole) {
     vf = reinterpret_cast<const float*>(v);
   } else {
-    for (int d = 0; d < D; ++d)
-      for (int off = 0; off < BS; ++off)
-        s.vt[d * BS + off] = off >= lo && off < valid ? T::load(v[d * BS + off]) : 0.f;
+    if (whole) {  // most blocks: one straight loop, which vectorises (the masked one does not)
+      for (int j = 0; j < D * BS; ++j) s.vt[j] = dequant<C>(v[j], v_scale);
+    } else {
+      for (int d = 0; d < D; ++d)
+        for (int off = 0; off < BS; ++off)
+          s.vt[d * BS + off] = off >= lo && off < valid ? dequant<C>(v[d * BS + off], v_scale) : 0.f;
+    }
     vf = s.vt.data();
   }
   float p[BS_T];
@@ -133,20 +148,16 @@ inline void reduce_values(int G, int D, int BS, Scratch& s, const float* inv) {
   }
 }
 
-template <typename T>
-inline void store_out(const Args& a, int seq, int head0, int G, const float* o) {
-  using S = typename T::storage;
-  S* out = static_cast<S*>(a.out) + (static_cast<int64_t>(seq) * a.num_heads + head0) * a.head_size;
-  for (int i = 0; i < G * a.head_size; ++i) out[i] = T::store(o[i]);
-}
-
 // Softmax numerator over `n` logits in place: returns the max, writes exp(l - max), sets the sum.
+// Logits all -inf (a v2 partition a head sees nothing of, block-sparse) give zeros and max -inf.
 inline float exp_in_place(float* l, int n, float* sum_out) {
-  float m = -std::numeric_limits<float>::infinity();
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  float m = kNegInf;
   for (int i = 0; i < n; ++i) m = l[i] > m ? l[i] : m;
+  const float shift = m == kNegInf ? 0.f : m;
   float s = 0.f;
   for (int i = 0; i < n; ++i) {
-    l[i] = std::exp(l[i] - m);
+    l[i] = std::exp(l[i] - shift);
     s += l[i];
   }
   *sum_out = s;
@@ -156,7 +167,7 @@ inline float exp_in_place(float* l, int n, float* sum_out) {
 // Runs `body(s, seq, kvh, L, table)` for every (sequence, KV head) with L > 0 tokens, in parallel,
 // each OpenMP thread with its own scratch from `init`; `body` leaves the G query heads' output in
 // s.acc. Empty sequences get zeros.
-template <typename T, int BS_T, typename Init, typename Body>
+template <typename C, int BS_T, typename Init, typename Body>
 void for_each_kv_head(const Args& a, Init init, Body body) {
   const int G = a.num_heads / a.num_kv_heads;
 #pragma omp parallel num_threads(a.num_threads)
@@ -171,31 +182,60 @@ void for_each_kv_head(const Args& a, Init init, Body body) {
         if (L <= 0) {
           std::fill(s.acc.begin(), s.acc.end(), 0.f);
         } else {
-          load_query<T, BS_T>(a, seq, head0, G, s.qx.data());
+          load_query<C, BS_T>(a, seq, head0, G, s);
           body(s, seq, kvh, L, a.block_tables + seq * a.bt_stride);
         }
-        store_out<T>(a, seq, head0, G, s.acc.data());
+        store_out_row(a, (static_cast<int64_t>(seq) * a.num_heads + head0) * a.head_size, G * a.head_size,
+                      s.acc.data());
       }
     }
   }
 }
 
-// Softmax attention of the G query heads over the `n` tokens that `table` points at, less the
-// first `skip` (before the window, in its first block): the normalised output goes to s.acc, each
-// head's max logit and exp-sum to max_out / sum_out (stride `out_stride`) when given. `stride` is
-// the logits row length in the scratch.
-template <typename T, int BS_T>
-void attend_span(const Args& a, Scratch& s, int kvh, const int32_t* table, int skip, int n, int stride,
-                 float* max_out, float* sum_out, int out_stride) {
-  const int G = a.num_heads / a.num_kv_heads, bs = a.block_size;
+// Block-sparse: which of the G heads from `head0` see key position `pos` from `query_pos` (into
+// s.sees), and whether any does.
+inline bool group_sees(const Args& a, Scratch& s, int G, int head0, int query_pos, int pos) {
+  bool any = false;
+  for (int g = 0; g < G; ++g) {
+    s.sees[g] = a.sparse.sees(query_pos, pos, a.sparse.offset(head0 + g, G));
+    any |= s.sees[g];
+  }
+  return any;
+}
+
+// Softmax attention of the G query heads of KV head `kvh` (their query at `query_pos`) over the
+// `n` positions from `start` (a block boundary) that `table`, the sequence's block table, points
+// at, less the first `skip` (before the window, in its first block): the normalised output goes
+// to s.acc, each head's max logit and exp-sum to max_out / sum_out (stride `out_stride`) when
+// given. `stride` is the logits row length in the scratch.
+template <typename C, int BS_T>
+void attend_span(const Args& a, Scratch& s, int kvh, const int32_t* table, int query_pos, int start, int skip, int n,
+                 int stride, float* max_out, float* sum_out, int out_stride) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const int G = a.num_heads / a.num_kv_heads, bs = a.block_size, head0 = kvh * G;
   const int nb = (n + bs - 1) / bs;
-  for (int b = 0; b < nb; ++b)
-    block_logits<T, BS_T>(a, G, tile_ptr<T>(a.key_cache, a, table[b], kvh), s, std::min(bs, n - b * bs),
-                          s.logits.data() + b * bs, stride);
+  const float k_scale = kv_scale(a.k_scale, kvh), v_scale = kv_scale(a.v_scale, kvh);
+  for (int b = 0; b < nb; ++b) {
+    const int pos = start + b * bs, valid = std::min(bs, n - b * bs);
+    float* logits = s.logits.data() + b * bs;
+    const bool seen = !a.sparse.on() || group_sees(a, s, G, head0, query_pos, pos);
+    if (seen) {
+      block_logits<C, BS_T>(a, G, tile_ptr<C>(a.key_cache, a, table[pos / bs], kvh), k_scale, s, valid, logits,
+                            stride);
+    }
+    for (int g = 0; g < G; ++g) {
+      float* lg = logits + g * stride;
+      if (a.sparse.on() && !s.sees[g]) {
+        std::fill(lg, lg + valid, kNegInf);
+      } else if (a.alibi_slopes) {
+        add_alibi(lg, valid, a.alibi_slopes[head0 + g], pos - query_pos);
+      }
+    }
+  }
   float* inv_sum = s.weights.data();
   for (int g = 0; g < G; ++g) {
     float* logits = s.logits.data() + g * stride;
-    std::fill(logits, logits + skip, -std::numeric_limits<float>::infinity());
+    std::fill(logits, logits + skip, kNegInf);
     float sum;
     const float m = exp_in_place(logits, n, &sum);
     if (max_out) {
@@ -204,28 +244,30 @@ void attend_span(const Args& a, Scratch& s, int kvh, const int32_t* table, int s
     }
     inv_sum[g] = 1.f / std::max(sum, 1e-30f);
   }
-  for (int b = 0; b < nb; ++b)
-    block_values<T, BS_T>(a, G, tile_ptr<T>(a.value_cache, a, table[b], kvh), s, b == 0 ? skip : 0,
+  for (int b = 0; b < nb; ++b) {
+    const int pos = start + b * bs;
+    if (a.sparse.on() && !group_sees(a, s, G, head0, query_pos, pos)) continue;
+    block_values<C, BS_T>(a, G, tile_ptr<C>(a.value_cache, a, table[pos / bs], kvh), v_scale, s, b == 0 ? skip : 0,
                           std::min(bs, n - b * bs), s.logits.data() + b * bs, stride);
+  }
   reduce_values(G, a.head_size, bs, s, inv_sum);
 }
 
-template <typename T, int BS_T>
+template <typename C, int BS_T>
 void run_v1(const Args& a) {
   const int G = a.num_heads / a.num_kv_heads;
   auto init = [&](Scratch& s) {
     s.init(G, a.head_size, a.block_size, a.max_seq_len);
     s.weights.resize(G);
   };
-  for_each_kv_head<T, BS_T>(a, init, [&](Scratch& s, int, int kvh, int L, const int32_t* table) {
-    const int first = window_start(a, L - 1), first_block = first / a.block_size;
-    const int start = first_block * a.block_size;
-    attend_span<T, BS_T>(a, s, kvh, table + first_block, first - start, L - start, a.max_seq_len, nullptr, nullptr,
+  for_each_kv_head<C, BS_T>(a, init, [&](Scratch& s, int, int kvh, int L, const int32_t* table) {
+    const int first = window_start(a, L - 1), start = first / a.block_size * a.block_size;
+    attend_span<C, BS_T>(a, s, kvh, table, L - 1, start, first - start, L - start, a.max_seq_len, nullptr, nullptr,
                          0);
   });
 }
 
-template <typename T, int BS_T>
+template <typename C, int BS_T>
 void run_v2(const Args& a) {
   const int G = a.num_heads / a.num_kv_heads, D = a.head_size;
   const int PS = a.partition_size;
@@ -237,13 +279,13 @@ void run_v2(const Args& a) {
     s.part_out.resize(static_cast<size_t>(G) * P_max * D);
     s.weights.resize(std::max(P_max, G));
   };
-  for_each_kv_head<T, BS_T>(a, init, [&](Scratch& s, int, int kvh, int L, const int32_t* table) {
+  for_each_kv_head<C, BS_T>(a, init, [&](Scratch& s, int, int kvh, int L, const int32_t* table) {
     // Partitions p0 .. P - 1 reach the window; the first starts at the window's first block.
     const int first = window_start(a, L - 1), first_block_start = first / a.block_size * a.block_size;
     const int p0 = first / PS, P = (L + PS - 1) / PS;
     for (int p = p0; p < P; ++p) {
       const int start = std::max(p * PS, first_block_start);
-      attend_span<T, BS_T>(a, s, kvh, table + start / a.block_size, std::max(first - start, 0),
+      attend_span<C, BS_T>(a, s, kvh, table, L - 1, start, std::max(first - start, 0),
                            std::min((p + 1) * PS, L) - start, PS, s.part_max.data() + p, s.part_sum.data() + p,
                            P_max);
       for (int g = 0; g < G; ++g)
@@ -275,36 +317,44 @@ void run_v2(const Args& a) {
 
 enum Op : int { kDecodeV1 = 1, kDecodeV2 = 2, kPrefill = 3 };
 
-template <typename T, int BS>
+template <typename C, int BS>
 void run_op(Op op, const Args& a) {
   switch (op) {
-    case kDecodeV1: run_v1<T, BS>(a); break;
-    case kDecodeV2: run_v2<T, BS>(a); break;
-    case kPrefill: run_prefill<T, BS>(a); break;
+    case kDecodeV1: run_v1<C, BS>(a); break;
+    case kDecodeV2: run_v2<C, BS>(a); break;
+    case kPrefill: run_prefill<C, BS>(a); break;
   }
 }
 
-template <typename T>
+template <typename C>
 int dispatch_bs(Op op, const Args& a) {
   switch (a.block_size) {
-    case 8: run_op<T, 8>(op, a); return 0;
-    case 16: run_op<T, 16>(op, a); return 0;
-    case 32: run_op<T, 32>(op, a); return 0;
+    case 8: run_op<C, 8>(op, a); return 0;
+    case 16: run_op<C, 16>(op, a); return 0;
+    case 32: run_op<C, 32>(op, a); return 0;
     default: return 1;
   }
 }
 
-int run(int dtype, Op op, const Args& a) {
+int run(Op op, const Args& a) {
+  if (a.block_size <= 0) return 1;
   if (a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads) return 2;
-  const int x = dtype == kF32 ? 4 : 8;
+  if (a.dtype != kF32 && a.dtype != kF16 && a.dtype != kBF16) return 7;
+  const bool fp8 = a.cache_dtype == kE4M3 || a.cache_dtype == kE5M2;
+  if (fp8 ? !a.k_scale || !a.v_scale : a.cache_dtype != a.dtype) return 8;
+  const int x = fp8 ? 16 : a.dtype == kF32 ? 4 : 8;
   if (a.head_size <= 0 || a.head_size % x) return 3;
   if (op == kDecodeV2 && (a.partition_size <= 0 || a.partition_size % a.block_size)) return 4;
+  const BlockSparse& sp = a.sparse;
+  if (sp.on() && (sp.local_blocks < 0 || sp.vert_stride <= 0 || sp.block_size <= 0 || sp.block_size % a.block_size))
+    return 9;
   if (a.num_threads <= 0) return 6;
-  switch (dtype) {
+  switch (a.cache_dtype) {
     case kF32: return dispatch_bs<F32>(op, a);
     case kF16: return dispatch_bs<F16>(op, a);
     case kBF16: return dispatch_bs<BF16>(op, a);
-    default: return 7;
+    case kE4M3: return dispatch_bs<E4M3>(op, a);
+    default: return dispatch_bs<E5M2>(op, a);
   }
 }
 
@@ -312,28 +362,34 @@ int run(int dtype, Op op, const Args& a) {
 
 using paged_cpu::Args;
 
-#define PAGED_CPU_COMMON_ARGS                                                                          \
-  int dtype, void *out, const void *query, int64_t q_stride_row, int64_t q_stride_head,                \
-      int64_t q_stride_dim, const void *key_cache, const void *value_cache, const int32_t *block_tables, \
-      int64_t bt_stride, const int32_t *seq_lens, int num_seqs, int num_heads, int num_kv_heads,       \
-      int head_size, int block_size, float scale, int sliding_window
+#define PAGED_CPU_COMMON_ARGS                                                                                \
+  int dtype, int cache_dtype, void *out, const void *query, int64_t q_stride_row, int64_t q_stride_head,      \
+      int64_t q_stride_dim, const void *key_cache, const void *value_cache, const int32_t *block_tables,      \
+      int64_t bt_stride, const int32_t *seq_lens, int num_seqs, int num_heads, int num_kv_heads,              \
+      int head_size, int block_size, float scale, int sliding_window, const float *k_scale,                   \
+      const float *v_scale, const float *alibi_slopes, int sparse_local_blocks, int sparse_vert_stride,       \
+      int sparse_block_size, int sparse_head_sliding_step
+// The leading Args fields, which PAGED_CPU_COMMON_ARGS fill.
+#define PAGED_CPU_COMMON_FIELDS                                                                               \
+  dtype, cache_dtype, out, query, q_stride_row, q_stride_head, q_stride_dim, key_cache, value_cache,          \
+      block_tables, bt_stride, seq_lens, num_seqs, num_heads, num_kv_heads, head_size, block_size, scale,     \
+      sliding_window, k_scale, v_scale, alibi_slopes,                                                          \
+      {sparse_local_blocks, sparse_vert_stride, sparse_block_size, sparse_head_sliding_step}
 
 // The entry points return 0 on success; a nonzero code names the rejected argument (see
-// paged/kernels/backends/cpu.py). Decode's max_seq_len bounds its scratch buffers.
+// paged/kernels/backends/cpu.py). Decode's max_seq_len bounds its scratch buffers. An fp8 cache
+// (cache_dtype 3 / 4) needs k_scale and v_scale; alibi_slopes may be null, and block-sparse
+// attention is off with sparse_local_blocks 0.
 extern "C" int paged_attention_cpu(PAGED_CPU_COMMON_ARGS, int version, int partition_size, int max_seq_len,
                                    int num_threads) {
-  const Args a{out, query, q_stride_row, q_stride_head, q_stride_dim, key_cache, value_cache, block_tables,
-               bt_stride, seq_lens, nullptr, num_seqs, num_heads, num_kv_heads, head_size, block_size, scale,
-               sliding_window, partition_size, max_seq_len, 0, num_threads};
-  return paged_cpu::run(dtype, version == 1 ? paged_cpu::kDecodeV1 : paged_cpu::kDecodeV2, a);
+  const Args a{PAGED_CPU_COMMON_FIELDS, nullptr, partition_size, max_seq_len, 0, num_threads};
+  return paged_cpu::run(version == 1 ? paged_cpu::kDecodeV1 : paged_cpu::kDecodeV2, a);
 }
 
 extern "C" int prefill_attention_cpu(PAGED_CPU_COMMON_ARGS, const int32_t *query_start_loc, int max_query_len,
                                      int num_threads) {
-  const Args a{out, query, q_stride_row, q_stride_head, q_stride_dim, key_cache, value_cache, block_tables,
-               bt_stride, seq_lens, query_start_loc, num_seqs, num_heads, num_kv_heads, head_size, block_size,
-               scale, sliding_window, 0, 0, max_query_len, num_threads};
-  return paged_cpu::run(dtype, paged_cpu::kPrefill, a);
+  const Args a{PAGED_CPU_COMMON_FIELDS, query_start_loc, 0, 0, max_query_len, num_threads};
+  return paged_cpu::run(paged_cpu::kPrefill, a);
 }
 
 extern "C" int swap_blocks_cpu(int num_caches, const int64_t *src_caches, const int64_t *dst_caches,

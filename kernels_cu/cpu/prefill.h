@@ -16,6 +16,11 @@
 // register-blocked too). No floating-point reduction runs in a vectorised dimension and exp is a
 // polynomial in plain IEEE arithmetic, so no -ffast-math is needed and results match the torch
 // reference to ~1e-6 in fp32. The vectorised exp needs -fno-trapping-math (see cpu.py).
+//
+// Features, as in decode: an fp8 cache is dequantised as the tiles are converted to fp32, ALiBi
+// adds slope * (key - query position) to a row's logits, and under block-sparse attention a row
+// skips a block its head does not see from its query's sparse block, as a row skips one past its
+// position; a block no row of the tile sees is never read.
 #pragma once
 
 #include "common.h"
@@ -54,8 +59,10 @@ struct PrefillScratch {
   std::vector<float> p;     // [R][BS]: one block's logits, then their exps
   std::vector<float> kt;    // [D][BS]
   std::vector<float> vt;    // [BS][D]
+  std::vector<char> sees;   // block-sparse: [R] whether each row sees the current block
 
   void init(int rows, int D, int BS) {
+    sees.resize(rows);
     q.resize(static_cast<size_t>(rows) * D);
     o.resize(static_cast<size_t>(rows) * D);
     m.resize(rows);
@@ -126,26 +133,23 @@ inline void tile_values(int R, int D, int n, const float* p, const float* vt, fl
 }
 
 // One work item: queries j0 .. j0 + nq of sequence `seq`, the G heads of KV head `kvh`.
-template <typename T, int BS>
+template <typename C, int BS>
 void prefill_tile(const Args& a, PrefillScratch& s, int seq, int kvh, int j0, int nq) {
-  using S = typename T::storage;
-  constexpr int x = x_of<T>();
-  const int G = a.num_heads / a.num_kv_heads, D = a.head_size, R = nq * G;
+  using S = typename C::storage;
+  constexpr int x = x_of<C>();
+  const int G = a.num_heads / a.num_kv_heads, D = a.head_size, R = nq * G, head0 = kvh * G;
   const int row0 = a.query_start_loc[seq] + j0;
   const int first_pos = a.seq_lens[seq] - (a.query_start_loc[seq + 1] - a.query_start_loc[seq]) + j0;
-  const S* query = static_cast<const S*>(a.query);
   for (int j = 0; j < nq; ++j)
-    for (int g = 0; g < G; ++g) {
-      const S* src = query + (row0 + j) * a.q_stride_seq + (kvh * G + g) * a.q_stride_head;
-      float* dst = s.q.data() + (j * G + g) * D;
-      for (int d = 0; d < D; ++d) dst[d] = T::load(src[d * a.q_stride_dim]);
-    }
+    for (int g = 0; g < G; ++g)
+      load_query_row(a, (row0 + j) * a.q_stride_seq + (head0 + g) * a.q_stride_head, D, s.q.data() + (j * G + g) * D);
   std::fill(s.o.begin(), s.o.begin() + R * D, 0.f);
   std::fill(s.m.begin(), s.m.begin() + R, -std::numeric_limits<float>::infinity());
   std::fill(s.l.begin(), s.l.begin() + R, 0.f);
 
   const int32_t* table = a.block_tables + seq * a.bt_stride;
   const int last_pos = first_pos + nq - 1;
+  const float k_scale = kv_scale(a.k_scale, kvh), v_scale = kv_scale(a.v_scale, kvh);
   // The tile's first query reaches back furthest; blocks before its window are never read.
   const int tile_window = window_start(a, first_pos);
   for (int b = tile_window / BS; b <= last_pos / BS; ++b) {
@@ -156,23 +160,32 @@ void prefill_tile(const Args& a, PrefillScratch& s, int seq, int kvh, int j0, in
     // Slots before the tile's window, in its first block: no query sees them, and V there may
     // hold anything (0 * NaN is NaN), so they are zero.
     const int skip = std::max(tile_window - start, 0);
-    const S* k = tile_ptr<T>(a.key_cache, a, table[b], kvh);
-    const S* v = tile_ptr<T>(a.value_cache, a, table[b], kvh);
+    if (a.sparse.on()) {
+      bool any = false;
+      for (int r = 0; r < R; ++r) {
+        s.sees[r] = a.sparse.sees(first_pos + r / G, start, a.sparse.offset(head0 + r % G, G));
+        any |= s.sees[r];
+      }
+      if (!any) continue;
+    }
+    const S* k = tile_ptr<C>(a.key_cache, a, table[b], kvh);
+    const S* v = tile_ptr<C>(a.value_cache, a, table[b], kvh);
     for (int c = 0; c < D / x; ++c)
       for (int off = 0; off < BS; ++off)
-        for (int i = 0; i < x; ++i) s.kt[(c * x + i) * BS + off] = T::load(k[(c * BS + off) * x + i]);
+        for (int i = 0; i < x; ++i) s.kt[(c * x + i) * BS + off] = dequant<C>(k[(c * BS + off) * x + i], k_scale);
     for (int off = 0; off < n; ++off)
-      for (int d = 0; d < D; ++d) s.vt[off * D + d] = off < skip ? 0.f : T::load(v[d * BS + off]);
+      for (int d = 0; d < D; ++d) s.vt[off * D + d] = off < skip ? 0.f : dequant<C>(v[d * BS + off], v_scale);
     tile_logits<BS>(R, D, a.scale, s.q.data(), s.kt.data(), s.p.data());
     for (int r = 0; r < R; ++r) {
       float* pr = s.p.data() + r * BS;
       const int pos = first_pos + r / G;
       const int visible = std::min(n, pos - start + 1);  // causal: slots <= own position
       const int lo = std::max(window_start(a, pos) - start, 0);  // window: slots after pos - W
-      if (visible <= lo) {
+      if (visible <= lo || (a.sparse.on() && !s.sees[r])) {
         std::fill(pr, pr + BS, 0.f);
         continue;
       }
+      if (a.alibi_slopes) add_alibi(pr, BS, a.alibi_slopes[head0 + r % G], start - pos);
       float block_max = pr[lo];
       for (int off = lo + 1; off < visible; ++off) block_max = std::max(block_max, pr[off]);
       const float m_old = s.m[r], m_new = std::max(m_old, block_max);
@@ -195,17 +208,17 @@ void prefill_tile(const Args& a, PrefillScratch& s, int seq, int kvh, int j0, in
     tile_values<BS>(R, D, n, s.p.data(), s.vt.data(), s.o.data());
   }
 
-  S* out = static_cast<S*>(a.out);
   for (int j = 0; j < nq; ++j)
     for (int g = 0; g < G; ++g) {
       const int r = j * G + g;
       const float inv = 1.f / s.l[r];
-      S* dst = out + (static_cast<int64_t>(row0 + j) * a.num_heads + kvh * G + g) * D;
-      for (int d = 0; d < D; ++d) dst[d] = T::store(s.o[r * D + d] * inv);
+      float* o = s.o.data() + r * D;
+      for (int d = 0; d < D; ++d) o[d] *= inv;
+      store_out_row(a, (static_cast<int64_t>(row0 + j) * a.num_heads + head0 + g) * D, D, o);
     }
 }
 
-template <typename T, int BS>
+template <typename C, int BS>
 void run_prefill(const Args& a) {
   // tile_start[s]: index of sequence s's first query tile.
   std::vector<int64_t> tile_start(a.num_seqs + 1, 0);
@@ -227,7 +240,7 @@ void run_prefill(const Args& a) {
                                        tile_start.begin()) - 1;
       const int j0 = static_cast<int>(tile - tile_start[seq]) * kTileQ;
       const int q_len = a.query_start_loc[seq + 1] - a.query_start_loc[seq];
-      prefill_tile<T, BS>(a, s, seq, kvh, j0, std::min(kTileQ, q_len - j0));
+      prefill_tile<C, BS>(a, s, seq, kvh, j0, std::min(kTileQ, q_len - j0));
     }
   }
 }

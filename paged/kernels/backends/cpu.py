@@ -2,6 +2,8 @@
 
 Attention reads K/V straight from the paged cache through the block tables, so unlike the torch
 reference it makes no gathered or permuted copies; a swap is one memcpy per cache and block pair.
+It implements every cache dtype (fp8 with its scales) and attention feature (ALiBi, block-sparse)
+of `paged.kernels.features`.
 The library is built with the host compiler (`$CXX`, else `g++`) into the on-disk kernel cache,
 keyed by the sources' hash, the compiler, the flags and the CPU, and loaded once per process
 through ctypes. `reshape_and_cache` and `copy_blocks` are cheap and use the torch reference.
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from paged.kernels.backends.base import DTYPES, CacheView, require_contiguous
+from paged.kernels.backends.base import CACHE_DTYPES, FEATURES, CacheView, require_contiguous
 from paged.kernels.backends.torch_ref import TorchBackend
 from paged.kernels.features import NONE, AttentionFeatures
 from paged.kernels.limits import BLOCK_SIZES
@@ -35,7 +37,8 @@ MAIN = f"{SOURCE_DIR}/paged_attention_cpu.cpp"
 # -fno-trapping-math lets the vectoriser evaluate both arms of a select (no FP traps are enabled);
 # unlike -ffast-math it changes no result.
 FLAGS = ("-std=c++17", "-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-fPIC", "-shared")
-_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# common.h's DType codes: the query's and the cache's.
+_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 _STATUS = {
     1: f"block_size must be one of {BLOCK_SIZES}",
     2: "num_heads must be a multiple of num_kv_heads",
@@ -43,11 +46,16 @@ _STATUS = {
     4: "partition_size must be a positive multiple of block_size",
     6: "the thread count must be positive",
     7: "unsupported dtype",
+    8: "the kv cache dtype must be the query's, or fp8 with k_scale and v_scale",
+    9: "blocksparse needs local_blocks, vert_stride and block_size > 0, block_size a multiple of the cache's",
 }
+# PAGED_CPU_COMMON_ARGS: dtypes, out, query and its strides, caches, block tables and their stride,
+# seq_lens, the sizes, scale, sliding window, fp8 scales, ALiBi slopes, the four block-sparse ints.
 _COMMON_ARGS = [
-    ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+    ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
     ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int,
+    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
 ]
 _Int64s = ctypes.POINTER(ctypes.c_int64)
 _SIGNATURES = {
@@ -115,19 +123,28 @@ def _load_failure() -> str | None:
 
 
 def _call(
-    entry: str, query: torch.Tensor, cache: CacheView, scale: float, sliding_window: int | None, *tail: object
+    entry: str, query: torch.Tensor, cache: CacheView, scale: float, sliding_window: int | None,
+    features: AttentionFeatures, *tail: object,
 ) -> torch.Tensor:
     """Runs a library entry point on `PAGED_CPU_COMMON_ARGS` followed by `tail`."""
     # No-op copies for the executor's tensors: caches are allocated contiguous, index tensors fresh.
     key_cache, value_cache, block_tables, seq_lens = (
         t.contiguous() for t in (cache.key_cache, cache.value_cache, cache.block_tables, cache.seq_lens)
     )
+    # The fp8 cache's scales and the ALiBi slopes, fp32 vectors or null.
+    vectors = [None if t is None else t.float().contiguous()
+               for t in (cache.k_scale, cache.v_scale, features.alibi_slopes)]
+    sparse = features.blocksparse
+    sparse_ints = (0, 0, 0, 0) if sparse is None else (
+        sparse.local_blocks, sparse.vert_stride, sparse.block_size, sparse.head_sliding_step
+    )
     out = torch.empty(query.shape, dtype=query.dtype)
     status = getattr(load(), entry)(
-        _DTYPES[query.dtype], out.data_ptr(), query.data_ptr(), *query.stride(),
+        _DTYPES[query.dtype], _DTYPES[key_cache.dtype], out.data_ptr(), query.data_ptr(), *query.stride(),
         key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
         seq_lens.data_ptr(), seq_lens.shape[0], query.shape[1], cache.num_kv_heads, cache.head_size,
-        cache.block_size, float(scale), sliding_window or 0, *tail,
+        cache.block_size, float(scale), sliding_window or 0, *(None if t is None else t.data_ptr() for t in vectors),
+        *sparse_ints, *tail,
     )
     _check_status(entry, status)
     return out
@@ -149,8 +166,8 @@ class CpuBackend(TorchBackend):
     description = "native C++/OpenMP"
     device_type = "cpu"
     block_sizes = BLOCK_SIZES
-    cache_dtypes = DTYPES
-    features = ()
+    cache_dtypes = CACHE_DTYPES
+    features = FEATURES
 
     def unavailable_reason(self) -> str | None:
         return _load_failure()
@@ -160,8 +177,8 @@ class CpuBackend(TorchBackend):
         sliding_window: int | None, features: AttentionFeatures = NONE,
     ) -> torch.Tensor:
         version_number = 1 if version == "v1" else 2
-        return _call("paged_attention_cpu", query, cache, scale, sliding_window, version_number, partition_size,
-                     max_seq_len, torch.get_num_threads())
+        return _call("paged_attention_cpu", query, cache, scale, sliding_window, features, version_number,
+                     partition_size, max_seq_len, torch.get_num_threads())
 
     def prefill_attention(
         self, query: torch.Tensor, cache: CacheView, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
@@ -169,8 +186,8 @@ class CpuBackend(TorchBackend):
     ) -> torch.Tensor:
         query_start_loc = query_start_loc.contiguous()
         # `query_start_loc` must outlive the call: `_call` only holds its address.
-        return _call("prefill_attention_cpu", query, cache, scale, sliding_window, query_start_loc.data_ptr(),
-                     max_query_len, torch.get_num_threads())
+        return _call("prefill_attention_cpu", query, cache, scale, sliding_window, features,
+                     query_start_loc.data_ptr(), max_query_len, torch.get_num_threads())
 
     def swap_blocks(
         self, src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], block_mapping: torch.Tensor

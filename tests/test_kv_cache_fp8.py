@@ -1,0 +1,138 @@
+"""fp8 KV cache in the real executor: capacity, calibrated and given scales, swap, backends agree,
+and SmolLM2's greedy outputs with fp8 KV against fp32 KV."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged import kernels
+from paged.build import build_engine
+from paged.config import KernelConfig, ModelConfig
+from paged.executor.kv_scales import CALIBRATION_HEADROOM
+from paged.executor.model_executor import ModelExecutor
+from paged.kernels.backends.torch_ref import TorchBackend
+from paged.kernels.features import FP8_MAX
+from paged.llm import LLM, compose_config
+from paged.request import SamplingParams
+from tests.test_executor import generate
+from tests.test_executor_swap import SWAP_PARAMS, SWAP_PROMPTS
+from tests.test_model_parity import QUESTIONS
+
+PROMPTS = [[(31 * n + 7 * i) % 40000 for i in range(n)] for n in (21, 40, 9)]
+GREEDY = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0)
+
+
+def _engine(*overrides: str):
+    return build_engine(compose_config(["model=tiny-random", "logger=none", "progress=false", *overrides]))
+
+
+@pytest.mark.parametrize(("model_dtype", "factor"), [("float16", 2), ("bfloat16", 2), ("float32", 4)])
+def test_an_fp8_cache_holds_more_blocks_in_the_same_bytes(model_dtype: str, factor: int) -> None:
+    """One byte per element: twice the blocks of a 16-bit cache (four times fp32's), exactly."""
+    common = ("kernel.backend=torch", f"model.dtype={model_dtype}", "allocator.kv_cache_memory=3MiB",
+              "allocator.num_blocks=null")
+    auto = _engine(*common).scheduler.block_manager.num_total_blocks
+    fp8 = _engine(*common, "kernel.kv_cache_dtype=fp8_e4m3")
+    assert fp8.scheduler.block_manager.num_total_blocks == factor * auto
+    assert fp8.executor.key_caches[0].dtype == torch.float8_e4m3fn
+    assert fp8.executor.key_caches[0].shape[-1] == 16  # x = 16 // element size
+
+
+def _executor(kv: str, *, backend: str = "torch", **kernel: float) -> ModelExecutor:
+    ex = ModelExecutor(ModelConfig(name="tiny-random", source="random"),
+                       KernelConfig(name="t", backend=backend, kv_cache_dtype=kv, **kernel))
+    ex.init_kv_cache(num_blocks=16, block_size=16)
+    return ex
+
+
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+def test_scales_are_calibrated_per_head_on_the_first_prefill(kv: str) -> None:
+    """scale = amax * headroom / the format's max, so the first prefill's largest |K| per head is
+    stored as max / headroom, and stays fixed afterwards."""
+    ex = _executor(kv)
+    generate(ex, PROMPTS[:1], 1)
+    fmt = ex.key_caches[0].dtype
+    for layer, (k_scale, v_scale) in enumerate(zip(ex.kv_scales.k, ex.kv_scales.v)):
+        assert k_scale.shape == v_scale.shape == (ex.arch.num_kv_heads,)
+        assert bool((k_scale > 0).all()) and bool((v_scale > 0).all())
+        per_head = ex.key_caches[layer].float().abs().amax(dim=(0, 2, 3, 4))
+        torch.testing.assert_close(per_head, torch.full_like(per_head, FP8_MAX[fmt] / CALIBRATION_HEADROOM))
+    first = [k.clone() for k in ex.kv_scales.k]
+    generate(ex, PROMPTS[1:], 2)
+    assert all(torch.equal(a, b) for a, b in zip(first, ex.kv_scales.k))
+
+
+def test_given_scales_are_used_as_they_are() -> None:
+    ex = _executor("fp8_e4m3", k_scale=0.05, v_scale=0.02)
+    generate(ex, PROMPTS[:1], 2)
+    assert all(torch.equal(k, torch.full_like(k, 0.05)) for k in ex.kv_scales.k)
+    assert all(torch.equal(v, torch.full_like(v, 0.02)) for v in ex.kv_scales.v)
+
+
+def test_the_description_names_the_cache_dtype() -> None:
+    assert "KV cache fp8_e5m2" in _executor("fp8_e5m2").description
+
+
+def _greedy(backend: str, kv: str, *extra: str) -> list[list[int]]:
+    llm = LLM("tiny-random", overrides=["model.device=cpu", f"kernel.backend={backend}",
+                                        f"kernel.kv_cache_dtype={kv}", *extra])
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+def test_backends_generate_the_same_with_an_fp8_cache(kv: str) -> None:
+    """Every backend stores the same bytes and dequantises alike, so greedy outputs match."""
+    expected = _greedy("torch", kv)
+    assert _greedy("cpu", kv) == expected
+    assert _greedy("emu", kv, "kernel.version=v2", "kernel.partition_size=32") == expected
+
+
+def test_swap_preemption_moves_fp8_blocks_unchanged() -> None:
+    overrides = ["model.device=cpu", "kernel.backend=cpu", "kernel.kv_cache_dtype=fp8_e4m3", "kernel.k_scale=0.05",
+                 "kernel.v_scale=0.05"]
+    roomy = LLM("tiny-random", allocator="naive", overrides=overrides).generate(SWAP_PROMPTS, SWAP_PARAMS)
+    tight = LLM("tiny-random", allocator="naive", overrides=[
+        *overrides, "allocator.num_blocks=8", "scheduler.preemption_mode=swap", "allocator.swap_space=1MiB",
+    ])
+    outputs = tight.generate(SWAP_PROMPTS, SWAP_PARAMS)
+    assert tight.engine.metrics.counters.num_swapped_blocks > 0
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in roomy]
+
+
+class ModelDtypeOnly(TorchBackend):
+    """A third-party backend that declares no fp8 support."""
+
+    name = "plain"
+    cache_dtypes = TorchBackend.dtypes
+    features = ()
+
+
+def test_a_backend_without_fp8_is_refused_before_launch() -> None:
+    key_cache = torch.zeros(4, 1, 4, 16, 16, dtype=torch.float8_e4m3fn)
+    value_cache = torch.zeros(4, 1, 64, 16, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"kv cache dtype=float8_e4m3fn is not supported by backend='plain'"):
+        kernels.paged_attention(torch.zeros(1, 1, 64), key_cache, value_cache, torch.zeros(1, 1, dtype=torch.int32),
+                                torch.ones(1, dtype=torch.int32), 1.0, backend=ModelDtypeOnly())
+    refused = r"attention feature=alibi is not supported by backend='plain'; supported: none"
+    with pytest.raises(ValueError, match=refused):
+        kernels.paged_attention(torch.zeros(1, 1, 64), torch.zeros(4, 1, 16, 16, 4), value_cache.float(),
+                                torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0,
+                                backend=ModelDtypeOnly(), alibi_slopes=torch.ones(1))
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_with_fp8_e4m3_kv_agrees_with_fp32_kv() -> None:
+    """The issue's bar: >= 90% of the first 32 greedy tokens of each parity prompt the same as with
+    an fp32 cache, counted up to the first difference (after it the contexts differ). Measured: 32,
+    32 and 32 of 32 with e4m3; e5m2 (2 mantissa bits) keeps 21, 1 and 22, below the bar, which is
+    why e4m3 is the format to use (as in vLLM)."""
+    def run(kv: str) -> list[list[int]]:
+        ex = ModelExecutor(ModelConfig(name="smollm2-135m", source="gguf", chat_template=True),
+                           KernelConfig(name="t", backend="cpu", kv_cache_dtype=kv))
+        ex.init_kv_cache(num_blocks=64, block_size=16)
+        return generate(ex, [ex.tokenizer.encode(q) for q in QUESTIONS], 32)
+
+    for ours, expected in zip(run("fp8_e4m3"), run("auto"), strict=True):
+        agreed = next((i for i, (a, b) in enumerate(zip(ours, expected)) if a != b), 32)
+        assert agreed >= 29, (agreed, ours, expected)
