@@ -251,6 +251,11 @@ def _attend_group(
     if features.blocksparse is not None:
         offsets = features.blocksparse.offsets(num_heads, num_kv_heads, device).view(1, -1, 1, 1)
         mask = mask & features.blocksparse.allowed(positions[:, None], key_positions[:, None], offsets)
+        # slots no query of a KV head sees stand for blocks the kernels never read: zero, so that
+        # whatever they hold cannot leak through a weight of 0
+        n, span = mask.shape[0], mask.shape[-1]
+        unseen = ~mask.view(n, num_kv_heads, -1, span).any(dim=2)[..., None]  # [n, Hk, Lk, 1]
+        k, v = k[:, :, :span].masked_fill(unseen, 0), v[:, :, :span].masked_fill(unseen, 0)
     if features.alibi_slopes is not None:
         bias = features.alibi_slopes.view(1, -1, 1, 1) * (key_positions - positions)[:, None].float()
         mask = bias.masked_fill_(~mask, _NEG_INF)
