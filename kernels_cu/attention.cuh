@@ -22,7 +22,9 @@
 // attention (bs_vert_stride > 0) keeps a cache block when its sparse block is among the query's
 // bs_local_blocks last ones or a vertical one ((sparse block + offset) % bs_vert_stride == 0, the
 // offset sliding with the head); other blocks are never read, their logits set to -FLT_MAX so
-// their probability is 0 (a v2 partition with none left gets weight 0 in the reduce).
+// their probability is 0 (a v2 partition with none left gets weight 0 in the reduce). Both are
+// compiled in only where the kernels' FEATURES template argument is true: one kernel body holding
+// both variants ran plain attention 2-3x slower on an H100 (v1).
 #pragma once
 
 #include "vec.cuh"
@@ -61,7 +63,7 @@ PAGED_DEVICE bool sparse_keeps(const Features& f, int block_start, int q_block, 
 }
 
 template <typename T, typename CACHE_T, typename OUT_T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS,
-          int PARTITION_SIZE>
+          int PARTITION_SIZE, bool FEATURES>
 PAGED_DEVICE void paged_attention(float* __restrict__ exp_sums, float* __restrict__ max_logits,
                                   OUT_T* __restrict__ out, const T* __restrict__ q,
                                   const CACHE_T* __restrict__ k_cache, const CACHE_T* __restrict__ v_cache,
@@ -110,8 +112,8 @@ PAGED_DEVICE void paged_attention(float* __restrict__ exp_sums, float* __restric
   const int* block_table = block_tables + static_cast<int64>(seq) * max_num_blocks_per_seq;
   const float k_scale = FP8 ? f.k_scales[kv_head] : 1.f;
   const float v_scale = FP8 ? f.v_scales[kv_head] : 1.f;
-  const float alibi_slope = f.alibi_slopes ? f.alibi_slopes[head] : 0.f;
-  const bool sparse = f.bs_vert_stride > 0;
+  const float alibi_slope = FEATURES && f.alibi_slopes ? f.alibi_slopes[head] : 0.f;
+  const bool sparse = FEATURES && f.bs_vert_stride > 0;
   const int q_sparse_block = sparse ? (seq_len - 1) / f.bs_block_size : 0;
   const int sparse_offset =
       f.bs_head_sliding_step >= 0 ? head * f.bs_head_sliding_step + 1 : kv_head * -f.bs_head_sliding_step + 1;
@@ -151,7 +153,7 @@ PAGED_DEVICE void paged_attention(float* __restrict__ exp_sums, float* __restric
     qk = scale * k_scale * warp_reduce<GROUP / 2>(qk, SumOp());
     if (group_lane == 0) {
       const int token = block_idx * BLOCK_SIZE + token_in_block;
-      qk += alibi_slope * (token - seq_len + 1);
+      if (FEATURES) qk += alibi_slope * (token - seq_len + 1);
       // Masked slots get 0, not -inf: P·V multiplies them with zeroed V, and 0 * -inf is NaN.
       const bool masked = token >= seq_len || token < first_token;
       logits[token - start_token] = masked ? 0.f : qk;
@@ -256,14 +258,14 @@ PAGED_DEVICE void paged_attention(float* __restrict__ exp_sums, float* __restric
 
 // Grid (num_heads, num_seqs, 1); dynamic shared memory: max(padded max_seq_len, NUM_WARPS/2 *
 // HEAD_SIZE) floats, where with a window the padded length needs only cover the window's blocks.
-template <typename T, typename CACHE_T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
+template <typename T, typename CACHE_T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, bool FEATURES>
 __global__ void paged_attention_v1_kernel(T* __restrict__ out, const T* __restrict__ q,
                                           const CACHE_T* __restrict__ k_cache, const CACHE_T* __restrict__ v_cache,
                                           int num_kv_heads, float scale, const int* __restrict__ block_tables,
                                           const int* __restrict__ seq_lens, int max_num_blocks_per_seq,
                                           int q_stride, int kv_block_stride, int kv_head_stride,
                                           int sliding_window, FEATURE_PARAMS) {
-  paged_attention<T, CACHE_T, T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, 0>(
+  paged_attention<T, CACHE_T, T, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, 0, FEATURES>(
       nullptr, nullptr, out, q, k_cache, v_cache, num_kv_heads, scale, block_tables, seq_lens,
       max_num_blocks_per_seq, q_stride, kv_block_stride, kv_head_stride, sliding_window, FEATURE_ARGS);
 }
@@ -271,7 +273,8 @@ __global__ void paged_attention_v1_kernel(T* __restrict__ out, const T* __restri
 // Grid (num_heads, num_seqs, max_num_partitions), where with a window max_num_partitions need only
 // cover the partitions one window reaches. The partial outputs stay fp32 so the reduce kernel
 // rounds to T once.
-template <typename T, typename CACHE_T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, int PARTITION_SIZE>
+template <typename T, typename CACHE_T, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, int PARTITION_SIZE,
+          bool FEATURES>
 __global__ void paged_attention_v2_kernel(float* __restrict__ exp_sums, float* __restrict__ max_logits,
                                           float* __restrict__ tmp_out, const T* __restrict__ q,
                                           const CACHE_T* __restrict__ k_cache, const CACHE_T* __restrict__ v_cache,
@@ -279,7 +282,7 @@ __global__ void paged_attention_v2_kernel(float* __restrict__ exp_sums, float* _
                                           const int* __restrict__ seq_lens, int max_num_blocks_per_seq,
                                           int q_stride, int kv_block_stride, int kv_head_stride,
                                           int sliding_window, FEATURE_PARAMS) {
-  paged_attention<T, CACHE_T, float, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, PARTITION_SIZE>(
+  paged_attention<T, CACHE_T, float, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, PARTITION_SIZE, FEATURES>(
       exp_sums, max_logits, tmp_out, q, k_cache, v_cache, num_kv_heads, scale, block_tables, seq_lens,
       max_num_blocks_per_seq, q_stride, kv_block_stride, kv_head_stride, sliding_window, FEATURE_ARGS);
 }

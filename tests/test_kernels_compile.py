@@ -69,20 +69,22 @@ def _check_compiles(units: list[specs.Unit], arch: str) -> None:
 def test_every_dispatchable_instantiation_with_a_model_dtype_cache_compiles_to_cubin(arch: str) -> None:
     """Uses the shared cache: the first run on a machine compiles ~110 units per arch."""
     units = specs.dispatchable_units()
-    assert len(units) == 3 * 3 + 3 * 3 * 6 * 3 * 2  # activation dtypes x (own, e4m3, e5m2) caches
-    _check_compiles([u for u in units if not u.cache], arch)
+    # activation dtypes x (own, e4m3, e5m2) caches, attention plain or with the features
+    assert len(units) == 3 * 3 + 3 * 3 * 6 * 3 * 2 * 2
+    _check_compiles([u for u in units if not u.cache and not u.features], arch)
 
 
-def test_fp8_instantiations_compile_to_cubin() -> None:
-    """A covering set of the fp8 units (each head size, block size, activation dtype and format;
-    `python -m paged.kernels.toolchain.build --report` compiles all 216)."""
+def test_fp8_and_feature_instantiations_compile_to_cubin() -> None:
+    """A covering set of the fp8 and the ALiBi / block-sparse units (each head size, block size,
+    activation dtype and format; `python -m paged.kernels.toolchain.build --report` compiles all)."""
     configs = [(torch.float32, 64, 8), (torch.float16, 80, 16), (torch.bfloat16, 96, 32),
                (torch.float32, 112, 16), (torch.float16, 128, 32), (torch.bfloat16, 256, 8)]
     units = [specs.cache_unit(dtype, fp8) for dtype in specs.CXX_TYPES for fp8 in FP8_DTYPES]
     for fp8 in FP8_DTYPES:
         for dtype, head, block in configs:
             units += [specs.attention_unit(dtype, head, block, v, 512, fp8) for v in ("v1", "v2")]
-    assert all(u.cache for u in units)
+    for dtype, head, block in configs:
+        units += [specs.attention_unit(dtype, head, block, v, 512, features=True) for v in ("v1", "v2")]
     _check_compiles(units, "sm_90")
 
 

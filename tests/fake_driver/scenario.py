@@ -134,7 +134,7 @@ def attention_case(case: AttentionCase, version: str, backend: HostMemoryCuda, s
               "sparse": [sparse.block_size, sparse.local_blocks, sparse.vert_stride, sparse.head_sliding_step]
               if sparse else [0, 0, 0, 0],
               **_lowered(attention_unit(case.dtype, case.head_size, case.block_size, version, case.partition_size,
-                                        key_cache.dtype), arch)}
+                                        key_cache.dtype, features), arch)}
     out = kernels.paged_attention(query, key_cache, value_cache, tables, x.seq_lens, x.scale, version=version,
                                   backend=backend, partition_size=case.partition_size, max_seq_len=max_seq_len,
                                   sliding_window=sliding_window, **extra)

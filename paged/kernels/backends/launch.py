@@ -171,7 +171,8 @@ class RunnerBackend(TorchBackend):
         query = _rows(query, vectors=True)
         block_tables, seq_lens = cache.block_tables.contiguous(), cache.seq_lens.contiguous()
         out = torch.empty_like(query)
-        unit = attention_unit(query.dtype, head_size, block_size, version, partition_size, key_cache.dtype)
+        unit = attention_unit(query.dtype, head_size, block_size, version, partition_size, key_cache.dtype,
+                              not features.plain)
         window = np.int32(sliding_window or 0)  # 0: the whole context
         common = (
             _ptr(query), _ptr(key_cache), _ptr(value_cache), np.int32(num_kv_heads), np.float32(scale),

@@ -27,22 +27,25 @@ class Unit:
     block_size: int = 0
     partition_size: int = 0
     cache: str = ""  # the KV cache's element type when it is not `dtype` (fp8)
+    features: bool = False  # ALiBi / block-sparse compiled in (attention only)
 
     def __post_init__(self) -> None:
         assert self.op in OPS, self.op
         assert self.dtype in CXX_TYPES.values(), self.dtype
         assert self.cache in ("", *CXX_CACHE_TYPES.values()), self.cache
         assert (self.op == "attention_v2") == (self.partition_size > 0), self
+        assert not (self.features and self.op == "cache"), self
 
     @property
     def kernels(self) -> tuple[str, ...]:
         """C++ name expressions of the kernels this unit launches."""
         t, c, h, b, p = self.dtype, self.cache or self.dtype, self.head_size, self.block_size, self.partition_size
+        f = str(self.features).lower()
         if self.op == "attention_v1":
-            return (f"paged::paged_attention_v1_kernel<{t}, {c}, {h}, {b}, {NUM_THREADS}>",)
+            return (f"paged::paged_attention_v1_kernel<{t}, {c}, {h}, {b}, {NUM_THREADS}, {f}>",)
         if self.op == "attention_v2":
             return (
-                f"paged::paged_attention_v2_kernel<{t}, {c}, {h}, {b}, {NUM_THREADS}, {p}>",
+                f"paged::paged_attention_v2_kernel<{t}, {c}, {h}, {b}, {NUM_THREADS}, {p}, {f}>",
                 f"paged::paged_attention_v2_reduce_kernel<{t}, {h}, {NUM_THREADS}, {p}>",
             )
         return (f"paged::reshape_and_cache_kernel<{t}, {c}>", f"paged::copy_blocks_kernel<{c}>")
@@ -53,7 +56,7 @@ class Unit:
         if self.op == "cache":
             return f"cache {self.dtype}{cache}"
         label = f"{self.op.removeprefix('attention_')} {self.dtype}{cache} h{self.head_size} b{self.block_size}"
-        return label + (f" p{self.partition_size}" if self.partition_size else "")
+        return label + (f" p{self.partition_size}" if self.partition_size else "") + (" +features" * self.features)
 
 
 def _cache_type(dtype: torch.dtype, cache_dtype: torch.dtype | None) -> str:
@@ -62,12 +65,13 @@ def _cache_type(dtype: torch.dtype, cache_dtype: torch.dtype | None) -> str:
 
 def attention_unit(
     dtype: torch.dtype, head_size: int, block_size: int, version: str, partition_size: int,
-    cache_dtype: torch.dtype | None = None,
+    cache_dtype: torch.dtype | None = None, features: bool = False,
 ) -> Unit:
+    """`features`: the kernel with ALiBi and block-sparse compiled in (plain attention runs without)."""
     cache = _cache_type(dtype, cache_dtype)
     if version == "v1":
-        return Unit("attention_v1", CXX_TYPES[dtype], head_size, block_size, cache=cache)
-    return Unit("attention_v2", CXX_TYPES[dtype], head_size, block_size, partition_size, cache)
+        return Unit("attention_v1", CXX_TYPES[dtype], head_size, block_size, cache=cache, features=features)
+    return Unit("attention_v2", CXX_TYPES[dtype], head_size, block_size, partition_size, cache, features)
 
 
 def cache_unit(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> Unit:
@@ -81,14 +85,15 @@ def cache_unit(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> Un
 
 def dispatchable_units(partition_size: int = DEFAULT_PARTITION_SIZE) -> list[Unit]:
     """Every unit the front end can pick with the given v2 partition size: each activation dtype
-    with a cache of its own dtype or of either fp8 format."""
+    with a cache of its own dtype or of either fp8 format, attention plain or with the features."""
     caches = (None, *FP8_DTYPES)
     units = [cache_unit(dtype, cache) for dtype in CXX_TYPES for cache in caches]
     for dtype in CXX_TYPES:
         for cache in caches:
             for head in NATIVE_HEAD_SIZES:
                 for block in BLOCK_SIZES:
-                    units += [attention_unit(dtype, head, block, v, partition_size, cache) for v in ("v1", "v2")]
+                    units += [attention_unit(dtype, head, block, v, partition_size, cache, features)
+                              for features in (False, True) for v in ("v1", "v2")]
     return units
 
 
