@@ -136,3 +136,42 @@ def test_smollm2_greedy_with_fp8_e4m3_kv_agrees_with_fp32_kv() -> None:
     for ours, expected in zip(run("fp8_e4m3"), run("auto"), strict=True):
         agreed = next((i for i, (a, b) in enumerate(zip(ours, expected)) if a != b), 32)
         assert agreed >= 29, (agreed, ours, expected)
+
+
+def _fp8_against_unquantised(fmt: torch.dtype, dtype: torch.dtype, backend: str) -> float:
+    """Max |error| of decode attention over an fp8 cache (calibrated per-head scales) against the
+    same attention over the unquantised cache, vLLM's input distribution (uniform ±1/sqrt(D))."""
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, head_size, block, lens = 8, 2, 128, 16, [1, 17, 200, 511]
+    num_tokens = sum(-(-n // block) * block for n in lens)
+    scale = head_size**-0.5
+    k, v = ((torch.rand(num_tokens, kv_heads, head_size, generator=gen) * 2 - 1) * scale for _ in range(2))
+    query = ((torch.rand(len(lens), heads, head_size, generator=gen) * 2 - 1) * scale).to(dtype)
+    tables = torch.arange(num_tokens // block, dtype=torch.int32)
+    starts = [0, *torch.tensor([-(-n // block) for n in lens]).cumsum(0).tolist()]
+    table = torch.zeros(len(lens), max(b - a for a, b in zip(starts, starts[1:])), dtype=torch.int32)
+    for i, (a, b) in enumerate(zip(starts, starts[1:])):
+        table[i, : b - a] = tables[a:b]
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    slots = torch.arange(num_tokens)
+    outs = []
+    for cache_dtype in (dtype, fmt):
+        x = 16 // cache_dtype.itemsize
+        key_cache = torch.zeros(num_tokens // block, kv_heads, head_size // x, block, x, dtype=cache_dtype)
+        value_cache = torch.zeros(num_tokens // block, kv_heads, head_size, block, dtype=cache_dtype)
+        scales = {}
+        if cache_dtype == fmt:
+            scales = {n: t.abs().amax(dim=(0, 2)) * CALIBRATION_HEADROOM / FP8_MAX[fmt] for n, t in
+                      (("k_scale", k), ("v_scale", v))}
+        kernels.reshape_and_cache(k.to(dtype), v.to(dtype), key_cache, value_cache, slots, **scales)
+        outs.append(kernels.paged_attention(query, key_cache, value_cache, table, seq_lens, scale, backend=backend,
+                                            **scales).float())
+    return float((outs[1] - outs[0]).abs().max())
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "emu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_attention_is_within_vllms_fp8_tolerance_of_the_unquantised(fmt, dtype, backend) -> None:
+    """vLLM's fp8 paged-attention test bound: atol 1e-2 (rtol 1e-5) against the reference."""
+    assert _fp8_against_unquantised(fmt, dtype, backend) <= 1e-2
