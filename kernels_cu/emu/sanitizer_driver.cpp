@@ -13,7 +13,10 @@
 //   PAGED_TEST_MISALIGNED_QUERY (here) passes a query that starts one element into its buffer, so
 //     the kernel's vector loads of it are misaligned (a GPU faults) and UBSan must report it.
 // Runs with a sliding window give the blocks wholly before each sequence's window a table entry far
-// outside the caches (a stale entry may name any block), so a kernel that reads one faults.
+// outside the caches (a stale entry may name any block), so a kernel that reads one faults. Runs
+// with an fp8 cache read per-head scale arrays of exactly num_kv_heads floats; runs with the
+// features read ALiBi slopes of exactly num_heads floats and skip the blocks a sparse pattern leaves
+// out.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -60,7 +63,7 @@ int run(int status, const char* what) {
 
 // Every buffer is a std::vector of exactly the size the kernel may touch (and shared memory is sized
 // by the formulas of backends/launch.py), so ASan's redzones sit right past each one.
-template <typename T, int HEAD, int BLOCK, int PARTITION>
+template <typename T, typename CACHE_T, int HEAD, int BLOCK, int PARTITION, bool FEATURES>
 int attention(std::mt19937& rng, const std::vector<int>& seq_lens, int sliding_window) {
   constexpr int kThreads = 128;
   const int num_seqs = int(seq_lens.size()), num_heads = 2, num_kv_heads = 1;
@@ -83,8 +86,8 @@ int attention(std::mt19937& rng, const std::vector<int>& seq_lens, int sliding_w
   constexpr std::size_t kQueryOffset = 0;
 #endif
   const int num_blocks = max_blocks + 2;
-  std::vector<T> k = random_values<T>(std::size_t(num_blocks) * num_kv_heads * HEAD * BLOCK, rng);
-  std::vector<T> v = random_values<T>(k.size(), rng);
+  std::vector<CACHE_T> k = random_values<CACHE_T>(std::size_t(num_blocks) * num_kv_heads * HEAD * BLOCK, rng);
+  std::vector<CACHE_T> v = random_values<CACHE_T>(k.size(), rng);
   const std::size_t q_size = std::size_t(num_seqs) * num_heads * HEAD;
   std::vector<T> q = random_values<T>(q_size + kQueryOffset, rng);
   std::vector<int> tables(std::size_t(num_seqs) * table_width);
@@ -104,8 +107,18 @@ int attention(std::mt19937& rng, const std::vector<int>& seq_lens, int sliding_w
   std::vector<float> max_logits(exp_sums.size());
   std::vector<float> tmp_out(exp_sums.size() * HEAD);
 
+  std::vector<float> k_scales(num_kv_heads, 0.5f), v_scales(num_kv_heads, 0.25f);
+  std::vector<float> slopes(num_heads, -0.125f);
+  const bool fp8 = sizeof(CACHE_T) == 1;
+  const float* k_scales_p = fp8 ? k_scales.data() : nullptr;
+  const float* v_scales_p = fp8 ? v_scales.data() : nullptr;
+  const float* slopes_p = FEATURES ? slopes.data() : nullptr;
+  // Sparse blocks of two cache blocks: the longest sequence skips some; off without the features.
+  int bs_block = 2 * BLOCK, bs_local = FEATURES ? 1 : 0, bs_stride = FEATURES ? 3 : 0, bs_step = 1;
+
   T* out_p = out.data();
-  const T *q_p = q.data() + kQueryOffset, *k_p = k.data(), *v_p = v.data();
+  const T* q_p = q.data() + kQueryOffset;
+  const CACHE_T *k_p = k.data(), *v_p = v.data();
   const int *tables_p = tables.data(), *lens_p = seq_lens.data();
   float *sums_p = exp_sums.data(), *max_p = max_logits.data(), *tmp_p = tmp_out.data();
   int kv_heads = num_kv_heads, blocks_per_seq = table_width, q_stride = num_heads * HEAD;
@@ -113,22 +126,26 @@ int attention(std::mt19937& rng, const std::vector<int>& seq_lens, int sliding_w
   float scale = 1.0f / std::sqrt(float(HEAD));
   int window = sliding_window;
   void* common[] = {&q_p, &k_p, &v_p, &kv_heads, &scale, &tables_p, &lens_p, &blocks_per_seq,
-                    &q_stride, &block_stride, &head_stride, &window};
+                    &q_stride, &block_stride, &head_stride, &window, &k_scales_p, &v_scales_p, &slopes_p,
+                    &bs_block, &bs_local, &bs_stride, &bs_step};
 
   const unsigned long long outputs_smem = (kThreads / 64) * HEAD * 4;
   const unsigned long long v1_smem =
       std::max<unsigned long long>(paged::div_up(span, BLOCK) * BLOCK * 4, outputs_smem);
-  void* v1_args[13] = {&out_p};
+  void* v1_args[20] = {&out_p};
   std::copy(std::begin(common), std::end(common), v1_args + 1);
   LaunchDims v1{{unsigned(num_heads), unsigned(num_seqs), 1}, {kThreads, 1, 1}, v1_smem};
-  int status = run(paged_emu::launch(&paged::paged_attention_v1_kernel<T, HEAD, BLOCK, kThreads>, v1, v1_args), "v1");
+  int status = run(
+      paged_emu::launch(&paged::paged_attention_v1_kernel<T, CACHE_T, HEAD, BLOCK, kThreads, FEATURES>, v1, v1_args),
+      "v1");
 
-  void* v2_args[15] = {&sums_p, &max_p, &tmp_p};
+  void* v2_args[22] = {&sums_p, &max_p, &tmp_p};
   std::copy(std::begin(common), std::end(common), v2_args + 3);
   LaunchDims v2{{unsigned(num_heads), unsigned(num_seqs), unsigned(num_partitions)},
                 {kThreads, 1, 1},
                 std::max<unsigned long long>(PARTITION * 4, outputs_smem)};
-  status |= run(paged_emu::launch(&paged::paged_attention_v2_kernel<T, HEAD, BLOCK, kThreads, PARTITION>, v2, v2_args),
+  status |= run(paged_emu::launch(&paged::paged_attention_v2_kernel<T, CACHE_T, HEAD, BLOCK, kThreads, PARTITION, FEATURES>,
+                                  v2, v2_args),
                 "v2");
 
   const float *sums_c = sums_p, *max_c = max_p, *tmp_c = tmp_p;
@@ -142,7 +159,7 @@ int attention(std::mt19937& rng, const std::vector<int>& seq_lens, int sliding_w
 }
 
 // A short sequence and one spanning several partitions, the last one partial.
-template <typename T, int HEAD, int BLOCK, int PARTITION>
+template <typename T, int HEAD, int BLOCK, int PARTITION, typename CACHE_T = T, bool FEATURES = false>
 int attention(std::mt19937& rng, int sliding_window = 0) {
 #ifdef PAGED_DRIVER_WIDE_GRID
   // Plus the edges: a single token, and a sequence filling exactly one partition of whole blocks.
@@ -150,25 +167,30 @@ int attention(std::mt19937& rng, int sliding_window = 0) {
 #else
   const std::vector<int> seq_lens = {BLOCK + 1, 2 * PARTITION + 3};
 #endif
-  return attention<T, HEAD, BLOCK, PARTITION>(rng, seq_lens, sliding_window);
+  return attention<T, CACHE_T, HEAD, BLOCK, PARTITION, FEATURES>(rng, seq_lens, sliding_window);
 }
 
-template <typename T>
+template <typename T, typename CACHE_T = T>
 int cache_ops(std::mt19937& rng) {
-  const int num_tokens = 3, num_heads = 2, head = 64, block = 16, num_blocks = 4, x = 16 / sizeof(T);
+  const int num_tokens = 3, num_heads = 2, head = 64, block = 16, num_blocks = 4, x = 16 / sizeof(CACHE_T);
   std::vector<T> key = random_values<T>(std::size_t(num_tokens) * num_heads * head, rng);
   std::vector<T> value = random_values<T>(key.size(), rng);
-  std::vector<T> key_cache(std::size_t(num_blocks) * num_heads * head * block);
-  std::vector<T> value_cache(key_cache.size());
+  std::vector<CACHE_T> key_cache(std::size_t(num_blocks) * num_heads * head * block);
+  std::vector<CACHE_T> value_cache(key_cache.size());
+  std::vector<float> k_scales(num_heads, 0.5f), v_scales(num_heads, 0.25f);
+  const bool fp8 = sizeof(CACHE_T) == 1;
+  const float *k_scales_p = fp8 ? k_scales.data() : nullptr, *v_scales_p = fp8 ? v_scales.data() : nullptr;
   // The last slot of the cache is written, so a layout off by one leaves the buffer.
   std::vector<paged::int64> slots = {5, -1, num_blocks * block - 1};
   const T *key_p = key.data(), *value_p = value.data();
-  T *kc_p = key_cache.data(), *vc_p = value_cache.data();
+  CACHE_T *kc_p = key_cache.data(), *vc_p = value_cache.data();
   const paged::int64* slots_p = slots.data();
   int stride = num_heads * head, heads = num_heads, head_size = head, block_size = block, xx = x;
-  void* write_args[] = {&key_p, &value_p, &kc_p, &vc_p, &slots_p, &stride, &stride, &heads, &head_size, &block_size, &xx};
+  void* write_args[] = {&key_p, &value_p, &kc_p,       &vc_p,       &slots_p,   &stride, &stride,
+                        &heads, &head_size, &block_size, &xx, &k_scales_p, &v_scales_p};
   LaunchDims write{{unsigned(num_tokens), 1, 1}, {128, 1, 1}, 0};
-  int status = run(paged_emu::launch(&paged::reshape_and_cache_kernel<T>, write, write_args), "reshape_and_cache");
+  int status =
+      run(paged_emu::launch(&paged::reshape_and_cache_kernel<T, CACHE_T>, write, write_args), "reshape_and_cache");
 
   std::vector<paged::int64> key_ptrs = {paged::int64(kc_p)}, value_ptrs = {paged::int64(vc_p)};
   std::vector<paged::int64> mapping = {0, 2, 1, 3};
@@ -176,7 +198,7 @@ int cache_ops(std::mt19937& rng) {
   int numel = num_heads * head * block;
   void* copy_args[] = {&kp, &vp, &mp, &numel};
   LaunchDims copy{{1, 2, 1}, {256, 1, 1}, 0};
-  status |= run(paged_emu::launch(&paged::copy_blocks_kernel<T>, copy, copy_args), "copy_blocks");
+  status |= run(paged_emu::launch(&paged::copy_blocks_kernel<CACHE_T>, copy, copy_args), "copy_blocks");
   return status;
 }
 
@@ -188,6 +210,9 @@ int main() {
   status |= attention<__nv_bfloat16, 80, 8, 32>(rng);
   status |= attention<float, 64, 32, 64>(rng);
   status |= cache_ops<__half>(rng);
+  // An fp8 cache with ALiBi and a block-sparse pattern, and the fp8 cache write.
+  status |= attention<__half, 64, 16, 32, __nv_fp8_e4m3, true>(rng);
+  status |= cache_ops<__half, __nv_fp8_e4m3>(rng);
   // A window longer than a block but not a multiple of one, starting inside the second partition.
   status |= attention<__half, 64, 16, 32>(rng, 16 + 3);
 #ifdef PAGED_DRIVER_WIDE_GRID
@@ -204,6 +229,10 @@ int main() {
   status |= attention<float, 128, 16, 512>(rng);
   status |= cache_ops<__nv_bfloat16>(rng);
   status |= cache_ops<float>(rng);
+  status |= attention<float, 128, 8, 64, __nv_fp8_e5m2, true>(rng, 64 + 1);
+  status |= attention<__nv_bfloat16, 96, 32, 128, __nv_fp8_e4m3>(rng);
+  status |= attention<__nv_bfloat16, 64, 16, 32, __nv_bfloat16, true>(rng);
+  status |= cache_ops<float, __nv_fp8_e5m2>(rng);
 #endif
   std::puts(status == 0 ? "sanitizer driver: all launches ran" : "sanitizer driver: a launch failed");
   return status;

@@ -145,21 +145,22 @@ class PagedAttention:
         self.partition_size = partition_size
         self.sliding_window = sliding_window
         self.kv_scales = kv_scales
-        self.features = {"sliding_window": sliding_window, "alibi_slopes": alibi_slopes, "blocksparse": blocksparse}
+        # what both attention ops take besides the rows and the cache's scales
+        self.options = {"sliding_window": sliding_window, "alibi_slopes": alibi_slopes, "blocksparse": blocksparse}
 
     def _decode(self, rows: AttentionRows, q: torch.Tensor, caches: tuple[torch.Tensor, ...],
                 scales: dict[str, torch.Tensor]) -> torch.Tensor:
         assert self.decode_version is not None
         return kernels.paged_attention(
             q, *caches, rows.block_tables, rows.seq_lens, self.scale, version=self.decode_version, backend=self.backend,
-            partition_size=self.partition_size, max_seq_len=rows.max_seq_len, **self.features, **scales,
+            partition_size=self.partition_size, max_seq_len=rows.max_seq_len, **self.options, **scales,
         )
 
     def _prefill(self, rows: AttentionRows, q: torch.Tensor, caches: tuple[torch.Tensor, ...],
                  scales: dict[str, torch.Tensor]) -> torch.Tensor:
         return kernels.prefill_attention(
             q, *caches, rows.block_tables, rows.query_start_loc, rows.seq_lens, self.scale, backend=self.backend,
-            max_query_len=rows.max_query_len, max_seq_len=rows.max_seq_len, **self.features, **scales,
+            max_query_len=rows.max_query_len, max_seq_len=rows.max_seq_len, **self.options, **scales,
         )
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
