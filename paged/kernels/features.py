@@ -49,28 +49,6 @@ def check_scale(name: str, value: float | None) -> None:
         raise ValueError(f"{name}={value!r} must be a finite number > 0")
 
 
-def kv_scales(
-    name: str, scale: float | torch.Tensor | None, num_kv_heads: int, device: torch.device
-) -> torch.Tensor:
-    """fp32 `[num_kv_heads]` on `device`: a per-tensor scale repeated, or per-head scales checked.
-    `None` is 1 (an fp8 cache without calibration stores values as they are)."""
-    if scale is None:
-        return torch.ones(num_kv_heads, dtype=torch.float32, device=device)
-    if not isinstance(scale, torch.Tensor):
-        check_scale(name, scale)
-        return torch.full((num_kv_heads,), float(scale), dtype=torch.float32, device=device)
-    if scale.numel() == 1:
-        scale = scale.reshape(1).expand(num_kv_heads)
-    if scale.shape != (num_kv_heads,):
-        raise ValueError(f"{name} has shape {tuple(scale.shape)}; expected one scale per tensor or "
-                         f"[num_kv_heads={num_kv_heads}]")
-    values = scale.detach().float()
-    # reading device values costs a sync per call: like the other value checks, CPU tensors only
-    if values.device.type == "cpu" and not bool((torch.isfinite(values) & (values > 0)).all()):
-        raise ValueError(f"{name}={values.tolist()} must be finite numbers > 0")
-    return values.to(device).contiguous()
-
-
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`x` `[..., num_kv_heads, head_size]` stored as fp8 `dtype` with per-head `scale`."""
     limit = FP8_MAX[dtype]
@@ -88,6 +66,9 @@ class BlockSparse:
 
     @classmethod
     def from_config(cls, values: Mapping[str, int]) -> BlockSparse:
+        if not isinstance(values, Mapping):
+            raise ValueError(f"kernel.blocksparse={values!r} must be null or a mapping of local_blocks, vert_stride, "
+                             "block_size and optionally head_sliding_step")
         allowed = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - allowed)
         if unknown:
@@ -95,7 +76,10 @@ class BlockSparse:
         missing = sorted({"local_blocks", "vert_stride", "block_size"} - set(values))
         if missing:
             raise ValueError(f"kernel.blocksparse needs {', '.join(missing)}")
-        return cls(**{k: int(v) for k, v in values.items()})
+        for key, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"kernel.blocksparse.{key}={value!r} must be an integer")
+        return cls(**values)
 
     def check(self, cache_block_size: int) -> None:
         """The kernels skip whole cache blocks, so a cache block must lie inside one sparse block."""

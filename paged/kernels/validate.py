@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import numbers
 import weakref
+from collections.abc import Callable
 
 import torch
 
 from paged.kernels.backends.base import CACHE_DTYPES, DTYPES, CacheView, listing
-from paged.kernels.features import FP8_DTYPES, AttentionFeatures, BlockSparse, kv_scales
+from paged.kernels.features import FP8_DTYPES, AttentionFeatures, BlockSparse, check_scale
 from paged.kernels.limits import VERSIONS
 
 
@@ -305,6 +306,52 @@ def check_swap_blocks(
     return _block_geometry("src_caches[0]", src_caches[0])
 
 
+# id(tensor) -> (a weak reference to it, its version counter) of the scale and slope tensors whose
+# values passed their check: the executor hands the same ones to every layer of every step, and a
+# check costs ~15 µs, so each is read once.
+_CHECKED: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+
+
+def _check_values_once(t: torch.Tensor, check: Callable[[torch.Tensor], None]) -> None:
+    """`check(t)` unless `t`, unchanged, passed it before. Device values cost a sync to read, so
+    like the other value checks it runs on CPU tensors only."""
+    key = id(t)
+    known = _CHECKED.get(key)
+    if not t.is_cpu or (known is not None and known[0]() is t and known[1] == _version(t)):
+        return
+    check(t)
+    _CHECKED[key] = (weakref.ref(t, lambda _: _CHECKED.pop(key, None)), _version(t))
+
+
+def _positive_finite(name: str) -> Callable[[torch.Tensor], None]:
+    def check(t: torch.Tensor) -> None:
+        if not bool((torch.isfinite(t) & (t > 0)).all()):
+            raise ValueError(f"{name}={t.tolist()} must be finite numbers > 0")
+    return check
+
+
+def _finite(name: str) -> Callable[[torch.Tensor], None]:
+    def check(t: torch.Tensor) -> None:
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name} must be finite, got {t.tolist()}")
+    return check
+
+
+def _kv_scale(name: str, scale: float | torch.Tensor | None, num_kv_heads: int, device: torch.device) -> torch.Tensor:
+    """fp32 `[num_kv_heads]` on `device`: a per-tensor scale repeated, or per-head scales checked.
+    `None` is 1 (an fp8 cache without calibration stores values as they are)."""
+    if scale is None:
+        return torch.ones(num_kv_heads, dtype=torch.float32, device=device)
+    if not isinstance(scale, torch.Tensor):
+        check_scale(name, scale)
+        return torch.full((num_kv_heads,), float(scale), dtype=torch.float32, device=device)
+    if scale.numel() != 1 and tuple(scale.shape) != (num_kv_heads,):
+        raise ValueError(f"{name} has shape {tuple(scale.shape)}; expected one scale per tensor or "
+                         f"[num_kv_heads={num_kv_heads}]")
+    _check_values_once(scale, _positive_finite(name))
+    return scale.detach().float().reshape(-1).expand(num_kv_heads).to(device).contiguous()
+
+
 def cache_scales(
     key_cache: torch.Tensor, k_scale: float | torch.Tensor | None, v_scale: float | torch.Tensor | None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -315,8 +362,8 @@ def cache_scales(
             raise ValueError(f"k_scale/v_scale apply to fp8 KV caches only; this cache is {key_cache.dtype}")
         return None, None
     num_kv_heads = key_cache.shape[1]
-    return (kv_scales("k_scale", k_scale, num_kv_heads, key_cache.device),
-            kv_scales("v_scale", v_scale, num_kv_heads, key_cache.device))
+    return (_kv_scale("k_scale", k_scale, num_kv_heads, key_cache.device),
+            _kv_scale("v_scale", v_scale, num_kv_heads, key_cache.device))
 
 
 def check_features(
@@ -330,9 +377,8 @@ def check_features(
             shape = tuple(alibi_slopes.shape) if isinstance(alibi_slopes, torch.Tensor) else type(alibi_slopes).__name__
             raise ValueError(f"alibi_slopes must be a 1-d tensor of num_heads={num_heads} slopes, got {shape}")
         _same_device(("query", query), ("alibi_slopes", alibi_slopes))
+        _check_values_once(alibi_slopes, _finite("alibi_slopes"))
         alibi_slopes = alibi_slopes.float().contiguous()
-        if alibi_slopes.device.type == "cpu" and not bool(torch.isfinite(alibi_slopes).all()):
-            raise ValueError(f"alibi_slopes must be finite, got {alibi_slopes.tolist()}")
     if blocksparse is not None:
         blocksparse.check(block_size)
     return AttentionFeatures(alibi_slopes, blocksparse)
