@@ -188,6 +188,7 @@ class LoggerConfig:
     project: str = "paged"
     entity: str | None = None
     tags: list[str] = field(default_factory=list)
+    step_interval: int = 1  # log every n-th engine step (the summary and request table are always whole)
 
 
 @dataclass
@@ -196,6 +197,20 @@ class ExecutorConfig:
 
     name: str = MISSING
     _target_: str = MISSING
+
+
+@dataclass
+class ReportConfig:
+    """What a sweep's report shows (paged/report); an experiment preset fills it in. Entries of
+    `plots`, `paper` and `sustainable` are checked by the report, naming any unknown key."""
+
+    title: str | None = None
+    out: str | None = None  # a folder (relative to the launch folder) that also gets the report
+    notes: str | None = None
+    metrics: list[str] | None = None  # the table's columns; None: vLLM's benchmark metrics
+    plots: list[Any] = field(default_factory=list)
+    paper: list[Any] = field(default_factory=list)
+    sustainable: Any = None
 
 
 @dataclass
@@ -208,8 +223,12 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
     seed: int = 0
     progress: bool = True
+    # an index to sweep (`repeat=0,1,2`) for repeated measurements; the report folds it into median
+    # and spread; it changes nothing in the run
+    repeat: int = 0
 
 
 # Nodes whose keys beyond the schema's are a plugin's own settings (checked against its class).

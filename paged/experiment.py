@@ -20,7 +20,9 @@ from paged.workload import WorkloadItem, load_workload
 log = logging.getLogger(__name__)
 
 
-def run_experiment(cfg: Any, run_dir: Path, *, group: str | None = None, name: str | None = None) -> dict[str, Any]:
+def run_experiment(
+    cfg: Any, run_dir: Path, *, group: str | None = None, name: str | None = None, tags: list[str] | None = None
+) -> dict[str, Any]:
     engine = build_engine(cfg)
     executor, scheduler = engine.executor, engine.scheduler
     items = workload_for(cfg, engine)
@@ -28,7 +30,7 @@ def run_experiment(cfg: Any, run_dir: Path, *, group: str | None = None, name: s
     wb = WandbLogger(
         cfg.logger, run_dir, config, group=group, name=name,
         job_type=f"{cfg.allocator.name}/{cfg.scheduler.name}/{cfg.kernel.name}",
-        simulated=engine.clock.simulated,
+        simulated=engine.clock.simulated, tags=tags,
     )
     engine.metrics.step_listeners.append(wb.log_step)
     host_start = time.perf_counter()
@@ -49,6 +51,9 @@ def run_experiment(cfg: Any, run_dir: Path, *, group: str | None = None, name: s
         "executor_description": executor.description,
         "attention_kernel": executor.kernel_description,
         "block_size": cfg.allocator.block_size,
+        "kv_token_slots": summary["num_total_blocks"] * cfg.allocator.block_size,
+        "kv_cache_bytes":
+            summary["num_total_blocks"] * executor.kv_cache_spec(cfg.allocator.block_size).bytes_per_block,
         "host_time_s": host_time,
         **swap_summary(cfg, engine),
     }
@@ -62,7 +67,7 @@ def run_experiment(cfg: Any, run_dir: Path, *, group: str | None = None, name: s
         }
     decode = executor.tokenizer.decode if executor.tokenizer is not None else None
     write_outputs(run_dir, summary, requests, engine.metrics.request_metrics(), decode)
-    wb.finish(summary)
+    wb.finish(summary, engine.metrics.request_metrics(), run_dir)
     title = f"paged: {cfg.allocator.name} | {cfg.scheduler.name} | {executor.description}"
     print_summary(summary, title)
     log.info("wrote %s", run_dir)
@@ -91,7 +96,11 @@ def run_quietly(overrides: list[str]) -> tuple[dict[str, Any], Engine]:
     run_workload(engine, workload_for(cfg, engine), progress=False)
     bm = engine.scheduler.block_manager
     summary = engine.metrics.summary(kv_end=bm.stats(), caches_prefixes=bm.allocator.caches_prefixes)
-    return summary | swap_summary(cfg, engine), engine
+    block_size = cfg.allocator.block_size
+    return summary | swap_summary(cfg, engine) | {
+        "kv_token_slots": summary["num_total_blocks"] * block_size,
+        "kv_cache_bytes": summary["num_total_blocks"] * engine.executor.kv_cache_spec(block_size).bytes_per_block,
+    }, engine
 
 
 def workload_for(cfg: Any, engine: Engine) -> list[WorkloadItem]:

@@ -92,17 +92,35 @@ class RequestMetrics:
         )
 
 
-def _mean(values: list[float]) -> float | None:
-    return float(np.mean(values)) if values else None
+# a list of values, or an array where there may be millions (the pooled inter-token latencies)
+Values = list[float] | np.ndarray
 
 
-def _percentile(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
+def _mean(values: Values) -> float | None:
+    return float(np.mean(values)) if len(values) else None
 
 
-def _latencies(name: str, values: list[float]) -> dict[str, float | None]:
+def _percentile(values: Values, q: float) -> float | None:
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+def _latencies(name: str, values: Values) -> dict[str, float | None]:
     """`<name>_mean_s` and the p50 / p90 / p99 percentiles (`<name>_p50_s`, ...)."""
     return {f"{name}_mean_s": _mean(values), **{f"{name}_p{q}_s": _percentile(values, q) for q in (50, 90, 99)}}
+
+
+def _benchmark_latencies(name: str, seconds: Values) -> dict[str, float | None]:
+    """vLLM benchmark_serving's `mean_<name>_ms`, `median_`, `std_`, `p90_`, `p99_`: computed on
+    seconds and scaled as it does (np.std: the population deviation); None without values."""
+    if not len(seconds):
+        return {f"{stat}_{name}_ms": None for stat in ("mean", "median", "std", "p90", "p99")}
+    return {
+        f"mean_{name}_ms": float(np.mean(seconds)) * 1000,
+        f"median_{name}_ms": float(np.median(seconds)) * 1000,
+        f"std_{name}_ms": float(np.std(seconds)) * 1000,
+        f"p90_{name}_ms": float(np.percentile(seconds, 90)) * 1000,
+        f"p99_{name}_ms": float(np.percentile(seconds, 99)) * 1000,
+    }
 
 
 # StepRecord fields averaged into summary.json as `<key>_mean` (shares of the whole KV pool)
@@ -206,7 +224,11 @@ class MetricsRecorder:
     def summary(self, *, kv_end: KVStats, caches_prefixes: bool) -> dict[str, Any]:
         """The flat summary.json metrics; `kv_end` is the cache after the run."""
         per_request = self.request_metrics()
-        done = [m for m in per_request if m.finish_reason in (FinishReason.LENGTH.value, FinishReason.STOP.value)]
+        finished = [
+            (r, m) for r, m in zip(self.requests, per_request)
+            if m.finish_reason in (FinishReason.LENGTH.value, FinishReason.STOP.value)
+        ]
+        done = [m for _, m in finished]
         finish_times = [r.finish_time for r in self.requests if r.finish_time is not None]
         arrivals = [r.arrival_time for r in self.requests]
         wall = (max(finish_times) - min(arrivals)) if finish_times and arrivals else 0.0
@@ -218,6 +240,23 @@ class MetricsRecorder:
         allocated_steps = [s.token_state_fraction for s in steps if s.num_allocated_blocks > 0]
         step_time = sum(s.step_time_s for s in steps)
         decode_rows = [float(s.num_decode_rows) for s in steps if s.num_decode_rows]
+        # the share of the KV memory in use that holds token states (the paper's Fig. 2), over the steps
+        # that use any; in use = 1 - free, summed from its parts so that it cannot fall below the token
+        # share by rounding (the ratio stays <= 1)
+        token_state_of_used = [
+            s.kv_token_state_fraction / used for s in steps
+            if (used := s.kv_token_state_fraction + s.kv_reserved_fraction + s.kv_internal_frag_fraction
+                + s.kv_external_frag_fraction) > 0
+        ]
+        ttfts = [m.ttft_s for m in done if m.ttft_s is not None]
+        tpots = [m.tpot_s for m in done if m.tpot_s is not None]
+        e2els = [m.e2e_latency_s for m in done if m.e2e_latency_s is not None]
+        # every gap between the steps that gave a finished request tokens, pooled (vLLM's ITL)
+        gaps = [np.diff(r.token_times) for r, _ in finished]
+        itls = np.concatenate(gaps) if gaps else np.empty(0)
+        input_tokens = sum(m.prompt_len for m in done)
+        # the best completion's tokens, as vLLM's client counts one output per request
+        output_tokens = sum(m.output_len for m in done)
         hit_rate = None
         if caches_prefixes and kv_end.num_queried_tokens > 0:
             hit_rate = kv_end.num_hit_tokens / kv_end.num_queried_tokens
@@ -231,9 +270,10 @@ class MetricsRecorder:
             "computed_tokens": sum(s.num_computed_tokens for s in steps),
             "output_tokens_per_s": useful_tokens / wall if wall > 0 else 0.0,
             "requests_per_s": len(done) / wall if wall > 0 else 0.0,
-            **_latencies("ttft", [m.ttft_s for m in done if m.ttft_s is not None]),
-            **_latencies("tpot", [m.tpot_s for m in done if m.tpot_s is not None]),
-            **_latencies("e2e_latency", [m.e2e_latency_s for m in done if m.e2e_latency_s is not None]),
+            **_latencies("ttft", ttfts),
+            **_latencies("tpot", tpots),
+            **_latencies("itl", itls),
+            **_latencies("e2e_latency", e2els),
             "normalized_latency_s_per_token": _mean(
                 [m.normalized_latency_s_per_token for m in done if m.normalized_latency_s_per_token is not None]
             ),
@@ -241,6 +281,7 @@ class MetricsRecorder:
             "kv_usage_max": max((s.kv_usage for s in steps), default=0.0),
             "token_state_fraction_mean": _mean(allocated_steps) if allocated_steps else 1.0,
             **{f"{key}_mean": _mean([getattr(s, key) for s in steps]) for key in BREAKDOWN_KEYS},
+            "kv_token_state_of_used_mean": _mean(token_state_of_used),
             # over the steps in which sequences hold blocks, as the paper averages it
             "kv_sharing_saving_mean": _mean([s.kv_sharing_saving for s in steps if s.num_logical_blocks]) or 0.0,
             "prefix_cache_hit_rate": hit_rate,
@@ -254,4 +295,16 @@ class MetricsRecorder:
             "client_service_ratio": self.client_service_ratio(),
             "kv_blocks_in_use_end": kv_end.num_allocated_blocks,
             "num_total_blocks": kv_end.num_total_blocks,
+            # vLLM benchmark_serving's names and definitions: finished requests only, milliseconds
+            "duration": wall,
+            "completed": len(done),
+            "total_input_tokens": input_tokens,
+            "total_output_tokens": output_tokens,
+            "request_throughput": len(done) / wall if wall > 0 else 0.0,
+            "output_throughput": output_tokens / wall if wall > 0 else 0.0,
+            "total_token_throughput": (input_tokens + output_tokens) / wall if wall > 0 else 0.0,
+            **_benchmark_latencies("ttft", ttfts),
+            **_benchmark_latencies("tpot", tpots),
+            **_benchmark_latencies("itl", itls),
+            **_benchmark_latencies("e2el", e2els),
         }

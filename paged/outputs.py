@@ -54,7 +54,13 @@ def request_record(request: Request, metrics: RequestMetrics, decode: Decode | N
         "prompt_len": request.num_prompt_tokens,
         "output_token_ids": best["output_token_ids"],
         "finish_reason": metrics.finish_reason,
+        # seconds on the engine clock (simulated under executor=sim); None where not reached
+        "arrival_time": request.arrival_time,
+        "first_token_time": request.first_token_time,
+        "finish_time": request.finish_time,
+        "output_len": metrics.output_len,
         "ttft_s": metrics.ttft_s,
+        "tpot_s": metrics.tpot_s,
         "e2e_latency_s": metrics.e2e_latency_s,
         "num_preemptions": request.num_preemptions,
         "priority": request.priority,

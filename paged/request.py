@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -253,6 +254,9 @@ class Request:
         self.client_id = client_id
         self.seqs: list[Sequence] = [Sequence(self, list(prompt_token_ids))]
         self.first_token_time: float | None = None
+        # engine time of each step that gave the request tokens (any of its sequences): the chunks a
+        # streaming client sees, whose gaps are vLLM's inter-token latencies; 8 bytes a step, no objects
+        self.token_times: array[float] = array("d")
         self.finish_time: float | None = None
         self.abort_reason: str | None = None
         self.num_preemptions = 0

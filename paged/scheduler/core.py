@@ -458,9 +458,15 @@ class Scheduler:
             if request.first_token_time is None:
                 request.first_token_time = now
             if request.params.best_of > 1:
-                samples.setdefault(request, []).append((seq, output.samples(i)))
+                group_samples = samples.get(request)
+                if group_samples is None:
+                    # one timestamp per step, however many of the request's sequences sampled in it
+                    samples[request] = group_samples = []
+                    request.token_times.append(now)
+                group_samples.append((seq, output.samples(i)))
                 continue
             # a lone sequence is its own group: one token, no group bookkeeping (the hot path)
+            request.token_times.append(now)
             top = tops[i] if tops else None
             if self._append(seq, tokens[0], logprobs[i][0] if logprobs else 0.0, top[0] if top else None):
                 finished.append(self._complete(request))

@@ -1,0 +1,141 @@
+"""`python -m paged.report DIR`: a run or sweep folder into results.csv, a table, PNGs and table.md.
+
+The sweep's preset may carry a `report` node (conf/experiment/*.yaml): the metrics the table shows,
+the plots, the paper's numbers to compare with, and the sustainable-rate analysis."""
+
+from __future__ import annotations
+
+import csv
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from paged.report.collect import Collection, Job, ReportError, collect
+from paged.report.compare import PaperPoint, compare
+from paged.report.plots import PlotSpec, plot
+from paged.report.sustainable import Sustainable, sustainable_rates
+from paged.report.sweep import REPEAT_KEY
+from paged.report.table import aggregate, is_number, job_rows
+
+log = logging.getLogger(__name__)
+
+# vLLM's benchmark names, and the paper's latency measure
+DEFAULT_METRICS = (
+    "request_throughput", "output_throughput", "mean_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "p99_e2el_ms",
+    "normalized_latency_s_per_token", "num_preemptions",
+)
+REPORT_KEYS = {"title", "metrics", "plots", "paper", "sustainable", "out", "notes"}
+
+
+@dataclass
+class Report:
+    out_dir: Path
+    rows: list[dict[str, Any]]  # one per job (results.csv)
+    aggregated: list[dict[str, Any]]  # one per configuration, repeats folded
+    derived: list[dict[str, Any]]  # sustainable rates
+    comparisons: list[dict[str, Any]]  # against the paper
+    failed: list[Job]
+    images: list[Path] = field(default_factory=list)
+    experiment: str | None = None
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _markdown(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_fmt(r.get(c)).replace("|", "\\|") for c in columns) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _rich(title: str, rows: list[dict[str, Any]], columns: list[str]) -> Table:
+    table = Table(title=title, show_header=True)
+    for c in columns:
+        table.add_column(c, justify="right" if rows and is_number(rows[0].get(c)) else "left")
+    for r in rows:
+        table.add_row(*(_fmt(r.get(c)) for c in columns))
+    return table
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, columns, restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _config(collection: Collection) -> dict[str, Any]:
+    cfg = collection.report or {}
+    if unknown := set(cfg) - REPORT_KEYS:
+        raise ReportError(f"report: unknown key(s) {sorted(unknown)}; allowed: {sorted(REPORT_KEYS)}")
+    return cfg
+
+
+def _default_plots(keys: list[str], rows: list[dict[str, Any]], metrics: list[str]) -> list[PlotSpec]:
+    axes = [k for k in keys if k != REPEAT_KEY]
+    if not axes:
+        return []
+    numeric = [k for k in axes if all(is_number(r.get(k)) for r in rows)]
+    x = (numeric or axes)[0]
+    return [PlotSpec(name=f"{m}_vs_{x}", x=x, y=(m,)) for m in metrics[:2]]
+
+
+def build_report(root: Path, out_dir: Path | None = None, *, console: Console | None = None) -> Report:
+    """Collect `root`, write results.csv, aggregate.csv, table.md and the PNGs into `out_dir` (default
+    `root`), print the tables, and return what was written. Raises ReportError on unreadable input."""
+    collection = collect(root)
+    cfg = _config(collection)
+    out_dir = out_dir or root
+    out_dir.mkdir(parents=True, exist_ok=True)
+    keys = list(collection.swept)
+    rows = job_rows(collection)
+    summary_keys = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in keys and k != "job"]
+    aggregated = aggregate(rows, keys, summary_keys)
+    metrics = [m for m in (cfg.get("metrics") or DEFAULT_METRICS) if any(m in r for r in rows)]
+    spec = Sustainable.from_config(cfg["sustainable"]) if cfg.get("sustainable") else None
+    config_keys = [k for k in keys if k != REPEAT_KEY]
+    derived = sustainable_rates(aggregated, config_keys, spec) if spec else []
+    points = [PaperPoint.from_config(p) for p in cfg.get("paper") or []]
+    comparisons = compare(points, aggregated + derived)
+    specs = [PlotSpec.from_config(p) for p in cfg["plots"]] if cfg.get("plots") else _default_plots(keys, rows, metrics)
+    images = [p for s in specs if (p := plot(aggregated, config_keys, s, out_dir)) is not None]
+
+    _write_csv(out_dir / "results.csv", rows)
+    _write_csv(out_dir / "aggregate.csv", aggregated)
+    columns = [*config_keys, *(["n"] if REPEAT_KEY in keys else []), *metrics]
+    title = cfg.get("title") or collection.experiment or str(root)
+    md = [f"# {title}\n", f"{len(rows)} jobs from `{root}`" + (f", {len(collection.failed)} failed" if collection.failed
+                                                              else "") + "\n"]
+    if cfg.get("notes"):
+        md.append(str(cfg["notes"]).strip() + "\n")
+    md.append(_markdown(aggregated, columns))
+    derived_columns = list(dict.fromkeys(k for r in derived for k in r))
+    if derived:
+        md += [f"\n## Sustainable rate ({spec.metric} <= {spec.threshold})\n", _markdown(derived, derived_columns)]
+    compare_columns = ["result", "ours", "paper", "difference", "tolerance", "verdict", "note"]
+    if comparisons:
+        md += ["\n## Against the paper\n", _markdown(comparisons, compare_columns)]
+    if collection.failed:
+        md += ["\n## Failed jobs\n", *(f"- `{j.path}`: {j.error}\n" for j in collection.failed)]
+    md += ["\n", *(f"![{p.stem}]({p.name})\n" for p in images)]
+    (out_dir / "table.md").write_text("".join(md))
+
+    console = console or Console()
+    console.print(_rich(title, aggregated, columns))
+    if derived:
+        console.print(_rich("sustainable rate", derived, derived_columns))
+    if comparisons:
+        console.print(_rich("against the paper", comparisons, compare_columns))
+    for job in collection.failed:
+        console.print(f"[red]failed[/red] {job.path}: {job.error}")
+    return Report(out_dir, rows, aggregated, derived, comparisons, collection.failed, images, collection.experiment)

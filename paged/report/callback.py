@@ -1,0 +1,87 @@
+"""Hydra callback: progress while a sweep runs, and its report when it ends.
+
+conf/config.yaml registers it (`hydra.callbacks.report`). It works with every launcher: the jobs
+may run in other processes (joblib) or on other machines (submitit), so progress is counted from
+the job folders on the shared file system, not from in-process state."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from paged.report.build import build_report
+from paged.report.collect import ReportError
+from paged.report.sweep import config_sweep, group_name, num_jobs
+
+log = logging.getLogger("paged.report")
+PROGRESS_FILE = ".progress.json"
+
+
+def _sweep_dir(config: DictConfig) -> Path:
+    return Path(OmegaConf.select(config, "hydra.sweep.dir"))
+
+
+class ReportCallback(Callback):
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        swept = config_sweep(config)
+        sweep_dir = _sweep_dir(config)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        total = num_jobs(swept)
+        (sweep_dir / PROGRESS_FILE).write_text(json.dumps({"total": total, "start": time.time()}))
+        log.info("sweep of %s job(s) over %s into %s", total if total is not None else "?", list(swept), sweep_dir)
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        if not HydraConfig.initialized() or HydraConfig.get().mode.name != "MULTIRUN":
+            return
+        sweep_dir = Path(HydraConfig.get().sweep.dir)
+        try:
+            progress = json.loads((sweep_dir / PROGRESS_FILE).read_text())
+        except (OSError, ValueError):
+            return
+        jobs = [d for d in sweep_dir.iterdir() if (d / ".hydra").is_dir()]
+        done = sum((d / "summary.json").is_file() for d in jobs)
+        failed = sum((d / "error.json").is_file() for d in jobs)
+        total, elapsed = progress["total"], time.time() - progress["start"]
+        finished = done + failed
+        eta = ""
+        if total and finished:
+            eta = f", ETA {_clock(elapsed / finished * (total - finished))}"
+        log.info("sweep: %d/%s jobs done%s, %s elapsed%s", finished, total or "?",
+                 f" ({failed} failed)" if failed else "", _clock(elapsed), eta)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = _sweep_dir(config)
+        out = OmegaConf.select(config, "report.out")
+        try:
+            report = build_report(sweep_dir)
+            if out:
+                build_report(sweep_dir, Path(OmegaConf.select(config, "hydra.runtime.cwd") or ".") / out)
+        except ReportError as e:
+            log.error("sweep report: %s", e)
+            sys.exit(1)
+        log.info("sweep report: %s%s", sweep_dir / "table.md", f" and {out}" if out else "")
+        self._log_wandb(config, report)
+        if report.failed:
+            log.error("%d job(s) failed: %s", len(report.failed), ", ".join(str(j.path) for j in report.failed))
+            sys.exit(1)
+
+    def _log_wandb(self, config: DictConfig, report: Any) -> None:
+        from paged.wandb_logger import log_report
+
+        swept = config_sweep(config)
+        experiment = OmegaConf.select(config, "hydra.runtime.choices.experiment")
+        log_report(config.logger, report.out_dir / "report", report.images, report.aggregated,
+                   group=group_name(experiment, swept) or report.out_dir.name)
+
+
+def _clock(seconds: float) -> str:
+    minutes, s = divmod(int(seconds), 60)
+    return f"{minutes // 60:d}:{minutes % 60:02d}:{s:02d}"
