@@ -202,7 +202,7 @@ class ExecutorConfig:
 @dataclass
 class ReportConfig:
     """What a sweep's report shows (paged/report); an experiment preset fills it in. Entries of
-    `plots`, `paper` and `sustainable` are checked by the report, naming any unknown key."""
+    `plots`, `paper`, `sustainable` and `ratio` are checked by the report, naming any unknown key."""
 
     title: str | None = None
     out: str | None = None  # a folder (relative to the launch folder) that also gets the report
@@ -211,6 +211,7 @@ class ReportConfig:
     plots: list[Any] = field(default_factory=list)
     paper: list[Any] = field(default_factory=list)
     sustainable: Any = None
+    ratio: Any = None
 
 
 @dataclass

@@ -18,6 +18,7 @@ from paged.report import ReportError, build_report
 from paged.report.__main__ import main as report_main
 from paged.report.compare import PaperPoint, compare
 from paged.report.plots import PlotSpec
+from paged.report.ratio import Ratio, ratios
 from paged.report.sustainable import Sustainable, crossing, sustainable_rates
 from paged.report.sweep import group_name, num_jobs, sweep_choices, tags
 from tests.test_cli import REPO, run_cli
@@ -153,6 +154,15 @@ def test_sustainable_rate_ratios_per_group() -> None:
         Sustainable.from_config({"x": "rate", "line": "allocator", "thresh": 1})
 
 
+def test_ratio_to_a_baseline_per_configuration() -> None:
+    rows = [{"mode": m, "block": b, "lat": lat} for m, b, lat in
+            (("recompute", 8, 1.0), ("swap", 8, 1.5), ("recompute", 64, 2.0), ("swap", 64, 1.0), ("swap", 128, 3.0))]
+    out = ratios(rows, ["mode", "block"], Ratio.from_config({"line": "mode", "baseline": "recompute", "metric": "lat"}))
+    assert [(r["block"], r["lat_over_recompute"]) for r in out] == [(8, 1.5), (64, 0.5), (128, None)]
+    with pytest.raises(ReportError, match="needs `line`"):
+        Ratio.from_config({"baseline": "recompute"})
+
+
 def test_compare_gives_the_difference_and_the_verdict() -> None:
     rows = [{"allocator": "orca-max", "share": 0.228}, {"allocator": "naive", "share": 0.985, "ratio": 3.1}]
     points = [PaperPoint.from_config(p) for p in (
@@ -217,6 +227,8 @@ def test_every_experiment_preset_composes_and_its_report_parses(name: str) -> No
         PaperPoint.from_config(point)
     if report["sustainable"]:
         Sustainable.from_config(report["sustainable"])
+    if report["ratio"]:
+        Ratio.from_config(report["ratio"])
 
 
 def test_an_unknown_experiment_lists_the_available_ones(tmp_path: Path) -> None:

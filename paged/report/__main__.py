@@ -7,15 +7,19 @@ import sys
 from pathlib import Path
 
 from paged.report import ReportError, build_report
+from paged.report.build import preset_report
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m paged.report", description=__doc__)
     parser.add_argument("dir", type=Path, help="a run or sweep folder (e.g. multirun/2026-11-23/10-00-00)")
     parser.add_argument("--out", type=Path, default=None, help="where to write the report (default: DIR)")
+    parser.add_argument("--experiment", default=None,
+                        help="take the report settings from this preset as it is now, not as the jobs ran")
     args = parser.parse_args(argv)
     try:
-        report = build_report(args.dir, args.out)
+        settings = preset_report(args.experiment) if args.experiment else None
+        report = build_report(args.dir, args.out, report=settings)
     except ReportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

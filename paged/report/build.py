@@ -17,6 +17,7 @@ from rich.table import Table
 from paged.report.collect import Collection, Job, ReportError, collect
 from paged.report.compare import PaperPoint, compare
 from paged.report.plots import PlotSpec, plot
+from paged.report.ratio import Ratio, ratios
 from paged.report.sustainable import Sustainable, sustainable_rates
 from paged.report.sweep import REPEAT_KEY
 from paged.report.table import aggregate, is_number, job_rows
@@ -28,7 +29,7 @@ DEFAULT_METRICS = (
     "request_throughput", "output_throughput", "mean_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "p99_e2el_ms",
     "normalized_latency_s_per_token", "num_preemptions",
 )
-REPORT_KEYS = {"title", "metrics", "plots", "paper", "sustainable", "out", "notes"}
+REPORT_KEYS = {"title", "metrics", "plots", "paper", "sustainable", "ratio", "out", "notes"}
 
 
 @dataclass
@@ -37,6 +38,7 @@ class Report:
     rows: list[dict[str, Any]]  # one per job (results.csv)
     aggregated: list[dict[str, Any]]  # one per configuration, repeats folded
     derived: list[dict[str, Any]]  # sustainable rates
+    ratios: list[dict[str, Any]]  # a metric over a baseline's, per configuration
     comparisons: list[dict[str, Any]]  # against the paper
     failed: list[Job]
     images: list[Path] = field(default_factory=list)
@@ -47,7 +49,7 @@ def _fmt(value: Any) -> str:
     if value is None:
         return ""
     if isinstance(value, float):
-        return f"{value:.4g}"
+        return f"{value:,.0f}" if abs(value) >= 1e4 else f"{value:.4g}"
     return str(value)
 
 
@@ -74,8 +76,24 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
         writer.writerows(rows)
 
 
-def _config(collection: Collection) -> dict[str, Any]:
-    cfg = collection.report or {}
+def preset_report(experiment: str) -> dict[str, Any]:
+    """The `report` node of `conf/experiment/<experiment>.yaml` as it is now (to re-report an old
+    sweep with a changed table, plots or paper numbers, without re-running it)."""
+    from omegaconf import OmegaConf
+
+    from paged.assets import asset_dir
+
+    folder = asset_dir("conf") / "experiment"
+    path = folder / f"{experiment}.yaml"
+    if not path.is_file():
+        available = ", ".join(sorted(p.stem for p in folder.glob("*.yaml")))
+        raise ReportError(f"no experiment preset {experiment!r}; available: {available}")
+    node = OmegaConf.load(path).get("report")
+    return OmegaConf.to_container(node, resolve=False) if node is not None else {}
+
+
+def _config(collection: Collection, override: dict[str, Any] | None) -> dict[str, Any]:
+    cfg = override if override is not None else collection.report or {}
     if unknown := set(cfg) - REPORT_KEYS:
         raise ReportError(f"report: unknown key(s) {sorted(unknown)}; allowed: {sorted(REPORT_KEYS)}")
     return cfg
@@ -90,11 +108,14 @@ def _default_plots(keys: list[str], rows: list[dict[str, Any]], metrics: list[st
     return [PlotSpec(name=f"{m}_vs_{x}", x=x, y=(m,)) for m in metrics[:2]]
 
 
-def build_report(root: Path, out_dir: Path | None = None, *, console: Console | None = None) -> Report:
+def build_report(
+    root: Path, out_dir: Path | None = None, *, report: dict[str, Any] | None = None, console: Console | None = None
+) -> Report:
     """Collect `root`, write results.csv, aggregate.csv, table.md and the PNGs into `out_dir` (default
-    `root`), print the tables, and return what was written. Raises ReportError on unreadable input."""
+    `root`), print the tables, and return what was written. `report` replaces the `report` node the
+    jobs ran with. Raises ReportError on unreadable input."""
     collection = collect(root)
-    cfg = _config(collection)
+    cfg = _config(collection, report)
     out_dir = out_dir or root
     out_dir.mkdir(parents=True, exist_ok=True)
     keys = list(collection.swept)
@@ -105,8 +126,10 @@ def build_report(root: Path, out_dir: Path | None = None, *, console: Console | 
     spec = Sustainable.from_config(cfg["sustainable"]) if cfg.get("sustainable") else None
     config_keys = [k for k in keys if k != REPEAT_KEY]
     derived = sustainable_rates(aggregated, config_keys, spec) if spec else []
+    ratio = Ratio.from_config(cfg["ratio"]) if cfg.get("ratio") else None
+    relative = ratios(aggregated, config_keys, ratio) if ratio else []
     points = [PaperPoint.from_config(p) for p in cfg.get("paper") or []]
-    comparisons = compare(points, aggregated + derived)
+    comparisons = compare(points, aggregated + derived + relative)
     specs = [PlotSpec.from_config(p) for p in cfg["plots"]] if cfg.get("plots") else _default_plots(keys, rows, metrics)
     images = [p for s in specs if (p := plot(aggregated, config_keys, s, out_dir)) is not None]
 
@@ -122,6 +145,9 @@ def build_report(root: Path, out_dir: Path | None = None, *, console: Console | 
     derived_columns = list(dict.fromkeys(k for r in derived for k in r))
     if derived:
         md += [f"\n## Sustainable rate ({spec.metric} <= {spec.threshold})\n", _markdown(derived, derived_columns)]
+    relative_columns = list(dict.fromkeys(k for r in relative for k in r))
+    if relative:
+        md += [f"\n## {ratio.metric} over {ratio.line}={ratio.baseline}\n", _markdown(relative, relative_columns)]
     compare_columns = ["result", "ours", "paper", "difference", "tolerance", "verdict", "note"]
     if comparisons:
         md += ["\n## Against the paper\n", _markdown(comparisons, compare_columns)]
@@ -134,8 +160,11 @@ def build_report(root: Path, out_dir: Path | None = None, *, console: Console | 
     console.print(_rich(title, aggregated, columns))
     if derived:
         console.print(_rich("sustainable rate", derived, derived_columns))
+    if relative:
+        console.print(_rich(f"over {ratio.line}={ratio.baseline}", relative, relative_columns))
     if comparisons:
         console.print(_rich("against the paper", comparisons, compare_columns))
     for job in collection.failed:
         console.print(f"[red]failed[/red] {job.path}: {job.error}")
-    return Report(out_dir, rows, aggregated, derived, comparisons, collection.failed, images, collection.experiment)
+    return Report(out_dir, rows, aggregated, derived, relative, comparisons, collection.failed, images,
+                  collection.experiment)
