@@ -51,10 +51,8 @@ def run_experiment(
         "executor_description": executor.description,
         "attention_kernel": executor.kernel_description,
         "block_size": cfg.allocator.block_size,
-        "kv_token_slots": summary["num_total_blocks"] * cfg.allocator.block_size,
-        "kv_cache_bytes":
-            summary["num_total_blocks"] * executor.kv_cache_spec(cfg.allocator.block_size).bytes_per_block,
         "host_time_s": host_time,
+        **pool_summary(cfg, engine),
         **swap_summary(cfg, engine),
     }
     if engine.clock.simulated:
@@ -72,6 +70,15 @@ def run_experiment(
     print_summary(summary, title)
     log.info("wrote %s", run_dir)
     return summary
+
+
+def pool_summary(cfg: Any, engine: Engine) -> dict[str, int]:
+    """The KV pool's size: token slots (Table 1's "max. # KV cache slots") and bytes."""
+    num_blocks, block_size = engine.scheduler.block_manager.stats().num_total_blocks, cfg.allocator.block_size
+    return {
+        "kv_token_slots": num_blocks * block_size,
+        "kv_cache_bytes": num_blocks * engine.executor.kv_cache_spec(block_size).bytes_per_block,
+    }
 
 
 def swap_summary(cfg: Any, engine: Engine) -> dict[str, Any]:
@@ -96,11 +103,7 @@ def run_quietly(overrides: list[str]) -> tuple[dict[str, Any], Engine]:
     run_workload(engine, workload_for(cfg, engine), progress=False)
     bm = engine.scheduler.block_manager
     summary = engine.metrics.summary(kv_end=bm.stats(), caches_prefixes=bm.allocator.caches_prefixes)
-    block_size = cfg.allocator.block_size
-    return summary | swap_summary(cfg, engine) | {
-        "kv_token_slots": summary["num_total_blocks"] * block_size,
-        "kv_cache_bytes": summary["num_total_blocks"] * engine.executor.kv_cache_spec(block_size).bytes_per_block,
-    }, engine
+    return summary | pool_summary(cfg, engine) | swap_summary(cfg, engine), engine
 
 
 def workload_for(cfg: Any, engine: Engine) -> list[WorkloadItem]:

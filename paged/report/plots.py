@@ -30,6 +30,7 @@ class PlotSpec:
     logy: bool = False
     title: str = ""
     ylabel: str = ""
+    hline: float | None = None  # a reference level, e.g. the sustainable-rate threshold
 
     @classmethod
     def from_config(cls, node: dict[str, Any]) -> PlotSpec:
@@ -105,6 +106,8 @@ def plot(rows: list[dict[str, Any]], keys: list[str], spec: PlotSpec, out_dir: P
             _line_panel(ax, panel, spec, other)
         else:
             _stacked_panel(ax, panel, spec, [k for k in keys if k not in (spec.facet, "repeat")])
+        if spec.hline is not None:
+            ax.axhline(spec.hline, color="grey", linestyle="--", linewidth=1)
         if spec.facet:
             ax.set_title(f"{spec.facet}={value}", fontsize=9)
         ax.grid(alpha=0.3)
