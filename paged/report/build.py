@@ -29,6 +29,7 @@ DEFAULT_METRICS = (
     "request_throughput", "output_throughput", "mean_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "p99_e2el_ms",
     "normalized_latency_s_per_token", "num_preemptions",
 )
+COMPARE_COLUMNS = ["result", "ours", "paper", "difference", "tolerance", "verdict", "note"]
 REPORT_KEYS = {"title", "metrics", "plots", "paper", "sustainable", "ratio", "out", "notes"}
 
 
@@ -92,6 +93,27 @@ def preset_report(experiment: str) -> dict[str, Any]:
     return OmegaConf.to_container(node, resolve=False) if node is not None else {}
 
 
+def _columns(rows: list[dict[str, Any]]) -> list[str]:
+    return list(dict.fromkeys(k for r in rows for k in r))
+
+
+def _write_markdown(path: Path, root: Path, cfg: dict[str, Any], sections: list[tuple[str, list, list[str]]],
+                    failed: list[Job], images: list[Path]) -> None:
+    """table.md: the title, the notes, the configurations' table, the analyses, the failed jobs, the plots."""
+    (title, rows, columns), *analyses = sections
+    md = [f"# {title}\n", f"{len(rows)} configurations from `{root}`" + (f", {len(failed)} failed job(s)" if failed
+                                                                       else "") + "\n"]
+    if cfg.get("notes"):
+        md.append(str(cfg["notes"]).strip() + "\n")
+    md.append(_markdown(rows, columns))
+    for name, section_rows, section_columns in analyses:
+        md += [f"\n## {name}\n", _markdown(section_rows, section_columns)]
+    if failed:
+        md += ["\n## Failed jobs\n", *(f"- `{j.path}`: {j.error}\n" for j in failed)]
+    md += ["\n", *(f"![{p.stem}]({p.name})\n" for p in images)]
+    path.write_text("".join(md))
+
+
 def _config(collection: Collection, override: dict[str, Any] | None) -> dict[str, Any]:
     cfg = override if override is not None else collection.report or {}
     if unknown := set(cfg) - REPORT_KEYS:
@@ -135,35 +157,18 @@ def build_report(
 
     _write_csv(out_dir / "results.csv", rows)
     _write_csv(out_dir / "aggregate.csv", aggregated)
-    columns = [*config_keys, *(["n"] if REPEAT_KEY in keys else []), *metrics]
     title = cfg.get("title") or collection.experiment or str(root)
-    md = [f"# {title}\n", f"{len(rows)} jobs from `{root}`" + (f", {len(collection.failed)} failed" if collection.failed
-                                                              else "") + "\n"]
-    if cfg.get("notes"):
-        md.append(str(cfg["notes"]).strip() + "\n")
-    md.append(_markdown(aggregated, columns))
-    derived_columns = list(dict.fromkeys(k for r in derived for k in r))
+    sections = [(title, aggregated, [*config_keys, *(["n"] if REPEAT_KEY in keys else []), *metrics])]
     if derived:
-        md += [f"\n## Sustainable rate ({spec.metric} <= {spec.threshold})\n", _markdown(derived, derived_columns)]
-    relative_columns = list(dict.fromkeys(k for r in relative for k in r))
+        sections.append((f"Sustainable rate ({spec.metric} <= {spec.threshold})", derived, _columns(derived)))
     if relative:
-        md += [f"\n## {ratio.metric} over {ratio.line}={ratio.baseline}\n", _markdown(relative, relative_columns)]
-    compare_columns = ["result", "ours", "paper", "difference", "tolerance", "verdict", "note"]
+        sections.append((f"{ratio.metric} over {ratio.line}={ratio.baseline}", relative, _columns(relative)))
     if comparisons:
-        md += ["\n## Against the paper\n", _markdown(comparisons, compare_columns)]
-    if collection.failed:
-        md += ["\n## Failed jobs\n", *(f"- `{j.path}`: {j.error}\n" for j in collection.failed)]
-    md += ["\n", *(f"![{p.stem}]({p.name})\n" for p in images)]
-    (out_dir / "table.md").write_text("".join(md))
-
+        sections.append(("Against the paper", comparisons, COMPARE_COLUMNS))
+    _write_markdown(out_dir / "table.md", root, cfg, sections, collection.failed, images)
     console = console or Console()
-    console.print(_rich(title, aggregated, columns))
-    if derived:
-        console.print(_rich("sustainable rate", derived, derived_columns))
-    if relative:
-        console.print(_rich(f"over {ratio.line}={ratio.baseline}", relative, relative_columns))
-    if comparisons:
-        console.print(_rich("against the paper", comparisons, compare_columns))
+    for name, section_rows, columns in sections:
+        console.print(_rich(name, section_rows, columns))
     for job in collection.failed:
         console.print(f"[red]failed[/red] {job.path}: {job.error}")
     return Report(out_dir, rows, aggregated, derived, relative, comparisons, collection.failed, images,

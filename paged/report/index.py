@@ -44,7 +44,7 @@ def build_index(results: Path) -> str:
         # the report's images sit next to its table.md; from here they are under results/NAME/
         body = re.sub(r"!\[([^\]]*)\]\(([^)/]+\.png)\)", rf"![\1](results/{folder.name}/\2)", body)
         body = body.replace("\n## ", "\n### ")
-        body = re.sub(r"^\d+ jobs from `[^`]*`", lambda m: m.group(0).split(" from ")[0], body, flags=re.M)
+        body = re.sub(r"^(\d+ configurations) from `[^`]*`", r"\1", body, flags=re.M)
         sections.append(f'<a id="{folder.name}"></a>\n## {title.lstrip("# ")}\n\n'
                         f"`python run.py -m +experiment={folder.name}`\n{body}")
     return "\n".join([HEADER, *board, "", *sections])
