@@ -260,3 +260,21 @@ def test_a_sweep_reports_itself_at_the_end_and_lists_failed_jobs(tmp_path: Path,
     assert "2 job(s) failed" in log
     if launcher == "basic":
         assert "sweep: 4/4 jobs done (2 failed)" in log  # progress, counted from the job folders
+
+
+def test_the_index_orders_experiments_and_counts_verdicts(tmp_path: Path) -> None:
+    from paged.report.index import build_index
+
+    for name in ("fig12-opt13b", "fig2", "table1", "cpu-swap"):
+        write_job(tmp_path / "runs" / name, "0_a", ["allocator=naive", "x=1"], metrics(1, 0.1),
+                  report={"paper": [{"label": "ok", "metric": "output_throughput", "where": {}, "value": 1,
+                                     "tolerance": 0.5},
+                                    {"label": "far", "metric": "output_throughput", "where": {}, "value": 9,
+                                     "tolerance": 0.5}]})
+        build_report(tmp_path / "runs" / name, tmp_path / "results" / name)
+    page = build_index(tmp_path / "results")
+    assert [line.split("]")[0] for line in page.splitlines() if line.startswith("| [")] == [
+        "| [table1", "| [fig2", "| [fig12-opt13b", "| [cpu-swap"]
+    assert "| [fig2](#fig2) | 1 | 1 |" in page
+    assert "![output_throughput_vs_x](results/fig2/output_throughput_vs_x.png)" in page
+    assert "`python run.py -m +experiment=fig12-opt13b`" in page and "### Against the paper" in page
