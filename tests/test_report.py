@@ -148,6 +148,15 @@ def test_sustainable_rate_ratios_per_group() -> None:
     assert out["13b", "orca"]["sustainable_rate"] == pytest.approx(1.5)
     assert out["13b", "paged"]["sustainable_rate"] == pytest.approx(6.0)
     assert out["66b", "paged"]["sustainable_rate_ratio_over_orca"] == pytest.approx(4.0)
+    # a system that never explodes within the sweep: its ratio is a lower bound, shown as one
+    rows = [r | {"lat": r["lat"] / 10} if r["allocator"] == "paged" else r for r in rows]
+    out = {(r["model"], r["allocator"]): r for r in sustainable_rates(rows, ["model", "allocator", "rate"], spec)}
+    assert out["13b", "paged"]["sustainable_rate_ratio_over_orca"] == pytest.approx(8 / 1.5)
+    assert out["13b", "paged"]["sustainable_rate_ratio_over_orca_bound"] == ">="
+    point = PaperPoint.from_config({"label": "x", "metric": "sustainable_rate_ratio_over_orca",
+                                    "where": {"model": "13b", "allocator": "paged"}, "range": [1.7, 2.7]})
+    (row,) = compare([point], list(out.values()))
+    assert (row["ours"], row["verdict"]) == (">= 5.333", "OUTSIDE")
     with pytest.raises(ReportError, match="'speed' is not a swept key"):
         sustainable_rates(rows, ["model", "allocator", "rate"], Sustainable("speed", "allocator"))
     with pytest.raises(ReportError, match="unknown key"):

@@ -50,6 +50,15 @@ class PaperPoint:
         return None
 
 
+def _bounded(p: PaperPoint, ours: float, bound: str) -> dict[str, Any]:
+    """Ours is only known to be at least (">=") or below ("<") `ours`: outside when even that misses."""
+    allowed = p.allowed() or 0.0
+    low = p.low if p.value is None else p.value - allowed
+    high = p.high if p.value is None else p.value + allowed
+    outside = ours > high if bound == ">=" else ours < low
+    return {"ours": f"{bound} {ours:.4g}", "verdict": "OUTSIDE" if outside else "inconclusive (a bound)"}
+
+
 def compare(points: list[PaperPoint], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per paper point: ours, the paper's, the difference and the verdict."""
     out = []
@@ -68,7 +77,10 @@ def compare(points: list[PaperPoint], rows: list[dict[str, Any]]) -> list[dict[s
             continue
         ours *= p.scale
         row["ours"] = ours
-        if p.value is not None:
+        bound = matches[0].get(f"{p.metric}_bound")
+        if bound:
+            row |= _bounded(p, ours, bound)
+        elif p.value is not None:
             diff = ours - p.value
             rel = f" ({diff / p.value:+.0%})" if p.value else ""
             row["difference"] = f"{diff:+.3g}{rel}"

@@ -43,9 +43,23 @@ def crossing(points: list[tuple[float, float]], threshold: float) -> tuple[float
     return points[-1][0], ">="
 
 
+# a rate known only as a bound makes its ratio a bound: (numerator's bound, denominator's) -> ratio's
+_RATIO_BOUNDS = {("", ""): "", (">=", ""): ">=", ("", "<"): ">=", (">=", "<"): ">=", ("<", ""): "<",
+                 ("", ">="): "<", ("<", ">="): "<"}
+
+
+def _ratio(num: tuple[float | None, str], den: tuple[float | None, str]) -> tuple[float | None, str]:
+    """`num / den` and whether it is exact (""), at least (">=") or below ("<") that; None when the
+    bounds point different ways (one system never exploded, the other already had)."""
+    (rate, bound), (base, base_bound) = num, den
+    if rate is None or not base or (bound, base_bound) not in _RATIO_BOUNDS:
+        return None, ""
+    return rate / base, _RATIO_BOUNDS[bound, base_bound]
+
+
 def sustainable_rates(rows: list[dict[str, Any]], keys: list[str], spec: Sustainable) -> list[dict[str, Any]]:
     """One row per (other keys, system): `sustainable_rate`, `sustainable_rate_bound`, and per
-    baseline `sustainable_rate_ratio_over_<baseline>` (None when either rate is only a bound)."""
+    baseline `sustainable_rate_ratio_over_<baseline>` with its `_bound`."""
     for key in (spec.x, spec.line):
         if key not in keys:
             raise ReportError(f"report.sustainable: {key!r} is not a swept key of this sweep; swept: {keys}")
@@ -62,8 +76,8 @@ def sustainable_rates(rows: list[dict[str, Any]], keys: list[str], spec: Sustain
             row = dict(zip(group_keys, group)) | {spec.line: name, "sustainable_rate": rate,
                                                   "sustainable_rate_bound": bound}
             for base in spec.baselines:
-                base_rate, base_bound = rates.get(base, (None, ""))
-                exact = rate is not None and base_rate and not bound and not base_bound
-                row[f"sustainable_rate_ratio_over_{base}"] = rate / base_rate if exact else None
+                ratio, ratio_bound = _ratio((rate, bound), rates.get(base, (None, "")))
+                row[f"sustainable_rate_ratio_over_{base}"] = ratio
+                row[f"sustainable_rate_ratio_over_{base}_bound"] = ratio_bound
             out.append(row)
     return out
