@@ -281,6 +281,12 @@ def validate(cfg: Any, block_sizes: tuple[int, ...] = BLOCK_SIZES) -> None:
     _positive("allocator.num_blocks", a.num_blocks, allow_none=True)
     if a.kv_cache_memory is not None:
         parse_bytes(a.kv_cache_memory)
+        if a.num_blocks is not None:
+            # the allocator YAMLs set num_blocks, which would otherwise silently win over the budget
+            raise ConfigError(
+                f"allocator.num_blocks={a.num_blocks} and allocator.kv_cache_memory={a.kv_cache_memory!r} both size "
+                "the KV cache; set allocator.num_blocks=null to size it by memory, or drop kv_cache_memory"
+            )
     if not 0.0 < a.gpu_memory_utilization <= 1.0:
         raise ConfigError(f"allocator.gpu_memory_utilization={a.gpu_memory_utilization!r} must be in (0, 1]")
     if not 0.0 <= a.watermark < 1.0:

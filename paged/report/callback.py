@@ -16,8 +16,9 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
 
-from paged.report.build import build_report
+from paged.report.build import Report, build_report
 from paged.report.collect import ReportError
 from paged.report.sweep import config_sweep, group_name, num_jobs
 
@@ -63,7 +64,9 @@ class ReportCallback(Callback):
         try:
             report = build_report(sweep_dir)
             if out:
-                build_report(sweep_dir, Path(OmegaConf.select(config, "hydra.runtime.cwd") or ".") / out)
+                # the same report again: its tables are already on the console
+                build_report(sweep_dir, Path(OmegaConf.select(config, "hydra.runtime.cwd") or ".") / out,
+                             console=Console(quiet=True))
         except ReportError as e:
             log.error("sweep report: %s", e)
             sys.exit(1)
@@ -73,7 +76,7 @@ class ReportCallback(Callback):
             log.error("%d job(s) failed: %s", len(report.failed), ", ".join(str(j.path) for j in report.failed))
             sys.exit(1)
 
-    def _log_wandb(self, config: DictConfig, report: Any) -> None:
+    def _log_wandb(self, config: DictConfig, report: Report) -> None:
         from paged.wandb_logger import log_report
 
         swept = config_sweep(config)
