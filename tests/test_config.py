@@ -62,7 +62,7 @@ def test_mistyped_key_in_a_plugin_node_is_rejected_naming_the_key_and_the_close_
         ("model.dtype=float8", "model.dtype='float8' is not supported"),
         ("allocator.watermark=1.5", "allocator.watermark=1.5 must be in [0, 1)"),
         # the YAML's num_blocks would otherwise win silently over the budget the user gave
-        ("allocator.kv_cache_memory=45MiB", "allocator.num_blocks=2048 and allocator.kv_cache_memory='45MiB' both size"),
+        ("allocator.kv_cache_memory=45MiB", "num_blocks=2048 and allocator.kv_cache_memory='45MiB' both size"),
     ],
 )
 def test_out_of_range_values_raise_config_error(override, message):

@@ -90,7 +90,8 @@ def test_repeats_fold_into_median_and_spread(tmp_path: Path) -> None:
         == ("v1", 3, 20.0, 10.0, 30.0)
     assert v2["output_throughput"] == 6.0 and "repeat" not in v2
     assert v1["attention_kernel"] == "v1/cpu"  # text metrics are kept, not averaged
-    assert "| kernel | n |" in (tmp_path / "table.md").read_text()
+    table = (tmp_path / "table.md").read_text()
+    assert "| kernel | n |" in table and "| v1 | 3 | 20 (10–30) |" in table
 
 
 def test_no_summaries_names_each_job_and_why(tmp_path: Path) -> None:

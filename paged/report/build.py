@@ -54,9 +54,17 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def _cell(row: dict[str, Any], column: str) -> str:
+    """A value; over repeats, the median with its min-max spread."""
+    text = _fmt(row.get(column))
+    if row.get("n", 1) > 1 and is_number(row.get(f"{column}_min")):
+        text += f" ({_fmt(row[f'{column}_min'])}–{_fmt(row[f'{column}_max'])})"
+    return text
+
+
 def _markdown(rows: list[dict[str, Any]], columns: list[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(_fmt(r.get(c)).replace("|", "\\|") for c in columns) + " |" for r in rows]
+    lines += ["| " + " | ".join(_cell(r, c).replace("|", "\\|") for c in columns) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -65,7 +73,7 @@ def _rich(title: str, rows: list[dict[str, Any]], columns: list[str]) -> Table:
     for c in columns:
         table.add_column(c, justify="right" if rows and is_number(rows[0].get(c)) else "left")
     for r in rows:
-        table.add_row(*(_fmt(r.get(c)) for c in columns))
+        table.add_row(*(_cell(r, c) for c in columns))
     return table
 
 
