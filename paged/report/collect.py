@@ -82,8 +82,11 @@ def _read_job(root: Path, job_dir: Path) -> Job:
             raise ReportError(f"{summary_path}: a summary is a JSON object of metrics, got {type(summary).__name__}")
         job.summary = summary
     elif (job_dir / "error.json").is_file():
-        error = json.loads((job_dir / "error.json").read_text())
-        job.error = f"{error.get('type', 'error')}: {error.get('message', '')}"
+        try:
+            error = json.loads((job_dir / "error.json").read_text())
+            job.error = f"{error.get('type', 'error')}: {error.get('message', '')}"
+        except (json.JSONDecodeError, AttributeError):
+            job.error = "error.json is unreadable (the job failed; its run.log says why)"
     else:
         job.error = "no summary.json (the job is still running, or was killed)"
     return job
