@@ -257,6 +257,7 @@ class MetricsRecorder:
         input_tokens = sum(m.prompt_len for m in done)
         # the best completion's tokens, as vLLM's client counts one output per request
         output_tokens = sum(m.output_len for m in done)
+        requests_per_s = len(done) / wall if wall > 0 else 0.0
         hit_rate = None
         if caches_prefixes and kv_end.num_queried_tokens > 0:
             hit_rate = kv_end.num_hit_tokens / kv_end.num_queried_tokens
@@ -269,7 +270,7 @@ class MetricsRecorder:
             "prompt_tokens": sum(m.prompt_len for m in per_request),
             "computed_tokens": sum(s.num_computed_tokens for s in steps),
             "output_tokens_per_s": useful_tokens / wall if wall > 0 else 0.0,
-            "requests_per_s": len(done) / wall if wall > 0 else 0.0,
+            "requests_per_s": requests_per_s,
             **_latencies("ttft", ttfts),
             **_latencies("tpot", tpots),
             **_latencies("itl", itls),
@@ -300,7 +301,7 @@ class MetricsRecorder:
             "completed": len(done),
             "total_input_tokens": input_tokens,
             "total_output_tokens": output_tokens,
-            "request_throughput": len(done) / wall if wall > 0 else 0.0,
+            "request_throughput": requests_per_s,
             "output_throughput": output_tokens / wall if wall > 0 else 0.0,
             "total_token_throughput": (input_tokens + output_tokens) / wall if wall > 0 else 0.0,
             **_benchmark_latencies("ttft", ttfts),

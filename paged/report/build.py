@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from paged.report.collect import Collection, Job, ReportError, collect
+from paged.report.collect import Collection, Job, ReportError, collect, reject_unknown
 from paged.report.compare import PaperPoint, compare
 from paged.report.plots import PlotSpec, plot
 from paged.report.ratio import Ratio, ratios
@@ -124,8 +124,7 @@ def _write_markdown(path: Path, root: Path, cfg: dict[str, Any], sections: list[
 
 def _config(collection: Collection, override: dict[str, Any] | None) -> dict[str, Any]:
     cfg = override if override is not None else collection.report or {}
-    if unknown := set(cfg) - REPORT_KEYS:
-        raise ReportError(f"report: unknown key(s) {sorted(unknown)}; allowed: {sorted(REPORT_KEYS)}")
+    reject_unknown(cfg, REPORT_KEYS, "report")
     return cfg
 
 

@@ -20,6 +20,12 @@ class ReportError(ValueError):
     """A folder the report cannot read as one sweep; the message names the files and why."""
 
 
+def reject_unknown(node: Any, allowed: set[str], where: str) -> None:
+    """A `report` setting with a key nobody reads is a typo: name it and the keys there are."""
+    if unknown := set(node) - allowed:
+        raise ReportError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+
+
 @dataclass
 class Job:
     path: Path  # the job folder, relative to the collected root

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from paged.report.collect import ReportError
+from paged.report.collect import ReportError, reject_unknown
 from paged.report.table import is_number, select
 
 
@@ -24,10 +24,7 @@ class PaperPoint:
 
     @classmethod
     def from_config(cls, node: dict[str, Any]) -> PaperPoint:
-        allowed = {f for f in cls.__dataclass_fields__} | {"range"}
-        if unknown := set(node) - allowed:
-            raise ReportError(f"report.paper entry {node.get('label', node)}: unknown key(s) {sorted(unknown)}; "
-                              f"allowed: {sorted(allowed)}")
+        reject_unknown(node, set(cls.__dataclass_fields__) | {"range"}, f"report.paper entry {node.get('label', node)}")
         node = dict(node)
         if "range" in node:
             node["low"], node["high"] = node.pop("range")

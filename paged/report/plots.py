@@ -12,7 +12,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: a sweep may run on a cluster node without a display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from paged.report.collect import ReportError  # noqa: E402
+from paged.report.collect import ReportError, reject_unknown  # noqa: E402
 from paged.report.table import is_number, select  # noqa: E402
 
 KINDS = ("line", "stacked")
@@ -34,11 +34,7 @@ class PlotSpec:
 
     @classmethod
     def from_config(cls, node: dict[str, Any]) -> PlotSpec:
-        allowed = set(cls.__dataclass_fields__)
-        if unknown := set(node) - allowed:
-            raise ReportError(
-                f"report.plots entry {node}: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}"
-            )
+        reject_unknown(node, set(cls.__dataclass_fields__), f"report.plots entry {node}")
         if node.get("kind", "line") not in KINDS:
             raise ReportError(f"report.plots kind={node['kind']!r}; allowed: {list(KINDS)}")
         y = node.get("y")

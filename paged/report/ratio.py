@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from paged.report.collect import ReportError
+from paged.report.collect import ReportError, reject_unknown
 from paged.report.table import is_number, same
 
 
@@ -18,9 +18,7 @@ class Ratio:
 
     @classmethod
     def from_config(cls, node: dict[str, Any]) -> Ratio:
-        allowed = {"line", "baseline", "metric"}
-        if unknown := set(node) - allowed:
-            raise ReportError(f"report.ratio: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+        reject_unknown(node, {"line", "baseline", "metric"}, "report.ratio")
         if "line" not in node or "baseline" not in node:
             raise ReportError(f"report.ratio needs `line` (the compared key) and `baseline` (its value), got {node}")
         return cls(node["line"], str(node["baseline"]), node.get("metric", cls.metric))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from paged.report.collect import ReportError
+from paged.report.collect import ReportError, reject_unknown
 from paged.report.table import is_number
 
 
@@ -20,9 +20,7 @@ class Sustainable:
 
     @classmethod
     def from_config(cls, node: dict[str, Any]) -> Sustainable:
-        allowed = {"x", "line", "metric", "threshold", "baselines"}
-        if unknown := set(node) - allowed:
-            raise ReportError(f"report.sustainable: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+        reject_unknown(node, {"x", "line", "metric", "threshold", "baselines"}, "report.sustainable")
         if "x" not in node or "line" not in node:
             raise ReportError(f"report.sustainable needs `x` (the rate key) and `line` (the system key), got {node}")
         return cls(node["x"], node["line"], node.get("metric", cls.metric), float(node.get("threshold", cls.threshold)),
