@@ -274,6 +274,7 @@ def test_a_sweep_reports_itself_at_the_end_and_lists_failed_jobs(tmp_path: Path,
 
 def test_the_index_orders_experiments_and_counts_verdicts(tmp_path: Path) -> None:
     from paged.report.index import build_index
+    from paged.report.index import main as index_main
 
     for name in ("fig12-opt13b", "fig2", "table1", "cpu-swap"):
         write_job(tmp_path / "runs" / name, "0_a", ["allocator=naive", "x=1"], metrics(1, 0.1),
@@ -288,3 +289,4 @@ def test_the_index_orders_experiments_and_counts_verdicts(tmp_path: Path) -> Non
     assert "| [fig2](#fig2) | 1 | 1 |" in page
     assert "![output_throughput_vs_x](results/fig2/output_throughput_vs_x.png)" in page
     assert "`python run.py -m +experiment=fig12-opt13b`" in page and "### Against the paper" in page
+    assert index_main([str(tmp_path / "missing")]) == 2

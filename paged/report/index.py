@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from pathlib import Path
 
 HEADER = """# Experiments: the PagedAttention paper, regenerated
@@ -55,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("results", type=Path, nargs="?", default=Path("experiments/results"))
     parser.add_argument("--out", type=Path, default=None, help="default: README.md beside the results folder")
     args = parser.parse_args(argv)
+    if not args.results.is_dir():
+        print(f"error: {args.results}: not a folder (the experiments' results, e.g. experiments/results)",
+              file=sys.stderr)
+        return 2
     out = args.out or args.results.parent / "README.md"
     out.write_text(build_index(args.results))
     print(f"wrote {out}")
