@@ -12,6 +12,7 @@ from omegaconf import MISSING, OmegaConf
 from paged.kernels.features import KV_CACHE_DTYPES, BlockSparse, check_scale
 from paged.kernels.limits import BLOCK_SIZES, DEFAULT_PARTITION_SIZE, DTYPE_NAMES, VERSIONS
 from paged.kernels.registry import BACKENDS
+from paged.model.linear import GEMMS
 
 
 @dataclass
@@ -108,6 +109,10 @@ class ModelConfig:
     arch: dict[str, Any] = field(default_factory=dict)
     # Attention window in tokens (Mistral-style); None: the checkpoint's own (none for most models)
     sliding_window: int | None = None
+    # The linear layers' kernel (paged.model.linear): auto, torch (F.linear) or onednn (prepacked)
+    gemm: str = "auto"
+    # source=gguf: reuse the dequantized weights cached on disk (keyed by the file's SHA-256); false: dequantize
+    weight_cache: bool = True
 
 
 @dataclass
@@ -336,6 +341,7 @@ def validate(cfg: Any, block_sizes: tuple[int, ...] = BLOCK_SIZES) -> None:
     _choice("model.source", m.source, ("gguf", "hf", "random", "spec"))
     _choice("model.dtype", m.dtype, DTYPE_NAMES)
     _choice("model.device", m.device, ("auto", "cpu", "cuda"))
+    _choice("model.gemm", m.gemm, GEMMS)
     if m.source == "hf" and not m.path:
         raise ConfigError("model=hf needs model.path=/path/to/a/local/hf/checkpoint")
     if m.source == "spec" and not m.arch:

@@ -23,7 +23,9 @@ log = logging.getLogger(__name__)
 def run_experiment(
     cfg: Any, run_dir: Path, *, group: str | None = None, name: str | None = None, tags: list[str] | None = None
 ) -> dict[str, Any]:
+    load_start = time.perf_counter()
     engine = build_engine(cfg)
+    load_time = time.perf_counter() - load_start
     executor, scheduler = engine.executor, engine.scheduler
     items = workload_for(cfg, engine)
     config = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
@@ -52,6 +54,7 @@ def run_experiment(
         "attention_kernel": executor.kernel_description,
         "block_size": cfg.allocator.block_size,
         "host_time_s": host_time,
+        "load_time_s": load_time,  # building the engine (weights, KV cache): not part of any latency
         **pool_summary(cfg, engine),
         **swap_summary(cfg, engine),
     }

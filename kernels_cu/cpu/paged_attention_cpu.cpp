@@ -1,5 +1,6 @@
 // Native CPU attention over vLLM's paged KV cache (backend "cpu"): decode (here) and prefill
-// (prefill.h), block swaps (swap.h), and the extern "C" entry points of all three.
+// (prefill.h), block swaps (swap.h), the model's fused layer ops and reshape_and_cache
+// (layer_ops.h), and the extern "C" entry points of all of them.
 //
 // Plain C++17 + OpenMP, no torch headers: paged/kernels/backends/cpu.py builds this file with the
 // host compiler and calls the entry points through ctypes with raw data pointers. Layouts are in
@@ -27,6 +28,7 @@
 // -inf and its weight 0.
 
 #include "common.h"
+#include "layer_ops.h"
 #include "prefill.h"
 #include "swap.h"
 
@@ -397,5 +399,77 @@ extern "C" int swap_blocks_cpu(int num_caches, const int64_t *src_caches, const 
                                int num_threads) {
   if (num_threads <= 0) return 6;
   paged_cpu::swap_blocks(num_caches, src_caches, dst_caches, block_bytes, block_mapping, num_pairs, num_threads);
+  return 0;
+}
+
+// ---- layer ops (layer_ops.h) ---------------------------------------------------------------------
+// Rows are `*_stride` floats apart, columns contiguous. `exp_lanes` is the vector width (in floats)
+// of torch's exp, 8 or 16, or 0 where torch uses libm's expf.
+
+extern "C" int rms_norm_cpu(float *out, int64_t out_stride, const float *x, int64_t x_stride, const float *weight,
+                            int64_t num_rows, int64_t hidden, float eps, int num_threads) {
+  if (num_threads <= 0) return 6;
+  if (num_rows < 0 || hidden <= 0) return 12;
+  paged_cpu::layer::rms_norm(out, out_stride, x, x_stride, weight, num_rows, hidden, eps, num_threads);
+  return 0;
+}
+
+extern "C" int add_rms_norm_cpu(float *x, int64_t x_stride, float *residual, int64_t residual_stride,
+                                const float *weight, int64_t num_rows, int64_t hidden, float eps, int num_threads) {
+  if (num_threads <= 0) return 6;
+  if (num_rows < 0 || hidden <= 0) return 12;
+  paged_cpu::layer::add_rms_norm(x, x_stride, residual, residual_stride, weight, num_rows, hidden, eps,
+                                 num_threads);
+  return 0;
+}
+
+extern "C" int silu_and_mul_cpu(float *out, int64_t out_stride, const float *x, int64_t x_stride, int64_t num_rows,
+                                int64_t inter, int exp_lanes, int num_threads) {
+  if (num_threads <= 0) return 6;
+  if (num_rows < 0 || inter <= 0) return 12;
+  if (exp_lanes != 0 && exp_lanes != 8 && exp_lanes != 16) return 12;
+  paged_cpu::layer::silu_and_mul(out, out_stride, x, x_stride, num_rows, inter, exp_lanes, num_threads);
+  return 0;
+}
+
+// positions int64 [num_rows] into cos / sin [num_positions, head_dim]; 11 if one is out of range.
+extern "C" int rotary_embedding_cpu(float *qk, int64_t row_stride, const int64_t *positions, const float *cos,
+                                    const float *sin, int64_t num_rows, int64_t num_positions, int num_heads,
+                                    int head_dim, int num_threads) {
+  if (num_threads <= 0) return 6;
+  if (num_rows < 0 || num_heads <= 0 || head_dim <= 0 || head_dim % 2) return 12;
+  for (int64_t t = 0; t < num_rows; ++t)
+    if (positions[t] < 0 || positions[t] >= num_positions) return 11;
+  paged_cpu::layer::rotary_embedding(qk, row_stride, positions, cos, sin, num_rows, num_heads, head_dim,
+                                     num_threads);
+  return 0;
+}
+
+// key / value [num_tokens, num_kv_heads, head_size] with element strides key_strides[3] /
+// value_strides[3], into caches of the same dtype, element_size 2 or 4 bytes (fp16 / bf16 / fp32).
+// 10 if a slot is >= num_slots (num_blocks * block_size); negative slots are skipped.
+extern "C" int reshape_and_cache_cpu(int element_size, const void *key, const int64_t *key_strides,
+                                     const void *value, const int64_t *value_strides, void *key_cache,
+                                     void *value_cache, const int64_t *slot_mapping, int64_t num_tokens,
+                                     int64_t num_slots, int num_kv_heads, int head_size, int block_size,
+                                     int num_threads) {
+  if (num_threads <= 0) return 6;
+  if (element_size != 2 && element_size != 4) return 7;
+  if (block_size <= 0) return 1;
+  if (head_size <= 0 || head_size % (16 / element_size)) return 3;
+  if (num_tokens < 0 || num_kv_heads <= 0) return 12;
+  for (int64_t t = 0; t < num_tokens; ++t)
+    if (slot_mapping[t] >= num_slots) return 10;
+  if (element_size == 4) {
+    paged_cpu::layer::reshape_and_cache(
+        static_cast<const uint32_t *>(key), key_strides, static_cast<const uint32_t *>(value), value_strides,
+        static_cast<uint32_t *>(key_cache), static_cast<uint32_t *>(value_cache), slot_mapping, num_tokens,
+        num_kv_heads, head_size, block_size, num_threads);
+  } else {
+    paged_cpu::layer::reshape_and_cache(
+        static_cast<const uint16_t *>(key), key_strides, static_cast<const uint16_t *>(value), value_strides,
+        static_cast<uint16_t *>(key_cache), static_cast<uint16_t *>(value_cache), slot_mapping, num_tokens,
+        num_kv_heads, head_size, block_size, num_threads);
+  }
   return 0;
 }

@@ -16,6 +16,9 @@ from paged.executor.kv_scales import KVScales
 from paged.executor.output import ExecutorOutput
 from paged.kernels.features import AttentionFeatures, BlockSparse, cache_dtype, is_fp8
 from paged.model.build import build_model
+from paged.model.layer_ops import NATIVE_CPU_OPS, TORCH_OPS
+from paged.model.linear import resolve_gemm
+from paged.model.llama import LlamaModel
 from paged.model.sampler import SampleRow, TokenLogprobs, sample, top_logprobs
 from paged.model.tokenizer import load_tokenizer
 from paged.model.weights import load_weights
@@ -41,9 +44,11 @@ class ModelExecutor(Executor):
             self.device = torch.device(model_cfg.device)
         self.dtype: torch.dtype = getattr(torch, model_cfg.dtype)
         self.seed = seed
+        # checked before the weights load, so a bad value fails at once
+        self.gemm = resolve_gemm(model_cfg.gemm, self.dtype, self.device)
         arch, state, tokenizer_source = load_weights(model_cfg)
         self.arch = arch
-        self.model = build_model(arch, state, self.dtype, self.device)
+        self.model = build_model(arch, state, self.dtype, self.device, self.gemm)
         self.tokenizer = load_tokenizer(tokenizer_source, chat_template=model_cfg.chat_template)
         eos = self.tokenizer.eos_token_id
         self.eos_token_ids = frozenset([eos] if eos is not None else arch.eos_token_ids[:1])
@@ -69,7 +74,9 @@ class ModelExecutor(Executor):
     def description(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
         kv = f", KV cache {self.kv_cache_dtype_name}" if is_fp8(self.cache_dtype) else ""
-        return f"{self.model_name} on {self.device} ({dtype}{kv}); attention {self.kernel_description}"
+        ops = f", {self.model.ops.name} norms/RoPE/SwiGLU" if isinstance(self.model, LlamaModel) else ""
+        return f"{self.model_name} on {self.device} ({dtype}{kv}); attention {self.kernel_description}; " \
+            f"gemm {self.gemm}{ops}"
 
     def configure_kernel(self, kernel_cfg: KernelConfig) -> None:
         """Pick the decode algorithm, the KV cache's dtype and the attention features, and the
@@ -99,6 +106,9 @@ class ModelExecutor(Executor):
         )
         version = "auto(v1/v2)" if self.version == "auto" else self.version
         self.kernel_description = f"{version}/{reason}"
+        if isinstance(self.model, LlamaModel):
+            # norms, RoPE and SwiGLU run natively wherever the attention does
+            self.model.ops = NATIVE_CPU_OPS if self.backend.name == "cpu" else TORCH_OPS
 
     @property
     def _features(self) -> AttentionFeatures:

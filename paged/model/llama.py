@@ -1,9 +1,10 @@
-"""A Llama-family decoder in plain torch, with attention left to the caller.
+"""A Llama-family decoder, with attention left to the caller.
 
 The model knows nothing about the KV cache: each layer hands its rotated q, k and v to an
 `AttentionFn`, which is where the executor writes the paged cache and reads it back. Weights are
 fused (q/k/v into one matmul, gate/up into another) because on a few CPU cores the per-op overhead
-of a small model is a large share of a decode step.
+of a small model is a large share of a decode step. The linear layers' kernel is chosen at load
+(`paged.model.linear`), the elementwise ops per executor (`paged.model.layer_ops`).
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from paged.model.config import LlamaArch
+from paged.model.layer_ops import TORCH_OPS, TorchLayerOps
+from paged.model.linear import Linear
 
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """(layer_idx, q[T, heads, D], k[T, kv_heads, D], v[T, kv_heads, D]) -> out[T, heads, D]"""
@@ -23,12 +25,11 @@ AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Te
 @dataclass
 class LlamaLayer:
     attn_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    qkv: Linear
+    o: Linear
     mlp_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Linear
+    down: Linear
 
 
 def rope_table(arch: LlamaArch, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,13 +38,6 @@ def rope_table(arch: LlamaArch, max_positions: int) -> tuple[torch.Tensor, torch
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.int64).float(), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF's rotate_half convention: dimension i pairs with i + head_dim / 2."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class LlamaModel:
@@ -55,7 +49,9 @@ class LlamaModel:
         state: dict[str, torch.Tensor],
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        gemm: str = "torch",
     ) -> None:
+        """`gemm`: the linear layers' kernel as `paged.model.linear.resolve_gemm` returns it."""
         self.arch = arch
         self.dtype = dtype
         self.device = torch.device(device)
@@ -64,7 +60,7 @@ class LlamaModel:
             return state[name].to(device=self.device, dtype=dtype).contiguous()
 
         self.embed = w("model.embed_tokens.weight")
-        self.lm_head = self.embed if arch.tie_word_embeddings else w("lm_head.weight")
+        self.lm_head = Linear(self.embed if arch.tie_word_embeddings else w("lm_head.weight"), None, gemm)
         self.final_norm = w("model.norm.weight")
         self.layers: list[LlamaLayer] = []
         for i in range(arch.num_layers):
@@ -76,43 +72,37 @@ class LlamaModel:
             self.layers.append(
                 LlamaLayer(
                     attn_norm=w(p + "input_layernorm.weight"),
-                    qkv=torch.cat([w(f"{attn}{n}_proj.weight") for n in "qkv"]),
-                    qkv_bias=bias,
-                    o=w(attn + "o_proj.weight"),
+                    qkv=Linear(torch.cat([w(f"{attn}{n}_proj.weight") for n in "qkv"]), bias, gemm),
+                    o=Linear(w(attn + "o_proj.weight"), None, gemm),
                     mlp_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=torch.cat([w(mlp + "gate_proj.weight"), w(mlp + "up_proj.weight")]),
-                    down=w(mlp + "down_proj.weight"),
+                    gate_up=Linear(torch.cat([w(mlp + "gate_proj.weight"), w(mlp + "up_proj.weight")]), None, gemm),
+                    down=Linear(w(mlp + "down_proj.weight"), None, gemm),
                 )
             )
         # Computed in fp32 and cast once, as HF does per step.
         cos, sin = rope_table(arch, arch.max_position_embeddings)
         self.cos, self.sin = cos.to(self.device, dtype), sin.to(self.device, dtype)
-
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # HF normalises in fp32 and casts back before scaling; a no-op cast for fp32 models.
-        y = F.rms_norm(x.float(), (x.shape[-1],), eps=self.arch.rms_norm_eps)
-        return weight * y.to(self.dtype)
+        # RMSNorm / RoPE / SwiGLU; the executor switches to the native CPU kernels where they run
+        self.ops: TorchLayerOps = TORCH_OPS
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         """Hidden states `[T, hidden]` after the final norm, for a flat batch of T tokens."""
-        a = self.arch
+        a, ops, eps = self.arch, self.ops, self.arch.rms_norm_eps
         n_q, n_kv, d = a.num_heads, a.num_kv_heads, a.head_dim
         num_tokens = input_ids.shape[0]
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        h = self.embed[input_ids]
+        residual = self.embed[input_ids]
+        x = ops.rms_norm(residual, self.layers[0].attn_norm, eps)
         for i, layer in enumerate(self.layers):
-            qkv = F.linear(self._norm(h, layer.attn_norm), layer.qkv, layer.qkv_bias)
-            # q and k are rotated together: one set of RoPE ops instead of two.
-            qk = apply_rope(qkv[:, : (n_q + n_kv) * d].view(num_tokens, n_q + n_kv, d), cos, sin)
-            q, k = qk.split((n_q, n_kv), dim=1)
+            qkv = layer.qkv(x)
+            q, k = ops.rope(qkv, positions, self.cos, self.sin, n_q + n_kv, d).split((n_q, n_kv), dim=1)
             v = qkv[:, (n_q + n_kv) * d :].view(num_tokens, n_kv, d)
-            out = attn(i, q, k, v)
-            h = h + F.linear(out.reshape(num_tokens, n_q * d), layer.o)
-            gate, up = F.linear(self._norm(h, layer.mlp_norm), layer.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down)
-        return self._norm(h, self.final_norm)
+            x = ops.add_rms_norm(layer.o(attn(i, q, k, v).reshape(num_tokens, n_q * d)), residual, layer.mlp_norm, eps)
+            x = layer.down(ops.silu_and_mul(layer.gate_up(x)))
+            # the residual add of this layer's MLP is fused into the next norm
+            following = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.final_norm
+            x = ops.add_rms_norm(x, residual, following, eps)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits `[N, vocab]` for the N hidden rows that will be sampled."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,9 @@ from paged.model.gguf_loader import load_gguf, read_arch
 from paged.model.hf_loader import load_hf, read_hf_arch
 from paged.model.locate import locate_smollm2
 from paged.model.tiny import random_state, tiny_arch
+from paged.model.weight_cache import load_gguf_cached
+
+log = logging.getLogger(__name__)
 
 
 def _arch_keys(model_cfg: ModelConfig) -> dict[str, Any]:
@@ -67,7 +72,7 @@ def load_weights(model_cfg: ModelConfig) -> tuple[LlamaArch, dict[str, torch.Ten
     _check_source(model_cfg)
     if model_cfg.source == "gguf":
         path = Path(model_cfg.path) if model_cfg.path else locate_smollm2()
-        arch, state = load_gguf(path)
+        arch, state = _load_gguf_timed(path, model_cfg.weight_cache)
         return _checkpoint_arch(arch, model_cfg), state, path
     if model_cfg.source == "hf":
         arch, state = load_hf(model_cfg.path)
@@ -75,3 +80,16 @@ def load_weights(model_cfg: ModelConfig) -> tuple[LlamaArch, dict[str, torch.Ten
     arch = tiny_arch(arch_overrides(model_cfg))
     # A fixed weight seed: `tiny-random` is one model whatever the experiment's sampling seed.
     return arch, random_state(arch, seed=0), locate_smollm2()
+
+
+def _load_gguf_timed(path: Path, use_cache: bool) -> tuple[LlamaArch, dict[str, torch.Tensor]]:
+    """The GGUF's weights, from the on-disk cache (`paged.model.weight_cache`) unless `use_cache` is
+    false; logs where they came from and the seconds it took, apart from any serving time."""
+    start = time.perf_counter()
+    if use_cache:
+        arch, state, how = load_gguf_cached(path)
+    else:
+        arch, state = load_gguf(path)
+        how = f"dequantized {path.name} (model.weight_cache=false)"
+    log.info("weights: %s in %.2f s", how, time.perf_counter() - start)
+    return arch, state

@@ -6,7 +6,9 @@ It implements every cache dtype (fp8 with its scales) and attention feature (ALi
 of `paged.kernels.features`.
 The library is built with the host compiler (`$CXX`, else `g++`) into the on-disk kernel cache,
 keyed by the sources' hash, the compiler, the flags and the CPU, and loaded once per process
-through ctypes. `reshape_and_cache` and `copy_blocks` are cheap and use the torch reference.
+through ctypes. `reshape_and_cache` is native for caches in the activations' dtype (fp8 caches use
+the torch reference's quantising writer), `copy_blocks` is the torch reference's. The same library
+holds the model's fused layer ops, which `paged.kernels.layer_ops` calls.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 
 from paged.kernels.backends.base import CACHE_DTYPES, FEATURES, CacheView, require_contiguous
 from paged.kernels.backends.torch_ref import TorchBackend
-from paged.kernels.features import NONE, AttentionFeatures
+from paged.kernels.features import FP8_DTYPES, NONE, AttentionFeatures
 from paged.kernels.limits import BLOCK_SIZES
 from paged.kernels.toolchain import host_compiler
 from paged.kernels.toolchain.cache_dir import ArtifactCache
@@ -48,6 +50,9 @@ _STATUS = {
     7: "unsupported dtype",
     8: "the kv cache dtype must be the query's, or fp8 with k_scale and v_scale",
     9: "blocksparse needs local_blocks, vert_stride and block_size > 0, block_size a multiple of the cache's",
+    10: "slot_mapping holds a slot >= num_blocks * block_size",
+    11: "positions holds a position outside the cos/sin tables",
+    12: "sizes must be positive (head_dim even) and exp_lanes 0, 8 or 16",
 }
 # PAGED_CPU_COMMON_ARGS: dtypes, out, query and its strides, caches, block tables and their stride,
 # seq_lens, the sizes, scale, sliding window, fp8 scales, ALiBi slopes, the four block-sparse ints.
@@ -65,6 +70,24 @@ _SIGNATURES = {
     "prefill_attention_cpu": [*_COMMON_ARGS, ctypes.c_void_p, ctypes.c_int, ctypes.c_int],
     # num_caches, src cache addresses, dst cache addresses, bytes per block, mapping, num_pairs, num_threads
     "swap_blocks_cpu": [ctypes.c_int, _Int64s, _Int64s, _Int64s, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int],
+    # Layer ops (paged/kernels/layer_ops.py). out, out row stride, x, x row stride, weight, rows, hidden, eps,
+    # num_threads
+    "rms_norm_cpu": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                     ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int],
+    # x, x row stride, residual, residual row stride, weight, rows, hidden, eps, num_threads
+    "add_rms_norm_cpu": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                         ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int],
+    # out, out row stride, x, x row stride, rows, intermediate size, exp_lanes, num_threads
+    "silu_and_mul_cpu": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                         ctypes.c_int64, ctypes.c_int, ctypes.c_int],
+    # qk, row stride, positions, cos, sin, rows, table positions, num_heads, head_dim, num_threads
+    "rotary_embedding_cpu": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                             ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int],
+    # element size, key, key strides[3], value, value strides[3], key cache, value cache, slot_mapping,
+    # num_tokens, num_blocks * block_size, num_kv_heads, head_size, block_size, num_threads
+    "reshape_and_cache_cpu": [ctypes.c_int, ctypes.c_void_p, _Int64s, ctypes.c_void_p, _Int64s, ctypes.c_void_p,
+                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_int, ctypes.c_int],
 }
 
 _CACHE = ArtifactCache("cpu", ".so")
@@ -160,7 +183,8 @@ def _addresses(values: list[int]) -> ctypes.Array[ctypes.c_int64]:
 
 
 class CpuBackend(TorchBackend):
-    """Native decode and prefill attention and swaps; the other cache ops are the torch reference's."""
+    """Native decode and prefill attention, swaps and (non-fp8) cache writes; `copy_blocks` and fp8
+    cache writes are the torch reference's."""
 
     name = "cpu"
     description = "native C++/OpenMP"
@@ -188,6 +212,27 @@ class CpuBackend(TorchBackend):
         # `query_start_loc` must outlive the call: `_call` only holds its address.
         return _call("prefill_attention_cpu", query, cache, scale, sliding_window, features,
                      query_start_loc.data_ptr(), max_query_len, torch.get_num_threads())
+
+    def reshape_and_cache(
+        self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    ) -> None:
+        """A bit copy per element, in parallel over tokens; key/value may have any strides. Slots < 0
+        are skipped; of two tokens given one slot, which lands is unspecified (as with torch's
+        index_put). fp8 (quantising) and non-contiguous caches go to the torch reference."""
+        if (key_cache.dtype in FP8_DTYPES or key.dtype != key_cache.dtype or value.dtype != key_cache.dtype
+                or slot_mapping.dtype != torch.int64
+                or not (key_cache.is_contiguous() and value_cache.is_contiguous())):
+            super().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+            return
+        num_blocks, num_kv_heads, _, block_size, _ = key_cache.shape
+        slots = slot_mapping.contiguous()
+        status = load().reshape_and_cache_cpu(
+            key.element_size(), key.data_ptr(), _addresses(list(key.stride())), value.data_ptr(),
+            _addresses(list(value.stride())), key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(),
+            key.shape[0], num_blocks * block_size, num_kv_heads, key.shape[2], block_size, torch.get_num_threads(),
+        )
+        _check_status("reshape_and_cache_cpu", status)
 
     def swap_blocks(
         self, src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], block_mapping: torch.Tensor

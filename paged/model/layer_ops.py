@@ -1,0 +1,87 @@
+"""The decoder's elementwise ops, as torch formulas or as the cpu backend's native fused kernels.
+
+A prefill step of a few thousand tokens spent a quarter of its time outside the matmuls on this
+2-core machine: every torch op of RMSNorm, RoPE and SwiGLU reads and writes the whole activation,
+and the activations do not fit in cache. The native ops make one pass each, fuse the residual add
+into the norm and rotate q and k in place. They keep torch's fp32 arithmetic, to the bit on x86
+(RMSNorm copies the summation order of torch's sum kernel, SiLU its vector `exp`; RoPE is built
+without FMA contraction), so greedy outputs stay those of the torch formulas.
+
+The executor uses the native ops where its attention runs on the native cpu backend
+(`kernel.backend=cpu`, or `auto` on a CPU) and the torch formulas everywhere else.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from paged.kernels import layer_ops as native
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotate_half convention: dimension i pairs with i + head_dim / 2."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class TorchLayerOps:
+    """The reference formulas, for any device and dtype (HF's RMSNorm normalises in fp32)."""
+
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """`residual += x` in place, then the norm of the sum."""
+        return self.rms_norm(residual.add_(x), weight, eps)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rope(
+        self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        num_heads: int, head_dim: int,
+    ) -> torch.Tensor:
+        """The first `num_heads` heads of each `qkv` row rotated, as `[T, num_heads, head_dim]`
+        (q and k together: one set of ops instead of two)."""
+        qk = qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
+        return apply_rope(qk, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+
+
+class NativeCpuLayerOps(TorchLayerOps):
+    """The cpu backend's fused kernels for fp32 CPU tensors; other dtypes take the torch formulas."""
+
+    name = "native"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            return super().rms_norm(x, weight, eps)
+        return native.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            return super().add_rms_norm(x, residual, weight, eps)
+        return native.add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            return super().silu_and_mul(x)
+        return native.silu_and_mul(x)
+
+    def rope(
+        self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        num_heads: int, head_dim: int,
+    ) -> torch.Tensor:
+        """Rotates `qkv`'s first heads in place (no copy of q or k) and returns them as a view."""
+        if qkv.dtype != torch.float32:
+            return super().rope(qkv, positions, cos, sin, num_heads, head_dim)
+        native.rotary_embedding(qkv, positions, cos, sin, num_heads, head_dim)
+        return qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
+
+
+TORCH_OPS = TorchLayerOps()
+NATIVE_CPU_OPS = NativeCpuLayerOps()
