@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 
 from paged.config import KernelConfig, ModelConfig
 from paged.executor.model_executor import ModelExecutor
+from paged.model.layer_ops import NATIVE_CPU_OPS, TORCH_OPS
 from paged.model.llama import LlamaModel
 from paged.request import Request, SamplingParams
 from paged.scheduler.output import ScheduledSeq, SchedulerOutput
@@ -173,3 +174,21 @@ def test_random_arch_overrides_from_a_hydra_config_and_qkv_bias() -> None:
 def test_unknown_arch_key_is_rejected() -> None:
     with pytest.raises(ValueError, match="unknown LlamaArch keys"):
         make_executor(num_layer=3)
+
+
+@pytest.mark.parametrize("gemm", ["torch", "auto"])
+def test_native_layer_ops_and_gemms_generate_what_the_torch_formulas_recompute(gemm: str) -> None:
+    """On the native cpu backend the norms, RoPE and SwiGLU are the native kernels; they keep the
+    torch formulas' fp32 results, so paged generation equals a torch-ops full recompute exactly."""
+    ex = ModelExecutor(
+        ModelConfig(name="tiny-random", source="random", gemm=gemm),
+        KernelConfig(name="test", version="auto", backend="cpu", partition_size=32),
+    )
+    ex.init_kv_cache(num_blocks=256, block_size=BLOCK)
+    if ex.backend.name != "cpu":
+        pytest.skip(f"native cpu backend unavailable: {ex.kernel_description}")
+    assert ex.model.ops is NATIVE_CPU_OPS and f"gemm {ex.gemm}, native norms/RoPE/SwiGLU" in ex.description
+    outputs = generate(ex, PROMPTS, max_tokens=8)
+    ex.model.ops = TORCH_OPS
+    for prompt, out in zip(PROMPTS, outputs, strict=True):
+        assert out == recompute_greedy(ex.model, prompt, 8)

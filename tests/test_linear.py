@@ -1,0 +1,56 @@
+"""model.gemm: prepacked oneDNN linears against F.linear, and how the kernel is chosen and refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from paged.model.linear import Linear, onednn_unsupported_reason, resolve_gemm
+
+CPU = torch.device("cpu")
+needs_onednn = pytest.mark.skipif(
+    onednn_unsupported_reason(torch.float32, CPU) is not None, reason="this torch build has no oneDNN"
+)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_prepacked_linear_matches_f_linear(rows: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 80, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    x = torch.randn(rows, 80, generator=g)
+    packed = Linear(weight, b, "onednn")
+    assert packed.packed and (packed.out_features, packed.in_features) == (96, 80)
+    # the two GEMMs sum in different orders: equal to rounding, not to the bit
+    torch.testing.assert_close(packed(x), F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
+def test_torch_gemm_is_f_linear_to_the_bit() -> None:
+    weight, x = torch.randn(24, 16), torch.randn(5, 16)
+    assert torch.equal(Linear(weight, None, "torch")(x), F.linear(x, weight))
+
+
+@needs_onednn
+def test_auto_prepacks_fp32_and_bf16_on_cpu_only() -> None:
+    assert resolve_gemm("auto", torch.float32, CPU) == "onednn"
+    assert resolve_gemm("auto", torch.bfloat16, CPU) == "onednn"
+    assert resolve_gemm("auto", torch.float16, CPU) == "torch"
+    assert resolve_gemm("auto", torch.float32, torch.device("cuda")) == "torch"
+    assert resolve_gemm("torch", torch.float32, CPU) == "torch"
+
+
+@pytest.mark.parametrize(
+    ("gemm", "dtype", "device", "message"),
+    [
+        ("cublas", torch.float32, "cpu", "model.gemm='cublas' is not supported; allowed: auto, torch, onednn"),
+        ("onednn", torch.float32, "cuda", "model.gemm=onednn runs on a CPU, not on cuda"),
+        ("onednn", torch.float16, "cpu", "supports float32 and bfloat16 models, not torch.float16"),
+    ],
+)
+def test_refused_gemm_names_the_value_and_what_is_allowed(gemm, dtype, device, message) -> None:
+    with pytest.raises(ValueError) as err:
+        resolve_gemm(gemm, dtype, torch.device(device))
+    assert message in str(err.value)
