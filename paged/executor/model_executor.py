@@ -74,9 +74,10 @@ class ModelExecutor(Executor):
     def description(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
         kv = f", KV cache {self.kv_cache_dtype_name}" if is_fp8(self.cache_dtype) else ""
-        ops = f", {self.model.ops.name} norms/RoPE/SwiGLU" if isinstance(self.model, LlamaModel) else ""
-        return f"{self.model_name} on {self.device} ({dtype}{kv}); attention {self.kernel_description}; " \
-            f"gemm {self.gemm}{ops}"
+        # BLOOM keeps F.linear and its own norms: only a Llama model has these choices
+        layers = f"; gemm {self.gemm}, {self.model.ops.name} norms/RoPE/SwiGLU" if isinstance(
+            self.model, LlamaModel) else ""
+        return f"{self.model_name} on {self.device} ({dtype}{kv}); attention {self.kernel_description}{layers}"
 
     def configure_kernel(self, kernel_cfg: KernelConfig) -> None:
         """Pick the decode algorithm, the KV cache's dtype and the attention features, and the
