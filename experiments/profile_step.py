@@ -77,7 +77,7 @@ def instrument(timer: StepTimer) -> None:
     Linear.__call__ = timer.wrap("matmul (layers)", Linear.__call__)
     LlamaModel.compute_logits = timer.wrap("matmul (lm_head)", LlamaModel.compute_logits)
     for cls in {type(ops) for ops in (model_executor.NATIVE_CPU_OPS, model_executor.TORCH_OPS)} | {TorchLayerOps}:
-        for method in ("rms_norm", "add_rms_norm", "silu_and_mul", "rope"):
+        for method in ("rms_norm", "add_rms_norm", "silu_and_mul", "rotation", "rope"):
             setattr(cls, method, timer.wrap("norms / RoPE / SwiGLU", cls.__dict__.get(method, getattr(cls, method))))
     execute = model_executor.ModelExecutor.execute
 

@@ -18,6 +18,9 @@ import torch.nn.functional as F
 
 from paged.kernels import layer_ops as native
 
+# per step, what `rope` needs for its positions (see `TorchLayerOps.rotation`)
+Rotation = tuple[torch.Tensor, ...]
+
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """HF's rotate_half convention: dimension i pairs with i + head_dim / 2."""
@@ -42,14 +45,16 @@ class TorchLayerOps:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def rope(
-        self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        num_heads: int, head_dim: int,
-    ) -> torch.Tensor:
+    def rotation(self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Rotation:
+        """What `rope` needs for a step's `positions`, computed once per forward for every layer:
+        here the cos/sin rows, gathered and shaped to broadcast over heads."""
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+    def rope(self, qkv: torch.Tensor, rotation: Rotation, num_heads: int, head_dim: int) -> torch.Tensor:
         """The first `num_heads` heads of each `qkv` row rotated, as `[T, num_heads, head_dim]`
         (q and k together: one set of ops instead of two)."""
         qk = qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
-        return apply_rope(qk, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+        return apply_rope(qk, *rotation)
 
 
 class NativeCpuLayerOps(TorchLayerOps):
@@ -72,14 +77,17 @@ class NativeCpuLayerOps(TorchLayerOps):
             return super().silu_and_mul(x)
         return native.silu_and_mul(x)
 
-    def rope(
-        self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        num_heads: int, head_dim: int,
-    ) -> torch.Tensor:
+    def rotation(self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Rotation:
+        """The positions and the whole tables: the kernel looks the rows up itself."""
+        if cos.dtype != torch.float32:
+            return super().rotation(positions, cos, sin)
+        return positions, cos, sin
+
+    def rope(self, qkv: torch.Tensor, rotation: Rotation, num_heads: int, head_dim: int) -> torch.Tensor:
         """Rotates `qkv`'s first heads in place (no copy of q or k) and returns them as a view."""
         if qkv.dtype != torch.float32:
-            return super().rope(qkv, positions, cos, sin, num_heads, head_dim)
-        native.rotary_embedding(qkv, positions, cos, sin, num_heads, head_dim)
+            return super().rope(qkv, rotation, num_heads, head_dim)
+        native.rotary_embedding(qkv, *rotation, num_heads, head_dim)
         return qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
 
 

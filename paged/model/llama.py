@@ -91,10 +91,11 @@ class LlamaModel:
         n_q, n_kv, d = a.num_heads, a.num_kv_heads, a.head_dim
         num_tokens = input_ids.shape[0]
         residual = self.embed[input_ids]
+        rotation = ops.rotation(positions, self.cos, self.sin)
         x = ops.rms_norm(residual, self.layers[0].attn_norm, eps)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(x)
-            q, k = ops.rope(qkv, positions, self.cos, self.sin, n_q + n_kv, d).split((n_q, n_kv), dim=1)
+            q, k = ops.rope(qkv, rotation, n_q + n_kv, d).split((n_q, n_kv), dim=1)
             v = qkv[:, (n_q + n_kv) * d :].view(num_tokens, n_kv, d)
             x = ops.add_rms_norm(layer.o(attn(i, q, k, v).reshape(num_tokens, n_q * d)), residual, layer.mlp_norm, eps)
             x = layer.down(ops.silu_and_mul(layer.gate_up(x)))
