@@ -18,9 +18,9 @@ import statistics
 from rich.console import Console
 from rich.table import Table
 
-from paged.build import build_engine, build_executor
+from paged.builder import build_engine, build_executor
+from paged.config import compose_config
 from paged.experiment import workload_for
-from paged.llm import compose_config
 from paged.runner import run_workload
 
 BASE = ["logger=none", "progress=false", "workload=fixed", "workload.prompt_len=64", "workload.output_len=64",

@@ -61,7 +61,7 @@ from rich.table import Table
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
 from paged import LLM, SamplingParams
-from paged.model.config import LlamaArch
+from paged.model.arch import LlamaArch
 from paged.model.gguf_loader import read_arch
 from paged.model.locate import locate_smollm2
 

@@ -15,11 +15,11 @@ import time
 
 import numpy as np
 
-from paged.build import build_executor
+from paged.builder import build_executor
+from paged.config import compose_config
 from paged.executor.model_executor import ModelExecutor
-from paged.llm import compose_config
 from paged.request import Request, SamplingParams
-from paged.scheduler.output import ScheduledSeq, SchedulerOutput
+from paged.step import ScheduledSeq, SchedulerOutput
 
 BLOCK = 16
 

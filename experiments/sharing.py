@@ -20,7 +20,7 @@ the whole span. Beside it: the same saving weighted by step time, and over the s
 (requests queued for a seat or memory), since the plain step mean counts the many short steps of
 the drain (a few long requests left) as much as full batches; `--out` also keeps it per tenth of
 the run's time. Every run is deterministic: seeded lengths and arrivals, and the simulator's
-placeholder tokens and beam log-probabilities are hashes (paged/executor/sim_executor.py). The
+placeholder tokens and beam log-probabilities are hashes (paged/sim/executor.py). The
 defaults keep each run under ~15 s here with the queue or the memory full for most of the run.
 
 `cpu`: the real SmolLM2-135M on this CPU, beam search of `--width` over `--prompts` short prompts,
@@ -52,9 +52,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from paged.build import build_executor
+from paged.builder import build_executor
+from paged.config import compose_config
 from paged.experiment import run_quietly
-from paged.llm import LLM, compose_config
+from paged.llm import LLM
 from paged.metrics import StepRecord
 from paged.request import SamplingParams
 

@@ -19,9 +19,9 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from paged.build import build_engine
+from paged.builder import build_engine
+from paged.config import compose_config
 from paged.experiment import workload_for
-from paged.llm import compose_config
 from paged.runner import run_workload
 
 

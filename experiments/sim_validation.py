@@ -24,9 +24,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from paged.build import build_engine
+from paged.builder import build_engine
+from paged.config import compose_config
 from paged.experiment import run_experiment, workload_for
-from paged.llm import compose_config
 from paged.runner import run_workload
 
 KEYS = (("wall_time_s", "total time (s)"), ("ttft_mean_s", "mean TTFT (s)"), ("tpot_mean_s", "mean TPOT (s)"))

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from paged.executor.base import Executor
-from paged.executor.output import ExecutorOutput
 from paged.metrics import MetricsRecorder
 from paged.request import Request
 from paged.scheduler.core import Scheduler
+from paged.step import ExecutorOutput
 
 
 class Engine:

@@ -9,9 +9,9 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from paged.build import build_engine
+from paged.builder import build_engine
+from paged.config import compose_config
 from paged.engine import Engine
-from paged.llm import compose_config
 from paged.outputs import print_summary, write_outputs
 from paged.runner import run_workload
 from paged.wandb_logger import WandbLogger

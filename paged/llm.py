@@ -7,19 +7,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hydra import compose, initialize_config_dir
 from tqdm import tqdm
 
-from paged.assets import asset_dir
-from paged.build import build_engine
-from paged.config import register_configs
+from paged.builder import build_engine
+from paged.config import compose_config
 from paged.engine import Engine
 from paged.executor.base import Executor
-from paged.model.sampler import TokenLogprobs
 from paged.outputs import completion_text
 from paged.request import Request, SamplingParams
-
-CONF_DIR = asset_dir("conf")
+from paged.step import TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -122,15 +118,6 @@ class BeamSearchOutput:
 
 
 PromptType = str | Sequence[int] | dict[str, Any]
-
-
-def compose_config(overrides: Sequence[str] = ()) -> Any:
-    """The same config `run.py` would see for these overrides (Hydra's compose API)."""
-    if not CONF_DIR.is_dir():
-        raise FileNotFoundError(f"config dir {CONF_DIR} not found; reinstall paged (pip install -e .)")
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
 
 
 class LLM:

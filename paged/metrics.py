@@ -8,11 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from paged.executor.output import ExecutorOutput
-from paged.memory import KVStats
 from paged.request import FinishReason, Request, Sequence
-from paged.scheduler.core import SchedulerStats
-from paged.scheduler.output import SchedulerOutput
+from paged.step import ExecutorOutput, KVStats, SchedulerOutput, SchedulerStats
 
 
 @dataclass

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from paged.build import build_engine
+from paged.builder import build_engine
+from paged.config import compose_config
 from paged.engine import Engine
-from paged.llm import compose_config
 from paged.request import Request, SamplingParams
 from tests.token_cache_executor import TokenCacheExecutor
 

@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.initialization import no_init_weights
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from paged.model.config import LlamaArch
+from paged.model.arch import LlamaArch
 from paged.model.locate import locate_smollm2
 
 

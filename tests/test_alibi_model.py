@@ -16,9 +16,9 @@ from transformers import BloomConfig, BloomForCausalLM
 from transformers.initialization import no_init_weights
 
 from paged import LLM, SamplingParams, kernels
+from paged.model.arch import LlamaArch
 from paged.model.bloom import BloomModel
-from paged.model.build import build_model
-from paged.model.config import LlamaArch
+from paged.model.factory import build_model
 from paged.model.hf_loader import load_hf
 from paged.model.llama import AttentionFn
 from paged.model.tiny import random_state, tiny_arch

@@ -6,12 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paged.build import build_engine
-from paged.config import ConfigError, validate
+from paged.builder import build_engine
+from paged.config import ConfigError, compose_config, validate
 from paged.engine import Engine
-from paged.llm import compose_config
 from paged.request import Request, SamplingParams, SeqStatus
-from paged.scheduler.output import SchedulerOutput
+from paged.step import SchedulerOutput
 from tests.engine_helpers import make_engine, outputs, run_requests
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -92,7 +92,7 @@ def test_run_writes_summary_with_contract_keys_and_consistent_values(default_run
 
 
 def test_requests_jsonl_has_one_line_per_request_in_submission_order(default_run: Path) -> None:
-    from paged.llm import compose_config
+    from paged.config import compose_config
     from paged.model.locate import locate_smollm2
     from paged.model.tokenizer import load_tokenizer
     from paged.workload import load_workload

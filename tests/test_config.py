@@ -4,9 +4,8 @@ import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf.errors import ValidationError
 
-from paged.build import check_config
-from paged.config import ConfigError, parse_bytes, validate
-from paged.llm import compose_config
+from paged.builder import check_config
+from paged.config import ConfigError, compose_config, parse_bytes, validate
 
 
 def test_default_config_is_valid_and_picks_documented_defaults():

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from paged import LLM, SamplingParams
-from paged.build import build_executor
+from paged.builder import build_executor
+from paged.config import compose_config
 from paged.executor.model_executor import ModelExecutor
-from paged.llm import compose_config
 from tests.hf_reference import arch_kwargs, smollm2_reference
 
 pytestmark = pytest.mark.slow

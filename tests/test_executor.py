@@ -13,7 +13,7 @@ from paged.executor.model_executor import ModelExecutor
 from paged.model.layer_ops import NATIVE_CPU_OPS, TORCH_OPS
 from paged.model.llama import LlamaModel
 from paged.request import Request, SamplingParams
-from paged.scheduler.output import ScheduledSeq, SchedulerOutput
+from paged.step import ScheduledSeq, SchedulerOutput
 
 BLOCK = 16
 

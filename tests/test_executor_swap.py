@@ -13,7 +13,7 @@ from paged import LLM, SamplingParams, kernels
 from paged.config import KernelConfig, ModelConfig
 from paged.executor.model_executor import ModelExecutor
 from paged.request import Request
-from paged.scheduler.output import ScheduledSeq, SchedulerOutput
+from paged.step import ScheduledSeq, SchedulerOutput
 from tests.test_executor import BLOCK, step
 
 PROMPT = list(range(100, 137))  # three blocks, the last partly filled

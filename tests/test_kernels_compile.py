@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from paged.kernels.features import FP8_DTYPES
-from paged.kernels.toolchain import build, nvrtc, specs
+from paged.kernels.toolchain import aot, nvrtc, specs
 from paged.kernels.toolchain.cache_dir import ENV_VAR
 
 ARCHS = ("sm_80", "sm_90")
@@ -156,7 +156,7 @@ def test_missing_headers_name_the_packages_to_install(monkeypatch: pytest.Monkey
 
 
 def test_build_cli_prints_the_resource_report(capsys: pytest.CaptureFixture[str]) -> None:
-    assert build.main(["--arch", "sm_90", "--default-only", "--report"]) == 0
+    assert aot.main(["--arch", "sm_90", "--default-only", "--report"]) == 0
     out = capsys.readouterr().out
     assert "regs" in out and "spill st" in out and "compile s" in out
     v1_default = "paged::paged_attention_v1_kernel<__half, __half, 128, 16"
@@ -167,5 +167,5 @@ def test_build_cli_prints_the_resource_report(capsys: pytest.CaptureFixture[str]
 
 
 def test_build_cli_refuses_an_unknown_arch(capsys: pytest.CaptureFixture[str]) -> None:
-    assert build.main(["--arch", "sm_70"]) == 2
+    assert aot.main(["--arch", "sm_70"]) == 2
     assert "sm_80" in capsys.readouterr().err

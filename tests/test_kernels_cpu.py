@@ -7,7 +7,7 @@ import torch
 
 from paged import kernels
 from paged.kernels.backends import cpu as cpu_backend
-from paged.kernels.backends.base import DTYPES
+from paged.kernels.backends.interface import DTYPES
 from paged.kernels.testing import AttentionCase, attention_inputs, edge_seq_lens, tolerance
 from paged.kernels.toolchain import host_compiler
 

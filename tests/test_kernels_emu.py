@@ -7,7 +7,7 @@ import torch
 
 from paged import kernels
 from paged.kernels.backends import torch_ref
-from paged.kernels.backends.base import CacheView
+from paged.kernels.backends.interface import CacheView
 from paged.kernels.limits import BLOCK_SIZES, NATIVE_HEAD_SIZES
 from paged.kernels.testing import (
     DTYPES,

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from paged import kernels
-from paged.kernels.backends.base import DTYPES
+from paged.kernels.backends.interface import DTYPES
 from paged.kernels.features import FP8_MAX, BlockSparse, alibi_slopes
 from paged.kernels.limits import BLOCK_SIZES
 from paged.kernels.testing import (

@@ -8,7 +8,7 @@ import torch
 
 from paged import kernels
 from paged.kernels.backends import torch_ref
-from paged.kernels.backends.base import DTYPES
+from paged.kernels.backends.interface import DTYPES
 from paged.kernels.limits import BLOCK_SIZES
 from paged.kernels.testing import AttentionCase, PrefillInputs, prefill_inputs, prefill_reference, tolerance
 from paged.kernels.toolchain import host_compiler

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from paged import kernels
-from paged.kernels.backends.base import DTYPES
+from paged.kernels.backends.interface import DTYPES
 from paged.kernels.limits import BLOCK_SIZES
 from paged.kernels.testing import random_cache
 from paged.kernels.toolchain import host_compiler

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from paged import kernels
-from paged.kernels import layer_ops
+from paged.kernels import fused_ops as layer_ops
 from paged.kernels.backends import cpu as cpu_backend
 from paged.kernels.backends import torch_ref
 from paged.kernels.toolchain import host_compiler

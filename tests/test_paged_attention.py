@@ -13,7 +13,7 @@ from paged.executor.model_executor import ModelExecutor
 from paged.kernels.testing import causal_attention, gather_kv, random_cache
 from paged.kernels.toolchain import host_compiler
 from paged.request import Request, SamplingParams
-from paged.scheduler.output import ScheduledSeq, SchedulerOutput
+from paged.step import ScheduledSeq, SchedulerOutput
 from tests.test_executor import contiguous_tables, recompute_greedy, step
 
 BLOCK, KV_HEADS, HEADS, HEAD_SIZE = 16, 2, 6, 64

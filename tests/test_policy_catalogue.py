@@ -9,9 +9,8 @@ from typing import Any
 
 import pytest
 
-from paged.build import check_config
-from paged.config import ConfigError
-from paged.llm import CONF_DIR, compose_config
+from paged.builder import check_config
+from paged.config import CONF_DIR, ConfigError, compose_config
 from paged.memory import BlockManager, PrefixCachingAllocator
 from paged.request import Request, SamplingParams, SeqStatus, Sequence
 from paged.scheduler.fair import DEFAULT_CLIENT, VTCPolicy
@@ -23,10 +22,10 @@ from paged.scheduler.length_predictor import (
 )
 from paged.scheduler.lpm import LPMPolicy
 from paged.scheduler.mlfq import MLFQPolicy
-from paged.scheduler.output import ScheduledSeq, SchedulerOutput
 from paged.scheduler.policy import SchedulingPolicy
 from paged.scheduler.priority import PriorityPolicy
 from paged.scheduler.sjf import SJFPolicy
+from paged.step import ScheduledSeq, SchedulerOutput
 
 
 def make_request(

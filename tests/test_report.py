@@ -12,7 +12,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from paged.build import check_config
+from paged.builder import check_config
 from paged.config import register_configs
 from paged.report import ReportError, build_report
 from paged.report.__main__ import main as report_main

@@ -20,13 +20,12 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from paged.build import build_engine
+from paged.builder import build_engine
+from paged.config import compose_config
 from paged.engine import Engine
-from paged.executor.output import ExecutorOutput
-from paged.llm import compose_config
 from paged.memory import AllocStatus, BlockManager, NaiveAllocator, NoFreeBlocksError, PrefixCachingAllocator
 from paged.request import FinishReason, Request, SamplingParams, Sequence
-from paged.scheduler.output import SchedulerOutput
+from paged.step import ExecutorOutput, SchedulerOutput
 from tests.token_cache_executor import TokenCacheExecutor
 
 VOCAB = 50  # small, so stop tokens are hit (ids 0..48 are sampled; 49 is the never-sampled EOS)

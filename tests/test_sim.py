@@ -12,17 +12,16 @@ from hydra.errors import MissingConfigException
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from paged.build import build_engine
+from paged.builder import build_engine
 from paged.clock import VirtualClock
-from paged.config import ConfigError
+from paged.config import ConfigError, compose_config
 from paged.executor.base import Executor
 from paged.executor.model_executor import ModelExecutor
-from paged.executor.sim_executor import SimExecutor
 from paged.experiment import run_experiment
-from paged.llm import compose_config
 from paged.request import Request, SamplingParams
 from paged.runner import run_workload
 from paged.sim.cost_model import CostModel, StepCost, StepShape, step_shape
+from paged.sim.executor import SimExecutor
 from paged.sim.hardware import resolve_hardware
 from paged.sim.memory import plan_memory
 from paged.workload import load_workload

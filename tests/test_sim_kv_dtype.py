@@ -7,11 +7,10 @@ import logging
 
 import pytest
 
-from paged.build import build_engine
-from paged.config import ConfigError, validate
-from paged.executor.sim_executor import SimExecutor
-from paged.llm import compose_config
+from paged.builder import build_engine
+from paged.config import ConfigError, compose_config, validate
 from paged.sim.cost_model import StepShape
+from paged.sim.executor import SimExecutor
 
 QUIET = ["executor=sim", "logger=none", "progress=false"]
 

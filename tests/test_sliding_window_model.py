@@ -12,13 +12,12 @@ import torch
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config
 
 from paged import LLM, SamplingParams
-from paged.config import ConfigError, KernelConfig, ModelConfig, validate
+from paged.config import ConfigError, KernelConfig, ModelConfig, compose_config, validate
 from paged.executor.model_executor import ModelExecutor
-from paged.executor.sim_executor import model_spec
 from paged.kernels import get_backend
-from paged.llm import compose_config
-from paged.model.config import LlamaArch
+from paged.model.arch import LlamaArch
 from paged.model.locate import locate_smollm2
+from paged.model.spec import model_spec
 from paged.model.tokenizer import load_hf_tokenizer
 from tests.test_executor import generate
 

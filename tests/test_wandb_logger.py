@@ -12,9 +12,8 @@ from typing import Any
 
 import pytest
 
-from paged.config import LoggerConfig
+from paged.config import LoggerConfig, compose_config
 from paged.experiment import run_experiment
-from paged.llm import compose_config
 from paged.metrics import RequestMetrics
 from paged.wandb_logger import WandbLogger, log_report
 

@@ -8,8 +8,7 @@ from importlib import resources
 import numpy as np
 import pytest
 
-from paged.config import ConfigError, WorkloadConfig, validate
-from paged.llm import compose_config
+from paged.config import ConfigError, WorkloadConfig, compose_config, validate
 from paged.workload import load_workload
 
 

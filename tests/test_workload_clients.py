@@ -8,8 +8,7 @@ from importlib import resources
 import numpy as np
 import pytest
 
-from paged.config import ConfigError, WorkloadConfig, validate
-from paged.llm import compose_config
+from paged.config import ConfigError, WorkloadConfig, compose_config, validate
 from paged.request import SamplingParams
 from paged.runner import to_request
 from paged.workload import WorkloadItem, load_workload

@@ -10,8 +10,7 @@ import time
 import numpy as np
 
 from paged.executor.base import Executor, KVCacheSpec
-from paged.executor.output import ExecutorOutput
-from paged.scheduler.output import SchedulerOutput
+from paged.step import ExecutorOutput, SchedulerOutput
 
 VOCAB = 1000
 

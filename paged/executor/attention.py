@@ -20,9 +20,9 @@ import torch
 
 from paged import kernels
 from paged.executor.kv_scales import KVScales
-from paged.kernels.backends.base import KernelBackend
+from paged.kernels.backends.interface import KernelBackend
 from paged.kernels.features import BlockSparse
-from paged.scheduler.output import SchedulerOutput
+from paged.step import SchedulerOutput
 
 
 @dataclass

@@ -16,9 +16,8 @@ from typing import Protocol
 
 from paged.clock import Clock, WallClock
 from paged.config import ConfigError, KernelConfig
-from paged.executor.output import ExecutorOutput
 from paged.kernels.limits import BLOCK_SIZES
-from paged.scheduler.output import SchedulerOutput
+from paged.step import ExecutorOutput, SchedulerOutput
 
 
 class Tokenizer(Protocol):

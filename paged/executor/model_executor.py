@@ -13,16 +13,15 @@ from paged.config import KernelConfig, ModelConfig
 from paged.executor.attention import BatchInput, PagedAttention, prepare_batch
 from paged.executor.base import Executor, KVCacheSpec
 from paged.executor.kv_scales import KVScales
-from paged.executor.output import ExecutorOutput
 from paged.kernels.features import AttentionFeatures, BlockSparse, cache_dtype, is_fp8
-from paged.model.build import build_model
+from paged.model.factory import build_model
 from paged.model.layer_ops import NATIVE_CPU_OPS, TORCH_OPS
 from paged.model.linear import resolve_gemm
 from paged.model.llama import LlamaModel
-from paged.model.sampler import SampleRow, TokenLogprobs, sample, top_logprobs
+from paged.model.sampler import SampleRow, sample, top_logprobs
 from paged.model.tokenizer import load_tokenizer
 from paged.model.weights import load_weights
-from paged.scheduler.output import ScheduledSeq, SchedulerOutput
+from paged.step import ExecutorOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
 
 log = logging.getLogger(__name__)
 

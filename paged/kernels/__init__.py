@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from paged.kernels.backends.base import KernelBackend
+from paged.kernels.backends.interface import KernelBackend
 from paged.kernels.ops import (
     choose_version,
     copy_blocks,

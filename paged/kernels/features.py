@@ -16,12 +16,14 @@ offset slides with the head: head * head_sliding_step + 1 (a negative step slide
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
-KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+from paged.config.choices import KV_CACHE_DTYPES as KV_CACHE_DTYPE_NAMES
+from paged.config.kernel_options import BlockSparseSpec
+
+KV_CACHE_DTYPES = dict(zip(KV_CACHE_DTYPE_NAMES, (torch.float8_e4m3fn, torch.float8_e5m2), strict=True))
 FP8_DTYPES = tuple(KV_CACHE_DTYPES.values())
 # The largest finite value of each format: stored values are clamped to it.
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -41,14 +43,6 @@ def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     return KV_CACHE_DTYPES[kv_cache_dtype]
 
 
-def check_scale(name: str, value: float | None) -> None:
-    """A given fp8 scale must be a finite number > 0 (it divides every stored value)."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a finite number > 0")
-
-
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`x` `[..., num_kv_heads, head_size]` stored as fp8 `dtype` with per-head `scale`."""
     limit = FP8_MAX[dtype]
@@ -56,42 +50,9 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
 
 
 @dataclass(frozen=True)
-class BlockSparse:
-    """vLLM's blocksparse_local_blocks / _vert_stride / _block_size / _head_sliding_step."""
-
-    local_blocks: int
-    vert_stride: int
-    block_size: int
-    head_sliding_step: int = 0
-
-    @classmethod
-    def from_config(cls, values: Mapping[str, int]) -> BlockSparse:
-        if not isinstance(values, Mapping):
-            raise ValueError(f"kernel.blocksparse={values!r} must be null or a mapping of local_blocks, vert_stride, "
-                             "block_size and optionally head_sliding_step")
-        allowed = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - allowed)
-        if unknown:
-            raise ValueError(f"kernel.blocksparse has unknown keys {unknown}; allowed: {', '.join(sorted(allowed))}")
-        missing = sorted({"local_blocks", "vert_stride", "block_size"} - set(values))
-        if missing:
-            raise ValueError(f"kernel.blocksparse needs {', '.join(missing)}")
-        for key, value in values.items():
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"kernel.blocksparse.{key}={value!r} must be an integer")
-        return cls(**values)
-
-    def check(self, cache_block_size: int) -> None:
-        """The kernels skip whole cache blocks, so a cache block must lie inside one sparse block."""
-        for name in ("local_blocks", "vert_stride", "block_size"):
-            value = getattr(self, name)
-            if value <= 0:
-                raise ValueError(f"blocksparse {name}={value} must be > 0")
-        if self.block_size % cache_block_size:
-            raise ValueError(
-                f"blocksparse block_size={self.block_size} must be a multiple of the KV cache block size "
-                f"{cache_block_size} (the kernels keep or skip whole cache blocks)"
-            )
+class BlockSparse(BlockSparseSpec):
+    """The block-sparse pattern the kernels apply (module docstring); settings and checks are
+    `BlockSparseSpec`'s."""
 
     def offsets(self, num_heads: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
         """int64 `[num_heads]`: each query head's vertical offset."""

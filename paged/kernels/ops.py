@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from paged.kernels.backends.base import CacheView, KernelBackend, device_side
+from paged.kernels.backends.interface import CacheView, KernelBackend, device_side
 from paged.kernels.features import FP8_DTYPES, NONE, AttentionFeatures, BlockSparse
 from paged.kernels.limits import DEFAULT_PARTITION_SIZE
 from paged.kernels.registry import get_backend

@@ -7,7 +7,8 @@ import logging
 
 import torch
 
-from paged.kernels.backends.base import KernelBackend, listing
+from paged.config.choices import BACKENDS as BACKEND_NAMES
+from paged.kernels.backends.interface import KernelBackend, listing
 from paged.kernels.features import NONE, AttentionFeatures
 
 log = logging.getLogger(__name__)
@@ -20,6 +21,7 @@ _MODULES = {
     "emu": "paged.kernels.backends.emu",
 }
 BACKENDS = tuple(_MODULES)
+assert BACKENDS == BACKEND_NAMES, "paged.config.choices.BACKENDS lists the backends a config may name"
 # emu is never chosen: it runs the CUDA sources slowly, to test them.
 AUTO_ORDER = ("cuda", "cpu", "torch")
 

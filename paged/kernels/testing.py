@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from paged.kernels.backends.base import DTYPES
+from paged.kernels.backends.interface import DTYPES
 from paged.kernels.limits import BLOCK_SIZES, NATIVE_HEAD_SIZES
 
 # (query heads per KV head, KV heads); the last is MQA.

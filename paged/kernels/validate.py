@@ -15,8 +15,9 @@ from collections.abc import Callable
 
 import torch
 
-from paged.kernels.backends.base import CACHE_DTYPES, DTYPES, CacheView, listing
-from paged.kernels.features import FP8_DTYPES, AttentionFeatures, BlockSparse, check_scale
+from paged.config.kernel_options import check_scale
+from paged.kernels.backends.interface import CACHE_DTYPES, DTYPES, CacheView, listing
+from paged.kernels.features import FP8_DTYPES, AttentionFeatures, BlockSparse
 from paged.kernels.limits import VERSIONS
 
 

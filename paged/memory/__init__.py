@@ -12,7 +12,6 @@ from paged.memory.reservation import (
     Pow2Reservation,
     Reservation,
 )
-from paged.memory.stats import KVStats
 
 __all__ = [
     "AllocStatus",
@@ -20,7 +19,6 @@ __all__ = [
     "BlockManager",
     "BuddyAllocator",
     "ExactReservation",
-    "KVStats",
     "MaxReservation",
     "NaiveAllocator",
     "NoFreeBlocksError",

@@ -13,8 +13,8 @@ from paged.memory.allocator import BlockAllocator, NoFreeBlocksError
 from paged.memory.hashing import block_hash
 from paged.memory.naive import NaiveAllocator
 from paged.memory.reservation import ExactReservation, Reservation, final_length
-from paged.memory.stats import KVStats
 from paged.request import Request, Sequence
+from paged.step import KVStats
 
 
 class AllocStatus(enum.Enum):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from paged.kernels.features import alibi_slopes
-from paged.model.config import LlamaArch
+from paged.model.arch import LlamaArch
 from paged.model.llama import AttentionFn
 
 

@@ -11,7 +11,7 @@ import torch
 from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
-from paged.model.config import LlamaArch
+from paged.model.arch import LlamaArch
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from paged.model.config import LlamaArch
+from paged.model.arch import LlamaArch
 
 
 def read_hf_arch(path: str | Path) -> LlamaArch:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from paged.kernels import layer_ops as native
+from paged.kernels import fused_ops as native
 
 # per step, what `rope` needs for its positions (see `TorchLayerOps.rotation`)
 Rotation = tuple[torch.Tensor, ...]

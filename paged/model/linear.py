@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-GEMMS = ("auto", "torch", "onednn")
+from paged.config.choices import GEMMS
+
 # oneDNN picks its weight layout for an expected row count; decode batches are tens of rows, and the
 # layout chosen for 64 also runs prefill's thousands of rows at full speed (measured: 194 GFLOP/s).
 _ROWS_HINT = 64

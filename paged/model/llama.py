@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from paged.model.config import LlamaArch
+from paged.model.arch import LlamaArch
 from paged.model.layer_ops import TORCH_OPS, TorchLayerOps
 from paged.model.linear import Linear
 

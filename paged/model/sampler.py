@@ -22,12 +22,9 @@ import numpy as np
 import torch
 
 from paged.request import SamplingParams
+from paged.step import Samples, TokenLogprobs
 
 _U64 = 2**64 - 1
-
-# token id -> (log-probability, rank in the distribution, 1 = most likely)
-TokenLogprobs = dict[int, tuple[float, int]]
-
 
 @dataclass
 class SampleRow:
@@ -43,16 +40,6 @@ class SampleRow:
     # the sequence's tokens (prompt, then output) and its prompt length: what the penalties count
     token_ids: list[int] | None = None
     num_prompt_tokens: int = 0
-
-
-@dataclass
-class Samples:
-    """What one row produced: its tokens, each one's log-probability, and per token its own and the
-    top `params.logprobs` log-probabilities when the request asks for them."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[TokenLogprobs] | None = None
 
 
 def uniforms(row: SampleRow) -> np.ndarray:

@@ -13,7 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from paged.model.config import LlamaArch
+from paged.config import ModelConfig
+from paged.model.arch import LlamaArch
+from paged.model.weights import arch_overrides, load_arch
 
 MLP_KINDS = ("gated-silu", "relu", "gelu")
 POSITION_KINDS = ("rope", "learned", "alibi")
@@ -141,3 +143,11 @@ class ModelSpec:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of one token in every layer: OPT-13B in fp16 takes 800 KB (the paper's figure)."""
         return 2 * self.num_layers * self.kv_size * dtype_bytes
+
+
+def model_spec(model: ModelConfig) -> tuple[ModelSpec, Any]:
+    """The model's shape, and its tokenizer source when it has weights (a spec-only model has none)."""
+    if model.source == "spec":
+        return ModelSpec.from_dict(model.name, arch_overrides(model)), None
+    arch, tokenizer_source = load_arch(model)  # metadata only: the weights stay on disk
+    return ModelSpec.from_llama(model.name, arch), tokenizer_source

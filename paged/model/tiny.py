@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from paged.model.config import LlamaArch
+from paged.model.arch import LlamaArch
 
 _LM_HEAD_GAIN = 3.0
 

@@ -34,9 +34,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from paged.kernels.toolchain.cache_dir import cache_root
-from paged.model import config as arch_module
+from paged.model import arch as arch_module
 from paged.model import gguf_loader
-from paged.model.config import LlamaArch
+from paged.model.arch import LlamaArch
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from paged.config import ModelConfig
-from paged.model.config import LlamaArch
+from paged.model.arch import LlamaArch
 from paged.model.gguf_loader import load_gguf, read_arch
 from paged.model.hf_loader import load_hf, read_hf_arch
 from paged.model.locate import locate_smollm2

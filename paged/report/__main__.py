@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from paged.report import ReportError, build_report
-from paged.report.build import preset_report
+from paged.report.report import preset_report
 
 
 def main(argv: list[str] | None = None) -> int:

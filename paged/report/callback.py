@@ -18,8 +18,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
-from paged.report.build import Report, build_report
 from paged.report.collect import ReportError
+from paged.report.report import Report, build_report
 from paged.report.sweep import config_sweep, group_name, num_jobs
 
 log = logging.getLogger("paged.report")

@@ -30,14 +30,12 @@ from typing import Any
 
 from paged.config import SchedulerConfig
 from paged.detokenizer import IncrementalDetokenizer
-from paged.executor.output import ExecutorOutput
-from paged.memory import AllocStatus, BlockManager, KVStats
-from paged.model.sampler import Samples, TokenLogprobs
+from paged.memory import AllocStatus, BlockManager
 from paged.request import FinishReason, Request, SeqStatus, Sequence
-from paged.scheduler.output import ScheduledSeq, SchedulerOutput
 from paged.scheduler.policy import SchedulingPolicy
 from paged.scheduler.preemption import PreemptionMode, RecomputePreemption
 from paged.scheduler.sequence_group import GroupUpdate, SequenceGroup, make_group
+from paged.step import ExecutorOutput, Samples, ScheduledSeq, SchedulerOutput, SchedulerStats, TokenLogprobs
 
 
 @dataclass
@@ -55,14 +53,6 @@ class _Budget:
 
     tokens: int
     num_partial: int = 0
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv: KVStats
-    num_swapped: int = 0
 
 
 class Scheduler:

@@ -35,7 +35,7 @@ from paged.request import Request, Sequence
 from paged.scheduler.policy import SchedulingPolicy
 
 if TYPE_CHECKING:
-    from paged.scheduler.output import SchedulerOutput
+    from paged.step import SchedulerOutput
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from paged.request import Request, Sequence
 from paged.scheduler.policy import SchedulingPolicy
 
 if TYPE_CHECKING:
-    from paged.scheduler.output import SchedulerOutput
+    from paged.step import SchedulerOutput
 
 
 @dataclass(slots=True)

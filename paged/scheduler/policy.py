@@ -18,7 +18,7 @@ from paged.request import Request, Sequence
 
 if TYPE_CHECKING:
     from paged.memory import BlockManager
-    from paged.scheduler.output import SchedulerOutput
+    from paged.step import SchedulerOutput
 
 
 class SchedulingPolicy(ABC):

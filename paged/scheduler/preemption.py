@@ -16,7 +16,7 @@ from typing import ClassVar
 
 from paged.memory import BlockManager
 from paged.request import Sequence
-from paged.scheduler.output import SchedulerOutput
+from paged.step import SchedulerOutput
 
 
 class PreemptionMode(ABC):

@@ -15,8 +15,8 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from paged.model.sampler import Samples, TokenLogprobs
 from paged.request import Completion, FinishReason, Request, Sequence
+from paged.step import Samples, TokenLogprobs
 
 
 class Token(NamedTuple):

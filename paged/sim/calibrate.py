@@ -231,8 +231,8 @@ def main(argv: list[str]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from paged.executor.sim_executor import model_spec
-    from paged.llm import compose_config
+    from paged.config import compose_config
+    from paged.sim.executor import model_spec
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = compose_config(["executor=sim", "hardware=cpu-local", *argv])

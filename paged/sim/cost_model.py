@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from paged.kernels import choose_version
 from paged.kernels.features import BlockSparse
 from paged.model.spec import ModelSpec
-from paged.scheduler.output import SchedulerOutput
 from paged.sim.hardware import Hardware
+from paged.step import SchedulerOutput
 
 
 @dataclass

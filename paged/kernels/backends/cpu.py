@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from paged.kernels.backends.base import CACHE_DTYPES, FEATURES, CacheView, require_contiguous
+from paged.kernels.backends.interface import CACHE_DTYPES, FEATURES, CacheView, require_contiguous
 from paged.kernels.backends.torch_ref import TorchBackend
 from paged.kernels.features import FP8_DTYPES, NONE, AttentionFeatures
 from paged.kernels.limits import BLOCK_SIZES

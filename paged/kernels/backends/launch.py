@@ -14,7 +14,14 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from paged.kernels.backends.base import CACHE_DTYPES, FEATURES, CacheView, device_side, require_contiguous, window_span
+from paged.kernels.backends.interface import (
+    CACHE_DTYPES,
+    FEATURES,
+    CacheView,
+    device_side,
+    require_contiguous,
+    window_span,
+)
 from paged.kernels.backends.torch_ref import TorchBackend
 from paged.kernels.features import NONE, AttentionFeatures
 from paged.kernels.limits import BLOCK_SIZES, NATIVE_HEAD_SIZES, NATIVE_PARTITION_SIZES

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from paged.kernels.backends.base import CACHE_DTYPES, FEATURES, CacheView, KernelBackend, window_span
+from paged.kernels.backends.interface import CACHE_DTYPES, FEATURES, CacheView, KernelBackend, window_span
 from paged.kernels.features import FP8_DTYPES, NONE, AttentionFeatures, quantize
 
 _NEG_INF = float("-inf")

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import math
 from functools import cached_property
-from typing import Any
 
 import torch
 from omegaconf import OmegaConf
@@ -31,14 +30,12 @@ from omegaconf import OmegaConf
 from paged.clock import Clock, VirtualClock
 from paged.config import HardwareConfig, KernelConfig, ModelConfig
 from paged.executor.base import Executor, KVCacheSpec, Tokenizer
-from paged.executor.output import ExecutorOutput
 from paged.kernels.features import BlockSparse, cache_dtype
-from paged.model.spec import ModelSpec
-from paged.model.weights import arch_overrides, load_arch
-from paged.scheduler.output import SchedulerOutput
+from paged.model.spec import model_spec
 from paged.sim.cost_model import CostModel, StepCost, step_shape
 from paged.sim.hardware import Hardware, resolve_hardware
 from paged.sim.memory import check_parallelism, plan_memory
+from paged.step import ExecutorOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +63,6 @@ def _unit(*keys: int) -> float:
         x = ((x ^ (k & _MASK)) * 0xBF58476D1CE4E5B9) & _MASK
         x ^= x >> 31
     return (x >> 11) / float(1 << 53)
-
-def model_spec(model: ModelConfig) -> tuple[ModelSpec, Any]:
-    """The model's shape, and its tokenizer source when it has weights (a spec-only model has none)."""
-    if model.source == "spec":
-        return ModelSpec.from_dict(model.name, arch_overrides(model)), None
-    arch, tokenizer_source = load_arch(model)  # metadata only: the weights stay on disk
-    return ModelSpec.from_llama(model.name, arch), tokenizer_source
-
 
 class SimExecutor(Executor):
     """Public state besides the `Executor` contract: `spec`, `hardware`, `cost_model`, `dtype_bytes`

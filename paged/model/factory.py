@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from paged.model.arch import LlamaArch
 from paged.model.bloom import BloomModel
-from paged.model.config import LlamaArch
 from paged.model.llama import LlamaModel
 
 

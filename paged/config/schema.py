@@ -1,5 +1,5 @@
 """Typed config schemas. Registered in Hydra's ConfigStore so a mistyped key or a wrong type fails
-before any model loads; `validate` adds the range checks a type cannot express."""
+before any model loads; `paged.config.validate` adds the range checks a type cannot express."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from paged.kernels.features import KV_CACHE_DTYPES, BlockSparse, check_scale
-from paged.kernels.limits import BLOCK_SIZES, DEFAULT_PARTITION_SIZE, DTYPE_NAMES, VERSIONS
-from paged.kernels.registry import BACKENDS
-from paged.model.linear import GEMMS
+from paged.config.choices import DEFAULT_PARTITION_SIZE
+
+
+class ConfigError(ValueError):
+    """A config value that its type allows but the framework does not."""
 
 
 @dataclass
@@ -249,177 +250,3 @@ def register_configs() -> None:
     for key in PLUGIN_NODES:
         OmegaConf.set_struct(OmegaConf.select(schema, key), False)
     ConfigStore.instance().store(name="base_schema", node=schema)
-
-
-class ConfigError(ValueError):
-    """A config value that its type allows but the framework does not."""
-
-
-def _choice(key: str, value: Any, allowed: tuple[Any, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not supported; allowed: {', '.join(map(str, allowed))}")
-
-
-def _positive(key: str, value: float | int | None, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if value is None or value <= 0:
-        raise ConfigError(f"{key}={value!r} must be > 0")
-
-
-def _check_blocksparse(values: Any, cache_block_size: int) -> None:
-    try:
-        sparse = BlockSparse.from_config(values)  # its errors name kernel.blocksparse and the allowed keys
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
-    try:
-        sparse.check(cache_block_size)
-    except ValueError as err:
-        raise ConfigError(f"kernel.blocksparse: {err}; allocator.block_size={cache_block_size}") from err
-
-
-def validate(cfg: Any, block_sizes: tuple[int, ...] = BLOCK_SIZES) -> None:
-    """Range and choice checks on a composed config (a DictConfig or a `Config`); `block_sizes` are
-    those the executor runs (the kernels' by default)."""
-    a = cfg.allocator
-    _choice("allocator.block_size", a.block_size, block_sizes)
-    _positive("allocator.num_blocks", a.num_blocks, allow_none=True)
-    if a.kv_cache_memory is not None:
-        parse_bytes(a.kv_cache_memory)
-        if a.num_blocks is not None:
-            # the allocator YAMLs set num_blocks, which would otherwise silently win over the budget
-            raise ConfigError(
-                f"allocator.num_blocks={a.num_blocks} and allocator.kv_cache_memory={a.kv_cache_memory!r} both size "
-                "the KV cache; set allocator.num_blocks=null to size it by memory, or drop kv_cache_memory"
-            )
-    if not 0.0 < a.gpu_memory_utilization <= 1.0:
-        raise ConfigError(f"allocator.gpu_memory_utilization={a.gpu_memory_utilization!r} must be in (0, 1]")
-    if not 0.0 <= a.watermark < 1.0:
-        raise ConfigError(f"allocator.watermark={a.watermark!r} must be in [0, 1)")
-    parse_bytes(a.swap_space, key="allocator.swap_space")
-    s = cfg.scheduler
-    _choice("scheduler.preemption_mode", s.preemption_mode, ("recompute", "swap", "auto"))
-    for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-        _positive(f"scheduler.{key}", getattr(s, key))
-    _choice("scheduler.batch_order", s.batch_order, ("decode-first", "prefill-first"))
-    _positive("scheduler.max_num_partial_prefills", s.max_num_partial_prefills)
-    if s.long_prefill_token_threshold < 0:
-        raise ConfigError(
-            f"scheduler.long_prefill_token_threshold={s.long_prefill_token_threshold!r} must be >= 0 "
-            "(0: a chunk is capped by the token budget only)"
-        )
-    if s.max_num_batched_tokens < a.block_size:
-        raise ConfigError(
-            f"scheduler.max_num_batched_tokens={s.max_num_batched_tokens} is below one KV block "
-            f"(allocator.block_size={a.block_size}); a step must be able to fill a block"
-        )
-    if s.max_num_batched_tokens < s.max_model_len and not s.chunked_prefill:
-        # without chunks a prompt (or a recomputed sequence) runs in one step: the budget must hold the longest
-        raise ConfigError(
-            f"scheduler.max_num_batched_tokens={s.max_num_batched_tokens} must be >= "
-            f"scheduler.max_model_len={s.max_model_len} when scheduler.chunked_prefill=false "
-            "(chunked prefill runs longer prompts in several steps)"
-        )
-    k = cfg.kernel
-    _choice("kernel.version", k.version, ("auto", *VERSIONS))
-    _choice("kernel.backend", k.backend, ("auto", *BACKENDS))
-    _positive("kernel.partition_size", k.partition_size)
-    if k.partition_size % a.block_size:
-        raise ConfigError(
-            f"kernel.partition_size={k.partition_size} must be a multiple of "
-            f"allocator.block_size={a.block_size}"
-        )
-    _choice("kernel.kv_cache_dtype", k.kv_cache_dtype, ("auto", *KV_CACHE_DTYPES))
-    for key in ("k_scale", "v_scale"):
-        try:
-            check_scale(f"kernel.{key}", getattr(k, key))
-        except ValueError as err:
-            raise ConfigError(f"{err} (null: calibrated from the first prefill)") from err
-    if k.blocksparse is not None:
-        _check_blocksparse(k.blocksparse, a.block_size)
-    m = cfg.model
-    _choice("model.source", m.source, ("gguf", "hf", "random", "spec"))
-    _choice("model.dtype", m.dtype, DTYPE_NAMES)
-    _choice("model.device", m.device, ("auto", "cpu", "cuda"))
-    _choice("model.gemm", m.gemm, GEMMS)
-    if m.source == "hf" and not m.path:
-        raise ConfigError("model=hf needs model.path=/path/to/a/local/hf/checkpoint")
-    if m.source == "spec" and not m.arch:
-        raise ConfigError(f"model={m.name} has source=spec but no model.arch describing its shape")
-    window = m.sliding_window
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
-        raise ConfigError(
-            f"model.sliding_window={window!r} must be a positive number of tokens, or null for the checkpoint's own"
-        )
-    _positive("hardware.num_gpus", cfg.hardware.num_gpus)
-    w = cfg.workload
-    _choice("workload.kind", w.kind, ("synthetic", "fixed", "prompts", "trace"))
-    if w.num_requests is None and w.kind != "trace":
-        raise ConfigError(
-            "workload.num_requests=null (the whole trace) is only allowed for workload=trace; "
-            f"workload={w.kind} needs a count > 0"
-        )
-    _positive("workload.num_requests", w.num_requests, allow_none=True)
-    if w.kind in ("prompts", "trace") and not w.path:
-        raise ConfigError(f"workload={w.kind} needs workload.path=FILE")
-    if w.arrival_rate < 0:
-        raise ConfigError(
-            f"workload.arrival_rate={w.arrival_rate!r} must be >= 0 (requests/s; 0 submits all at once)"
-        )
-    if w.kind == "fixed":
-        _positive("workload.prompt_len", w.prompt_len)
-        _positive("workload.output_len", w.output_len)
-        if not 0 <= w.shared_prefix_len <= w.prompt_len:
-            raise ConfigError(
-                f"workload.shared_prefix_len={w.shared_prefix_len!r} must be in [0, workload.prompt_len="
-                f"{w.prompt_len}] for workload=fixed"
-            )
-    if w.num_prefixes < 1:
-        raise ConfigError(f"workload.num_prefixes={w.num_prefixes!r} must be >= 1 (1: one prefix shared by all)")
-    if w.num_prefixes > 1 and w.shared_prefix_len <= 0:
-        raise ConfigError(
-            f"workload.num_prefixes={w.num_prefixes} needs workload.shared_prefix_len > 0, got "
-            f"{w.shared_prefix_len}: there is no prefix to vary"
-        )
-    if w.num_clients < 0:
-        raise ConfigError(f"workload.num_clients={w.num_clients!r} must be >= 0 (0: requests name no client)")
-    if w.client_weights is not None:
-        weights = list(w.client_weights)
-        if w.num_clients == 0:
-            raise ConfigError(
-                f"workload.client_weights={weights} needs workload.num_clients > 0 (one weight per client)"
-            )
-        if len(weights) != w.num_clients:
-            raise ConfigError(
-                f"workload.client_weights={weights} must have one weight per client: "
-                f"{w.num_clients} (workload.num_clients), got {len(weights)}"
-            )
-        if min(weights) < 0 or sum(weights) <= 0:
-            raise ConfigError(
-                f"workload.client_weights={weights} must all be >= 0 with a sum > 0 (relative request shares)"
-            )
-    if w.num_priorities < 0:
-        raise ConfigError(
-            f"workload.num_priorities={w.num_priorities!r} must be >= 0 (0: every request's priority is 0)"
-        )
-    _choice("logger.backend", cfg.logger.backend, ("wandb", "none"))
-    _choice("logger.mode", cfg.logger.mode, ("offline", "disabled", "online"))
-
-
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-
-
-def parse_bytes(text: str | int, key: str = "allocator.kv_cache_memory") -> int:
-    """'256MiB' / '1GB' / '1048576' -> bytes; `key` names the setting in the error."""
-    s = str(text).strip().upper().replace(" ", "")
-    digits = s.rstrip("ABEGIKM")
-    unit = s[len(digits) :]
-    try:
-        value = float(digits)
-    except ValueError:
-        value = -1.0
-    if unit not in _UNITS or value <= 0:
-        raise ConfigError(
-            f"{key}={text!r} is not a positive size; use e.g. 512MiB, 1GiB, 1048576"
-        )
-    return int(value * _UNITS[unit])

@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from paged.config import AllocatorConfig, ConfigError, ExecutorConfig, parse_bytes, validate
+from paged.config import AllocatorConfig, ByteSizes, ConfigError, ExecutorConfig, validate
 from paged.engine import Engine
 from paged.executor.base import Executor
 from paged.memory import BlockAllocator, BlockManager, Reservation
@@ -30,8 +30,9 @@ def _core_keys(schema: type) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Plugins:
-    """The checked pluggable parts of one config."""
+    """The checked pluggable parts of one config, and its parsed byte sizes."""
 
+    sizes: ByteSizes
     allocator: Plugin
     reservation: Plugin
     policy: Plugin
@@ -45,8 +46,9 @@ def check_config(cfg: Any, executor_cls: type[Executor] | None = None) -> Plugin
     executor = check_plugin(
         cfg.executor, "executor", Executor, core=_core_keys(ExecutorConfig), provided=("model", "kernel", "seed"),
     )
-    validate(cfg, block_sizes=(executor_cls or executor.cls).block_sizes)
+    sizes = validate(cfg, block_sizes=(executor_cls or executor.cls).block_sizes)
     plugins = Plugins(
+        sizes=sizes,
         allocator=check_plugin(
             cfg.allocator, "allocator", BlockAllocator,
             core=_core_keys(AllocatorConfig), provided=("num_blocks", "block_size"),
@@ -99,13 +101,13 @@ def _check_swap(cfg: Any, plugins: Plugins, executor_cls: type[Executor]) -> Non
         )
 
 
-def num_cpu_blocks_for(cfg: Any, executor: Executor, preemption: PreemptionMode) -> int:
+def num_cpu_blocks_for(cfg: Any, sizes: ByteSizes, executor: Executor, preemption: PreemptionMode) -> int:
     """Blocks of the CPU swap pool: `allocator.swap_space` per device over the bytes of one block;
     none unless the preemption mode swaps."""
     if not preemption.swaps:
         return 0
     a = cfg.allocator
-    swap_space = parse_bytes(a.swap_space, key="allocator.swap_space") * executor.num_devices
+    swap_space = sizes.swap_space * executor.num_devices
     bytes_per_block = executor.kv_cache_spec(a.block_size).bytes_per_block
     if swap_space < bytes_per_block:
         raise ConfigError(
@@ -121,15 +123,15 @@ def num_cpu_blocks_for(cfg: Any, executor: Executor, preemption: PreemptionMode)
     return swap_space // bytes_per_block
 
 
-def num_blocks_for(cfg: Any, executor: Executor) -> int:
+def num_blocks_for(cfg: Any, sizes: ByteSizes, executor: Executor) -> int:
     """`allocator.num_blocks`; else the byte budget `allocator.kv_cache_memory`, else the executor's
     share of device memory (`allocator.gpu_memory_utilization`), over the bytes of one block."""
     a = cfg.allocator
     if a.num_blocks is not None:
         return int(a.num_blocks)
     bytes_per_block = executor.kv_cache_spec(a.block_size).bytes_per_block
-    if a.kv_cache_memory is not None:
-        budget, source = parse_bytes(a.kv_cache_memory), f"allocator.kv_cache_memory={a.kv_cache_memory!r}"
+    if sizes.kv_cache_memory is not None:
+        budget, source = sizes.kv_cache_memory, f"allocator.kv_cache_memory={a.kv_cache_memory!r}"
     else:
         s = cfg.scheduler
         budget = executor.kv_cache_budget(a.gpu_memory_utilization, s.max_num_batched_tokens, s.max_num_seqs)
@@ -156,8 +158,8 @@ def build_engine(cfg: Any, executor: Executor | None = None) -> Engine:
     else:
         executor.configure_kernel(cfg.kernel)
     block_size = cfg.allocator.block_size
-    num_blocks = num_blocks_for(cfg, executor)
-    num_cpu_blocks = num_cpu_blocks_for(cfg, executor, preemption)
+    num_blocks = num_blocks_for(cfg, plugins.sizes, executor)
+    num_cpu_blocks = num_cpu_blocks_for(cfg, plugins.sizes, executor, preemption)
     executor.init_kv_cache(num_blocks, block_size, num_cpu_blocks)
     allocator = plugins.allocator.build(num_blocks=num_blocks, block_size=block_size)
     block_manager = BlockManager(

@@ -1,0 +1,30 @@
+"""Config: typed schemas (`schema`), the values keys allow (`choices`), range checks (`validate`),
+and composing a config from overrides (`compose`). Imports nothing of the model or the kernels."""
+
+from paged.config.compose import CONF_DIR, compose_config
+from paged.config.schema import (
+    PLUGIN_NODES,
+    AllocatorConfig,
+    Config,
+    ConfigError,
+    ExecutorConfig,
+    HardwareConfig,
+    KernelConfig,
+    LoggerConfig,
+    ModelConfig,
+    OptionalPluginConfig,
+    PluginConfig,
+    ReportConfig,
+    SchedulerConfig,
+    WorkloadConfig,
+    register_configs,
+)
+from paged.config.units import parse_bytes
+from paged.config.validate import ByteSizes, validate
+
+__all__ = [
+    "CONF_DIR", "PLUGIN_NODES", "AllocatorConfig", "ByteSizes", "Config", "ConfigError", "ExecutorConfig",
+    "HardwareConfig", "KernelConfig", "LoggerConfig", "ModelConfig", "OptionalPluginConfig", "PluginConfig",
+    "ReportConfig", "SchedulerConfig", "WorkloadConfig", "compose_config", "parse_bytes", "register_configs",
+    "validate",
+]

@@ -1,0 +1,31 @@
+"""The values config keys allow, defined once, below the parts that implement them.
+
+The kernels, backends and linear layers import these (so the config schema needs none of them,
+and no torch); each part asserts that what it implements matches.
+"""
+
+from __future__ import annotations
+
+# kernel.version: the paged-attention kernels (auto picks between them by vLLM's rule)
+VERSIONS = ("v1", "v2")
+# model.dtype
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+# allocator.block_size the kernels are instantiated for (executor=sim allows any power of two)
+BLOCK_SIZES = (8, 16, 32)
+DEFAULT_PARTITION_SIZE = 512
+# kernel.backend besides auto (paged.kernels.registry)
+BACKENDS = ("torch", "cpu", "cuda", "emu")
+# kernel.kv_cache_dtype besides auto: one-byte KV with per-head scales (paged.kernels.features)
+KV_CACHE_DTYPES = ("fp8_e4m3", "fp8_e5m2")
+# model.gemm: auto, F.linear, or prepacked oneDNN (paged.model.linear)
+GEMMS = ("auto", "torch", "onednn")
+# model.source
+MODEL_SOURCES = ("gguf", "hf", "random", "spec")
+MODEL_DEVICES = ("auto", "cpu", "cuda")
+# scheduler keys
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+BATCH_ORDERS = ("decode-first", "prefill-first")
+# workload.kind
+WORKLOAD_KINDS = ("synthetic", "fixed", "prompts", "trace")
+LOGGER_BACKENDS = ("wandb", "none")
+LOGGER_MODES = ("offline", "disabled", "online")
