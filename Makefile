@@ -1,9 +1,11 @@
 # `make run` runs the default job, `make test` the test suite; both set up .venv on first use.
+# `make docs` builds docs/ into site/ (mkdocs, strict: a broken link or a missing API object fails).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DOCS_STAMP := $(VENV)/.docs-installed
 
-.PHONY: run test lint bench
+.PHONY: run test lint bench docs
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -23,3 +25,11 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+
+# The docs extra on top of the dev install; re-installed when pyproject.toml changes.
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site

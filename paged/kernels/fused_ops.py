@@ -31,7 +31,7 @@ from functools import cache
 import torch
 
 from paged.kernels.backends import cpu as _cpu
-from paged.kernels.validate import check_disjoint
+from paged.kernels.input_checks import check_disjoint
 
 __all__ = ["add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul", "unavailable_reason"]
 

@@ -14,9 +14,7 @@ import torch
 
 from paged.kernels.backends.interface import CacheView, KernelBackend, device_side
 from paged.kernels.features import FP8_DTYPES, NONE, AttentionFeatures, BlockSparse
-from paged.kernels.limits import DEFAULT_PARTITION_SIZE
-from paged.kernels.registry import get_backend
-from paged.kernels.validate import (
+from paged.kernels.input_checks import (
     cache_scales,
     check_copy_blocks,
     check_features,
@@ -28,6 +26,8 @@ from paged.kernels.validate import (
     check_swap_blocks,
     check_table_covers,
 )
+from paged.kernels.limits import DEFAULT_PARTITION_SIZE
+from paged.kernels.registry import get_backend
 
 V1_MAX_SEQ_LEN = 8192
 V1_MIN_PARALLELISM = 512

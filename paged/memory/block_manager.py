@@ -1,18 +1,18 @@
-"""Maps sequences to KV blocks: admission, growth, copy-on-write, prefix reuse, swap to a CPU pool,
-sliding-window recycling and the memory breakdown."""
+"""Maps sequences to KV blocks: admission, growth, copy-on-write, sliding-window recycling and the
+memory breakdown. Prefix lookups (`PrefixIndex`), swap to a CPU pool (`SwapSpace`) and the per-block
+slot counts (`SlotLedger`) are the classes it delegates to."""
 
 from __future__ import annotations
 
 import enum
-import weakref
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from paged.memory.allocator import BlockAllocator, NoFreeBlocksError
-from paged.memory.hashing import block_hash
-from paged.memory.naive import NaiveAllocator
+from paged.memory.prefix_index import PrefixIndex
 from paged.memory.reservation import ExactReservation, Reservation, final_length
+from paged.memory.slot_ledger import SlotLedger
+from paged.memory.swap_space import Parked, SwapSpace
 from paged.request import Request, Sequence
 from paged.step import KVStats
 
@@ -35,12 +35,6 @@ class _SeqBlocks:
     # Leading blocks whose hashes were announced as being computed (from `num_published` on, until
     # published or freed): what waiting requests with the same prefix can wait for.
     num_announced: int = 0
-
-
-@dataclass(slots=True)
-class _Swapped:
-    cpu_blocks: list[int]  # CPU copies of table[num_dropped : num_dropped + len(cpu_blocks)]
-    stale: list[int]  # the dropped leading entries, kept so logical block indices stay put
 
 
 class BlockManager:
@@ -82,27 +76,16 @@ class BlockManager:
         self.share_blocks = share_blocks
         # A contiguous extent is the reservation itself: it is kept whole until the sequence ends.
         self.sliding_window = None if allocator.contiguous else sliding_window
-        self.cpu_allocator = NaiveAllocator(num_cpu_blocks, allocator.block_size) if num_cpu_blocks else None
-        self._swapped: dict[int, _Swapped] = {}
         self.block_size = allocator.block_size
         self.num_total_blocks = allocator.num_blocks
         self.watermark_blocks = int(watermark * self.num_total_blocks)
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
-        self._caching = allocator.caches_prefixes
+        self.prefix_index = PrefixIndex(allocator)
+        self.swap_space = SwapSpace(allocator, num_cpu_blocks)
+        self.cpu_allocator = self.swap_space.allocator  # None without a CPU pool
+        self.ledger = SlotLedger(self.num_total_blocks, self.block_size)
         self._seqs: dict[int, _SeqBlocks] = {}
-        # Hash chains are cached per Sequence object (weakly, so aborted waiting sequences don't
-        # leak): admission re-asks every step while a sequence waits, and survives preemption.
-        self._chains: weakref.WeakKeyDictionary[Sequence, list[bytes]] = weakref.WeakKeyDictionary()
-        # hashes of full blocks an admitted sequence is still computing, and how many such holders
-        self._computing: Counter[bytes] = Counter()
-        # Filled slots per physical block. A shared block is never written (CoW first), so every
-        # sequence referencing it agrees on its fill; summing once per block counts token states.
-        self._fill = [0] * self.num_total_blocks
-        self._slots_used = 0
-        # Per block, the empty slots its sequence will still fill (the same bookkeeping as `_fill`).
-        self._future = [0] * self.num_total_blocks
-        self._reserved = 0
 
     # -- admission -------------------------------------------------------------------------------
 
@@ -126,7 +109,7 @@ class BlockManager:
             return AllocStatus.NEVER
         num_from_free = num_fresh = required
         for seq in seqs:
-            hits = self._peek_hits(seq)
+            hits = self.prefix_index.lookup(seq)
             # Reviving a cached-free block takes it out of the free pool just like a fresh one.
             num_from_free -= sum(1 for b in hits if self.allocator.refcount(b) > 0)
             num_fresh -= len(hits)
@@ -147,34 +130,35 @@ class BlockManager:
         """Build `seq`'s block table for all its tokens; returns how many are already computed."""
         if seq.seq_id in self._seqs:
             raise ValueError(f"sequence {seq.seq_id} already has blocks")
-        bs, alloc = self.block_size, self.allocator
+        bs, alloc, index = self.block_size, self.allocator, self.prefix_index
         num_tokens = seq.num_tokens
         required = self.admission_blocks(seq)
-        hits = self._peek_hits(seq)
+        hits = index.lookup(seq)
         needed = required - sum(1 for b in hits if alloc.refcount(b) > 0)
         if needed > alloc.num_free_blocks or not alloc.can_allocate_blocks(required - len(hits)):
             raise NoFreeBlocksError(
                 f"sequence {seq.seq_id} needs {needed} new blocks, {alloc.num_free_blocks} are free"
             )
-        table: list[int] = []
-        chain = self._chains.get(seq, ())
-        for i, expected in enumerate(hits):
-            block_id = alloc.match(chain[i])
-            assert block_id == expected, "prefix cache changed between peek and match"
-            if alloc.refcount(block_id) == 1:
-                self._account(block_id, bs, 0)
-            table.append(block_id)
+        index.match(seq, hits)
+        for block_id in hits:
+            if alloc.refcount(block_id) == 1:  # revived from the free pool: its slots count again
+                self.ledger.account(block_id, bs, 0)
+        table = list(hits)
         final = self._final(seq)
         if required > len(hits):
             table.extend(alloc.allocate_blocks(required - len(hits)))
-        self._account_blocks(table, range(len(hits), required), num_tokens, final)
+        self.ledger.account_table(table, range(len(hits), required), num_tokens, final)
         state = self._seqs[seq.seq_id] = _SeqBlocks(table, num_tokens, final, len(hits))
         num_hit_tokens = len(hits) * bs
-        if self._caching:
-            self._announce(seq, state)
+        if index.enabled:
+            state.num_announced = index.announce(seq, state.num_published)
             self.num_queried_tokens += num_tokens
             self.num_hit_tokens += num_hit_tokens
         return num_hit_tokens
+
+    def admission_blocks(self, seq: Sequence) -> int:
+        """Blocks `seq`'s table covers once admitted: its tokens, or what the reservation asks."""
+        return self._cdiv(max(seq.num_tokens, self.reservation.admission_slots(seq)))
 
     # -- growth ----------------------------------------------------------------------------------
 
@@ -214,12 +198,7 @@ class BlockManager:
             and alloc.refcount(table[last // bs]) == 1 and self.reservation.growth_slots(seq) <= len(table) * bs
         ):
             # the common decode step: one token into a private block that has room
-            block_id = table[last // bs]
-            self._fill[block_id] += 1
-            self._slots_used += 1
-            if self._future[block_id]:
-                self._future[block_id] -= 1
-                self._reserved -= 1
+            self.ledger.append_token(table[last // bs])
             state.num_slots = num_tokens
             return []
         shared = self._shared_write_targets(seq, state)
@@ -232,14 +211,14 @@ class BlockManager:
             dst = alloc.allocate()
             alloc.free(src)
             table[i] = dst
-            self._account(dst, self._fill[src], self._cap(i, state.final))
+            self.ledger.copy(src, dst, i, state.final)
             copies.append((src, dst))
         first_new = len(table)
         if num_new:
             table.extend(alloc.allocate_blocks(num_new))
         # Only the old last block and those after it gain filled slots; new blocks start their books.
         grown = range(max(max(state.num_slots - 1, 0) // bs, state.num_dropped), min(self._cdiv(num_tokens), first_new))
-        self._account_blocks(table, (*grown, *range(first_new, len(table))), num_tokens, state.final)
+        self.ledger.account_table(table, (*grown, *range(first_new, len(table))), num_tokens, state.final)
         state.num_slots = num_tokens
         return copies
 
@@ -253,10 +232,6 @@ class BlockManager:
         if last - first == 1:  # a decode step writes one block
             return [first] if refcount(table[first]) > 1 else []
         return [i for i in range(first, last) if refcount(table[i]) > 1]
-
-    def admission_blocks(self, seq: Sequence) -> int:
-        """Blocks `seq`'s table covers once admitted: its tokens, or what the reservation asks."""
-        return self._cdiv(max(seq.num_tokens, self.reservation.admission_slots(seq)))
 
     def _growth_blocks(self, seq: Sequence, state: _SeqBlocks) -> int:
         """Blocks to add to the table before the step that grows `seq` to `seq.num_tokens`."""
@@ -273,112 +248,42 @@ class BlockManager:
             self._release(state.table[i])
         state.num_dropped = max(state.num_dropped, dead)
 
-    # -- accounting ------------------------------------------------------------------------------
-
     def _final(self, seq: Sequence) -> int:
         """Slots `seq` fills before it ends: its last token is sampled but never written."""
         return final_length(seq.request, self.max_model_len) - 1
-
-    def _cap(self, index: int, final: int) -> int:
-        """Slots of the table's `index`-th block that a sequence filling `final` slots uses."""
-        return min(max(final - index * self.block_size, 0), self.block_size)
-
-    def _account(self, block_id: int, fill: int, cap: int) -> None:
-        """Set a block's filled slots, and its reserved ones: the empty slots among the `cap` that
-        its sequence will fill."""
-        future = max(cap - fill, 0)
-        self._slots_used += fill - self._fill[block_id]
-        self._reserved += future - self._future[block_id]
-        self._fill[block_id] = fill
-        self._future[block_id] = future
-
-    def _account_blocks(self, table: list[int], indices: Iterable[int], num_tokens: int, final: int) -> None:
-        """`_account` the table's blocks at `indices` for a sequence of `num_tokens` filling `final` slots."""
-        bs = self.block_size
-        for i in indices:
-            self._account(table[i], min(bs, max(num_tokens - i * bs, 0)), self._cap(i, final))
 
     def _release(self, block_id: int) -> None:
         """Drop one reference; a block nobody holds any more has no token states left."""
         self.allocator.free(block_id)
         if self.allocator.refcount(block_id) == 0:
-            self._account(block_id, 0, 0)
+            self.ledger.clear(block_id)
 
     # -- prefix cache ----------------------------------------------------------------------------
 
     def mark_computed(self, seq: Sequence) -> None:
         """Publish every block that became full and computed since the last call."""
-        if not self._caching:
+        index = self.prefix_index
+        if not index.enabled:
             return
         state = self._seqs[seq.seq_id]
         num_full = min(seq.num_computed_tokens, state.num_slots) // self.block_size
         if num_full <= state.num_published:
             return
-        chain = self._chain(seq, num_full)
-        for i in range(max(state.num_published, state.num_dropped), num_full):
-            self.allocator.insert(state.table[i], chain[i])
-        self._withdraw(chain, state.num_published, min(num_full, state.num_announced))
+        index.publish(seq, state.table, max(state.num_published, state.num_dropped), num_full)
+        index.withdraw(seq, state.num_published, min(num_full, state.num_announced))
         state.num_published = num_full
 
-    def _announce(self, seq: Sequence, state: _SeqBlocks) -> None:
-        """Record the full blocks `seq` is about to compute, so `awaits_prefix` sees them."""
-        num_full = seq.num_tokens // self.block_size
-        chain = self._chain(seq, num_full)
-        for i in range(state.num_published, num_full):
-            self._computing[chain[i]] += 1
-        state.num_announced = max(num_full, state.num_published)
-
-    def _withdraw(self, chain: list[bytes], start: int, stop: int) -> None:
-        for i in range(start, stop):
-            block_hash = chain[i]
-            if self._computing[block_hash] <= 1:
-                del self._computing[block_hash]
-            else:
-                self._computing[block_hash] -= 1
-
     def awaits_prefix(self, seq: Sequence) -> bool:
-        """Whether the first block of `seq` the cache misses is one an admitted sequence is computing
-        now: admitted a step later, `seq` would hit it instead of computing it again."""
-        if not self._computing or seq.request.params.prompt_logprobs is not None:
-            return False
-        num_hits = len(self._peek_hits(seq))
-        if (num_hits + 1) * self.block_size > seq.num_tokens - 1:  # no further block could be a hit
-            return False
-        return self._chain(seq, num_hits + 1)[num_hits] in self._computing
+        """Whether `seq`, admitted a step later, would hit a block now being computed (`PrefixIndex.awaits`)."""
+        return self.prefix_index.awaits(seq)
 
     def num_cached_tokens(self, seq: Sequence) -> int:
         """Tokens of `seq`'s prompt the prefix cache holds now (what admitting it would skip)."""
-        return len(self._peek_hits(seq)) * self.block_size
+        return len(self.prefix_index.lookup(seq)) * self.block_size
 
-    def _peek_hits(self, seq: Sequence) -> list[int]:
-        """Block ids of the cached prefix, excluding the block holding the last token (its
-        logits must be computed) so a shared cached block is never written."""
-        # prompt log-probabilities need every prompt position computed
-        if not self._caching or seq.request.params.prompt_logprobs is not None:
-            return []
-        max_blocks = max(seq.num_tokens - 1, 0) // self.block_size
-        if max_blocks == 0:
-            return []
-        chain = self._chain(seq, max_blocks)
-        hits = []
-        for i in range(max_blocks):
-            block_id = self.allocator.peek(chain[i])
-            if block_id is None:
-                break
-            hits.append(block_id)
-        return hits
-
-    def _chain(self, seq: Sequence, num_blocks: int) -> list[bytes]:
-        """The first `num_blocks` chained block hashes of `seq`, extending the cached chain."""
-        chain = self._chains.get(seq)
-        if chain is None:
-            chain = self._chains[seq] = []
-        bs, tokens = self.block_size, seq.token_ids
-        for i in range(len(chain), num_blocks):
-            # The salt keys the first block only; chaining carries it to every later one.
-            parent, salt = (chain[-1], None) if chain else (None, seq.request.cache_salt)
-            chain.append(block_hash(parent, tokens[i * bs : (i + 1) * bs], salt))
-        return chain
+    @property
+    def _computing(self) -> Counter[bytes]:  # the prefix index's registry: tests check that it drains
+        return self.prefix_index.computing
 
     # -- lifetime --------------------------------------------------------------------------------
 
@@ -391,82 +296,50 @@ class BlockManager:
         self._seqs[child.seq_id] = _SeqBlocks(
             list(state.table), state.num_slots, state.final, state.num_published, state.num_dropped
         )
-        chain = self._chains.get(parent)
-        if chain is not None:
-            self._chains[child] = list(chain)
+        self.prefix_index.fork(parent, child)
 
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks (device or swapped-out), last first, so its deepest cached blocks
         are evicted first."""
-        swapped = self._swapped.pop(seq.seq_id, None)
-        if swapped is not None:
-            assert self.cpu_allocator is not None
-            for block_id in swapped.cpu_blocks:
-                self.cpu_allocator.free(block_id)
+        if self.swap_space.free(seq):
             return
         state = self._seqs.pop(seq.seq_id, None)
         if state is None:
             raise KeyError(f"sequence {seq.seq_id} has no blocks to free")
         if state.num_announced > state.num_published:
-            self._withdraw(self._chains[seq], state.num_published, state.num_announced)
+            self.prefix_index.withdraw(seq, state.num_published, state.num_announced)
         for block_id in reversed(state.table[state.num_dropped :]):
             self._release(block_id)
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        return self._seqs[seq.seq_id].table
+
+    def has_blocks(self, seq: Sequence) -> bool:
+        """Whether `seq` holds blocks, on the device or swapped out."""
+        return seq.seq_id in self._seqs or self.swap_space.holds(seq)
 
     # -- swap ------------------------------------------------------------------------------------
 
     def can_swap_out(self, *seqs: Sequence) -> bool:
         """Whether the CPU pool can take the filled blocks of `seqs` (one request's running
         sequences: a block they share moves once) now."""
-        if self.cpu_allocator is None:
-            return False
-        return len(self._distinct_filled_blocks(*seqs)) <= self.cpu_allocator.num_free_blocks
-
-    def _distinct_filled_blocks(self, *seqs: Sequence) -> list[int]:
-        return list(dict.fromkeys(b for s in seqs for b in self._filled_blocks(self._seqs[s.seq_id])))
+        return self.swap_space.can_swap_out(self._filled_blocks(self._seqs[s.seq_id]) for s in seqs)
 
     def swap_out(self, *seqs: Sequence) -> list[tuple[int, int]]:
         """Move the filled blocks of `seqs` to the CPU pool, keeping what they share shared, and free
         their device blocks; returns the (device block, CPU block) pairs to copy before the step."""
         if not self.can_swap_out(*seqs):
             raise NoFreeBlocksError(f"the CPU swap space cannot take sequences {[s.seq_id for s in seqs]}")
-        cpu = self.cpu_allocator
-        assert cpu is not None
-        moved = self._distinct_filled_blocks(*seqs)
-        to_cpu = dict(zip(moved, cpu.allocate_blocks(len(moved)), strict=True))
+        tables: dict[int, tuple[list[int], list[int]]] = {}
         for seq in seqs:
             state = self._seqs[seq.seq_id]
-            cpu_blocks = [to_cpu[b] for b in self._filled_blocks(state)]
-            for block_id in cpu_blocks:
-                cpu.incref(block_id)
-            self.free(seq)
-            self._swapped[seq.seq_id] = _Swapped(cpu_blocks, state.table[: state.num_dropped])
-        # every holder took its own reference above: drop the one allocation gave
-        for block_id in to_cpu.values():
-            cpu.free(block_id)
-        return list(to_cpu.items())
-
-    def _first_written(self, seq: Sequence) -> int:
-        """Index, among `seq`'s swapped-out blocks, of the first one its next step writes: from there
-        on each sequence gets its own device copy, so nothing shared is written."""
-        return seq.num_computed_tokens // self.block_size - len(self._swapped[seq.seq_id].stale)
-
-    def _swap_in_blocks(self, *seqs: Sequence) -> int:
-        """Device blocks `seqs` need to come back: each shared CPU block once, each block a next
-        step writes once per sequence, plus what reservations cover beyond the tokens."""
-        shared: set[int] = set()
-        num_blocks = 0
-        for s in seqs:
-            swapped = self._swapped[s.seq_id]
-            first_written = self._first_written(s)
-            shared.update(swapped.cpu_blocks[:first_written])
-            num_blocks += self.admission_blocks(s) - len(swapped.stale) - min(first_written, len(swapped.cpu_blocks))
-        return len(shared) + num_blocks
+            tables[seq.seq_id] = (state.table[: state.num_dropped], self._filled_blocks(state))
+            self.free(seq)  # the executor copies the blocks out before the step that reuses them
+        return self.swap_space.swap_out(tables)
 
     def can_swap_in(self, *seqs: Sequence) -> AllocStatus:
-        required = self._swap_in_blocks(*seqs)
-        if self._never_fits(required):
-            return AllocStatus.NEVER
-        return self._status(required, required)
+        required = self.swap_space.num_swap_in_blocks(seqs, self.admission_blocks)
+        return AllocStatus.NEVER if self._never_fits(required) else self._status(required, required)
 
     def swap_in(self, *seqs: Sequence) -> list[tuple[int, int]]:
         """Give `seqs` device blocks for all their tokens (and reservations), sharing again what
@@ -474,49 +347,27 @@ class BlockManager:
         block) pairs to copy before the step runs (a CPU block may go to several device blocks)."""
         if self.can_swap_in(*seqs) is not AllocStatus.OK:
             raise NoFreeBlocksError(f"no room on the device to swap sequences {[s.seq_id for s in seqs]} in")
-        cpu = self.cpu_allocator
-        assert cpu is not None
-        # one allocation, so a contiguous allocator gives a lone sequence one extent
-        fresh = iter(self.allocator.allocate_blocks(self._swap_in_blocks(*seqs)))
-        to_device: dict[int, int] = {}
-        pairs: list[tuple[int, int]] = []
-        for seq in seqs:
-            first_written = self._first_written(seq)
-            swapped = self._swapped.pop(seq.seq_id)
-            start = len(swapped.stale)
-            table = list(swapped.stale)
-            for i, block_id in enumerate(swapped.cpu_blocks):
-                device = to_device.get(block_id) if i < first_written else None
-                if device is None:
-                    device = next(fresh)
-                    pairs.append((block_id, device))
-                    if i < first_written:
-                        to_device[block_id] = device
-                else:
-                    self.allocator.incref(device)
-                table.append(device)
-                cpu.free(block_id)
-            table.extend(next(fresh) for _ in range(self.admission_blocks(seq) - len(table)))
+        tables, pairs = self.swap_space.swap_in(seqs, self.admission_blocks)
+        for seq, (table, start) in zip(seqs, tables, strict=True):
             final = self._final(seq)
-            self._account_blocks(table, range(start, len(table)), seq.num_tokens, final)
+            self.ledger.account_table(table, range(start, len(table)), seq.num_tokens, final)
             # Swapped-in blocks are published again on the next mark_computed (a duplicate of a
             # block still cached stays unpublished).
             self._seqs[seq.seq_id] = _SeqBlocks(table, seq.num_tokens, final, start, start)
         return pairs
 
     def is_swapped(self, seq: Sequence) -> bool:
-        return seq.seq_id in self._swapped
+        return self.swap_space.holds(seq)
+
+    @property
+    def _swapped(self) -> dict[int, Parked]:  # the swap space's sequences: tests check none is left
+        return self.swap_space.parked
 
     def _filled_blocks(self, state: _SeqBlocks) -> list[int]:
         """The live blocks holding token states: what a swap moves (an empty reservation is not)."""
         return state.table[state.num_dropped : self._cdiv(state.num_slots)]
 
-    def block_table(self, seq: Sequence) -> list[int]:
-        return self._seqs[seq.seq_id].table
-
-    def has_blocks(self, seq: Sequence) -> bool:
-        """Whether `seq` holds blocks, on the device or swapped out."""
-        return seq.seq_id in self._seqs or seq.seq_id in self._swapped
+    # -- accounting ------------------------------------------------------------------------------
 
     def stats(self, blocked_blocks: int = 0) -> KVStats:
         """The cache now; `blocked_blocks` is what the request waiting for memory needs (0 when none
@@ -528,11 +379,11 @@ class BlockManager:
             num_allocated_blocks=self.num_total_blocks - num_free,
             num_free_blocks=num_free,
             num_cached_free_blocks=self.allocator.num_cached_free_blocks,
-            num_token_slots_used=self._slots_used,
+            num_token_slots_used=self.ledger.num_used,
             block_size=self.block_size,
             num_queried_tokens=self.num_queried_tokens,
             num_hit_tokens=self.num_hit_tokens,
-            num_reserved_slots=self._reserved,
+            num_reserved_slots=self.ledger.num_reserved,
             num_unassigned_blocks=self.allocator.num_unassigned_blocks,
             num_stranded_free_blocks=self.allocator.num_stranded_free_blocks(blocked_blocks) if blocked_blocks else 0,
             num_cpu_blocks=cpu.num_blocks if cpu else 0,

@@ -1,0 +1,61 @@
+"""The slot ledger: token slots per physical KV block, the memory breakdown's raw numbers.
+
+Of an allocated block's slots, some hold a token's KV (used), some are empty but their sequence will
+still fill them (reserved: what an up-front reservation costs until it is used), and the rest are
+internal fragmentation (`KVStats` derives it from the two totals kept here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class SlotLedger:
+    """Filled and still-to-fill slots of every block, and their totals.
+
+    A shared block is never written (copy-on-write first), so every sequence referencing it agrees
+    on its fill: keeping one count per block counts each token state once, however many tables hold it.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self._fill = [0] * num_blocks
+        # Per block, the empty slots its sequence will still fill (the same bookkeeping as `_fill`).
+        self._future = [0] * num_blocks
+        self.num_used = 0
+        self.num_reserved = 0
+
+    def account(self, block_id: int, fill: int, cap: int) -> None:
+        """Set a block's filled slots, and its reserved ones: the empty slots among the `cap` that
+        its sequence will fill."""
+        future = max(cap - fill, 0)
+        self.num_used += fill - self._fill[block_id]
+        self.num_reserved += future - self._future[block_id]
+        self._fill[block_id] = fill
+        self._future[block_id] = future
+
+    def account_table(self, table: list[int], indices: Iterable[int], num_tokens: int, final: int) -> None:
+        """`account` the table's blocks at `indices` for a sequence of `num_tokens` filling `final` slots."""
+        bs = self.block_size
+        for i in indices:
+            self.account(table[i], min(bs, max(num_tokens - i * bs, 0)), self._cap(i, final))
+
+    def append_token(self, block_id: int) -> None:
+        """One more slot of `block_id` filled: the common decode step, kept cheap."""
+        self._fill[block_id] += 1
+        self.num_used += 1
+        if self._future[block_id]:
+            self._future[block_id] -= 1
+            self.num_reserved -= 1
+
+    def copy(self, src: int, dst: int, index: int, final: int) -> None:
+        """`dst` became a private copy of `src`, the `index`-th block of a sequence filling `final` slots."""
+        self.account(dst, self._fill[src], self._cap(index, final))
+
+    def clear(self, block_id: int) -> None:
+        """Nobody holds `block_id` any more: it has no token states left."""
+        self.account(block_id, 0, 0)
+
+    def _cap(self, index: int, final: int) -> int:
+        """Slots of a table's `index`-th block that a sequence filling `final` slots uses."""
+        return min(max(final - index * self.block_size, 0), self.block_size)

@@ -1,0 +1,20 @@
+"""Request sources: what a run serves, from `cfg.workload` (`load_workload`, by `workload.kind`).
+
+- `synthetic` (synthetic.py): log-normal lengths fit to a dataset's mean lengths (ShareGPT, Alpaca);
+- `fixed` (fixed.py): every request the same prompt and output length;
+- `trace` (trace.py): a window of an Azure inference trace, its lengths and arrival gaps scaled;
+- `prompts` (prompts.py, lines parsed by jsonl.py): a JSONL file of prompts with their own sampling.
+
+The first three are length-only: lengths.py turns their lengths into requests (shared prefixes,
+clipping to the scheduler's `max_model_len`, token ids from a corpus or seeded at random). What
+every source shares, the `WorkloadItem` record, Poisson arrivals, the client and priority draws
+(each from its own seeded stream) and the workload's sampling keys, is in records.py; kinds.py maps
+each kind to its source. The same seed gives the same requests, in the same order.
+"""
+
+from paged.workload.jsonl import parse_prompt_line
+from paged.workload.kinds import load_workload
+from paged.workload.prompts import prompt_file
+from paged.workload.records import Tokenizer, WorkloadItem
+
+__all__ = ["Tokenizer", "WorkloadItem", "load_workload", "parse_prompt_line", "prompt_file"]

@@ -1,0 +1,51 @@
+"""The workload kinds: `workload.kind` -> the source that builds its requests.
+
+A small registry, one entry per kind, in the order the "not supported" error lists them. Every
+entry is called the same way (`WorkloadSource`), so a new source is one module and one line here.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from paged.config import WorkloadConfig
+from paged.workload.fixed import fixed_lengths
+from paged.workload.lengths import LengthSource
+from paged.workload.prompts import prompt_source
+from paged.workload.records import Tokenizer, WorkloadItem
+from paged.workload.synthetic import synthetic_lengths
+from paged.workload.trace import trace_lengths
+
+
+class WorkloadSource(Protocol):
+    def __call__(
+        self,
+        cfg: WorkloadConfig,
+        tokenizer: Tokenizer | None,
+        *,
+        vocab_size: int | None = None,
+        max_model_len: int | None = None,
+    ) -> list[WorkloadItem]: ...
+
+
+SOURCES: dict[str, WorkloadSource] = {
+    "synthetic": LengthSource(synthetic_lengths),
+    "fixed": LengthSource(fixed_lengths),
+    "trace": LengthSource(trace_lengths, whole=True),
+    "prompts": prompt_source,
+}
+
+
+def load_workload(
+    cfg: WorkloadConfig,
+    tokenizer: Tokenizer | None,
+    *,
+    vocab_size: int | None = None,
+    max_model_len: int | None = None,
+) -> list[WorkloadItem]:
+    """The requests `cfg` describes. `tokenizer` None (a spec-only model) draws synthetic ids below
+    `vocab_size`; `max_model_len` (the scheduler's) clips length-only workloads to fit it."""
+    source = SOURCES.get(cfg.kind)
+    if source is None:
+        raise ValueError(f"workload.kind={cfg.kind!r} is not supported; allowed: {', '.join(SOURCES)}")
+    return source(cfg, tokenizer, vocab_size=vocab_size, max_model_len=max_model_len)
