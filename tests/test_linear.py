@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from paged.model.linear import Linear, onednn_unsupported_reason, resolve_gemm
+from paged.model import linear
+from paged.model.linear import Linear, onednn_bf16_supported, onednn_unsupported_reason, resolve_gemm
 
 CPU = torch.device("cpu")
 needs_onednn = pytest.mark.skipif(
@@ -36,7 +37,7 @@ def test_torch_gemm_is_f_linear_to_the_bit() -> None:
 @needs_onednn
 def test_auto_prepacks_fp32_and_bf16_on_cpu_only() -> None:
     assert resolve_gemm("auto", torch.float32, CPU) == "onednn"
-    assert resolve_gemm("auto", torch.bfloat16, CPU) == "onednn"
+    assert resolve_gemm("auto", torch.bfloat16, CPU) == ("onednn" if onednn_bf16_supported() else "torch")
     assert resolve_gemm("auto", torch.float16, CPU) == "torch"
     assert resolve_gemm("auto", torch.float32, torch.device("cuda")) == "torch"
     assert resolve_gemm("torch", torch.float32, CPU) == "torch"
@@ -54,3 +55,13 @@ def test_refused_gemm_names_the_value_and_what_is_allowed(gemm, dtype, device, m
     with pytest.raises(ValueError) as err:
         resolve_gemm(gemm, dtype, torch.device(device))
     assert message in str(err.value)
+
+
+@needs_onednn
+def test_bf16_without_cpu_support_falls_back_to_torch_and_onednn_is_refused(monkeypatch) -> None:
+    """A CPU without AVX512 bf16: auto takes F.linear, and asking for onednn says why not."""
+    monkeypatch.setattr(linear, "onednn_bf16_supported", lambda: False)
+    assert resolve_gemm("auto", torch.bfloat16, CPU) == "torch"
+    assert resolve_gemm("auto", torch.float32, CPU) == "onednn"
+    with pytest.raises(ValueError, match="runs bfloat16 only on a CPU with AVX512 bf16 support"):
+        resolve_gemm("onednn", torch.bfloat16, CPU)

@@ -7,9 +7,10 @@ project's 2-core machine. oneDNN's matmul with the weight reordered once into it
 the 49K-row lm_head. The blocked layout is opaque, so a packed layer keeps no plain copy.
 
 `model.gemm` picks the kernel: `torch` (F.linear everywhere), `onednn` (prepacked; refused where
-oneDNN cannot run) or `auto` (onednn for fp32/bf16 models on a CPU with oneDNN, torch otherwise).
+oneDNN cannot run) or `auto` (onednn for fp32 models on a CPU with oneDNN, and for bf16 ones where the
+CPU has AVX512 bf16; torch otherwise).
 The two kernels sum in different orders, so their logits differ in the last bits; greedy outputs
-match vLLM's either way (see the README's speed section).
+match vLLM's either way (docs/speed.md).
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ _ROWS_HINT = 64
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def onednn_bf16_supported() -> bool:
+    """oneDNN's bf16 matmul needs AVX512 bf16 (or AMX); without it a packed bf16 call fails at run time."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def onednn_unsupported_reason(dtype: torch.dtype, device: torch.device) -> str | None:
     """Why prepacked oneDNN linears cannot run for this model, or None."""
     if device.type != "cpu":
@@ -33,6 +39,8 @@ def onednn_unsupported_reason(dtype: torch.dtype, device: torch.device) -> str |
         return f"model.gemm=onednn supports float32 and bfloat16 models, not {dtype}"
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return "model.gemm=onednn needs a torch build with oneDNN (mkldnn)"
+    if dtype == torch.bfloat16 and not onednn_bf16_supported():
+        return "model.gemm=onednn runs bfloat16 only on a CPU with AVX512 bf16 support; this one has none"
     return None
 
 
