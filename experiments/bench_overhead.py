@@ -18,10 +18,9 @@ import statistics
 from rich.console import Console
 from rich.table import Table
 
-from paged.builder import build_engine, build_executor
+from paged.builder import build_executor
 from paged.config import compose_config
-from paged.experiment import workload_for
-from paged.runner import run_workload
+from paged.experiment import run_quietly
 
 BASE = ["logger=none", "progress=false", "workload=fixed", "workload.prompt_len=64", "workload.output_len=64",
         "scheduler.max_num_seqs=64", "scheduler.max_model_len=256", "scheduler.max_num_batched_tokens=4096",
@@ -50,18 +49,13 @@ def main() -> None:
     results: dict[str, list[dict]] = {name: [] for name in CONFIGS}
     for _ in range(args.repeats):
         for name, overrides in CONFIGS.items():
-            cfg = compose_config([*base, *overrides])
-            engine = build_engine(cfg, executor=executor)
-            run_workload(engine, workload_for(cfg, engine), progress=False)
-            bm = engine.scheduler.block_manager
-            summary = engine.metrics.summary(kv_end=bm.stats(), caches_prefixes=bm.allocator.caches_prefixes)
+            summary, engine = run_quietly([*base, *overrides], executor=executor)
             steps = engine.metrics.steps
             full = [s for s in steps if not s.is_prefill and s.batch_size >= 64]
             summary["full_step_ms"] = 1e3 * statistics.median(s.step_time_s for s in full) if full else None
             summary["full_overhead"] = (
                 sum(s.overhead_s for s in full) / sum(s.step_time_s for s in full) if full else None
             )
-            summary["swaps"] = engine.scheduler.counters.num_swaps_out
             results[name].append(summary)
     table = Table(title=f"Engine overhead, SmolLM2-135M on this CPU, {args.requests} sequences "
                         f"(medians of {args.repeats} alternating runs)")
@@ -77,7 +71,7 @@ def main() -> None:
         step = med("full_step_ms")
         table.add_row(
             name, f"{100 * med('engine_overhead_fraction'):.1f}%", "-" if full is None else f"{100 * full:.1f}%",
-            "-" if step is None else f"{step:.0f}", f"{med('num_preemptions'):.0f}", f"{med('swaps'):.0f}",
+            "-" if step is None else f"{step:.0f}", f"{med('num_preemptions'):.0f}", f"{med('num_swaps_out'):.0f}",
         )
     Console(width=160).print(table)
 

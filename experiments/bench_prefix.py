@@ -39,17 +39,18 @@ def workloads(corpus: list[int], n: int, prefix_len: int, suffix_len: int, seed:
 def timed_run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
     """One cold-cache pass: the prefix cache is reset first so repeats do not hit each other."""
     assert llm.reset_prefix_cache(), "blocks still referenced before a timed run"
-    executor, bm = llm.executor, llm.engine.scheduler.block_manager
-    computed, queried, hits = executor.num_prefill_tokens_computed, bm.num_queried_tokens, bm.num_hit_tokens
+    executor, before = llm.executor, llm.engine.kv_stats()
+    computed = executor.num_prefill_tokens_computed
     start = time.perf_counter()
     out = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
-    q = bm.num_queried_tokens - queried
+    after = llm.engine.kv_stats()
+    q = after.num_queried_tokens - before.num_queried_tokens
     return {
         "time": elapsed,
         "tokens": sum(len(o.token_ids) for o in out),
         "computed": executor.num_prefill_tokens_computed - computed,
-        "hit_rate": (bm.num_hit_tokens - hits) / q if q else None,
+        "hit_rate": (after.num_hit_tokens - before.num_hit_tokens) / q if q else None,
         "outputs": [o.token_ids for o in out],
     }
 

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from paged import LLM, SamplingParams
 from paged.model.locate import locate_smollm2
+from paged.summary import summarize
 
 
 def make_requests(n: int, seed: int, corpus_tokens: list[int]) -> tuple[list[list[int]], list[int]]:
@@ -41,7 +42,7 @@ def run_paged(llm: LLM, prompts: list[list[int]], outputs: list[int]) -> tuple[f
     results = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     tokens = sum(len(r.token_ids) for r in results)
-    summary = llm.engine.metrics.summary(kv_end=llm.engine.scheduler.block_manager.stats(), caches_prefixes=True)
+    summary = summarize(llm.config, llm.engine)
     return elapsed, tokens, summary
 
 

@@ -54,14 +54,13 @@ RATES = [0.5 * i for i in range(1, 13)]  # 0.5 .. 6 req/s: past both knees
 
 
 def sweep(dtype: str, requests: int, rates: list[float], extra: list[str]) -> dict[float, dict[str, Any]]:
-    """Each rate's summary for one `kernel.kv_cache_dtype`, with the KV pool's `block_size`."""
+    """Each rate's summary for one `kernel.kv_cache_dtype` (it carries the KV pool's `block_size`)."""
     runs = {}
     for rate in rates:
-        summary, engine = run_quietly([
+        runs[rate], _ = run_quietly([
             *BASE, f"kernel.kv_cache_dtype={dtype}", f"workload.num_requests={requests}",
             f"workload.arrival_rate={rate}", *extra,
         ])
-        runs[rate] = summary | {"block_size": engine.scheduler.block_manager.block_size}
     return runs
 
 
@@ -102,7 +101,7 @@ def cpu(dtypes: list[str], repeats: int, extra: list[str]) -> None:
     for i in range(repeats):
         for dtype in dtypes[i % len(dtypes):] + dtypes[: i % len(dtypes)]:
             summary, engine = run_quietly(["logger=none", f"kernel.kv_cache_dtype={dtype}", *extra])
-            block_bytes = engine.executor.kv_cache_spec(engine.scheduler.block_manager.block_size).bytes_per_block
+            block_bytes = engine.executor.kv_cache_spec(summary["block_size"]).bytes_per_block
             runs[dtype].append(summary | {"block_bytes": block_bytes})
     agreement = _agreement(dtypes, extra)
     base_bytes = runs[dtypes[0]][0]["block_bytes"]

@@ -58,6 +58,7 @@ from paged.experiment import run_quietly
 from paged.llm import LLM
 from paged.metrics import StepRecord
 from paged.request import SamplingParams
+from paged.summary import summarize
 
 WIDTHS = [2, 4, 6]
 MODES = ["parallel", "beam"]
@@ -212,8 +213,7 @@ def run_cpu(args: argparse.Namespace, extra: list[str]) -> list[dict[str, Any]]:
             wall = time.perf_counter() - start
             tokens = [[c.token_ids for c in out.outputs] for out in outputs]
             reference = reference if reference is not None else tokens
-            bm = llm.engine.scheduler.block_manager
-            summary = llm.engine.metrics.summary(kv_end=bm.stats(), caches_prefixes=bm.allocator.caches_prefixes)
+            summary = summarize(llm.config, llm.engine)
             runs.append({
                 "target": "cpu", "repeat": repeat, "share_blocks": share, "wall_s": wall,
                 "output_tokens": summary["output_tokens"], "tokens_per_s": summary["output_tokens"] / wall,

@@ -19,8 +19,7 @@ from rich.table import Table
 
 from paged.builder import build_engine
 from paged.config import compose_config
-from paged.experiment import workload_for
-from paged.runner import run_workload
+from paged.experiment import run_quietly
 from paged.sim.cost_model import StepShape
 
 BLOCK_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -53,16 +52,13 @@ def end_to_end(requests: int, rate: float, extra: list[str]) -> Table:
     for bs in E2E_BLOCK_SIZES:
         results = {}
         for mode in ("recompute", "swap"):
-            cfg = compose_config([
+            summary, _ = run_quietly([
                 *BASE, f"workload.num_requests={requests}", f"workload.arrival_rate={rate}",
                 f"allocator.block_size={bs}", f"scheduler.preemption_mode={mode}", "allocator=naive", *extra,
             ])
-            engine = build_engine(cfg)
-            run_workload(engine, workload_for(cfg, engine), progress=False)
-            bm = engine.scheduler.block_manager
-            summary = engine.metrics.summary(kv_end=bm.stats(), caches_prefixes=False)
-            moved = engine.scheduler.counters.num_swapped_blocks * engine.executor.kv_cache_spec(bs).bytes_per_block
-            results[mode] = (summary["normalized_latency_s_per_token"], summary["num_preemptions"], moved)
+            results[mode] = (
+                summary["normalized_latency_s_per_token"], summary["num_preemptions"], summary["swap_bytes"]
+            )
         (rec, rec_pre, _), (swap, swap_pre, moved) = results["recompute"], results["swap"]
         table.add_row(str(bs), f"{rec:.3f}", f"{swap:.3f}", f"{swap / rec:.2f}", f"{rec_pre} / {swap_pre}",
                       f"{moved / 1e9:.1f}")

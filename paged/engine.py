@@ -1,18 +1,18 @@
 """The engine loop: schedule, execute, update, record.
 
 Sequence state changes only in the scheduler (`update_from_output`); the executor only computes
-and samples; the engine wires them together on the executor's clock and records each step.
+and samples; the engine wires them together on the executor's clock and records each step. It also
+answers what its callers ask of the KV cache and the scheduler (stats, prefix-cache reset, counters),
+so that no caller reaches into the scheduler's block manager or allocator.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from paged.executor.base import Executor
 from paged.metrics import MetricsRecorder
 from paged.request import Request
-from paged.scheduler.core import Scheduler
-from paged.step import ExecutorOutput
+from paged.scheduler.core import Scheduler, SchedulerCounters
+from paged.step import ExecutorOutput, KVStats
 
 
 class Engine:
@@ -43,8 +43,38 @@ class Engine:
             self.metrics.on_step(sched, output, self.scheduler.stats(), start, self.clock.now())
         return finished
 
-    def run_until_done(self, on_step: Callable[[list[Request]], None] | None = None) -> None:
-        while self.has_unfinished:
-            finished = self.step()
-            if on_step is not None:
-                on_step(finished)
+    # -- what callers ask ------------------------------------------------------------------------
+
+    def kv_stats(self) -> KVStats:
+        """The KV cache now: pool size, blocks in use, and the prefix-cache counters (cumulative
+        since the engine was built)."""
+        return self.scheduler.block_manager.stats()
+
+    @property
+    def caches_prefixes(self) -> bool:
+        """Whether the allocator keeps a prefix cache (without one, a hit rate means nothing)."""
+        return self.scheduler.block_manager.allocator.caches_prefixes
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop all cached prefix blocks; False (and nothing dropped) while requests hold blocks."""
+        return self.scheduler.block_manager.allocator.reset_prefix_cache()
+
+    @property
+    def counters(self) -> SchedulerCounters:
+        """Preemptions, aborts and swaps so far."""
+        return self.scheduler.counters
+
+    @property
+    def num_swap_fallbacks(self) -> int:
+        """Swap preemptions that recomputed instead (the CPU pool was full)."""
+        return self.scheduler.preemption.num_recompute_fallbacks
+
+    def plugin_classes(self) -> dict[str, str]:
+        """The qualified class of each part a config can replace: allocator, policy, preemption, executor."""
+        parts = {
+            "allocator": self.scheduler.block_manager.allocator,
+            "policy": self.scheduler.policy,
+            "preemption": self.scheduler.preemption,
+            "executor": self.executor,
+        }
+        return {role: f"{type(obj).__module__}.{type(obj).__qualname__}" for role, obj in parts.items()}

@@ -12,8 +12,11 @@ from omegaconf import OmegaConf
 from paged.builder import build_engine
 from paged.config import compose_config
 from paged.engine import Engine
+from paged.executor.base import Executor
 from paged.outputs import print_summary, write_outputs
+from paged.request import Request
 from paged.runner import run_workload
+from paged.summary import summarize
 from paged.wandb_logger import WandbLogger
 from paged.workload import WorkloadItem, load_workload
 
@@ -23,10 +26,8 @@ log = logging.getLogger(__name__)
 def run_experiment(
     cfg: Any, run_dir: Path, *, group: str | None = None, name: str | None = None, tags: list[str] | None = None
 ) -> dict[str, Any]:
-    load_start = time.perf_counter()
-    engine = build_engine(cfg)
-    load_time = time.perf_counter() - load_start
-    executor, scheduler = engine.executor, engine.scheduler
+    engine, load_time = _timed_build(cfg)
+    executor = engine.executor
     items = workload_for(cfg, engine)
     config = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
     wb = WandbLogger(
@@ -35,37 +36,7 @@ def run_experiment(
         simulated=engine.clock.simulated, tags=tags,
     )
     engine.metrics.step_listeners.append(wb.log_step)
-    host_start = time.perf_counter()
-    requests = run_workload(engine, items, progress=cfg.progress)
-    host_time = time.perf_counter() - host_start
-    allocator = scheduler.block_manager.allocator
-    summary = engine.metrics.summary(
-        kv_end=scheduler.block_manager.stats(), caches_prefixes=allocator.caches_prefixes
-    )
-    summary |= {
-        "allocator": cfg.allocator.name,
-        "allocator_class": _qualname(allocator),
-        "policy": cfg.scheduler.name,
-        "policy_class": _qualname(scheduler.policy),
-        "preemption_class": _qualname(scheduler.preemption),
-        "executor": cfg.executor.name,
-        "executor_class": _qualname(executor),
-        "executor_description": executor.description,
-        "attention_kernel": executor.kernel_description,
-        "block_size": cfg.allocator.block_size,
-        "host_time_s": host_time,
-        "load_time_s": load_time,  # building the engine (weights, KV cache): not part of any latency
-        **pool_summary(cfg, engine),
-        **swap_summary(cfg, engine),
-    }
-    if engine.clock.simulated:
-        # latencies and wall_time_s above are simulated seconds
-        summary |= {
-            "sim_time_s": summary["wall_time_s"],
-            "sim_seconds_per_host_second": summary["wall_time_s"] / host_time if host_time > 0 else None,
-            "hardware": cfg.hardware.name,
-            "num_gpus": cfg.hardware.num_gpus,
-        }
+    requests, summary = _run(cfg, engine, items, load_time, progress=cfg.progress)
     decode = executor.tokenizer.decode if executor.tokenizer is not None else None
     write_outputs(run_dir, summary, requests, engine.metrics.request_metrics(), decode)
     wb.finish(summary, engine.metrics.request_metrics(), run_dir)
@@ -75,38 +46,14 @@ def run_experiment(
     return summary
 
 
-def pool_summary(cfg: Any, engine: Engine) -> dict[str, int]:
-    """The KV pool's size: token slots (Table 1's "max. # KV cache slots") and bytes."""
-    num_blocks, block_size = engine.scheduler.block_manager.stats().num_total_blocks, cfg.allocator.block_size
-    return {
-        "kv_token_slots": num_blocks * block_size,
-        "kv_cache_bytes": num_blocks * engine.executor.kv_cache_spec(block_size).bytes_per_block,
-    }
-
-
-def swap_summary(cfg: Any, engine: Engine) -> dict[str, Any]:
-    """Swap preemption's counters; `swap_bytes` counts both directions."""
-    counters, preemption = engine.scheduler.counters, engine.scheduler.preemption
-    bytes_per_block = engine.executor.kv_cache_spec(cfg.allocator.block_size).bytes_per_block
-    return {
-        "preemption_mode": cfg.scheduler.preemption_mode if cfg.scheduler.preemption.get("_target_") is None
-        else _qualname(preemption),
-        "num_swaps_out": counters.num_swaps_out,
-        "num_swaps_in": counters.num_swaps_in,
-        "swap_bytes": counters.num_swapped_blocks * bytes_per_block,
-        "num_swap_fallbacks": preemption.num_recompute_fallbacks,
-    }
-
-
-def run_quietly(overrides: list[str]) -> tuple[dict[str, Any], Engine]:
-    """The experiment scripts' run: compose `overrides` (no logger, no progress bar), build, run the
-    workload, and return the summary (with the swap counters) and the engine; nothing is written."""
+def run_quietly(overrides: list[str], *, executor: Executor | None = None) -> tuple[dict[str, Any], Engine]:
+    """The experiment scripts' run: compose `overrides` (no logger, no progress bar), build (on
+    `executor` when given, so that repeated runs share its weights), run the workload, and return the
+    summary (run.py's keys) and the engine; nothing is written."""
     cfg = compose_config(["logger=none", "progress=false", *overrides])
-    engine = build_engine(cfg)
-    run_workload(engine, workload_for(cfg, engine), progress=False)
-    bm = engine.scheduler.block_manager
-    summary = engine.metrics.summary(kv_end=bm.stats(), caches_prefixes=bm.allocator.caches_prefixes)
-    return summary | pool_summary(cfg, engine) | swap_summary(cfg, engine), engine
+    engine, load_time = _timed_build(cfg, executor)
+    _, summary = _run(cfg, engine, workload_for(cfg, engine), load_time, progress=False)
+    return summary, engine
 
 
 def workload_for(cfg: Any, engine: Engine) -> list[WorkloadItem]:
@@ -117,5 +64,17 @@ def workload_for(cfg: Any, engine: Engine) -> list[WorkloadItem]:
     )
 
 
-def _qualname(obj: object) -> str:
-    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+def _timed_build(cfg: Any, executor: Executor | None = None) -> tuple[Engine, float]:
+    start = time.perf_counter()
+    engine = build_engine(cfg, executor=executor)
+    return engine, time.perf_counter() - start
+
+
+def _run(
+    cfg: Any, engine: Engine, items: list[WorkloadItem], load_time: float, *, progress: bool
+) -> tuple[list[Request], dict[str, Any]]:
+    """The workload's requests (in item order) and the run's summary."""
+    start = time.perf_counter()
+    requests = run_workload(engine, items, progress=progress)
+    host_time = time.perf_counter() - start
+    return requests, summarize(cfg, engine, host_time_s=host_time, load_time_s=load_time)

@@ -7,15 +7,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tqdm import tqdm
-
 from paged.builder import build_engine
 from paged.config import compose_config
 from paged.engine import Engine
 from paged.executor.base import Executor
 from paged.outputs import completion_text
 from paged.request import Request, SamplingParams
+from paged.runner import drive, to_request
 from paged.step import TokenLogprobs
+from paged.workload import WorkloadItem
 
 
 @dataclass(frozen=True)
@@ -168,11 +168,10 @@ class LLM:
             if c is not None and not isinstance(c, str):
                 raise ValueError(f"client_id must be a string or None, got {c!r}")
         requests = [
-            self._add(prompt, p, prio, client)
+            self._request(prompt, p, prio, client)
             for prompt, p, prio, client in zip(prompts, sampling_params, priorities, clients, strict=True)
         ]
-        with tqdm(total=len(requests), desc="Processed prompts", unit="req", disable=not use_tqdm) as bar:
-            self.engine.run_until_done(lambda finished: bar.update(len(finished)))
+        drive(self.engine, requests, progress=use_tqdm, label="Processed prompts")
         return [self._output(r) for r in requests]
 
     def beam_search(
@@ -193,7 +192,7 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         """Drop all cached prefix blocks; False (and nothing dropped) while requests hold blocks."""
-        return self.engine.scheduler.block_manager.allocator.reset_prefix_cache()
+        return self.engine.reset_prefix_cache()
 
     @staticmethod
     def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
@@ -203,7 +202,7 @@ class LLM:
             return [prompts]  # type: ignore[list-item]
         return list(prompts)  # type: ignore[arg-type]
 
-    def _add(self, prompt: PromptType, params: SamplingParams, priority: int, client_id: str | None) -> Request:
+    def _request(self, prompt: PromptType, params: SamplingParams, priority: int, client_id: str | None) -> Request:
         tokenizer = self.executor.tokenizer
         text: str | None = None
         if isinstance(prompt, dict):
@@ -219,13 +218,13 @@ class LLM:
             text, tokens = prompt, tokenizer.encode(prompt)
         else:
             tokens = list(prompt)
-        request = Request(
-            f"llm-{self._counter}", tokens, params, arrival_time=self.engine.clock.now(), prompt=text,
-            priority=priority, client_id=client_id,
-        )
+        request_id = f"llm-{self._counter}"
         self._counter += 1
-        self.engine.add_request(request)
-        return request
+        # it arrives now, on the engine's clock (never reset here: a later call's requests arrive later)
+        return to_request(WorkloadItem(
+            request_id, tokens, params, arrival_time=self.engine.clock.now(), prompt=text, priority=priority,
+            client_id=client_id,
+        ))
 
     def _logprobs(self, entries: list[TokenLogprobs | None] | None) -> list[LogprobDict | None] | None:
         if entries is None:

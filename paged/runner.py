@@ -1,7 +1,10 @@
-"""Drive an engine through a workload on its clock: submit requests at their arrival times, step
-until all are done, and show progress."""
+"""Drive an engine: submit requests when its clock reaches their arrival times, step until all are
+done, show progress. `drive` is the one loop behind `LLM.generate`, `run.py` (through
+paged/experiment.py) and the experiments; `to_request` is the one way a prompt becomes a `Request`."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from tqdm import tqdm
 
@@ -11,6 +14,9 @@ from paged.workload import WorkloadItem
 
 
 def to_request(item: WorkloadItem) -> Request:
+    """The request `item` describes: its tokens, params (vLLM's defaults when None), arrival time on
+    the engine's clock, priority and client. An item with an `error` (a prompt-file line that failed
+    to load) becomes a request that the scheduler aborts with that reason when it is submitted."""
     request = Request(
         item.request_id, item.prompt_token_ids, item.params or SamplingParams(), arrival_time=item.arrival_time,
         prompt=item.prompt, priority=item.priority, client_id=item.client_id,
@@ -19,24 +25,29 @@ def to_request(item: WorkloadItem) -> Request:
     return request
 
 
-def run_workload(engine: Engine, items: list[WorkloadItem], *, progress: bool = True) -> list[Request]:
-    """Returns the requests in submission order. The engine clock starts at the first arrival."""
-    pending = sorted(items, key=lambda it: it.arrival_time)
-    requests: dict[str, Request] = {}
-    bar = tqdm(total=len(items), desc="requests", unit="req", disable=not progress, leave=False)
+def drive(engine: Engine, requests: Sequence[Request] = (), *, progress: bool = False, label: str = "requests") -> None:
+    """Submit each of `requests` once the engine's clock reaches its arrival time, idling until the
+    next arrival while nothing runs, and step until every request is done: these and any submitted
+    before. The clock is not reset here, so arrival times are read on it as it stands."""
+    pending = sorted(requests, key=lambda r: r.arrival_time)
     clock = engine.clock
-    clock.reset()
     i = 0
-    while i < len(pending) or engine.has_unfinished:
-        now = clock.now()
-        while i < len(pending) and pending[i].arrival_time <= now:
-            request = to_request(pending[i])
-            requests[request.request_id] = request
-            engine.add_request(request)
-            i += 1
-        if not engine.has_unfinished:
-            clock.wait_until(pending[i].arrival_time)
-            continue
-        bar.update(len(engine.step()))
-    bar.close()
-    return [requests[it.request_id] for it in items]
+    with tqdm(total=len(pending), desc=label, unit="req", disable=not progress, leave=False) as bar:
+        while i < len(pending) or engine.has_unfinished:
+            now = clock.now()
+            while i < len(pending) and pending[i].arrival_time <= now:
+                engine.add_request(pending[i])
+                i += 1
+            if not engine.has_unfinished:
+                clock.wait_until(pending[i].arrival_time)
+                continue
+            bar.update(len(engine.step()))
+
+
+def run_workload(engine: Engine, items: list[WorkloadItem], *, progress: bool = True) -> list[Request]:
+    """Run a workload from its start: the engine's clock is reset, so that the items' arrival times
+    (seconds from the start) are on it. Returns the requests in item order."""
+    requests = [to_request(item) for item in items]
+    engine.clock.reset()
+    drive(engine, requests, progress=progress)
+    return requests

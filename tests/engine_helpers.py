@@ -6,6 +6,7 @@ from paged.builder import build_engine
 from paged.config import compose_config
 from paged.engine import Engine
 from paged.request import Request, SamplingParams
+from paged.runner import drive
 from tests.token_cache_executor import TokenCacheExecutor
 
 
@@ -21,7 +22,7 @@ def run_requests(engine: Engine, prompts: list[list[int]], params: list[Sampling
     ]
     for r in requests:
         engine.add_request(r)
-    engine.run_until_done()
+    drive(engine)
     return requests
 
 

@@ -10,6 +10,7 @@ from paged.builder import build_engine
 from paged.config import ConfigError, compose_config, validate
 from paged.engine import Engine
 from paged.request import Request, SamplingParams, SeqStatus
+from paged.runner import drive
 from paged.step import SchedulerOutput
 from tests.engine_helpers import make_engine, outputs, run_requests
 
@@ -50,8 +51,8 @@ def test_prompts_longer_than_the_budget_run_in_chunks_beside_decodes() -> None:
     # decode-first: while a prompt is chunked, the running sequences keep decoding in the same steps
     assert any(any(d for *_, d in rows) and any(not d for *_, d in rows) for rows in steps)
     mixed = [s for s in engine.metrics.steps if s.is_prefill and s.num_decode_rows]
-    assert mixed and engine.metrics.summary(kv_end=engine.scheduler.block_manager.stats(),
-                                            caches_prefixes=False)["mean_decode_batch_size"] > 0
+    summary = engine.metrics.summary(kv_end=engine.kv_stats(), caches_prefixes=False)
+    assert mixed and summary["mean_decode_batch_size"] > 0
 
 
 def test_at_most_max_num_partial_prefills_prompts_stay_part_computed() -> None:
@@ -104,7 +105,7 @@ def test_unchunked_decode_first_mixes_whole_prompts_into_decode_steps() -> None:
     engine.add_request(Request("first", PROMPTS[1], GREEDY))
     engine.step()
     engine.add_request(Request("late", PROMPTS[0], GREEDY))
-    engine.run_until_done()
+    drive(engine)
     assert steps[1] == [(steps[0][0][0], 1, True), (steps[1][1][0], 150, False)]
 
 
@@ -127,7 +128,7 @@ def test_requests_sharing_an_uncomputed_prefix_wait_to_hit_it(policy: str) -> No
     for dedup in (True, False):
         engine = make_engine(f"scheduler={policy}", f"scheduler.prefix_dedup={dedup}", "allocator.num_blocks=2048")
         reference = outputs(run_requests(engine, prompts, [GREEDY] * len(prompts)))
-        kv = engine.scheduler.block_manager.stats()
+        kv = engine.kv_stats()
         rates[dedup] = kv.num_hit_tokens / kv.num_queried_tokens
         assert kv.num_allocated_blocks == 0
     ideal = 31 * 400 / sum(map(len, prompts))  # only the first request computes the prefix
@@ -159,7 +160,7 @@ def test_priority_preempts_lower_priority_running_requests_for_a_waiting_one() -
     engine.step()
     assert high.seqs[0].status is SeqStatus.RUNNING
     assert sum(r.num_preemptions for r in low) >= 1
-    engine.run_until_done()
+    drive(engine)
     alone = make_engine("allocator=naive")
     assert outputs([high, *low]) == outputs(run_requests(alone, [PROMPTS[0], PROMPTS[3], PROMPTS[3]], [params] * 3))
     # without preemption the high-priority request waits for the running ones instead
@@ -171,7 +172,7 @@ def test_priority_preempts_lower_priority_running_requests_for_a_waiting_one() -
     for _ in range(3):
         patient.step()
     patient.add_request(Request("high", PROMPTS[0], params, priority=0))
-    patient.run_until_done()
+    drive(patient)
     assert sum(r.num_preemptions for r in patient.metrics.requests) == 0
     assert all(n == 1 for rows in steps[3:30] for _, n, _ in rows)
 
@@ -204,4 +205,4 @@ def test_swap_preemption_recomputes_a_prompt_in_progress() -> None:
     assert outputs(requests) == outputs(run_requests(make_engine("allocator=naive"), prompts, [params] * 3))
     assert requests[2].num_preemptions >= 1
     assert engine.scheduler.counters.num_swaps_out == 0  # recomputed, though the mode swaps
-    assert engine.scheduler.block_manager.stats().num_allocated_blocks == 0
+    assert engine.kv_stats().num_allocated_blocks == 0

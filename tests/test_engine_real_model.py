@@ -85,7 +85,7 @@ def test_batched_greedy_outputs_equal_hf_generate(executor, prompt_ids, hf_greed
     outs = llm.generate(prompt_ids, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
     assert [o.token_ids for o in outs] == hf_greedy  # HF stops at EOS too, and keeps it
     assert "Paris" in outs[0].text
-    assert llm.engine.scheduler.block_manager.stats().num_allocated_blocks == 0
+    assert llm.engine.kv_stats().num_allocated_blocks == 0
 
 
 @pytest.mark.parametrize("allocator", ["naive", "prefix"])
@@ -95,7 +95,7 @@ def test_repeated_preemption_keeps_greedy_outputs(executor, prompt_ids, hf_greed
     outs = llm.generate(prompt_ids, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
     assert [o.token_ids for o in outs] == hf_greedy  # what the unconstrained runs above produce
     assert llm.engine.scheduler.counters.num_preemptions >= 2
-    assert llm.engine.scheduler.block_manager.stats().num_allocated_blocks == 0
+    assert llm.engine.kv_stats().num_allocated_blocks == 0
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +124,7 @@ def test_forced_preemption_keeps_greedy_outputs(executor, prompt_ids, unconstrai
         assert counters.num_preemptions >= 2
         assert (counters.num_swaps_out > 0) == (mode == "swap")
         assert counters.num_swaps_in == counters.num_swaps_out
-    assert llm.engine.scheduler.block_manager.stats().num_allocated_blocks == 0
+    assert llm.engine.kv_stats().num_allocated_blocks == 0
 
 
 def test_prefix_cache_computes_only_uncached_tokens_with_naive_outputs(executor) -> None:
@@ -144,5 +144,5 @@ def test_prefix_cache_computes_only_uncached_tokens_with_naive_outputs(executor)
     before = executor.num_prefill_tokens_computed
     rest = prefix.generate(prompts[1:], params)
     assert executor.num_prefill_tokens_computed - before == sum(len(p) - 96 for p in prompts[1:])
-    assert prefix.engine.scheduler.block_manager.num_hit_tokens == 3 * 96
+    assert prefix.engine.kv_stats().num_hit_tokens == 3 * 96
     assert [o.token_ids for o in first + rest] == expected

@@ -32,9 +32,9 @@ def test_an_fp8_cache_holds_more_blocks_in_the_same_bytes(model_dtype: str, fact
     """One byte per element: twice the blocks of a 16-bit cache (four times fp32's), exactly."""
     common = ("kernel.backend=torch", f"model.dtype={model_dtype}", "allocator.kv_cache_memory=3MiB",
               "allocator.num_blocks=null")
-    auto = _engine(*common).scheduler.block_manager.num_total_blocks
+    auto = _engine(*common).kv_stats().num_total_blocks
     fp8 = _engine(*common, "kernel.kv_cache_dtype=fp8_e4m3")
-    assert fp8.scheduler.block_manager.num_total_blocks == factor * auto
+    assert fp8.kv_stats().num_total_blocks == factor * auto
     assert fp8.executor.key_caches[0].dtype == torch.float8_e4m3fn
     assert fp8.executor.key_caches[0].shape[-1] == 16  # x = 16 // element size
 

@@ -102,7 +102,7 @@ def test_token_state_share_of_used_memory(sim_run) -> None:
 
 def test_kv_pool_size_in_slots_and_bytes(sim_run) -> None:
     summary, engine = sim_run
-    kv = engine.scheduler.block_manager.stats()
+    kv = engine.kv_stats()
     assert summary["kv_token_slots"] == summary["num_total_blocks"] * kv.block_size == kv.num_total_slots
     bytes_per_block = engine.executor.kv_cache_spec(kv.block_size).bytes_per_block
     assert summary["kv_cache_bytes"] == summary["num_total_blocks"] * bytes_per_block > 0
@@ -133,8 +133,7 @@ def test_parallel_samples_get_one_timestamp_per_step_and_aborts_do_not_count() -
     assert aborted.finish_reason is FinishReason.ABORTED
     # three sequences a step, but a client streaming the request sees one chunk a step
     assert len(sampled.token_times) == 6
-    bm = engine.scheduler.block_manager
-    summary = engine.metrics.summary(kv_end=bm.stats(), caches_prefixes=bm.allocator.caches_prefixes)
+    summary = engine.metrics.summary(kv_end=engine.kv_stats(), caches_prefixes=engine.caches_prefixes)
     assert summary["completed"] == 1 and summary["num_requests"] == 2
     assert summary["total_input_tokens"] == 20
     assert summary["total_output_tokens"] == 6  # the best completion's tokens, not all three samples'
@@ -143,8 +142,7 @@ def test_parallel_samples_get_one_timestamp_per_step_and_aborts_do_not_count() -
 
 def test_no_finished_request_gives_none_latencies() -> None:
     engine = make_engine()
-    bm = engine.scheduler.block_manager
-    summary = engine.metrics.summary(kv_end=bm.stats(), caches_prefixes=False)
+    summary = engine.metrics.summary(kv_end=engine.kv_stats(), caches_prefixes=False)
     for name in VLLM_OF_SECONDS:
         for stat in ("mean", "median", "std", "p90", "p99"):
             assert summary[f"{stat}_{name}_ms"] is None

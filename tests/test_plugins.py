@@ -122,4 +122,4 @@ def test_reservation_plugin_reserves_max_model_len_without_changing_outputs() ->
     orca_fraction = min(s.token_state_fraction for s in orca_steps if s.num_allocated_blocks)
     paged_fraction = min(s.token_state_fraction for s in paged_steps if s.num_allocated_blocks)
     assert orca_fraction < 0.25 < paged_fraction
-    assert orca.scheduler.block_manager.stats().num_allocated_blocks == 0
+    assert orca.kv_stats().num_allocated_blocks == 0

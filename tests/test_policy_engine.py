@@ -16,7 +16,7 @@ SIM = ["executor=sim", "model=opt-13b", "hardware=a100-40g"]
 
 def run(*overrides: str) -> tuple[dict[str, Any], Engine]:
     summary, engine = run_quietly([*SIM, *overrides])
-    assert engine.scheduler.block_manager.stats().num_allocated_blocks == 0
+    assert engine.kv_stats().num_allocated_blocks == 0
     return summary, engine
 
 

@@ -19,6 +19,7 @@ from paged import LLM, SamplingParams
 from paged.config import KernelConfig, ModelConfig
 from paged.model.sampler import SampleRow, apply_penalties, sample, sample_probs
 from paged.request import MAX_LOGPROBS, Request
+from paged.runner import drive
 from tests.hf_reference import smollm2_reference
 
 # ---------------------------------------------------------------------------------------------
@@ -322,7 +323,7 @@ def test_requests_jsonl_record_lists_every_completion(tiny: LLM) -> None:
     request = Request("rec", tokenizer.encode(PROMPT),
                       SamplingParams(n=2, temperature=0.8, seed=SEED, max_tokens=5, ignore_eos=True, logprobs=1))
     tiny.engine.add_request(request)
-    tiny.engine.run_until_done()
+    drive(tiny.engine)
     record = request_record(request, RequestMetrics.of(request), tokenizer.decode)
     assert [o["index"] for o in record["outputs"]] == [0, 1]
     assert [o["output_token_ids"] for o in record["outputs"]] == [s.output_token_ids for s in request.seqs]

@@ -37,7 +37,7 @@ def test_preemption_keeps_outputs_identical_and_leaks_nothing(allocator, policy)
     assert tight.scheduler.counters.num_preemptions > 0
     assert sum(r.num_preemptions for r in got_requests) == tight.scheduler.counters.num_preemptions
     for engine in (roomy, tight):
-        assert engine.scheduler.block_manager.stats().num_allocated_blocks == 0
+        assert engine.kv_stats().num_allocated_blocks == 0
 
 
 def test_prefix_caching_computes_only_uncached_tokens_with_same_outputs():
@@ -52,7 +52,7 @@ def test_prefix_caching_computes_only_uncached_tokens_with_same_outputs():
     assert outputs(first + rest) == outputs(run_requests(naive, prompts, params))
     prompt_tokens_rest = prefix.executor.num_computed_tokens - computed_before - 5 * 4
     assert prompt_tokens_rest == 5 * 2  # only the 2 unshared tokens of each later prompt
-    assert prefix.scheduler.block_manager.num_hit_tokens == 5 * 64
+    assert prefix.kv_stats().num_hit_tokens == 5 * 64
     assert naive.executor.num_computed_tokens == 6 * 66 + 6 * 4
 
 
@@ -64,7 +64,7 @@ def test_fork_shares_prompt_blocks_and_copies_on_write():
     outs = outputs([request])[0]
     assert len(outs) == 3 and all(len(o) == 6 for o in outs)
     assert len({tuple(o) for o in outs}) == 3
-    assert engine.scheduler.block_manager.stats().num_allocated_blocks == 0
+    assert engine.kv_stats().num_allocated_blocks == 0
     reference = make_engine("allocator=naive", "allocator.block_size=8", "allocator.num_blocks=8")
     assert outputs(run_requests(reference, [prompt], [params])) == [outs]
 
@@ -102,7 +102,7 @@ def test_invalid_requests_are_aborted_with_reasons():
     assert requests[0].abort_reason == "empty prompt"
     assert "40 tokens, more than max_model_len=32" in requests[1].abort_reason
     assert requests[2].finish_reason.value == "length"
-    assert engine.scheduler.block_manager.stats().num_allocated_blocks == 0
+    assert engine.kv_stats().num_allocated_blocks == 0
 
 
 def test_max_tokens_beyond_max_model_len_is_refused_with_the_numbers_and_stop_tokens_stop():

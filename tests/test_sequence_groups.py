@@ -25,6 +25,7 @@ from paged.config import compose_config
 from paged.engine import Engine
 from paged.memory import AllocStatus, BlockManager, NaiveAllocator, NoFreeBlocksError, PrefixCachingAllocator
 from paged.request import FinishReason, Request, SamplingParams, Sequence
+from paged.runner import drive
 from paged.step import ExecutorOutput, SchedulerOutput
 from tests.token_cache_executor import TokenCacheExecutor
 
@@ -119,7 +120,7 @@ def run(engine: Engine, specs: list[tuple[list[int], SamplingParams]]) -> list[R
     requests = [Request(f"r{i}", prompt, copy.deepcopy(params)) for i, (prompt, params) in enumerate(specs)]
     for r in requests:
         engine.add_request(r)
-    engine.run_until_done()
+    drive(engine)
     return requests
 
 
@@ -145,7 +146,7 @@ def assert_no_leak(engine: Engine) -> None:
 
 def sharing_saving_mean(engine: Engine) -> float:
     kv = engine.scheduler.stats().kv
-    caches = engine.scheduler.block_manager.allocator.caches_prefixes
+    caches = engine.caches_prefixes
     return engine.metrics.summary(kv_end=kv, caches_prefixes=caches)["kv_sharing_saving_mean"]
 
 

@@ -20,7 +20,7 @@ def _engine(*overrides: str, executor: SimExecutor | None = None):
 
 
 def _blocks(engine) -> int:
-    return engine.scheduler.block_manager.num_total_blocks
+    return engine.kv_stats().num_total_blocks
 
 
 def _executor(*overrides: str, model: str = "opt-13b") -> SimExecutor:

@@ -10,6 +10,7 @@ import pytest
 
 from paged.config import ConfigError
 from paged.request import Request, SamplingParams
+from paged.runner import drive
 from tests.engine_helpers import make_engine, outputs, run_requests
 
 PAGED = ["naive", "prefix"]
@@ -33,7 +34,7 @@ def _expected(prompts, params, allocator: str = "naive") -> list:
 
 
 def _assert_nothing_held(engine) -> None:
-    s = engine.scheduler.block_manager.stats()
+    s = engine.kv_stats()
     assert s.num_allocated_blocks == 0 and s.num_free_cpu_blocks == s.num_cpu_blocks
     assert not engine.scheduler.swapped
 
@@ -49,7 +50,7 @@ def test_swap_preemption_keeps_outputs_and_moves_blocks_both_ways(allocator):
     assert c.num_swaps_out > 0 and c.num_swaps_in == c.num_swaps_out
     assert c.num_swapped_blocks > 0 and engine.scheduler.preemption.num_recompute_fallbacks == 0
     # the token-cache executor charges 8 bytes per token slot: 64 KiB hold 1024 blocks of 8
-    assert engine.scheduler.block_manager.cpu_allocator.num_blocks == 1024
+    assert engine.kv_stats().num_cpu_blocks == 1024
     assert sum(s.num_swap_blocks for s in engine.metrics.steps) == c.num_swapped_blocks
     _assert_nothing_held(engine)
 
@@ -92,7 +93,7 @@ def test_aborting_a_swapped_request_returns_its_cpu_blocks():
         engine.step()
     victim = engine.scheduler.swapped[0].request
     engine.scheduler.abort(victim, "cancelled by the client")
-    engine.run_until_done()
+    drive(engine)
     assert victim.finish_reason.value == "aborted" and victim.abort_reason == "cancelled by the client"
     _assert_nothing_held(engine)
 

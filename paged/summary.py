@@ -1,0 +1,55 @@
+"""summary.json (DESIGN.md contract): one flat dict per run, from its config and the engine after it ran.
+
+`run.py`'s runs, the experiments' quiet runs and the scripts that drive an `LLM` all summarize here,
+so a key means the same wherever it appears."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from paged.engine import Engine
+
+
+def summarize(
+    cfg: Any, engine: Engine, *, host_time_s: float | None = None, load_time_s: float | None = None
+) -> dict[str, Any]:
+    """The engine's metrics, what ran, the KV pool's size and the swap counters. `host_time_s` is the
+    host seconds the run took and `load_time_s` those building the engine took (None: not measured)."""
+    kv, classes, executor = engine.kv_stats(), engine.plugin_classes(), engine.executor
+    block_size = cfg.allocator.block_size
+    bytes_per_block = executor.kv_cache_spec(block_size).bytes_per_block
+    counters = engine.counters
+    summary = engine.metrics.summary(kv_end=kv, caches_prefixes=engine.caches_prefixes)
+    summary |= {
+        "allocator": cfg.allocator.name,
+        "allocator_class": classes["allocator"],
+        "policy": cfg.scheduler.name,
+        "policy_class": classes["policy"],
+        "preemption_class": classes["preemption"],
+        "executor": cfg.executor.name,
+        "executor_class": classes["executor"],
+        "executor_description": executor.description,
+        "attention_kernel": executor.kernel_description,
+        "block_size": block_size,
+        "host_time_s": host_time_s,
+        "load_time_s": load_time_s,  # building the engine (weights, KV cache): not part of any latency
+        # the KV pool's size: token slots (Table 1's "max. # KV cache slots") and bytes
+        "kv_token_slots": kv.num_total_blocks * block_size,
+        "kv_cache_bytes": kv.num_total_blocks * bytes_per_block,
+        # swap preemption's counters; `swap_bytes` counts both directions
+        "preemption_mode": cfg.scheduler.preemption_mode if cfg.scheduler.preemption.get("_target_") is None
+        else classes["preemption"],
+        "num_swaps_out": counters.num_swaps_out,
+        "num_swaps_in": counters.num_swaps_in,
+        "swap_bytes": counters.num_swapped_blocks * bytes_per_block,
+        "num_swap_fallbacks": engine.num_swap_fallbacks,
+    }
+    if engine.clock.simulated:
+        # latencies and wall_time_s above are simulated seconds
+        summary |= {
+            "sim_time_s": summary["wall_time_s"],
+            "sim_seconds_per_host_second": summary["wall_time_s"] / host_time_s if host_time_s else None,
+            "hardware": cfg.hardware.name,
+            "num_gpus": cfg.hardware.num_gpus,
+        }
+    return summary
