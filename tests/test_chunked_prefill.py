@@ -143,7 +143,7 @@ def test_dedup_never_leaves_a_request_waiting_for_a_preempted_prefix() -> None:
     requests = run_requests(engine, prompts, [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * 8)
     assert all(r.finish_reason is not None and r.abort_reason is None for r in requests)
     assert sum(r.num_preemptions for r in requests) > 0
-    assert not engine.scheduler.block_manager._computing
+    assert not engine.scheduler.block_manager.prefix_index.computing
 
 
 def test_priority_preempts_lower_priority_running_requests_for_a_waiting_one() -> None:

@@ -133,7 +133,7 @@ def assert_no_leak(engine: Engine) -> None:
     bm = sched.block_manager
     alloc = bm.allocator
     assert not (sched.waiting or sched.running or sched.swapped or sched._groups)
-    assert not bm._seqs and not bm._swapped, "sequences still hold blocks"
+    assert not bm._seqs and not bm.swap_space.parked, "sequences still hold blocks"
     assert alloc.num_free_blocks == bm.num_total_blocks, "device blocks leaked"
     assert all(alloc.refcount(b) == 0 for b in range(bm.num_total_blocks))
     cpu = bm.cpu_allocator

@@ -5,14 +5,13 @@ slot counts (`SlotLedger`) are the classes it delegates to."""
 from __future__ import annotations
 
 import enum
-from collections import Counter
 from dataclasses import dataclass
 
 from paged.memory.allocator import BlockAllocator, NoFreeBlocksError
 from paged.memory.prefix_index import PrefixIndex
 from paged.memory.reservation import ExactReservation, Reservation, final_length
 from paged.memory.slot_ledger import SlotLedger
-from paged.memory.swap_space import Parked, SwapSpace
+from paged.memory.swap_space import SwapSpace
 from paged.request import Request, Sequence
 from paged.step import KVStats
 
@@ -281,10 +280,6 @@ class BlockManager:
         """Tokens of `seq`'s prompt the prefix cache holds now (what admitting it would skip)."""
         return len(self.prefix_index.lookup(seq)) * self.block_size
 
-    @property
-    def _computing(self) -> Counter[bytes]:  # the prefix index's registry: tests check that it drains
-        return self.prefix_index.computing
-
     # -- lifetime --------------------------------------------------------------------------------
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -358,10 +353,6 @@ class BlockManager:
 
     def is_swapped(self, seq: Sequence) -> bool:
         return self.swap_space.holds(seq)
-
-    @property
-    def _swapped(self) -> dict[int, Parked]:  # the swap space's sequences: tests check none is left
-        return self.swap_space.parked
 
     def _filled_blocks(self, state: _SeqBlocks) -> list[int]:
         """The live blocks holding token states: what a swap moves (an empty reservation is not)."""

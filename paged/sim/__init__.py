@@ -1,0 +1,4 @@
+"""The simulated GPU: an executor that prices each step with a roofline cost model of a GPU on a
+virtual clock (`executor.py`, `cost_model.py`), the GPUs it knows (`hardware.py`), how their memory
+splits into weights, activations and KV cache (`memory.py`), and the cpu-local calibration
+(`calibrate.py`)."""
