@@ -46,8 +46,7 @@ def main() -> None:
     if profiler:
         profiler.disable()
     host = time.perf_counter() - start
-    bm = engine.scheduler.block_manager
-    summary = engine.metrics.summary(kv_end=bm.stats(), caches_prefixes=bm.allocator.caches_prefixes)
+    summary = engine.metrics.summary(kv_end=engine.kv_stats(), caches_prefixes=engine.caches_prefixes)
     table = Table(title=f"sim speed: {args.requests} ShareGPT-like requests at {args.rate} req/s, "
                         f"{engine.executor.description}")
     table.add_column("metric")

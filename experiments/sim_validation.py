@@ -5,8 +5,9 @@
 
 `cpu`: the real executor (SmolLM2-135M on this CPU) and `executor=sim hardware=cpu-local` run the
 same requests with the same config; total time, mean TTFT and mean TPOT are compared. The sim's
-numbers come from `paged.sim.calibrate`'s microbenchmarks (run first if not cached), never from
-this workload. With `--repeats`, real runs alternate with sim runs and medians are compared.
+numbers come from `paged/sim/calibrate.py`'s microbenchmarks and its probe of the real engine (run
+first if not cached; `python experiments/calibrate.py` re-measures), never from this workload. With
+`--repeats`, real runs alternate with sim runs and medians are compared.
 
 `gpu`: Llama-2-7B (fp16, one GPU) on `a100-80g` / `h100-sxm` against published step times; each
 row simulates the published setup (prompt length, output length, batch, all arriving at once).
@@ -24,10 +25,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from paged.builder import build_engine
 from paged.config import compose_config
-from paged.experiment import run_experiment, workload_for
-from paged.runner import run_workload
+from paged.experiment import run_experiment, run_quietly
 
 KEYS = (("wall_time_s", "total time (s)"), ("ttft_mean_s", "mean TTFT (s)"), ("tpot_mean_s", "mean TPOT (s)"))
 
@@ -62,12 +61,7 @@ PUBLISHED = [
 
 def simulate(overrides: list[str]) -> dict[str, Any]:
     """Run the sim in process (no output files) and return its summary metrics."""
-    cfg = compose_config(["executor=sim", "logger=none", "progress=false", *overrides])
-    engine = build_engine(cfg)
-    items = workload_for(cfg, engine)
-    run_workload(engine, items, progress=False)
-    bm = engine.scheduler.block_manager
-    return engine.metrics.summary(kv_end=bm.stats(), caches_prefixes=bm.allocator.caches_prefixes)
+    return run_quietly(["executor=sim", *overrides])[0]
 
 
 def _error(sim: float, ref: float) -> str:

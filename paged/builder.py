@@ -20,6 +20,8 @@ from paged.plugins import Plugin, check_plugin
 from paged.scheduler.core import Scheduler
 from paged.scheduler.policy import SchedulingPolicy
 from paged.scheduler.preemption import MODES, PreemptionMode
+from paged.sim.calibrate import calibrated_hardware
+from paged.sim.executor import SimExecutor
 
 log = logging.getLogger(__name__)
 
@@ -142,9 +144,23 @@ def num_blocks_for(cfg: Any, sizes: ByteSizes, executor: Executor) -> int:
     return num_blocks
 
 
+def _measured_hardware(cfg: Any, plugins: Plugins) -> dict[str, Any]:
+    """A simulator of this machine (`hardware.calibrated`: cpu-local) gets its hardware with the
+    nulls measured by driving a real engine built from the same config; the builder builds that
+    engine, as sim/ sits below it. Nothing for any other executor."""
+    hardware = plugins.executor.settings.get("hardware")
+    if not issubclass(plugins.executor.cls, SimExecutor) or not hardware or not hardware.get("calibrated"):
+        return {}
+    return {"hardware": calibrated_hardware(cfg, hardware, build_engine)}
+
+
+def _build_executor(cfg: Any, plugins: Plugins) -> Executor:
+    return plugins.executor.build(model=cfg.model, kernel=cfg.kernel, seed=cfg.seed, **_measured_hardware(cfg, plugins))
+
+
 def build_executor(cfg: Any) -> Executor:
     """Check the whole config, then construct the executor (for a real model: load its weights)."""
-    return check_config(cfg).executor.build(model=cfg.model, kernel=cfg.kernel, seed=cfg.seed)
+    return _build_executor(cfg, check_config(cfg))
 
 
 def build_engine(cfg: Any, executor: Executor | None = None) -> Engine:
@@ -154,7 +170,7 @@ def build_engine(cfg: Any, executor: Executor | None = None) -> Engine:
     preemption = plugins.preemption.build()
     reservation = plugins.reservation.build()
     if executor is None:
-        executor = plugins.executor.build(model=cfg.model, kernel=cfg.kernel, seed=cfg.seed)
+        executor = _build_executor(cfg, plugins)
     else:
         executor.configure_kernel(cfg.kernel)
     block_size = cfg.allocator.block_size

@@ -8,6 +8,7 @@ import logging
 import time
 
 import pytest
+import torch
 from hydra.errors import MissingConfigException
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -19,7 +20,7 @@ from paged.executor.base import Executor
 from paged.executor.model_executor import ModelExecutor
 from paged.experiment import run_experiment
 from paged.request import Request, SamplingParams
-from paged.runner import run_workload
+from paged.runner import drive, run_workload
 from paged.sim.cost_model import CostModel, StepCost, StepShape, step_shape
 from paged.sim.executor import SimExecutor
 from paged.sim.hardware import resolve_hardware
@@ -53,13 +54,13 @@ def test_kv_cache_is_sized_from_gpu_memory_as_in_the_paper(caplog):
     """Paper Table 1: OPT-13B on one A100-40GB leaves ~12 GB, 15.7K KV slots, after 26 GB of weights."""
     with caplog.at_level(logging.INFO):
         engine = build_engine(_sim_cfg("model=opt-13b"))
-    slots = engine.scheduler.block_manager.num_total_blocks * 16
+    slots = engine.kv_stats().num_total_blocks * 16
     assert abs(slots - 15_700) / 15_700 < 0.05
     assert "25.7 GB weights" in caplog.text and f"({slots} tokens)" in caplog.text
     smaller = build_engine(_sim_cfg("model=opt-13b", "allocator.gpu_memory_utilization=0.8"))
-    assert smaller.scheduler.block_manager.num_total_blocks < slots // 16
+    assert smaller.kv_stats().num_total_blocks < slots // 16
     explicit = build_engine(_sim_cfg("model=opt-13b", "allocator.num_blocks=100"))
-    assert explicit.scheduler.block_manager.num_total_blocks == 100
+    assert explicit.kv_stats().num_total_blocks == 100
 
 
 def test_idle_time_is_skipped_not_slept():
@@ -314,6 +315,52 @@ def test_cpu_local_measures_once_then_reads_its_cache(tmp_path, monkeypatch):
     assert build_engine(cfg).executor.hardware == hw
 
 
+def test_cpu_local_remeasures_when_what_the_executor_runs_changes():
+    from paged.model.linear import onednn_unsupported_reason
+    from paged.sim.calibrate import cache_path
+
+    def key(*overrides: str):
+        return cache_path(_sim_cfg("model=tiny-random", "hardware=cpu-local", *overrides)).name
+
+    base = key("model.gemm=torch", "kernel.backend=cpu")
+    # the torch backend runs the torch norms/RoPE/SwiGLU too: attention and layer ops both change
+    assert base != key("model.gemm=torch", "kernel.backend=torch")
+    assert base != key("model.gemm=torch", "kernel.backend=cpu", "kernel.version=v2")
+    assert base != key("model.gemm=torch", "kernel.backend=cpu", "kernel.partition_size=256")
+    if onednn_unsupported_reason(torch.float32, torch.device("cpu")) is None:
+        assert base != key("model.gemm=onednn", "kernel.backend=cpu")
+    assert base == key("model.gemm=torch", "kernel.backend=cpu", "scheduler=sjf")  # the probe's own scheduler
+
+
+def test_cpu_local_calibration_times_the_real_engines_public_step(tmp_path, monkeypatch):
+    import paged.sim.calibrate as calibrate
+    from paged.engine import Engine
+
+    monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path))
+    # the microbenchmarks are beside the point here: fixed values, so only the engine probe runs
+    monkeypatch.setattr(calibrate, "_matmul", lambda *a: (1e10, [[1, 0.1], [2048, 1.0]]))
+    monkeypatch.setattr(calibrate, "_attention", lambda *a: {
+        "decode_attention_efficiency": 0.5, "prefill_attention_efficiency": 0.5})
+    stepped: list[Executor] = []
+    real_step = Engine.step
+
+    def step(self: Engine):
+        stepped.append(self.executor)
+        return real_step(self)
+
+    monkeypatch.setattr(Engine, "step", step)
+    hw = build_engine(_sim_cfg("model=tiny-random", "hardware=cpu-local", "allocator.num_blocks=64")).executor.hardware
+    # batches of 1 and 16 sequences, 24 tokens each: a prefill step and 23 decode steps per batch
+    assert len(stepped) == 48 and all(isinstance(e, ModelExecutor) for e in stepped)
+    assert hw.step_overhead_s >= 0 and hw.seq_overhead_s >= 0 and hw.flops_fp32 == 1e10
+
+
+def test_a_sim_executor_built_without_the_calibration_says_how_to_get_it():
+    cfg = _sim_cfg("model=tiny-random", "hardware=cpu-local")
+    with pytest.raises(ConfigError, match=r"step_overhead_s.* measured on this machine.*experiments/calibrate.py"):
+        SimExecutor(cfg.model, cfg.kernel, hardware=cfg.hardware)
+
+
 def test_wandb_steps_of_a_simulated_run_are_keyed_by_sim_time(tmp_path):
     from paged.config import LoggerConfig
     from paged.metrics import MetricsRecorder
@@ -332,6 +379,6 @@ def test_wandb_steps_of_a_simulated_run_are_keyed_by_sim_time(tmp_path):
     engine.metrics = MetricsRecorder()
     engine.metrics.step_listeners.append(logger.log_step)
     engine.add_request(Request("r", [5] * 40, SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0)))
-    engine.run_until_done()
+    drive(engine)
     times = [row["sim_time_s"] for row in logger.run.logged]
     assert len(times) == 3 and times == sorted(times) and times[-1] == pytest.approx(engine.clock.now())

@@ -80,12 +80,8 @@ class SimExecutor(Executor):
         self.spec, tokenizer_source = model_spec(model)
         check_parallelism(self.spec, hw_cfg.num_gpus)
         self.dtype_bytes = getattr(torch, model.dtype).itemsize
-        measured = None
-        if hw_cfg.calibrated:
-            from paged.sim.calibrate import load_or_measure
-
-            measured = load_or_measure(model, self.spec)
-        self.hardware: Hardware = resolve_hardware(hw_cfg, measured)
+        # a calibrated hardware (cpu-local) arrives measured from the builder (paged.sim.calibrate)
+        self.hardware: Hardware = resolve_hardware(hw_cfg)
         self._tokenizer_source = tokenizer_source
         self.seed = seed
         self.num_devices = self.hardware.num_gpus

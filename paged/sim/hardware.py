@@ -1,7 +1,8 @@
 """`Hardware`: the resolved numbers of one simulated GPU (and how many of them), from `cfg.hardware`.
 
-A datasheet GPU's values come straight from its YAML; `cpu-local` (`calibrated: true`) fills its
-nulls from this machine's calibration for the model being simulated (`paged.sim.calibrate`).
+A datasheet GPU's values come straight from its YAML; `cpu-local` (`calibrated: true`) has its nulls
+filled by the builder from this machine's calibration for the config being simulated
+(`paged.sim.calibrate`).
 """
 
 from __future__ import annotations
@@ -60,6 +61,12 @@ def resolve_hardware(cfg: HardwareConfig | Any, measured: dict[str, Any] | None 
         if values.get(key) is None:
             values[key] = value
     missing = sorted(k for k, v in values.items() if v is None)
+    if missing and cfg.calibrated:
+        raise ConfigError(
+            f"hardware={cfg.name} leaves {', '.join(missing)} unset: they are measured on this machine; build "
+            "the engine with paged.builder.build_engine (it measures them once and caches them) or run "
+            "python experiments/calibrate.py"
+        )
     if missing:
         raise ConfigError(f"hardware={cfg.name} leaves {', '.join(missing)} unset; give them in its YAML")
     values["memory"] = parse_bytes(values["memory"], "hardware.memory")
