@@ -1,6 +1,6 @@
 """Pluggable parts named by `_target_` in their config node, checked before anything heavy is built.
 
-A node's keys are either core keys (typed by the schema in `paged/config.py`, read by the framework)
+A node's keys are either core keys (typed by the schema in `paged/config/schema.py`, read by the framework)
 or the plugin's own settings, passed to its constructor by `hydra.utils.instantiate`. `check_plugin`
 imports the class, checks it is the expected base type, and checks the settings against the
 constructor's signature and type hints (through an OmegaConf schema built from them), so a bad
