@@ -13,17 +13,19 @@ import logging
 import sys
 
 import torch
+from hydra.errors import HydraException
 from rich.console import Console
 from rich.table import Table
 
-from paged.builder import build_engine
-from paged.config import compose_config
+from paged.builder import build_engine, check_config
+from paged.config import ConfigError, compose_config
 from paged.sim.calibrate import cache_path, measure
 
 
 def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = compose_config(["executor=sim", "hardware=cpu-local", "logger=none", "progress=false", *argv])
+    check_config(cfg)  # every key and plugin setting, as run.py checks them, before anything is measured
     path = cache_path(cfg)
     values = measure(cfg, build_engine, path)
     table = Table(title=f"cpu-local for {cfg.model.name} ({cfg.model.dtype}), {torch.get_num_threads()} threads")
@@ -37,4 +39,8 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except (ConfigError, HydraException, FileNotFoundError) as err:
+        # a bad override or an unmeasurable config: one line naming it, no traceback
+        sys.exit(f"calibrate: {err}")

@@ -15,7 +15,7 @@ from paged.executor.base import Executor, KVCacheSpec
 from paged.executor.kv_scales import KVScales
 from paged.kernels.features import AttentionFeatures, BlockSparse, cache_dtype, is_fp8
 from paged.model.factory import build_model
-from paged.model.layer_ops import NATIVE_CPU_OPS, TORCH_OPS
+from paged.model.layer_ops import layer_ops_for
 from paged.model.linear import resolve_gemm
 from paged.model.llama import LlamaModel
 from paged.model.sampler import SampleRow, sample, top_logprobs
@@ -107,8 +107,7 @@ class ModelExecutor(Executor):
         version = "auto(v1/v2)" if self.version == "auto" else self.version
         self.kernel_description = f"{version}/{reason}"
         if isinstance(self.model, LlamaModel):
-            # norms, RoPE and SwiGLU run natively wherever the attention does
-            self.model.ops = NATIVE_CPU_OPS if self.backend.name == "cpu" else TORCH_OPS
+            self.model.ops = layer_ops_for(self.backend.name)
 
     @property
     def _features(self) -> AttentionFeatures:

@@ -93,3 +93,9 @@ class NativeCpuLayerOps(TorchLayerOps):
 
 TORCH_OPS = TorchLayerOps()
 NATIVE_CPU_OPS = NativeCpuLayerOps()
+
+
+def layer_ops_for(backend_name: str) -> TorchLayerOps:
+    """The ops a Llama layer runs beside attention on `backend_name`: the native fused ones wherever
+    attention runs natively on the CPU, the torch formulas everywhere else (module docstring)."""
+    return NATIVE_CPU_OPS if backend_name == "cpu" else TORCH_OPS

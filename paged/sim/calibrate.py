@@ -53,7 +53,8 @@ from paged.kernels.features import AttentionFeatures, BlockSparse, alibi_slopes,
 from paged.kernels.toolchain.cache_dir import cache_root
 from paged.memory.naive import NaiveAllocator
 from paged.model.arch import LlamaArch
-from paged.model.layer_ops import NATIVE_CPU_OPS, TORCH_OPS
+from paged.model.factory import takes_gemm_and_layer_ops
+from paged.model.layer_ops import layer_ops_for
 from paged.model.linear import Linear, resolve_gemm
 from paged.model.spec import ModelSpec
 from paged.model.weights import load_arch
@@ -125,20 +126,17 @@ def _arch(cfg: Any) -> LlamaArch:
 def resolve_execution(cfg: Any, arch: LlamaArch) -> Execution:
     """What the real executor would run for `cfg` on this CPU (`Execution`)."""
     dtype, kernel = getattr(torch, cfg.model.dtype), cfg.kernel
-    # BLOOM keeps F.linear and its own norms (paged.model.factory); a Llama takes model.gemm
-    bloom = arch.architecture == "bloom"
+    llama = takes_gemm_and_layer_ops(arch)
     sparse = BlockSparse.from_config(dict(kernel.blocksparse)) if kernel.blocksparse else None
     backend, _ = kernels.resolve_backend(
         kernel.backend, device=_CPU, dtype=dtype, head_size=arch.head_dim, block_size=_BLOCK_SIZE,
         partition_size=None if kernel.version == "v1" else kernel.partition_size,
         cache_dtype=cache_dtype(kernel.kv_cache_dtype, dtype),
-        features=AttentionFeatures(alibi_slopes(arch.num_heads) if bloom else None, sparse),
+        features=AttentionFeatures(None if llama else alibi_slopes(arch.num_heads), sparse),
     )
-    # ModelExecutor's rule: the native norms/RoPE/SwiGLU wherever attention runs on the cpu backend
-    native = backend.name == "cpu" and not bloom
     return Execution(
-        gemm="torch" if bloom else resolve_gemm(cfg.model.gemm, dtype, _CPU),
-        layer_ops=(NATIVE_CPU_OPS if native else TORCH_OPS).name,
+        gemm=resolve_gemm(cfg.model.gemm, dtype, _CPU) if llama else "torch",
+        layer_ops=layer_ops_for(backend.name).name if llama else "torch",
         backend=backend, version=kernel.version, partition_size=kernel.partition_size,
         kv_cache_dtype=kernel.kv_cache_dtype, blocksparse=sparse,
     )
