@@ -1,11 +1,13 @@
 # `make run` runs the default job, `make test` the test suite; both set up .venv on first use.
 # `make docs` builds docs/ into site/ (mkdocs, strict: a broken link or a missing API object fails).
+# `make gpu-report` (whoever has a GPU runs it first): CUDA tests, kernel benchmark, the default job with CUDA
+# graphs off/on, one markdown report under experiments/results/gpu/ to commit (experiments/gpu_report.py).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.docs-installed
 
-.PHONY: run test lint bench docs
+.PHONY: run test lint bench docs gpu-report
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -25,6 +27,9 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+
+gpu-report: $(STAMP)
+	$(PY) experiments/gpu_report.py $(ARGS)
 
 # The docs extra on top of the dev install; re-installed when pyproject.toml changes.
 $(DOCS_STAMP): $(STAMP) pyproject.toml

@@ -19,7 +19,7 @@ from rich.table import Table
 
 from paged.builder import build_engine, check_config
 from paged.config import ConfigError, compose_config
-from paged.sim.calibrate import cache_path, measure
+from paged.sim.calibrate import cache_path, dtype_name, measure
 
 
 def main(argv: list[str]) -> None:
@@ -28,7 +28,7 @@ def main(argv: list[str]) -> None:
     check_config(cfg)  # every key and plugin setting, as run.py checks them, before anything is measured
     path = cache_path(cfg)
     values = measure(cfg, build_engine, path)
-    table = Table(title=f"cpu-local for {cfg.model.name} ({cfg.model.dtype}), {torch.get_num_threads()} threads")
+    table = Table(title=f"cpu-local for {cfg.model.name} ({dtype_name(cfg)}), {torch.get_num_threads()} threads")
     table.add_column("value")
     table.add_column("measured", justify="right")
     for key, value in values.items():

@@ -27,9 +27,10 @@ from rich.console import Console
 from rich.table import Table
 
 import paged.executor.model_executor as model_executor
-import paged.kernels as kernels
+import paged.kernels.planned as planned
 from paged import LLM, SamplingParams
-from paged.model.layer_ops import TorchLayerOps
+from paged.executor.step_plan import InputBuffers
+from paged.model.layer_ops import NATIVE_CPU_OPS, TORCH_OPS, TorchLayerOps
 from paged.model.linear import Linear
 from paged.model.llama import LlamaModel
 
@@ -69,14 +70,15 @@ class StepTimer:
 
 def instrument(timer: StepTimer) -> None:
     """Wrap every component where the executor looks it up (module attributes and methods)."""
-    for name, category in (("paged_attention", "attention (decode)"), ("prefill_attention", "attention (prefill)"),
-                           ("reshape_and_cache", "KV cache write")):
-        setattr(kernels, name, timer.wrap(category, getattr(kernels, name)))
+    for cls, category in ((planned.DecodeAttention, "attention (decode)"),
+                          (planned.PrefillAttention, "attention (prefill)"), (planned.CacheWrite, "KV cache write")):
+        cls.__call__ = timer.wrap(category, cls.__call__)
     model_executor.sample = timer.wrap("sampling", model_executor.sample)
-    model_executor.prepare_batch = timer.wrap("input preparation", model_executor.prepare_batch)
+    model_executor.plan_batch = timer.wrap("input preparation", model_executor.plan_batch)
+    InputBuffers.upload = timer.wrap("input preparation", InputBuffers.upload)
     Linear.__call__ = timer.wrap("matmul (layers)", Linear.__call__)
     LlamaModel.compute_logits = timer.wrap("matmul (lm_head)", LlamaModel.compute_logits)
-    for cls in {type(ops) for ops in (model_executor.NATIVE_CPU_OPS, model_executor.TORCH_OPS)} | {TorchLayerOps}:
+    for cls in {type(ops) for ops in (NATIVE_CPU_OPS, TORCH_OPS)} | {TorchLayerOps}:
         for method in ("rms_norm", "add_rms_norm", "silu_and_mul", "rotation", "rope"):
             setattr(cls, method, timer.wrap("norms / RoPE / SwiGLU", cls.__dict__.get(method, getattr(cls, method))))
     execute = model_executor.ModelExecutor.execute

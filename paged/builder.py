@@ -25,6 +25,10 @@ from paged.sim.executor import SimExecutor
 
 log = logging.getLogger(__name__)
 
+# KV blocks when the config gives no size and the executor has no device memory to share it from
+# (the real model on a CPU, whose cache takes host memory): 32k tokens at the default block size
+DEFAULT_NUM_BLOCKS = 2048
+
 
 def _core_keys(schema: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(schema))
@@ -126,10 +130,13 @@ def num_cpu_blocks_for(cfg: Any, sizes: ByteSizes, executor: Executor, preemptio
 
 
 def num_blocks_for(cfg: Any, sizes: ByteSizes, executor: Executor) -> int:
-    """`allocator.num_blocks`; else the byte budget `allocator.kv_cache_memory`, else the executor's
-    share of device memory (`allocator.gpu_memory_utilization`), over the bytes of one block."""
+    """The first rule that applies: `allocator.num_blocks`; the byte budget `allocator.kv_cache_memory`
+    over the bytes of one block; the executor's share of device memory
+    (`allocator.gpu_memory_utilization`, `Executor.kv_cache_budget`) over them; `DEFAULT_NUM_BLOCKS`
+    where the executor has no device memory to share (the real model on a CPU)."""
     a = cfg.allocator
     if a.num_blocks is not None:
+        log.info("KV cache sized by allocator.num_blocks=%d", a.num_blocks)
         return int(a.num_blocks)
     bytes_per_block = executor.kv_cache_spec(a.block_size).bytes_per_block
     if sizes.kv_cache_memory is not None:
@@ -137,10 +144,18 @@ def num_blocks_for(cfg: Any, sizes: ByteSizes, executor: Executor) -> int:
     else:
         s = cfg.scheduler
         budget = executor.kv_cache_budget(a.gpu_memory_utilization, s.max_num_batched_tokens, s.max_num_seqs)
+        if budget is None:
+            log.info(
+                "KV cache sized by the default of %d blocks: %s has no device memory to share (set "
+                "allocator.num_blocks or allocator.kv_cache_memory to size it)", DEFAULT_NUM_BLOCKS,
+                type(executor).__qualname__,
+            )
+            return DEFAULT_NUM_BLOCKS
         source = f"allocator.gpu_memory_utilization={a.gpu_memory_utilization}"
     num_blocks = budget // bytes_per_block
     if num_blocks <= 0:
         raise ConfigError(f"{source} leaves room for no block (one block takes {bytes_per_block} bytes)")
+    log.info("KV cache sized by %s: %d bytes, %d blocks of %d bytes", source, budget, num_blocks, bytes_per_block)
     return num_blocks
 
 
@@ -176,6 +191,7 @@ def build_engine(cfg: Any, executor: Executor | None = None) -> Engine:
     block_size = cfg.allocator.block_size
     num_blocks = num_blocks_for(cfg, plugins.sizes, executor)
     num_cpu_blocks = num_cpu_blocks_for(cfg, plugins.sizes, executor, preemption)
+    executor.set_batch_limits(cfg.scheduler.max_num_seqs, cfg.scheduler.max_model_len)
     executor.init_kv_cache(num_blocks, block_size, num_cpu_blocks)
     allocator = plugins.allocator.build(num_blocks=num_blocks, block_size=block_size)
     block_manager = BlockManager(

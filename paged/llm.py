@@ -14,7 +14,7 @@ from paged.executor.base import Executor
 from paged.outputs import completion_text
 from paged.request import Request, SamplingParams
 from paged.runner import drive, to_request
-from paged.step import TokenLogprobs
+from paged.step import TokenLogprobs, scores_tokens
 from paged.workload import WorkloadItem
 
 
@@ -241,12 +241,14 @@ class LLM:
     def _output(self, request: Request) -> RequestOutput:
         skip, tokenizer = request.params.skip_special_tokens, self.executor.tokenizer
         decode = tokenizer.decode if tokenizer is not None else None
+        scored = scores_tokens(request.params)
         outputs = [
             CompletionOutput(
                 c.index,
                 completion_text(c, skip, decode) or "",
                 c.token_ids,
-                c.cumulative_logprob,
+                # None where the sampler computed no log-probabilities, as vLLM V1 reports it
+                c.cumulative_logprob if scored else None,
                 self._logprobs(c.logprobs),  # type: ignore[arg-type]
                 c.finish_reason.value if c.finish_reason else None,
                 c.stop_reason,

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from paged.metrics import RequestMetrics
 from paged.request import Completion, Request
+from paged.step import scores_tokens
 
 # a tokenizer's `decode(token_ids, skip_special_tokens=...)`
 Decode = Callable[..., str]
@@ -25,12 +26,13 @@ def completion_text(c: Completion, skip_special_tokens: bool, decode: Decode | N
     return decode(c.token_ids, skip_special_tokens=skip_special_tokens)
 
 
-def _completion_record(c: Completion, skip_special_tokens: bool, decode: Decode | None) -> dict[str, Any]:
+def _completion_record(c: Completion, skip_special_tokens: bool, decode: Decode | None, scored: bool) -> dict[str, Any]:
     record: dict[str, Any] = {
         "index": c.index,
         "output_token_ids": c.token_ids,
         "finish_reason": c.finish_reason.value if c.finish_reason else None,
-        "cumulative_logprob": c.cumulative_logprob,
+        # null where the sampler computed no log-probabilities (`scores_tokens`), as vLLM V1 reports it
+        "cumulative_logprob": c.cumulative_logprob if scored else None,
     }
     if c.stop_reason is not None:
         record["stop_reason"] = c.stop_reason
@@ -46,8 +48,8 @@ def _completion_record(c: Completion, skip_special_tokens: bool, decode: Decode 
 def request_record(request: Request, metrics: RequestMetrics, decode: Decode | None) -> dict:
     """One requests.jsonl line: `output_token_ids` / `output_text` of the best completion (the top
     beam, or sample 0), and `outputs` with every completion."""
-    skip = request.params.skip_special_tokens
-    completions = [_completion_record(c, skip, decode) for c in request.outputs()]
+    skip, scored = request.params.skip_special_tokens, scores_tokens(request.params)
+    completions = [_completion_record(c, skip, decode, scored) for c in request.outputs()]
     best = completions[0] if completions else {"output_token_ids": []}
     record: dict[str, Any] = {
         "request_id": request.request_id,

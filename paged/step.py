@@ -20,16 +20,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from paged.request import Request, Sequence
+from paged.request import Request, SamplingParams, Sequence
 
 # token id -> (log-probability, rank in the distribution, 1 = most likely)
 TokenLogprobs = dict[int, tuple[float, int]]
 
 
+def scores_tokens(params: SamplingParams) -> bool:
+    """Whether a request's sampled tokens carry their log-probabilities: it asks for them, or its
+    sequence group ranks by them (beam search; best_of > n keeps the n samples of highest cumulative
+    log-probability). The others' tokens carry 0.0 and their outputs report cumulative_logprob None,
+    as vLLM V1's do: the sampler computes nothing for them."""
+    return params.logprobs is not None or params.use_beam_search or (params.best_of or params.n) > params.n
+
+
 @dataclass
 class Samples:
-    """What one row produced: its tokens, each one's log-probability, and per token its own and the
-    top `params.logprobs` log-probabilities when the request asks for them."""
+    """What one row produced: its tokens, each one's log-probability (0.0 unless `scores_tokens`),
+    and per token its own and the top `params.logprobs` log-probabilities when the request asks for
+    them."""
 
     token_ids: list[int]
     logprobs: list[float]

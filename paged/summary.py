@@ -43,6 +43,7 @@ def summarize(
         "num_swaps_in": counters.num_swaps_in,
         "swap_bytes": counters.num_swapped_blocks * bytes_per_block,
         "num_swap_fallbacks": engine.num_swap_fallbacks,
+        **executor.decode_step_counts(),
     }
     if engine.clock.simulated:
         # latencies and wall_time_s above are simulated seconds

@@ -61,8 +61,7 @@ def test_mistyped_key_in_a_plugin_node_is_rejected_naming_the_key_and_the_close_
         ("model.dtype=float8", "model.dtype='float8' is not supported"),
         ("model.gemm=cublas", "model.gemm='cublas' is not supported; allowed: auto, torch, onednn"),
         ("allocator.watermark=1.5", "allocator.watermark=1.5 must be in [0, 1)"),
-        # the YAML's num_blocks would otherwise win silently over the budget the user gave
-        ("allocator.kv_cache_memory=45MiB", "num_blocks=2048 and allocator.kv_cache_memory='45MiB' both size"),
+        ("model.dtype=half", "model.dtype='half' is not supported; allowed: auto, float32, float16, bfloat16"),
     ],
 )
 def test_out_of_range_values_raise_config_error(override, message):
@@ -70,6 +69,13 @@ def test_out_of_range_values_raise_config_error(override, message):
     with pytest.raises(ConfigError) as err:
         validate(cfg)
     assert message in str(err.value)
+
+
+def test_num_blocks_and_kv_cache_memory_together_are_refused():
+    # num_blocks would otherwise win silently over the budget the user gave
+    cfg = compose_config(["allocator.num_blocks=2048", "allocator.kv_cache_memory=45MiB"])
+    with pytest.raises(ConfigError, match="num_blocks=2048 and allocator.kv_cache_memory='45MiB' both size"):
+        validate(cfg)
 
 
 def test_kv_cache_memory_budget_parses_units():

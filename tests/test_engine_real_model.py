@@ -47,7 +47,9 @@ def llm_on(executor: ModelExecutor, allocator: str, version: str, *overrides: st
 
 @pytest.fixture(scope="module")
 def executor() -> ModelExecutor:
-    return build_executor(compose_config(["model=smollm2-135m", f"kernel.partition_size={PARTITION}"]))
+    # the HF reference decodes in fp32; model.dtype=auto would be bf16 on a GPU
+    cfg = compose_config(["model=smollm2-135m", "model.dtype=float32", f"kernel.partition_size={PARTITION}"])
+    return build_executor(cfg)
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,11 @@ import pytest
 import torch
 
 from paged.config import KernelConfig, ModelConfig
-from paged.executor.attention import PagedAttention, prepare_batch
+from paged.executor.attention import PagedAttention
 from paged.executor.model_executor import ModelExecutor
+from paged.executor.step_plan import InputBuffers, plan_batch
+from paged.kernels import get_backend
+from paged.kernels.planned import AttentionSettings
 from paged.kernels.testing import causal_attention, gather_kv, random_cache
 from paged.kernels.toolchain import host_compiler
 from paged.request import Request, SamplingParams
@@ -39,10 +42,10 @@ def _scheduled(picks: list[int]) -> list[ScheduledSeq]:
 
 def _attend(picks: list[int], qkv: dict[int, tuple[torch.Tensor, ...]], caches: tuple[torch.Tensor, torch.Tensor],
             backend: str) -> tuple[torch.Tensor, PagedAttention]:
-    batch = prepare_batch(SchedulerOutput(_scheduled(picks)), BLOCK, torch.device("cpu"))
+    batch = InputBuffers(torch.device("cpu")).upload(plan_batch(SchedulerOutput(_scheduled(picks)), BLOCK))
     version = "v2" if batch.decode else None
-    attn = PagedAttention(batch, [caches[0]], [caches[1]], HEAD_SIZE**-0.5, decode_version=version, backend=backend,
-                          partition_size=16)
+    settings = AttentionSettings(get_backend(backend), HEAD_SIZE**-0.5, partition_size=16)
+    attn = PagedAttention(batch, [caches[0]], [caches[1]], settings, decode_version=version, num_heads=HEADS)
     q, k, v = (torch.cat([qkv[i][j] for i in picks]) for j in range(3))
     return attn(0, q, k, v), attn
 
@@ -57,14 +60,14 @@ def test_mixed_step_equals_decode_and_prefill_alone_and_per_sequence_attention(b
         qkv[i] = (torch.randn(n, HEADS, HEAD_SIZE, generator=gen), torch.randn(n, KV_HEADS, HEAD_SIZE, generator=gen),
                   torch.randn(n, KV_HEADS, HEAD_SIZE, generator=gen))
     mixed, attn = _attend(list(range(len(SEQS))), qkv, (key_cache, value_cache), backend)
-    assert attn.decode_version == "v2"
-    assert attn.batch.decode.tokens.tolist() == [0, 29]
+    assert attn.decode is not None and attn.decode.version == "v2"
+    assert attn.batch.decode_tokens.tolist() == [0, 29]
     assert attn.batch.prefill.query_start_loc.tolist() == [0, 20, 28, 58]
 
     decode, alone = _attend([0, 3], qkv, (key_cache.clone(), value_cache.clone()), backend)
-    assert alone.batch.decode.tokens is None and alone.batch.prefill is None
+    assert alone.batch.decode_tokens is None and alone.batch.prefill is None
     prefill, alone = _attend([1, 2, 4], qkv, (key_cache.clone(), value_cache.clone()), backend)
-    assert alone.decode_version is None and alone.batch.prefill.tokens is None
+    assert alone.decode is None and alone.batch.prefill_tokens is None
     torch.testing.assert_close(mixed[[0, 29]], decode, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(mixed[torch.cat([torch.arange(1, 29), torch.arange(30, 60)])], prefill,
                                atol=1e-5, rtol=1e-5)

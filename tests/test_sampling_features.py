@@ -199,7 +199,8 @@ def test_min_tokens_bans_eos_and_stop_tokens_until_reached(done: int) -> None:
     out = apply_penalties(Y, [row], eos_token_ids={EOS})
     assert out[0, EOS] == -math.inf and out[0, 4] == -math.inf
     assert torch.equal(out[0, [0, 2, 3]], Y[0, [0, 2, 3]])
-    (drawn,) = sample(Y, [row], eos_token_ids={EOS})
+    # a row asking for log-probabilities (the sampler computes none for the others)
+    (drawn,) = sample(Y, [min_tokens_row(done, logprobs=0)], eos_token_ids={EOS})
     assert drawn.token_ids == [2]
     # the reported log-probability is the model's raw one, not the banned distribution's
     assert drawn.logprobs[0] == pytest.approx(float(torch.log_softmax(Y[0], -1)[2]), abs=1e-6)
@@ -287,8 +288,10 @@ def test_best_of_returns_the_n_samples_of_highest_cumulative_logprob(tiny: LLM) 
         PROMPT, SamplingParams(n=2, best_of=4, temperature=0.8, seed=SEED, max_tokens=6, ignore_eos=True),
         use_tqdm=False,
     )
+    # logprobs=0: without them (and with nothing to rank) its outputs report cumulative_logprob None
     (every,) = tiny.generate(
-        PROMPT, SamplingParams(n=4, temperature=0.8, seed=SEED, max_tokens=6, ignore_eos=True), use_tqdm=False
+        PROMPT, SamplingParams(n=4, temperature=0.8, seed=SEED, max_tokens=6, ignore_eos=True, logprobs=0),
+        use_tqdm=False,
     )
     assert len(best.outputs) == 2 and len(every.outputs) == 4
     ranked = sorted(every.outputs, key=lambda c: -c.cumulative_logprob)

@@ -108,11 +108,6 @@ def test_unknown_hardware_lists_the_choices():
     assert "h100-sxm" in str(err.value) and "cpu-local" in str(err.value)
 
 
-def test_the_real_executor_does_not_guess_a_cpu_kv_budget():
-    with pytest.raises(ConfigError, match="set allocator.num_blocks or allocator.kv_cache_memory"):
-        build_engine(compose_config(["model=tiny-random", *QUIET, "allocator.num_blocks=null"]))
-
-
 def test_smollm2_under_the_sim_gets_the_real_models_token_ids():
     sim_cfg = _sim_cfg("model=smollm2-135m", "hardware=a100-40g", "workload.num_requests=3")
     executor = build_engine(sim_cfg).executor

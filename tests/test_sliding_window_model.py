@@ -84,7 +84,9 @@ def serve(checkpoint: Path, backend: str, version: str, num_blocks: int) -> LLM:
     return LLM(
         "hf", allocator="naive", kernel=version,
         overrides=[
-            f"model.path={checkpoint}", f"model.device={require(backend)}", f"kernel.backend={backend}",
+            # the HF reference decodes in fp32; model.dtype=auto would be bf16 on a GPU
+            f"model.path={checkpoint}", f"model.device={require(backend)}", "model.dtype=float32",
+            f"kernel.backend={backend}",
             "kernel.partition_size=32", "allocator.block_size=16", f"allocator.num_blocks={num_blocks}",
         ],
     )

@@ -1,7 +1,9 @@
 """Config: typed schemas (`schema`), the values keys allow (`choices`), range checks (`validate`),
-and composing a config from overrides (`compose`). Imports nothing of the model or the kernels."""
+composing a config from overrides (`compose`), and what `model.dtype` means on a device (`dtype`).
+Imports nothing of the model or the kernels."""
 
 from paged.config.compose import CONF_DIR, compose_config
+from paged.config.dtype import resolve_dtype
 from paged.config.schema import (
     PLUGIN_NODES,
     AllocatorConfig,
@@ -26,5 +28,5 @@ __all__ = [
     "CONF_DIR", "PLUGIN_NODES", "AllocatorConfig", "ByteSizes", "Config", "ConfigError", "ExecutorConfig",
     "HardwareConfig", "KernelConfig", "LoggerConfig", "ModelConfig", "OptionalPluginConfig", "PluginConfig",
     "ReportConfig", "SchedulerConfig", "WorkloadConfig", "compose_config", "parse_bytes", "register_configs",
-    "validate",
+    "resolve_dtype", "validate",
 ]

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 # kernel.version: the paged-attention kernels (auto picks between them by vLLM's rule)
 VERSIONS = ("v1", "v2")
-# model.dtype
+# the activation dtypes the model and the kernels run in
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
+# model.dtype: one of them, or auto (per device: paged.config.dtype)
+MODEL_DTYPES = ("auto", *DTYPE_NAMES)
 # allocator.block_size the kernels are instantiated for (executor=sim allows any power of two)
 BLOCK_SIZES = (8, 16, 32)
 DEFAULT_PARTITION_SIZE = 512

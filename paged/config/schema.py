@@ -104,6 +104,7 @@ class ModelConfig:
     name: str = MISSING
     source: str = MISSING
     path: str | None = None
+    # float32 / float16 / bfloat16, or auto: bfloat16 where the model runs on CUDA, else float32
     dtype: str = "float32"
     device: str = "auto"
     chat_template: bool = False

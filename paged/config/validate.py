@@ -13,12 +13,12 @@ from paged.config.choices import (
     BACKENDS,
     BATCH_ORDERS,
     BLOCK_SIZES,
-    DTYPE_NAMES,
     GEMMS,
     KV_CACHE_DTYPES,
     LOGGER_BACKENDS,
     LOGGER_MODES,
     MODEL_DEVICES,
+    MODEL_DTYPES,
     MODEL_SOURCES,
     PREEMPTION_MODES,
     VERSIONS,
@@ -69,7 +69,7 @@ def check_allocator(a: Any, block_sizes: tuple[int, ...] = BLOCK_SIZES) -> ByteS
     if a.kv_cache_memory is not None:
         kv_cache_memory = parse_bytes(a.kv_cache_memory)
         if a.num_blocks is not None:
-            # the allocator YAMLs set num_blocks, which would otherwise silently win over the budget
+            # with both set, num_blocks would silently win over the budget the user gave
             raise ConfigError(
                 f"allocator.num_blocks={a.num_blocks} and allocator.kv_cache_memory={a.kv_cache_memory!r} both size "
                 "the KV cache; set allocator.num_blocks=null to size it by memory, or drop kv_cache_memory"
@@ -137,7 +137,7 @@ def _check_blocksparse(values: Any, cache_block_size: int) -> None:
 
 def check_model(m: Any) -> None:
     _choice("model.source", m.source, MODEL_SOURCES)
-    _choice("model.dtype", m.dtype, DTYPE_NAMES)
+    _choice("model.dtype", m.dtype, MODEL_DTYPES)
     _choice("model.device", m.device, MODEL_DEVICES)
     _choice("model.gemm", m.gemm, GEMMS)
     if m.source == "hf" and not m.path:

@@ -3,7 +3,8 @@
 The real model (`ModelExecutor`) and a simulated GPU both implement `Executor`. The builder
 constructs one from `executor._target_` as `cls(model=cfg.model, kernel=cfg.kernel, seed=cfg.seed,
 **its own settings)`, asks `kv_cache_spec` what a block costs (on the device, and as much in swap
-space), sizes the cache, calls `init_kv_cache`, and the engine then calls `execute` once per step.
+space) and, when the config gives no size, `kv_cache_budget` how many bytes the cache may take; it
+sizes the cache, calls `init_kv_cache`, and the engine then calls `execute` once per step.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from functools import cached_property
 from typing import Protocol
 
 from paged.clock import Clock, WallClock
-from paged.config import ConfigError, KernelConfig
+from paged.config import KernelConfig
 from paged.kernels.limits import BLOCK_SIZES
 from paged.step import ExecutorOutput, SchedulerOutput
 
@@ -81,13 +82,21 @@ class Executor(ABC):
         bookkeeping (a simulator)."""
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
-    def kv_cache_budget(self, utilization: float, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    def kv_cache_budget(self, utilization: float, max_num_batched_tokens: int, max_num_seqs: int) -> int | None:
         """Bytes for the KV cache when the config gives no size: `utilization` of the device memory,
-        less weights and the activation peak of a `max_num_batched_tokens` step."""
-        raise ConfigError(
-            f"{type(self).__qualname__} cannot size the KV cache from device memory; "
-            "set allocator.num_blocks or allocator.kv_cache_memory (e.g. 256MiB)"
-        )
+        less weights and the activation peak of a `max_num_batched_tokens` step of `max_num_seqs`
+        sequences. None (this default): the executor has no device memory to share, and the builder
+        uses its default block count."""
+        return None
+
+    def set_batch_limits(self, max_num_seqs: int, max_model_len: int) -> None:  # noqa: B027 - optional hook
+        """The scheduler's bounds on a step, given before `init_kv_cache`: what an executor that
+        prepares work per batch shape (CUDA graphs) plans for; no-op by default."""
+
+    def decode_step_counts(self) -> dict[str, int | None]:
+        """summary.json's `cuda_graph_steps` (decode steps replayed from a CUDA graph) and
+        `eager_decode_steps` (decode-only steps run op by op); None where no step runs a model."""
+        return {"cuda_graph_steps": None, "eager_decode_steps": None}
 
     def configure_kernel(self, kernel: KernelConfig) -> None:  # noqa: B027 - optional hook
         """Re-read the kernel settings when a new engine reuses this executor; no-op by default."""

@@ -9,11 +9,15 @@ import time
 import torch
 
 from paged import kernels
-from paged.config import KernelConfig, ModelConfig
-from paged.executor.attention import BatchInput, PagedAttention, prepare_batch
+from paged.config import ConfigError, KernelConfig, ModelConfig, resolve_dtype
+from paged.executor import memory_profile
+from paged.executor.attention import PagedAttention
 from paged.executor.base import Executor, KVCacheSpec
+from paged.executor.cuda_graphs import DecodeGraphs
 from paged.executor.kv_scales import KVScales
+from paged.executor.step_plan import BatchInput, HostBatch, InputBuffers, plan_batch
 from paged.kernels.features import AttentionFeatures, BlockSparse, cache_dtype, is_fp8
+from paged.kernels.planned import AttentionSettings
 from paged.model.factory import build_model
 from paged.model.layer_ops import layer_ops_for
 from paged.model.linear import resolve_gemm
@@ -25,6 +29,9 @@ from paged.step import ExecutorOutput, ScheduledSeq, SchedulerOutput, TokenLogpr
 
 log = logging.getLogger(__name__)
 
+# Graphs are planned for the scheduler's limits (`set_batch_limits`); this when none are given.
+DEFAULT_MAX_NUM_SEQS = 64
+
 class ModelExecutor(Executor):
     """A Llama-family model on CPU or CUDA. Public state besides the `Executor` contract: `arch`,
     `model`, `device`, `dtype`, `kernel_description`, `sliding_window` (the attention window in
@@ -35,13 +42,23 @@ class ModelExecutor(Executor):
 
     supports_swap = True
 
-    def __init__(self, model: ModelConfig, kernel: KernelConfig, seed: int = 0) -> None:
+    def __init__(
+        self, model: ModelConfig, kernel: KernelConfig, seed: int = 0, cuda_graphs: bool | None = None
+    ) -> None:
+        """`cuda_graphs`: replay decode steps from CUDA graphs (`paged.executor.cuda_graphs`); `None`
+        is on for a CUDA model and off elsewhere."""
         model_cfg, kernel_cfg = model, kernel
         if model_cfg.device == "auto":
             self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         else:
             self.device = torch.device(model_cfg.device)
-        self.dtype: torch.dtype = getattr(torch, model_cfg.dtype)
+        if cuda_graphs and self.device.type != "cuda":
+            raise ConfigError(
+                f"executor.cuda_graphs=true needs a CUDA device, but the model runs on {self.device} "
+                f"(model.device={model_cfg.device}); use executor.cuda_graphs=false or null"
+            )
+        self.use_cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.dtype: torch.dtype = getattr(torch, resolve_dtype(model_cfg.dtype, self.device.type))
         self.seed = seed
         # checked before the weights load, so a bad value fails at once
         self.gemm = resolve_gemm(model_cfg.gemm, self.dtype, self.device)
@@ -64,8 +81,13 @@ class ModelExecutor(Executor):
         self.cpu_key_caches: list[torch.Tensor] = []
         self.cpu_value_caches: list[torch.Tensor] = []
         self.block_size = 0
+        self.max_num_seqs, self.max_model_len = DEFAULT_MAX_NUM_SEQS, arch.max_position_embeddings
+        self.inputs = InputBuffers(self.device)
+        self.graphs: DecodeGraphs | None = None
+        self.cuda_graph_steps = 0
+        self.eager_decode_steps = 0
         self.configure_kernel(kernel_cfg)
-        log.info("model %s on %s (%s) loaded", model_cfg.name, self.device, model_cfg.dtype)
+        log.info("model %s on %s (%s) loaded", model_cfg.name, self.device, str(self.dtype).removeprefix("torch."))
         self.num_prefill_tokens_computed = 0
         self.num_decode_tokens_computed = 0
 
@@ -76,7 +98,8 @@ class ModelExecutor(Executor):
         # BLOOM keeps F.linear and its own norms: only a Llama model has these choices
         layers = f"; gemm {self.gemm}, {self.model.ops.name} norms/RoPE/SwiGLU" if isinstance(
             self.model, LlamaModel) else ""
-        return f"{self.model_name} on {self.device} ({dtype}{kv}); attention {self.kernel_description}{layers}"
+        graphs = "; decode from CUDA graphs" if self.graphs is not None else ""
+        return f"{self.model_name} on {self.device} ({dtype}{kv}); attention {self.kernel_description}{layers}{graphs}"
 
     def configure_kernel(self, kernel_cfg: KernelConfig) -> None:
         """Pick the decode algorithm, the KV cache's dtype and the attention features, and the
@@ -108,6 +131,8 @@ class ModelExecutor(Executor):
         self.kernel_description = f"{version}/{reason}"
         if isinstance(self.model, LlamaModel):
             self.model.ops = layer_ops_for(self.backend.name)
+        self.attention = AttentionSettings(
+            self.backend, self.scale, self.partition_size, self.sliding_window, self.alibi_slopes, self.blocksparse)
 
     @property
     def _features(self) -> AttentionFeatures:
@@ -121,6 +146,24 @@ class ModelExecutor(Executor):
             f"vLLM's per layer: key [blocks, {a.num_kv_heads}, {a.head_dim}/x, {block_size}, x], "
             f"value [blocks, {a.num_kv_heads}, {a.head_dim}, {block_size}], {self.cache_dtype}",
         )
+
+    def kv_cache_budget(self, utilization: float, max_num_batched_tokens: int, max_num_seqs: int) -> int | None:
+        """On CUDA: `utilization` of the device's memory, less what is in use with the weights loaded
+        and the activation peak of a dummy largest step (`paged.executor.memory_profile`). None on a
+        CPU: the cache there takes host memory, which has no share to size it from."""
+        if self.device.type != "cuda":
+            return None
+        # an engine reusing this executor replaces the cache next: free it (and the graphs that read
+        # it) now, so it neither counts as in use nor lives beside its replacement
+        self.key_caches, self.value_caches, self.graphs = [], [], None
+        memory = memory_profile.measure(
+            self.model, self.device, max_num_batched_tokens, max_num_seqs, self.arch.max_position_embeddings
+        )
+        budget = memory_profile.kv_cache_bytes(
+            memory.total, utilization, memory.used_after_load, memory.activation_peak
+        )
+        log.info("memory: %s", memory.describe(utilization, budget))
+        return budget
 
     def init_kv_cache(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
         """vLLM's layout per layer; the device cache is zeroed so padding slots a kernel may read
@@ -156,8 +199,26 @@ class ModelExecutor(Executor):
             self._features,
         ):
             self._resolve_backend()
+        self.graphs = self._decode_graphs()
 
-    def _choose_version(self, batch: BatchInput) -> str | None:
+    def set_batch_limits(self, max_num_seqs: int, max_model_len: int) -> None:
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+
+    def decode_step_counts(self) -> dict[str, int | None]:
+        return {"cuda_graph_steps": self.cuda_graph_steps, "eager_decode_steps": self.eager_decode_steps}
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """Graphs for this cache and kernel; any captured before read the caches they replaced."""
+        if not self.use_cuda_graphs:
+            return None
+        if not self.backend.graph_capturable:
+            log.warning("executor.cuda_graphs: kernel backend %s cannot be captured in a CUDA graph (it reads values "
+                        "on the host or skips padding there), so decode steps run eagerly", self.backend.name)
+            return None
+        width = -(-self.max_model_len // self.block_size)
+        return DecodeGraphs(self._forward, self.device, self.max_num_seqs, width, self.block_size)
+
+    def _choose_version(self, batch: HostBatch) -> str | None:
         """The decode kernel for the step's decode rows; `None` when it has none."""
         rows = batch.decode
         if rows is None:
@@ -166,7 +227,7 @@ class ModelExecutor(Executor):
             return self.version
         # a windowed row reads at most the window: that is the length the kernels' work scales with
         attended = min(rows.max_seq_len, self.sliding_window or rows.max_seq_len)
-        return kernels.choose_version(attended, rows.num_seqs, self.arch.num_heads, self.partition_size)
+        return kernels.choose_version(attended, rows.seq_lens.shape[0], self.arch.num_heads, self.partition_size)
 
     def _announce(self, what: str) -> None:
         if what not in self._announced:
@@ -231,6 +292,26 @@ class ModelExecutor(Executor):
         if sched.blocks_to_swap_in:
             kernels.swap_blocks(host, device, sched.blocks_to_swap_in, backend=self.backend)
 
+    def _forward(self, batch: BatchInput, version: str | None) -> torch.Tensor:
+        """The hidden states of a step's rows: attention planned once, then the model's layers."""
+        if version:
+            self._announce(f"decode rows: paged_attention {version} on backend {self.backend.name}")
+        if batch.prefill:
+            self._announce(f"prefill rows: prefill_attention on backend {self.backend.name}")
+        attn = PagedAttention(batch, self.key_caches, self.value_caches, self.attention, decode_version=version,
+                              num_heads=self.arch.num_heads, kv_scales=self.kv_scales)
+        return self.model.forward(batch.input_ids, batch.positions, attn)
+
+    def _run(self, host: HostBatch, version: str | None) -> tuple[torch.Tensor, BatchInput]:
+        """A decode batch from its CUDA graph where one replays it, else eagerly."""
+        replayed = self.graphs.run(host, version) if self.graphs is not None and version else None
+        if replayed is not None:
+            self.cuda_graph_steps += 1
+            return replayed
+        batch = self.inputs.upload(host)
+        self.eager_decode_steps += host.prefill is None
+        return self._forward(batch, version), batch
+
     def execute(self, sched: SchedulerOutput) -> ExecutorOutput:
         assert self.block_size, "init_kv_cache must run before execute"
         start = time.perf_counter()
@@ -241,20 +322,10 @@ class ModelExecutor(Executor):
             if sched.blocks_to_copy:
                 kernels.copy_blocks(self.key_caches, self.value_caches, sched.blocks_to_copy, backend=self.backend)
             prep_start = time.perf_counter()
-            batch = prepare_batch(sched, self.block_size, self.device)
+            host = plan_batch(sched, self.block_size)
             prep_time = time.perf_counter() - prep_start
-            version = self._choose_version(batch)
-            if version:
-                self._announce(f"decode rows: paged_attention {version} on backend {self.backend.name}")
-            if batch.prefill:
-                self._announce(f"prefill rows: prefill_attention on backend {self.backend.name}")
-            attn = PagedAttention(
-                batch, self.key_caches, self.value_caches, self.scale,
-                decode_version=version, backend=self.backend, partition_size=self.partition_size,
-                sliding_window=self.sliding_window, kv_scales=self.kv_scales, alibi_slopes=self.alibi_slopes,
-                blocksparse=self.blocksparse,
-            )
-            hidden = self.model.forward(batch.input_ids, batch.positions, attn)
+            version = self._choose_version(host)
+            hidden, batch = self._run(host, version)
             rows = self._sample_rows(sched)
             logits = self.model.compute_logits(hidden[batch.sample_rows]) if rows else None
             drawn = iter(sample(logits, rows, self.eos_token_ids) if logits is not None else [])
@@ -264,10 +335,10 @@ class ModelExecutor(Executor):
         # a decode token extends a generation; everything else computes a prompt (or recomputes one)
         num_decode_tokens = sum(it.is_decode for it in sched.scheduled)
         self.num_decode_tokens_computed += num_decode_tokens
-        self.num_prefill_tokens_computed += batch.num_tokens - num_decode_tokens
+        self.num_prefill_tokens_computed += host.num_tokens - num_decode_tokens
         model_time = time.perf_counter() - start - prep_time
         return ExecutorOutput(
-            sampled, batch.num_tokens, model_time, prep_time, version,
+            sampled, host.num_tokens, model_time, prep_time, version,
             logprobs=[d.logprobs if d else [] for d in per_seq],
             top_logprobs=[d.top_logprobs if d else None for d in per_seq],
             prompt_logprobs=prompt_logprobs,

@@ -126,6 +126,11 @@ def check_prefill_attention(query: torch.Tensor, cache: CacheView, query_start_l
         raise ValueError(f"query_start_loc has {query_start_loc.shape[0]} entries for {num_seqs} sequences; "
                          f"expected {num_seqs + 1}")
     _same_device(("query", query), ("query_start_loc", query_start_loc))
+
+
+def check_query_offsets(query: torch.Tensor, cache: CacheView, query_start_loc: torch.Tensor) -> None:
+    """The values of `query_start_loc` against the query and the lengths, where reading them
+    costs no device synchronisation (a planned op checks them on their host copies instead)."""
     if query_start_loc.device.type == "cpu":
         q_lens = query_start_loc.diff()
         num_tokens = query.shape[0]

@@ -21,6 +21,7 @@ from paged.kernels.input_checks import (
     check_max_len,
     check_paged_attention,
     check_prefill_attention,
+    check_query_offsets,
     check_reshape_and_cache,
     check_sliding_window,
     check_swap_blocks,
@@ -44,7 +45,7 @@ def choose_version(
     return "v1" if use_v1 else "v2"
 
 
-def _serving(
+def serving_backend(
     backend: str | KernelBackend, tensor: torch.Tensor, head_size: int, block_size: int,
     partition_size: int | None = None, cache_dtype: torch.dtype | None = None, features: AttentionFeatures = NONE,
 ) -> KernelBackend:
@@ -63,13 +64,15 @@ def _serving_attention(
     max_seq_len: int | None, features: AttentionFeatures,
 ) -> tuple[KernelBackend, int]:
     """The backend for attention over a checked `cache`, and the checked `max_seq_len`."""
-    impl = _serving(backend, query, cache.head_size, cache.block_size, partition_size, cache.key_cache.dtype, features)
+    impl = serving_backend(
+        backend, query, cache.head_size, cache.block_size, partition_size, cache.key_cache.dtype, features
+    )
     max_seq_len = check_max_len("max_seq_len", cache.seq_lens, max_seq_len)
     check_table_covers(cache, max_seq_len)
     return impl, max_seq_len
 
 
-def _narrower(sliding_window: int | None, max_seq_len: int) -> int | None:
+def narrower_window(sliding_window: int | None, max_seq_len: int) -> int | None:
     """The window, or `None` where it covers every context: no query can see past position 0."""
     return sliding_window if sliding_window is not None and sliding_window < max_seq_len else None
 
@@ -118,9 +121,8 @@ def paged_attention(
     )
     if query.shape[0] == 0 or max_seq_len == 0:
         return torch.zeros_like(query)
-    return impl.paged_attention(
-        query, cache, scale, version, partition_size, max_seq_len, _narrower(sliding_window, max_seq_len), features
-    )
+    window = narrower_window(sliding_window, max_seq_len)
+    return impl.paged_attention(query, cache, scale, version, partition_size, max_seq_len, window, features)
 
 
 def prefill_attention(
@@ -154,6 +156,7 @@ def prefill_attention(
     """
     cache = _view(key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale)
     check_prefill_attention(query, cache, query_start_loc)
+    check_query_offsets(query, cache, query_start_loc)
     sliding_window = check_sliding_window(sliding_window)
     features = check_features(query, cache.block_size, alibi_slopes, blocksparse)
     impl, max_seq_len = _serving_attention(backend, query, cache, None, max_seq_len, features)
@@ -161,7 +164,7 @@ def prefill_attention(
     if query.shape[0] == 0:
         return torch.empty_like(query)
     return impl.prefill_attention(
-        query, cache, query_start_loc, scale, max_query_len, max_seq_len, _narrower(sliding_window, max_seq_len),
+        query, cache, query_start_loc, scale, max_query_len, max_seq_len, narrower_window(sliding_window, max_seq_len),
         features,
     )
 
@@ -181,7 +184,7 @@ def reshape_and_cache(
     skipped); an fp8 cache stores them divided by `k_scale` / `v_scale`, clamped and rounded."""
     head_size, block_size = check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     k_scale, v_scale = cache_scales(key_cache, k_scale, v_scale)
-    impl = _serving(backend, key, head_size, block_size, cache_dtype=key_cache.dtype)
+    impl = serving_backend(backend, key, head_size, block_size, cache_dtype=key_cache.dtype)
     impl.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
@@ -196,7 +199,7 @@ def copy_blocks(
     if not isinstance(block_mapping, torch.Tensor):
         block_mapping = torch.tensor(list(block_mapping), dtype=torch.int64).reshape(-1, 2)
     head_size, block_size = check_copy_blocks(key_caches, value_caches, block_mapping)
-    impl = _serving(backend, key_caches[0], head_size, block_size, cache_dtype=key_caches[0].dtype)
+    impl = serving_backend(backend, key_caches[0], head_size, block_size, cache_dtype=key_caches[0].dtype)
     impl.copy_blocks(key_caches, value_caches, block_mapping)
 
 
@@ -227,6 +230,6 @@ def swap_blocks(
         block_mapping = _pairs(block_mapping)
     head_size, block_size = check_swap_blocks(src_caches, dst_caches, block_mapping)
     side = device_side(src_caches, dst_caches)
-    impl = _serving(backend, side, head_size, block_size, cache_dtype=side.dtype)
+    impl = serving_backend(backend, side, head_size, block_size, cache_dtype=side.dtype)
     if block_mapping.numel():
         impl.swap_blocks(src_caches, dst_caches, block_mapping)

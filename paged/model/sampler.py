@@ -10,7 +10,12 @@ single-sample run with seed s + i.
 
 Reported log-probabilities are the model's raw ones (log-softmax of the logits before penalties,
 temperature and filtering: vLLM V1's default `raw_logprobs`); beam candidates are ranked by the
-log-softmax of the penalised logits, as HF's beam search ranks its processed scores.
+log-softmax of the penalised logits, as HF's beam search ranks its processed scores. Only rows that
+`scores_tokens` compute them; the others report 0.0 placeholders.
+
+A step reads the device once: every token is chosen on the device into one tensor, and the tokens,
+with the log-probabilities of the rows that want them, come back to the host in one copy. A read is
+a synchronisation on a GPU, so each one more would stall the step until the device caught up.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from paged.kernels.transfer import to_device
 from paged.request import SamplingParams
-from paged.step import Samples, TokenLogprobs
+from paged.step import Samples, TokenLogprobs, scores_tokens
 
 _U64 = 2**64 - 1
 
@@ -71,11 +77,14 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: 
         tokens = r.token_ids or []
         output = torch.tensor(tokens[r.num_prompt_tokens :], dtype=torch.long, device=row.device)
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(tokens, dtype=torch.long, device=row.device).unique()
+            # deduplicated on the host: a device `unique` reads its result size back (a sync)
+            seen = torch.tensor(sorted(set(tokens)), dtype=torch.long, device=row.device)
             values = row[seen]
             row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
         if output.numel() and (p.frequency_penalty or p.presence_penalty):
-            counts = torch.bincount(output, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
+            # counted by index_add_, not bincount, which reads the largest id back to size its output
+            ones = torch.ones(output.shape, dtype=row.dtype, device=row.device)
+            counts = torch.zeros_like(row).index_add_(0, output, ones)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
         if min_tokens:
             banned = [*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)]
@@ -107,21 +116,21 @@ def sample_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     return probs.masked_fill(~torch.zeros_like(keep).scatter_(1, order, keep), 0.0)
 
 
-def _choose(logits: torch.Tensor, rows: list[SampleRow]) -> list[list[int]]:
-    """Token ids per row: beam rows their top `num_samples`, greedy rows one batched argmax, the
-    others one batched inverse-CDF lookup."""
-    out: list[list[int]] = [[] for _ in rows]
+def _choose(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Token ids `[len(rows), widest num_samples]`, on the device: beam rows their top
+    `num_samples`, greedy rows one batched argmax, the others one batched inverse-CDF lookup. A row's
+    columns past its `num_samples` hold valid ids that mean nothing."""
+    out = torch.zeros((len(rows), max(r.num_samples for r in rows)), dtype=torch.long, device=logits.device)
     beams = [i for i, r in enumerate(rows) if r.params.use_beam_search]
     if beams:
         width = max(rows[i].num_samples for i in beams)
-        top = torch.log_softmax(logits[beams], dim=-1).topk(width, dim=-1).indices.tolist()
-        for j, i in enumerate(beams):
-            out[i] = top[j][: rows[i].num_samples]
+        out[beams, :width] = torch.log_softmax(logits[beams], dim=-1).topk(width, dim=-1).indices
     greedy = [i for i, r in enumerate(rows) if r.params.greedy and not r.params.use_beam_search]
-    if greedy:
-        best = logits[greedy].argmax(dim=-1).tolist()
-        for j, i in enumerate(greedy):
-            out[i] = [best[j]] * rows[i].num_samples
+    if len(greedy) == len(rows):  # the usual batch: no row index to copy to the device
+        out[:] = logits.argmax(dim=-1, keepdim=True)
+    elif greedy:
+        picked = to_device(np.array(greedy, dtype=np.int64), logits.device)
+        out[picked] = logits[picked].argmax(dim=-1, keepdim=True)  # every sample of a greedy row alike
     rand = [i for i, r in enumerate(rows) if not r.params.greedy]
     if rand:
         cdf = sample_probs(logits[rand], [rows[i].params for i in rand]).double().cumsum(dim=-1)
@@ -131,51 +140,104 @@ def _choose(logits: torch.Tensor, rows: list[SampleRow]) -> list[list[int]]:
             u[j, : rows[i].num_samples] = uniforms(rows[i])
         targets = torch.from_numpy(u).to(cdf.device) * cdf[:, -1:]
         # First column whose cumulative mass exceeds the target: zero-probability columns never win.
-        cols = torch.searchsorted(cdf, targets, right=True).clamp_(max=cdf.shape[1] - 1)
-        ids = cols.tolist()
-        for j, i in enumerate(rand):
-            out[i] = ids[j][: rows[i].num_samples]
+        out[rand, :width] = torch.searchsorted(cdf, targets, right=True).clamp_(max=cdf.shape[1] - 1)
     return out
+
+
+def _entries(
+    token_ids: list[int], own: list[float], ranks: list[int], top_values: list[float], top_ids: list[int]
+) -> list[TokenLogprobs]:
+    """Per token its own log-probability and rank, then the top ones (ranked by position), which
+    replace the token's own entry when it is among them."""
+    shared = {t: (lp, rank) for rank, (lp, t) in enumerate(zip(top_values, top_ids), 1)}
+    return [{token: (lp, rank), **shared} for token, lp, rank in zip(token_ids, own, ranks)]
 
 
 def top_logprobs(logprobs: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprobs]:
     """Per token of `token_ids` (all from this one distribution row): its own log-probability and
     rank, and the `k` most likely tokens with theirs."""
     top = logprobs.topk(k) if k else None
-    shared: TokenLogprobs = {}
-    if top is not None:
-        shared = {t: (lp, rank) for rank, (lp, t) in enumerate(zip(top.values.tolist(), top.indices.tolist()), 1)}
-    out = []
-    for token in token_ids:
-        own = logprobs[token]
-        rank = int((logprobs > own).sum()) + 1
-        out.append({token: (float(own), rank), **shared})
+    own = [logprobs[token] for token in token_ids]
+    return _entries(
+        token_ids, [float(lp) for lp in own], [int((logprobs > lp).sum()) + 1 for lp in own],
+        top.values.tolist() if top is not None else [], top.indices.tolist() if top is not None else [],
+    )
+
+
+def _gathered_logprobs(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits) at `idx`, without materialising the whole log-softmax."""
+    return logits.gather(1, idx) - torch.logsumexp(logits, dim=-1, keepdim=True)
+
+
+def _read(parts: list[torch.Tensor]) -> list[list[list[float]]]:
+    """2-D tensors to host lists in one device-to-host copy, as float64: that holds float32 values
+    and integer ids or ranks (below 2**53) exactly."""
+    flat = torch.cat([part.double().flatten() for part in parts]).tolist()
+    out, start = [], 0
+    for part in parts:
+        rows, cols = part.shape
+        out.append([flat[start + j * cols : start + (j + 1) * cols] for j in range(rows)])
+        start += rows * cols
     return out
 
 
-def _gathered_logprobs(logits: torch.Tensor, idx: torch.Tensor) -> list[list[float]]:
-    """log_softmax(logits) at `idx`, without materialising the whole log-softmax."""
-    return (logits.gather(1, idx) - torch.logsumexp(logits, dim=-1, keepdim=True)).tolist()
+def _scored(
+    logits: torch.Tensor, processed: torch.Tensor, chosen: torch.Tensor, rows: list[SampleRow], scored: list[int]
+) -> list[Samples]:
+    """`sample` when rows `scored` want log-probabilities: beam candidates the scores they were
+    ranked by, sampled tokens the model's raw ones, and for rows asking `params.logprobs=k` each
+    token's rank and the top k; all computed on the device and read with the tokens in one copy."""
+    beams = [i for i in scored if rows[i].params.use_beam_search]
+    # sampled rows that only their group ranks by (best_of > n): no top-k, no ranks
+    ranked = [i for i in scored if not rows[i].params.use_beam_search and rows[i].params.logprobs is None]
+    asking = [i for i in scored if rows[i].params.logprobs is not None]
+    logprobs = torch.zeros(chosen.shape, dtype=torch.float64, device=chosen.device)
+    if beams:
+        logprobs[beams] = _gathered_logprobs(processed[beams], chosen[beams]).double()
+    if ranked:
+        logprobs[ranked] = _gathered_logprobs(logits[ranked], chosen[ranked]).double()
+    parts = [chosen, logprobs]
+    by_k: dict[int, list[int]] = {}  # k -> positions in `asking` of the rows asking for the top k
+    if asking:
+        full = torch.log_softmax(logits[asking], dim=-1)
+        own = full.gather(1, chosen[asking])
+        plain = [j for j, i in enumerate(asking) if not rows[i].params.use_beam_search]
+        if plain:  # a sampled token reports the very value its entry shows
+            logprobs[[asking[j] for j in plain]] = own[plain].double()
+        width = max(rows[i].num_samples for i in asking)
+        ranks = torch.stack([(full > own[:, c : c + 1]).sum(dim=-1) + 1 for c in range(width)], dim=1)
+        parts += [own, ranks]
+        for j, i in enumerate(asking):
+            if k := rows[i].params.logprobs:
+                by_k.setdefault(k, []).append(j)
+        for k, positions in by_k.items():  # topk(k) per distinct k: ties order as for the row alone
+            top = full[positions].topk(k, dim=-1)
+            parts += [top.values, top.indices]
+    ids, values, *rest = _read(parts)  # the step's one device-to-host read
+    tokens = [[int(t) for t in row[: r.num_samples]] for r, row in zip(rows, ids)]
+    tops: dict[int, list[TokenLogprobs]] = {}
+    if asking:
+        own_values, own_ranks, *top_parts = rest
+        top: dict[int, tuple[list[float], list[int]]] = {}
+        for positions, top_values, top_ids in zip(by_k.values(), top_parts[::2], top_parts[1::2]):
+            for j, v, t in zip(positions, top_values, top_ids):
+                top[j] = (v, [int(x) for x in t])
+        for j, i in enumerate(asking):
+            num = rows[i].num_samples
+            ranks_j = [int(r) for r in own_ranks[j][:num]]
+            tops[i] = _entries(tokens[i], own_values[j][:num], ranks_j, *top.get(j, ([], [])))
+    return [Samples(tokens[i], values[i][: r.num_samples], tops.get(i)) for i, r in enumerate(rows)]
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: Collection[int] = ()) -> list[Samples]:
-    """`Samples` per row from fp32 logits `[len(rows), vocab]`."""
+    """`Samples` per row from fp32 logits `[len(rows), vocab]`; a row that `scores_tokens` does not
+    cover gets 0.0 for each token's log-probability."""
     processed = apply_penalties(logits, rows, eos_token_ids)
     chosen = _choose(processed, rows)
-    width = max(map(len, chosen))
-    idx = torch.tensor([t + t[:1] * (width - len(t)) for t in chosen], device=logits.device)
-    raw = _gathered_logprobs(logits, idx)
-    # beam candidates carry the scores they were ranked by; sampled tokens the model's raw ones
-    beams = any(r.params.use_beam_search for r in rows)
-    ranked = _gathered_logprobs(processed, idx) if beams and processed is not logits else raw
-    out = []
-    for i, (r, tokens) in enumerate(zip(rows, chosen)):
-        logprobs = (ranked if r.params.use_beam_search else raw)[i][: len(tokens)]
-        k, top = r.params.logprobs, None
-        if k is not None:
-            row = torch.log_softmax(logits[i], dim=-1)
-            top = top_logprobs(row, tokens, k)
-            if not r.params.use_beam_search:  # the very values `top` reports
-                logprobs = row[tokens].tolist()
-        out.append(Samples(tokens, logprobs, top))
-    return out
+    scored = [i for i, r in enumerate(rows) if scores_tokens(r.params)]
+    if scored:
+        return _scored(logits, processed, chosen, rows, scored)
+    return [
+        Samples(tokens[: r.num_samples], [0.0] * r.num_samples)
+        for r, tokens in zip(rows, chosen.tolist())  # the step's one device-to-host read
+    ]

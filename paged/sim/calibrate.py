@@ -46,7 +46,15 @@ import torch
 
 from paged import kernels
 from paged.clock import Clock
-from paged.config import AllocatorConfig, ConfigError, ExecutorConfig, HardwareConfig, PluginConfig, SchedulerConfig
+from paged.config import (
+    AllocatorConfig,
+    ConfigError,
+    ExecutorConfig,
+    HardwareConfig,
+    PluginConfig,
+    SchedulerConfig,
+    resolve_dtype,
+)
 from paged.executor.base import Executor
 from paged.executor.model_executor import ModelExecutor
 from paged.kernels.features import AttentionFeatures, BlockSparse, alibi_slopes, cache_dtype
@@ -123,9 +131,14 @@ def _arch(cfg: Any) -> LlamaArch:
     return load_arch(cfg.model)[0]
 
 
+def dtype_name(cfg: Any) -> str:
+    """`cfg.model.dtype` as the real model runs it here: on this CPU (`auto` is float32 there)."""
+    return resolve_dtype(cfg.model.dtype, _CPU.type)
+
+
 def resolve_execution(cfg: Any, arch: LlamaArch) -> Execution:
     """What the real executor would run for `cfg` on this CPU (`Execution`)."""
-    dtype, kernel = getattr(torch, cfg.model.dtype), cfg.kernel
+    dtype, kernel = getattr(torch, dtype_name(cfg)), cfg.kernel
     llama = takes_gemm_and_layer_ops(arch)
     sparse = BlockSparse.from_config(dict(kernel.blocksparse)) if kernel.blocksparse else None
     backend, _ = kernels.resolve_backend(
@@ -157,11 +170,11 @@ def cache_path(cfg: Any) -> Path:
     arch = _arch(cfg)
     spec = ModelSpec.from_llama(cfg.model.name, arch)
     key = json.dumps([
-        FORMAT, _cpu_name(), torch.get_num_threads(), torch.__version__, asdict(spec), cfg.model.dtype,
+        FORMAT, _cpu_name(), torch.get_num_threads(), torch.__version__, asdict(spec), dtype_name(cfg),
         resolve_execution(cfg, arch).key(),
     ], sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache_root() / "sim" / f"cpu-local-{spec.name}-{cfg.model.dtype}-{digest}.json"
+    return cache_root() / "sim" / f"cpu-local-{spec.name}-{dtype_name(cfg)}-{digest}.json"
 
 
 def load_or_measure(cfg: Any, build: BuildEngine) -> dict[str, Any]:
@@ -207,7 +220,7 @@ def measure(cfg: Any, build: BuildEngine, path: Path | None = None) -> dict[str,
     arch = _arch(cfg)
     spec = ModelSpec.from_llama(cfg.model.name, arch)
     execution = resolve_execution(cfg, arch)
-    dtype = getattr(torch, cfg.model.dtype)
+    dtype = getattr(torch, dtype_name(cfg))
     bandwidth = _copy_bandwidth()
     peak, table = _matmul(spec, dtype, execution.gemm)
     values: dict[str, Any] = {

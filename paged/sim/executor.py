@@ -28,7 +28,7 @@ import torch
 from omegaconf import OmegaConf
 
 from paged.clock import Clock, VirtualClock
-from paged.config import HardwareConfig, KernelConfig, ModelConfig
+from paged.config import HardwareConfig, KernelConfig, ModelConfig, resolve_dtype
 from paged.executor.base import Executor, KVCacheSpec, Tokenizer
 from paged.kernels.features import BlockSparse, cache_dtype
 from paged.model.spec import model_spec
@@ -65,8 +65,8 @@ def _unit(*keys: int) -> float:
     return (x >> 11) / float(1 << 53)
 
 class SimExecutor(Executor):
-    """Public state besides the `Executor` contract: `spec`, `hardware`, `cost_model`, `dtype_bytes`
-    (weights and activations), `kv_cache_dtype` and `kv_dtype_bytes` (the KV cache's element, from
+    """Public state besides the `Executor` contract: `spec`, `hardware`, `cost_model`, `dtype_name` and
+    `dtype_bytes` (weights and activations), `kv_cache_dtype` and `kv_dtype_bytes` (the KV cache's element, from
     `kernel.kv_cache_dtype`), and the `last_cost` breakdown of the latest step."""
 
     runs_spec_models = True
@@ -79,7 +79,10 @@ class SimExecutor(Executor):
         self.model_cfg = model
         self.spec, tokenizer_source = model_spec(model)
         check_parallelism(self.spec, hw_cfg.num_gpus)
-        self.dtype_bytes = getattr(torch, model.dtype).itemsize
+        # model.dtype=auto means what the real model would run in on the simulated device: a
+        # calibrated hardware is this machine's CPU (cpu-local), every other one a GPU
+        self.dtype_name = resolve_dtype(model.dtype, "cpu" if hw_cfg.calibrated else "cuda")
+        self.dtype_bytes = getattr(torch, self.dtype_name).itemsize
         # a calibrated hardware (cpu-local) arrives measured from the builder (paged.sim.calibrate)
         self.hardware: Hardware = resolve_hardware(hw_cfg)
         self._tokenizer_source = tokenizer_source
@@ -109,9 +112,8 @@ class SimExecutor(Executor):
 
     @property
     def description(self) -> str:
-        dtype = self.model_cfg.dtype
         return (
-            f"{self.spec.name} ({dtype}) simulated on {self.hardware.num_gpus} x {self.hardware.name}, "
+            f"{self.spec.name} ({self.dtype_name}) simulated on {self.hardware.num_gpus} x {self.hardware.name}, "
             f"KV cache {self.kv_cache_label}"
         )
 
@@ -123,8 +125,8 @@ class SimExecutor(Executor):
     def configure_kernel(self, kernel: KernelConfig) -> None:
         """The kernel settings, the KV cache's dtype among them: a reused executor's blocks take
         the new engine's element size."""
-        model_dtype = getattr(torch, self.model_cfg.dtype)
-        self.kv_cache_dtype = self.model_cfg.dtype if kernel.kv_cache_dtype == "auto" else kernel.kv_cache_dtype
+        model_dtype = getattr(torch, self.dtype_name)
+        self.kv_cache_dtype = self.dtype_name if kernel.kv_cache_dtype == "auto" else kernel.kv_cache_dtype
         self.kv_dtype_bytes = cache_dtype(kernel.kv_cache_dtype, model_dtype).itemsize
         sparse = BlockSparse.from_config(dict(kernel.blocksparse)) if kernel.blocksparse else None
         self.cost_model = CostModel(

@@ -198,7 +198,7 @@ class CpuBackend(TorchBackend):
 
     def paged_attention(
         self, query: torch.Tensor, cache: CacheView, scale: float, version: str, partition_size: int, max_seq_len: int,
-        sliding_window: int | None, features: AttentionFeatures = NONE,
+        sliding_window: int | None, features: AttentionFeatures = NONE, workspace: object = None,
     ) -> torch.Tensor:
         version_number = 1 if version == "v1" else 2
         return _call("paged_attention_cpu", query, cache, scale, sliding_window, features, version_number,
@@ -206,7 +206,7 @@ class CpuBackend(TorchBackend):
 
     def prefill_attention(
         self, query: torch.Tensor, cache: CacheView, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-        max_seq_len: int, sliding_window: int | None, features: AttentionFeatures = NONE,
+        max_seq_len: int, sliding_window: int | None, features: AttentionFeatures = NONE, plan: object = None,
     ) -> torch.Tensor:
         query_start_loc = query_start_loc.contiguous()
         # `query_start_loc` must outlive the call: `_call` only holds its address.
@@ -216,6 +216,7 @@ class CpuBackend(TorchBackend):
     def reshape_and_cache(
         self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
         slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+        has_padding: bool = True,
     ) -> None:
         """A bit copy per element, in parallel over tokens; key/value may have any strides. Slots < 0
         are skipped; of two tokens given one slot, which lands is unspecified (as with torch's
@@ -223,7 +224,7 @@ class CpuBackend(TorchBackend):
         if (key_cache.dtype in FP8_DTYPES or key.dtype != key_cache.dtype or value.dtype != key_cache.dtype
                 or slot_mapping.dtype != torch.int64
                 or not (key_cache.is_contiguous() and value_cache.is_contiguous())):
-            super().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+            super().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, has_padding)
             return
         num_blocks, num_kv_heads, _, block_size, _ = key_cache.shape
         slots = slot_mapping.contiguous()

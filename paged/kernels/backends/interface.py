@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from paged.kernels.features import FP8_DTYPES, NONE, AttentionFeatures
@@ -102,6 +103,9 @@ class KernelBackend(ABC):
     cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = DTYPES
     # The `AttentionFeatures` it implements, of FEATURES.
     features: ClassVar[tuple[str, ...]] = ()
+    # Whether a CUDA graph can capture its decode step: its ops read nothing on the host, allocate
+    # nothing a replay would need anew, and skip padding rows (slot -1) on the device.
+    graph_capturable: ClassVar[bool] = False
 
     def unsupported_reason(
         self,
@@ -141,28 +145,50 @@ class KernelBackend(ABC):
         when it can. May build the backend's library on first call."""
         return None
 
+    def decode_workspace(
+        self, num_seqs: int, num_heads: int, head_size: int, version: str, partition_size: int, max_seq_len: int,
+        sliding_window: int | None, device: torch.device,
+    ) -> object:
+        """Scratch that `paged_attention` would otherwise allocate on every call, made once for a
+        step's decode rows and passed to each layer's call as `workspace`; `None` (the default)
+        for a backend that needs none."""
+        return None
+
+    def plan_prefill(
+        self, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray, block_size: int,
+        num_kv_heads: int, head_size: int, sliding_window: int | None, device: torch.device,
+    ) -> object:
+        """What `prefill_attention` would derive from the rows' metadata on every call, derived
+        once per step from its host copies (so without waiting for the device) and passed to each
+        layer's call as `plan`; `None` (the default) for a backend that needs nothing."""
+        return None
+
     @abstractmethod
     def paged_attention(
         self, query: torch.Tensor, cache: CacheView, scale: float, version: str, partition_size: int, max_seq_len: int,
-        sliding_window: int | None, features: AttentionFeatures = NONE,
+        sliding_window: int | None, features: AttentionFeatures = NONE, workspace: object = None,
     ) -> torch.Tensor:
         """`paged.kernels.paged_attention` on a non-empty batch; `sliding_window` is `None` or
-        shorter than `max_seq_len`; an fp8 cache has its scales set."""
+        shorter than `max_seq_len`; an fp8 cache has its scales set; `workspace` is what
+        `decode_workspace` made for these rows, or `None`."""
 
     @abstractmethod
     def prefill_attention(
         self, query: torch.Tensor, cache: CacheView, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-        max_seq_len: int, sliding_window: int | None, features: AttentionFeatures = NONE,
+        max_seq_len: int, sliding_window: int | None, features: AttentionFeatures = NONE, plan: object = None,
     ) -> torch.Tensor:
         """`paged.kernels.prefill_attention` on a non-empty batch; `sliding_window` is `None` or
-        shorter than `max_seq_len`; an fp8 cache has its scales set."""
+        shorter than `max_seq_len`; an fp8 cache has its scales set; `plan` is what `plan_prefill`
+        made for these rows, or `None`."""
 
     @abstractmethod
     def reshape_and_cache(
         self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
         slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+        has_padding: bool = True,
     ) -> None:
-        """`paged.kernels.reshape_and_cache`; fp8 caches get fp32 `[num_kv_heads]` scales."""
+        """`paged.kernels.reshape_and_cache`; fp8 caches get fp32 `[num_kv_heads]` scales.
+        `has_padding=False`: the caller knows no slot is -1, so none needs skipping."""
 
     @abstractmethod
     def copy_blocks(

@@ -9,7 +9,7 @@ import math
 from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ from paged.kernels.backends.torch_ref import TorchBackend
 from paged.kernels.features import NONE, AttentionFeatures
 from paged.kernels.limits import BLOCK_SIZES, NATIVE_HEAD_SIZES, NATIVE_PARTITION_SIZES
 from paged.kernels.toolchain.specs import NUM_THREADS, Unit, attention_unit, cache_unit
+from paged.kernels.transfer import to_device
 
 WARP_SIZE = 32
 MAX_CACHE_THREADS = 512
@@ -55,6 +56,15 @@ class Copy:
     dst: Ptr
     src: Ptr
     nbytes: int
+
+
+class V2Scratch(NamedTuple):
+    """v2's fp32 intermediates: `[num_seqs, num_heads, num_partitions]` exp sums and max logits,
+    `[..., head_size]` partition outputs."""
+
+    exp_sums: torch.Tensor
+    max_logits: torch.Tensor
+    tmp_out: torch.Tensor
 
 
 # The kernels load the query and the caches in vectors of up to 16 bytes.
@@ -164,12 +174,29 @@ class RunnerBackend(TorchBackend):
     def runner(self, tensor: torch.Tensor) -> Runner:
         """The runner owning `tensor`'s device."""
 
+    # The kernels skip slot -1 and read lengths on the device.
+    graph_capturable = True
+
+    def decode_workspace(
+        self, num_seqs: int, num_heads: int, head_size: int, version: str, partition_size: int, max_seq_len: int,
+        sliding_window: int | None, device: torch.device,
+    ) -> V2Scratch | None:
+        """v2's per-partition exp sums, max logits and outputs, for rows of up to `max_seq_len`."""
+        if version != "v2":
+            return None
+        num_partitions = -(-window_span(max_seq_len, sliding_window, partition_size) // partition_size)
+        exp_sums = torch.empty((num_seqs, num_heads, num_partitions), dtype=torch.float32, device=device)
+        tmp_out = torch.empty((num_seqs, num_heads, num_partitions, head_size), dtype=torch.float32, device=device)
+        return V2Scratch(exp_sums, torch.empty_like(exp_sums), tmp_out)
+
     def paged_attention(
         self, query: torch.Tensor, cache: CacheView, scale: float, version: str, partition_size: int, max_seq_len: int,
-        sliding_window: int | None, features: AttentionFeatures = NONE,
+        sliding_window: int | None, features: AttentionFeatures = NONE, workspace: object = None,
     ) -> torch.Tensor:
         """With a window, v1's logits and v2's partitions cover only the positions the window
-        reaches: the kernels index them from the window's first block (v1) or partition (v2)."""
+        reaches: the kernels index them from the window's first block (v1) or partition (v2). v2's
+        grid has a partition per `partition_size` of `max_seq_len`; those past a row's length
+        return at once, so a longer `max_seq_len` (a CUDA graph's) gives the same output."""
         runner = self.runner(query)
         num_seqs, num_heads, head_size = query.shape
         key_cache, value_cache = cache.key_cache, cache.value_cache
@@ -194,11 +221,11 @@ class RunnerBackend(TorchBackend):
             _check_shared_memory(runner, unit, unit.kernels[0], smem, f"v1 attention over {max_seq_len} tokens")
             launches = [Launch(unit.kernels[0], (num_heads, num_seqs, 1), NUM_THREADS, smem, (_ptr(out), *common))]
         else:
-            num_partitions = -(-window_span(max_seq_len, sliding_window, partition_size) // partition_size)
-            exp_sums = torch.empty((num_seqs, num_heads, num_partitions), dtype=torch.float32, device=query.device)
-            max_logits = torch.empty_like(exp_sums)
-            tmp_out = torch.empty((num_seqs, num_heads, num_partitions, head_size), dtype=torch.float32,
-                                  device=query.device)
+            scratch_tensors = workspace or self.decode_workspace(
+                num_seqs, num_heads, head_size, version, partition_size, max_seq_len, sliding_window, query.device)
+            assert isinstance(scratch_tensors, V2Scratch)
+            exp_sums, max_logits, tmp_out = scratch_tensors
+            num_partitions = exp_sums.shape[2]
             smem = max(partition_size * 4, outputs_smem)
             reduce_smem = num_partitions * 4
             what = f"v2 attention over {max_seq_len} tokens"
@@ -216,6 +243,7 @@ class RunnerBackend(TorchBackend):
     def reshape_and_cache(
         self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
         slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+        has_padding: bool = True,
     ) -> None:
         runner = self.runner(key)
         num_tokens, num_heads, head_size = key.shape
@@ -242,9 +270,11 @@ class RunnerBackend(TorchBackend):
         for layer, (k, v) in enumerate(zip(key_caches, value_caches)):
             _require_in_place_layout(**{f"key_caches[{layer}]": k, f"value_caches[{layer}]": v})
         device = key_caches[0].device
-        key_ptrs = torch.tensor([c.data_ptr() for c in key_caches], dtype=torch.int64, device=device)
-        value_ptrs = torch.tensor([c.data_ptr() for c in value_caches], dtype=torch.int64, device=device)
-        mapping = block_mapping.to(device).contiguous()
+        # through pinned memory, so the copies are queued and the host does not wait for the device
+        key_ptrs = to_device(np.array([c.data_ptr() for c in key_caches], dtype=np.int64), device)
+        value_ptrs = to_device(np.array([c.data_ptr() for c in value_caches], dtype=np.int64), device)
+        mapping = block_mapping if block_mapping.device == device else to_device(block_mapping.numpy(), device)
+        mapping = mapping.contiguous()
         numel_per_block = key_caches[0][0].numel()
         unit = cache_unit(key_caches[0].dtype)
         grid = (len(key_caches), mapping.shape[0], 1)

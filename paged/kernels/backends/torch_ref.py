@@ -11,10 +11,14 @@ to the logits and block-sparse attention masks what its pattern leaves out (`pag
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from paged.kernels.backends.interface import CACHE_DTYPES, FEATURES, CacheView, KernelBackend, window_span
 from paged.kernels.features import FP8_DTYPES, NONE, AttentionFeatures, quantize
+from paged.kernels.transfer import to_device
 
 _NEG_INF = float("-inf")
 # Bounds one prefill SDPA call's padded K (V alike) and mask, in elements.
@@ -24,9 +28,11 @@ PREFILL_GROUP_ELEMENTS = 1 << 25
 def reshape_and_cache(
     key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    has_padding: bool = True,
 ) -> None:
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
+    if has_padding:
+        # reading whether any slot is -1 would wait for the device: select the others instead
+        keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     if slot_mapping.numel() == 0:
         return
@@ -201,61 +207,122 @@ def paged_attention_v2(
     return _finish((tmp_out * weights[..., None]).sum(dim=-2), query)
 
 
-def _padded_context(
-    cache: CacheView, first_block: torch.Tensor, num_blocks: int, window_start: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every sequence's K and V from its block `first_block` as `[S, Hk, num_blocks * bs, D]`, zero
-    outside `[window_start, seq_len)` so that stale (even NaN) slots cannot leak through a masked
-    weight of 0."""
-    num_seqs, num_kv_heads, bs = cache.block_tables.shape[0], cache.num_kv_heads, cache.block_size
-    blocks = _live_blocks(cache, first_block, num_blocks, first_block)
-    padded = num_blocks * bs
-    k = cache.key_cache[blocks].permute(0, 2, 1, 4, 3, 5).reshape(num_seqs, num_kv_heads, padded, -1)
-    v = cache.value_cache[blocks].permute(0, 2, 1, 4, 3).reshape(num_seqs, num_kv_heads, padded, -1)
+@dataclass(frozen=True)
+class PrefillGroup:
+    """One padded SDPA call of a prefill: its sequences' query rows, the cache blocks it gathers and
+    the causal (and window) mask. They depend on the batch, not the layer, so a step builds them
+    once from the host copies of its metadata and every layer reuses them."""
+
+    tokens: torch.Tensor  # int64 [num_tokens] the group's query rows in the batch
+    owner: torch.Tensor  # int64 [num_tokens] each row's sequence within the group
+    rows: torch.Tensor  # int64 [num_tokens] each row's place among its sequence's queries
+    blocks: torch.Tensor  # int64 [n, num_blocks] blocks gathered, from the one holding the window start
+    outside: torch.Tensor  # bool [n, 1, num_blocks * bs, 1] gathered slots outside [window start, seq_len)
+    positions: torch.Tensor  # int64 [n, max_query_len, 1] each padded query row's position
+    key_positions: torch.Tensor  # int64 [n, 1, max_span]
+    mask: torch.Tensor  # bool [n, 1, max_query_len, max_span]: causality and the window
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """A prefill's SDPA calls, over groups of sequences whose gathered spans (their contexts, or
+    less with a window) lie within a factor of two, so padding at most doubles a group's span; a
+    group larger than `PREFILL_GROUP_ELEMENTS` of padded K, or of mask, is split."""
+
+    groups: list[PrefillGroup]
+
+
+def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return to_device(np.ascontiguousarray(array), device)
+
+
+def _group(
+    part: np.ndarray, starts: np.ndarray, q_lens: np.ndarray, lens: np.ndarray, window_start: np.ndarray,
+    block_tables: np.ndarray, block_size: int, sliding_window: int | None, device: torch.device,
+) -> PrefillGroup:
+    """Padding rows attend like their sequence's last token (no row is fully masked, so none is
+    NaN) and are dropped."""
+    q, lens, window_start = q_lens[part], lens[part], window_start[part]
+    owner = np.repeat(np.arange(len(part)), q)
+    rows = np.arange(int(q.sum())) - (np.cumsum(q) - q)[owner]
+    first_block = window_start // block_size
+    max_query_len, max_span = int(q.max()), int((lens - first_block * block_size).max())
+    num_blocks = -(-max_span // block_size)
+    # table columns from the window's first block, clamped into the sequence's live columns (one
+    # outside them may lie past the table's end or name a block freed with the window's tail)
+    cols = first_block[:, None] + np.arange(num_blocks)
+    cols = np.maximum(np.minimum(cols, (np.maximum(lens, 1) - 1)[:, None] // block_size), first_block[:, None])
+    slots = (first_block * block_size)[:, None] + np.arange(num_blocks * block_size)
+    outside = (slots < window_start[:, None]) | (slots >= lens[:, None])
+    positions = np.minimum((lens - q)[:, None] + np.arange(max_query_len), (lens - 1)[:, None])[:, :, None]
+    key_positions = (first_block * block_size)[:, None, None] + np.arange(max_span)
+    positions_t, key_positions_t = _to(positions, device), _to(key_positions, device)
+    mask = key_positions_t <= positions_t
+    if sliding_window is not None:
+        mask &= key_positions_t > positions_t - sliding_window
+    return PrefillGroup(
+        tokens=_to(starts[part][owner] + rows, device), owner=_to(owner, device), rows=_to(rows, device),
+        blocks=_to(block_tables[part[:, None], cols].astype(np.int64), device),
+        outside=_to(outside, device)[:, None, :, None], positions=positions_t, key_positions=key_positions_t,
+        mask=mask[:, None],
+    )
+
+
+def plan_prefill(
+    query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray, block_size: int,
+    num_kv_heads: int, head_size: int, sliding_window: int | None, device: torch.device,
+) -> PrefillPlan:
+    """The groups of a prefill from the host copies of its metadata: nothing here waits on the device."""
+    qsl, lens = query_start_loc.astype(np.int64), seq_lens.astype(np.int64)
+    starts, q_lens = qsl[:-1], np.diff(qsl)
+    # of each sequence's first query
+    window_start = np.zeros_like(lens) if sliding_window is None else np.maximum(lens - q_lens + 1 - sliding_window, 0)
+    spans = lens - window_start // block_size * block_size
+    length_class = np.ceil(np.log2(np.maximum(spans, 1))).astype(np.int64)
+    groups = []
+    for value in np.unique(length_class):
+        group = np.flatnonzero(length_class == value)
+        group_q, span = int(q_lens[group].max()), int(spans[group].max())
+        per_call = max(1, PREFILL_GROUP_ELEMENTS // max(span * num_kv_heads * head_size, group_q * span))
+        for first in range(0, len(group), per_call):
+            groups.append(_group(group[first : first + per_call], starts, q_lens, lens, window_start, block_tables,
+                                 block_size, sliding_window, device))
+    return PrefillPlan(groups)
+
+
+def _padded_context(cache: CacheView, group: PrefillGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every sequence's K and V from the group's first gathered block as `[n, Hk, num_blocks * bs, D]`,
+    zero outside `[window start, seq_len)` so that stale (even NaN) slots cannot leak through a
+    masked weight of 0."""
+    blocks = group.blocks
+    num_seqs, padded = blocks.shape[0], blocks.shape[1] * cache.block_size
+    k = cache.key_cache[blocks].permute(0, 2, 1, 4, 3, 5).reshape(num_seqs, cache.num_kv_heads, padded, -1)
+    v = cache.value_cache[blocks].permute(0, 2, 1, 4, 3).reshape(num_seqs, cache.num_kv_heads, padded, -1)
     if cache.fp8:
         k = k.float() * cache.k_scale.view(1, -1, 1, 1)
         v = v.float() * cache.v_scale.view(1, -1, 1, 1)
-    positions = (first_block * bs)[:, None] + torch.arange(padded, device=k.device)
-    outside = (positions < window_start[:, None]) | (positions >= cache.seq_lens[:, None])
-    outside = outside[:, None, :, None]
-    return k.masked_fill_(outside, 0), v.masked_fill_(outside, 0)
+    return k.masked_fill_(group.outside, 0), v.masked_fill_(group.outside, 0)
 
 
 def _attend_group(
-    query: torch.Tensor, cache: CacheView, starts: torch.Tensor, q_lens: torch.Tensor, window_start: torch.Tensor,
-    scale: float, sliding_window: int | None, features: AttentionFeatures,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One padded SDPA call for a group of sequences: queries padded to `[n, H, Lq, D]`, K/V
-    gathered from the block holding `window_start` (the first query's window start), a boolean mask
-    for causality and the window, which lets CPU flash attention work in tiles instead of
-    materialising the scores. Padding rows attend like their sequence's last token (no row is fully
-    masked, so none is NaN) and are dropped. Returns (query rows, their output)."""
-    device, seq_lens, bs = query.device, cache.seq_lens.long(), cache.block_size
-    first_block = window_start // bs
-    max_query_len, max_span = int(q_lens.max()), int((seq_lens - first_block * bs).max())
-    num_tokens = int(q_lens.sum())
-    owner = torch.repeat_interleave(torch.arange(len(q_lens), device=device), q_lens, output_size=num_tokens)
-    rows = torch.arange(num_tokens, device=device) - (q_lens.cumsum(0) - q_lens)[owner]
-    tokens = starts[owner] + rows
-    q = query.new_zeros(len(q_lens), max_query_len, *query.shape[1:])
-    q[owner, rows] = query[tokens]
-    k, v = _padded_context(cache, first_block, -(-max_span // bs), window_start)
-    positions = (seq_lens - q_lens)[:, None] + torch.arange(max_query_len, device=device)[None, :]
-    positions = torch.minimum(positions, seq_lens[:, None] - 1)[:, :, None]
-    key_positions = (first_block * bs)[:, None, None] + torch.arange(max_span, device=device)[None, None, :]
-    mask = key_positions <= positions
-    if sliding_window is not None:
-        mask &= key_positions > positions - sliding_window
-    mask = mask[:, None]  # [n, 1 or H, Lq, Lk]
+    query: torch.Tensor, cache: CacheView, group: PrefillGroup, scale: float, features: AttentionFeatures,
+) -> torch.Tensor:
+    """One padded SDPA call: queries padded to `[n, H, Lq, D]`, K/V gathered, a boolean mask, which
+    lets CPU flash attention work in tiles instead of materialising the scores. Returns the
+    output of the group's query rows."""
+    num_seqs, max_query_len, max_span = group.mask.shape[0], group.mask.shape[2], group.mask.shape[3]
+    q = query.new_zeros(num_seqs, max_query_len, *query.shape[1:])
+    q[group.owner, group.rows] = query[group.tokens]
+    k, v = _padded_context(cache, group)
+    mask, positions, key_positions = group.mask, group.positions, group.key_positions
     num_heads, num_kv_heads = query.shape[1], cache.num_kv_heads
     if features.blocksparse is not None:
-        offsets = features.blocksparse.offsets(num_heads, num_kv_heads, device).view(1, -1, 1, 1)
+        offsets = features.blocksparse.offsets(num_heads, num_kv_heads, query.device).view(1, -1, 1, 1)
         mask = mask & features.blocksparse.allowed(positions[:, None], key_positions[:, None], offsets)
         # slots no query of a KV head sees stand for blocks the kernels never read: zero, so that
         # whatever they hold cannot leak through a weight of 0
-        n, span = mask.shape[0], mask.shape[-1]
-        unseen = ~mask.view(n, num_kv_heads, -1, span).any(dim=2)[..., None]  # [n, Hk, Lk, 1]
-        k, v = k[:, :, :span].masked_fill(unseen, 0), v[:, :, :span].masked_fill(unseen, 0)
+        unseen = ~mask.view(num_seqs, num_kv_heads, -1, max_span).any(dim=2)[..., None]  # [n, Hk, Lk, 1]
+        k, v = k[:, :, :max_span].masked_fill(unseen, 0), v[:, :, :max_span].masked_fill(unseen, 0)
     if features.alibi_slopes is not None:
         bias = features.alibi_slopes.view(1, -1, 1, 1) * (key_positions - positions)[:, None].float()
         mask = bias.masked_fill_(~mask, _NEG_INF)
@@ -265,34 +332,22 @@ def _attend_group(
     out = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), k[:, :, :max_span], v[:, :, :max_span], attn_mask=mask, scale=scale, enable_gqa=True,
     )
-    return tokens, out.transpose(1, 2)[owner, rows].to(query.dtype)
+    return out.transpose(1, 2)[group.owner, group.rows].to(query.dtype)
 
 
 def prefill_attention(
     query: torch.Tensor, cache: CacheView, query_start_loc: torch.Tensor, scale: float,
-    sliding_window: int | None = None, features: AttentionFeatures = NONE,
+    sliding_window: int | None = None, features: AttentionFeatures = NONE, plan: PrefillPlan | None = None,
 ) -> torch.Tensor:
-    """Padded SDPA calls over groups of sequences whose gathered spans (their contexts, or less
-    with a window) lie within a factor of two, so padding at most doubles a group's span; a group
-    larger than `PREFILL_GROUP_ELEMENTS` of padded K, or of mask, is split. The calls are per
-    length class, not per sequence."""
-    starts = query_start_loc[:-1].long()
-    q_lens = query_start_loc[1:].long() - starts
-    lens = cache.seq_lens.long()
-    window_start = _window_start(lens - q_lens + 1, sliding_window)  # of each sequence's first query
-    spans = lens - window_start // cache.block_size * cache.block_size
-    length_class = torch.log2(spans.clamp_min(1).double()).ceil().long()
+    """Padded SDPA calls per length class of `plan` (not per sequence); without one it is made from
+    host copies of the metadata, which on an accelerator waits for the device."""
+    if plan is None:
+        plan = plan_prefill(query_start_loc.cpu().numpy(), cache.seq_lens.cpu().numpy(),
+                            cache.block_tables.cpu().numpy(), cache.block_size, cache.num_kv_heads, cache.head_size,
+                            sliding_window, query.device)
     out = torch.empty_like(query)
-    for value in length_class.unique().tolist():
-        group = (length_class == value).nonzero().squeeze(1)
-        group_q, span = int(q_lens[group].max()), int(spans[group].max())
-        per_call = PREFILL_GROUP_ELEMENTS // max(span * cache.num_kv_heads * cache.head_size, group_q * span)
-        for part in group.split(max(1, per_call)):
-            part_cache = CacheView(cache.key_cache, cache.value_cache, cache.block_tables[part], cache.seq_lens[part],
-                                   cache.k_scale, cache.v_scale)
-            tokens, part_out = _attend_group(query, part_cache, starts[part], q_lens[part], window_start[part], scale,
-                                             sliding_window, features)
-            out[tokens] = part_out
+    for group in plan.groups:
+        out[group.tokens] = _attend_group(query, cache, group, scale, features)
     return out
 
 
@@ -316,17 +371,25 @@ class TorchBackend(KernelBackend):
 
     def paged_attention(
         self, query: torch.Tensor, cache: CacheView, scale: float, version: str, partition_size: int, max_seq_len: int,
-        sliding_window: int | None, features: AttentionFeatures = NONE,
+        sliding_window: int | None, features: AttentionFeatures = NONE, workspace: object = None,
     ) -> torch.Tensor:
         if version == "v1":
             return paged_attention_v1(query, cache, scale, max_seq_len, sliding_window, features)
         return paged_attention_v2(query, cache, scale, max_seq_len, partition_size, sliding_window, features)
 
+    def plan_prefill(
+        self, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray, block_size: int,
+        num_kv_heads: int, head_size: int, sliding_window: int | None, device: torch.device,
+    ) -> PrefillPlan:
+        return plan_prefill(query_start_loc, seq_lens, block_tables, block_size, num_kv_heads, head_size,
+                            sliding_window, device)
+
     def prefill_attention(
         self, query: torch.Tensor, cache: CacheView, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-        max_seq_len: int, sliding_window: int | None, features: AttentionFeatures = NONE,
+        max_seq_len: int, sliding_window: int | None, features: AttentionFeatures = NONE, plan: object = None,
     ) -> torch.Tensor:
-        return prefill_attention(query, cache, query_start_loc, scale, sliding_window, features)
+        assert plan is None or isinstance(plan, PrefillPlan)
+        return prefill_attention(query, cache, query_start_loc, scale, sliding_window, features, plan)
 
     reshape_and_cache = staticmethod(reshape_and_cache)
     copy_blocks = staticmethod(copy_blocks)

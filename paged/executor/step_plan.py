@@ -1,0 +1,235 @@
+"""One step's model inputs: built once on the host, then copied to the device without waiting.
+
+`plan_batch` turns a `SchedulerOutput` into numpy arrays (no per-token Python): token ids,
+positions, cache slots, the rows to sample, and per attention op (decode rows with one new token,
+prefill rows with more) the block tables, context lengths and query offsets, with their maxima
+known on the host so no kernel has to ask the device for them. `InputBuffers.upload` packs them
+into one int64 and one int32 buffer of page-locked host memory and copies each to the device with
+one non-blocking copy (vLLM's persistent input batch); on a CPU the arrays are used as they are.
+`pad_decode` widens a decode batch to a CUDA graph's shape.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from paged.kernels.planned import Rows
+from paged.step import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class HostRows:
+    """One attention op's sequences, on the host."""
+
+    tokens: np.ndarray | None  # int64 flat indices of their query rows; None: all rows, in order
+    block_tables: np.ndarray  # int32 [n, max_blocks], zero padded
+    seq_lens: np.ndarray  # int32 [n]
+    query_start_loc: np.ndarray  # int32 [n + 1]
+    max_seq_len: int
+    max_query_len: int
+
+
+@dataclass(frozen=True)
+class HostBatch:
+    input_ids: np.ndarray  # int64 [T], all scheduled tokens, sequence after sequence
+    positions: np.ndarray  # int64 [T]
+    slot_mapping: np.ndarray  # int64 [T]; -1: a padding row, written nowhere
+    sample_rows: np.ndarray  # int64 [R], flat index of the last token of each sequence that samples
+    decode: HostRows | None
+    prefill: HostRows | None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def _host_rows(picked: np.ndarray, num_new: np.ndarray, context: np.ndarray, tables: np.ndarray) -> HostRows | None:
+    if not picked.any():
+        return None
+    q_lens, lens = num_new[picked], context[picked]
+    return HostRows(
+        tokens=None if picked.all() else np.flatnonzero(np.repeat(picked, num_new)),
+        block_tables=np.ascontiguousarray(tables[picked]),
+        seq_lens=lens.astype(np.int32),
+        query_start_loc=np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
+        max_seq_len=int(lens.max()),
+        max_query_len=int(q_lens.max()),
+    )
+
+
+def plan_batch(sched: SchedulerOutput, block_size: int) -> HostBatch:
+    items = sched.scheduled
+    num_seqs = len(items)
+    computed = np.fromiter((it.seq.num_computed_tokens for it in items), dtype=np.int64, count=num_seqs)
+    num_new = np.fromiter((it.num_new_tokens for it in items), dtype=np.int64, count=num_seqs)
+    context = computed + num_new
+    ends = np.cumsum(num_new)
+    starts = ends - num_new
+    if bool((num_new == 1).all()):
+        token_ids = [it.seq.token_ids[c] for it, c in zip(items, computed.tolist(), strict=True)]
+        positions = computed
+        owner = np.arange(num_seqs)
+    else:
+        token_ids = list(
+            itertools.chain.from_iterable(
+                it.seq.token_ids[c : c + n] for it, c, n in zip(items, computed.tolist(), num_new.tolist(), strict=True)
+            )
+        )
+        owner = np.repeat(np.arange(num_seqs), num_new)
+        positions = np.arange(int(ends[-1])) - starts[owner] + computed[owner]
+    table_lens = np.fromiter((len(it.block_table) for it in items), dtype=np.int64, count=num_seqs)
+    assert (table_lens * block_size >= context).all(), "a block table is shorter than its context"
+    tables = np.zeros((num_seqs, int(table_lens.max())), dtype=np.int32)
+    for row, it in zip(tables, items, strict=True):
+        row[: len(it.block_table)] = it.block_table
+    slots = tables[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    samples = [i for i, it in enumerate(items) if it.num_samples > 0]
+    decode = num_new == 1
+    return HostBatch(
+        input_ids=np.array(token_ids, dtype=np.int64),
+        positions=positions,
+        slot_mapping=slots,
+        sample_rows=ends[samples] - 1,
+        decode=_host_rows(decode, num_new, context, tables),
+        prefill=_host_rows(~decode, num_new, context, tables),
+    )
+
+
+def pad_decode(batch: HostBatch, size: int, width: int, max_seq_len: int) -> HostBatch:
+    """A decode-only batch as a CUDA graph for `size` rows and `width` table columns replays it:
+    padding rows read one token of block 0 (any block holds finite values) and write nowhere, and
+    `max_seq_len` is the graph's, so the kernels' launch shapes do not depend on the batch."""
+    rows = batch.decode
+    assert rows is not None and batch.prefill is None, "only decode batches replay a graph"
+    n = rows.seq_lens.shape[0]
+    assert n <= size and rows.block_tables.shape[1] <= width and rows.max_seq_len <= max_seq_len
+
+    def padded(a: np.ndarray, fill: int) -> np.ndarray:
+        return np.concatenate([a, np.full(size - n, fill, dtype=a.dtype)])
+
+    tables = np.zeros((size, width), dtype=np.int32)
+    tables[:n, : rows.block_tables.shape[1]] = rows.block_tables
+    return replace(
+        batch, input_ids=padded(batch.input_ids, 0), positions=padded(batch.positions, 0),
+        slot_mapping=padded(batch.slot_mapping, -1),
+        decode=replace(rows, block_tables=tables, seq_lens=padded(rows.seq_lens, 1),
+                       query_start_loc=np.arange(size + 1, dtype=np.int32), max_seq_len=max_seq_len),
+    )
+
+
+@dataclass(frozen=True)
+class BatchInput:
+    """A `HostBatch` on the device; `decode` / `prefill` carry their host arrays too."""
+
+    host: HostBatch
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    sample_rows: torch.Tensor
+    decode: Rows | None
+    decode_tokens: torch.Tensor | None
+    prefill: Rows | None
+    prefill_tokens: torch.Tensor | None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.host.num_tokens
+
+
+class _Staging:
+    """A device buffer of one dtype and its page-locked host mirror, filled array after array."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, capacity: int) -> None:
+        self.dtype, self.device = dtype, device
+        self.host = torch.empty(capacity, dtype=dtype, pin_memory=True)
+        self.device_buffer = torch.empty(capacity, dtype=dtype, device=device)
+        self.used = 0
+
+    def add(self, array: np.ndarray) -> tuple[int, tuple[int, ...]]:
+        start, n = self.used, array.size
+        self.host.numpy()[start : start + n] = array.reshape(-1)
+        self.used += n
+        return start, array.shape
+
+    def view(self, where: tuple[int, tuple[int, ...]]) -> torch.Tensor:
+        start, shape = where
+        return self.device_buffer[start : start + int(np.prod(shape))].view(shape)
+
+
+class InputBuffers:
+    """Where a step's inputs reach the device. On CUDA: one int64 and one int32 page-locked buffer
+    and their device twins, each copied with one non-blocking copy per step; they grow (doubling)
+    unless `fixed`, which a CUDA graph's buffers are, since a replay reads the addresses it was
+    captured with. A step's host buffers are rewritten only once the previous step's copies ran."""
+
+    def __init__(self, device: torch.device, capacity: int = 1 << 14, *, fixed: bool = False) -> None:
+        self.device = device
+        self.fixed = fixed
+        self._copied: torch.cuda.Event | None = None
+        self._wide = self._narrow = None
+        if device.type == "cuda":
+            self._wide = _Staging(torch.int64, device, capacity)
+            self._narrow = _Staging(torch.int32, device, capacity)
+
+    def upload(self, batch: HostBatch) -> BatchInput:
+        if self.device.type != "cuda":
+            return _wrap(batch, torch.from_numpy)
+        if self._copied is not None:
+            self._copied.synchronize()
+        wide, narrow = self._fit(batch)
+        wide.used = narrow.used = 0
+        where = {id(a): (wide if a.dtype == np.int64 else narrow).add(a) for a in _arrays(batch)}
+        for staging in (wide, narrow):
+            staging.device_buffer[: staging.used].copy_(staging.host[: staging.used], non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        return _wrap(batch, lambda a: (wide if a.dtype == np.int64 else narrow).view(where[id(a)]))
+
+    def _fit(self, batch: HostBatch) -> tuple[_Staging, _Staging]:
+        assert self._wide is not None and self._narrow is not None
+        arrays = _arrays(batch)
+        for name, dtype in (("_wide", np.int64), ("_narrow", np.int32)):
+            staging: _Staging = getattr(self, name)
+            needed = sum(a.size for a in arrays if a.dtype == dtype)
+            if needed > staging.host.shape[0]:
+                if self.fixed:
+                    raise ValueError(f"a batch of {needed} {dtype.__name__} inputs exceeds fixed buffers of "
+                                     f"{staging.host.shape[0]}")
+                setattr(self, name, _Staging(staging.dtype, self.device, max(needed, 2 * staging.host.shape[0])))
+        return self._wide, self._narrow
+
+
+def _arrays(batch: HostBatch) -> list[np.ndarray]:
+    """In a fixed order, the rows to sample last: a padded decode batch then packs every array a
+    CUDA graph reads at the same offsets, however many of its rows sample."""
+    arrays = [batch.input_ids, batch.positions, batch.slot_mapping]
+    for rows in (batch.decode, batch.prefill):
+        if rows is not None:
+            arrays += [rows.block_tables, rows.seq_lens, rows.query_start_loc]
+            if rows.tokens is not None:
+                arrays.append(rows.tokens)
+    arrays.append(batch.sample_rows)
+    for a in arrays:
+        assert a.dtype in (np.int64, np.int32), a.dtype
+    return arrays
+
+
+def _wrap(batch: HostBatch, put: Callable[[np.ndarray], torch.Tensor]) -> BatchInput:
+    def rows(host: HostRows | None) -> Rows | None:
+        if host is None:
+            return None
+        return Rows(put(host.block_tables), put(host.seq_lens), put(host.query_start_loc), host.block_tables,
+                    host.seq_lens, host.query_start_loc, host.max_seq_len, host.max_query_len)
+
+    def tokens(host: HostRows | None) -> torch.Tensor | None:
+        return None if host is None or host.tokens is None else put(host.tokens)
+
+    return BatchInput(
+        batch, put(batch.input_ids), put(batch.positions), put(batch.slot_mapping), put(batch.sample_rows),
+        rows(batch.decode), tokens(batch.decode), rows(batch.prefill), tokens(batch.prefill),
+    )

@@ -1,0 +1,175 @@
+"""A step's attention and cache write, checked once and then run layer after layer.
+
+The front-end ops (`paged.kernels.ops`) check every argument on every call, and the checks that
+read values (lengths, offsets, slots) read tensors on the host, which on a GPU waits for it. A
+model calls them once per layer with the same rows, so an executor plans the step instead: `Rows`
+carries the rows' metadata on the device together with the host arrays it was copied from; a
+planned op checks those arrays once (`paged.kernels.step_checks`), lets the backend prepare its
+per-step work (v2's scratch, the torch prefill's groups), checks the tensors' shapes and dtypes on
+the first layer's call, and from then on only runs the backend. Nothing here reads a tensor's
+values, so a planned op can be captured in a CUDA graph.
+
+Scales of an fp8 cache are passed per call as fp32 `[num_kv_heads]` tensors on the cache's device
+(as `paged.executor.kv_scales` keeps them), or `None`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from paged.kernels import input_checks, step_checks
+from paged.kernels.backends.interface import CacheView, KernelBackend
+from paged.kernels.features import FP8_DTYPES, AttentionFeatures, BlockSparse
+from paged.kernels.ops import narrower_window, serving_backend
+from paged.kernels.registry import get_backend
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The sequences one attention op runs: device tensors and the host arrays they came from."""
+
+    block_tables: torch.Tensor  # int32 [n, max_blocks], zero padded
+    seq_lens: torch.Tensor  # int32 [n], context length after this step
+    query_start_loc: torch.Tensor  # int32 [n + 1], offsets of each sequence's query rows
+    host_block_tables: np.ndarray
+    host_seq_lens: np.ndarray
+    host_query_start_loc: np.ndarray
+    # at least the longest context: a CUDA graph's rows are planned for the longest it may replay
+    max_seq_len: int
+    max_query_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.host_seq_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.host_query_start_loc[-1])
+
+
+@dataclass(frozen=True)
+class AttentionSettings:
+    """What a model's attention is, whatever the step: the backend, the decode kernel's partition
+    size, the window, the features (`paged.kernels.features`) and the softmax scale."""
+
+    backend: KernelBackend
+    scale: float
+    partition_size: int
+    sliding_window: int | None = None
+    alibi_slopes: torch.Tensor | None = None
+    blocksparse: BlockSparse | None = None
+
+
+def check_planned_scales(key_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    """The front end's scale checks, and that the scales are already in the form the backends take
+    (a planned op passes them on as given)."""
+    input_checks.cache_scales(key_cache, k_scale, v_scale)
+    if key_cache.dtype in FP8_DTYPES and (k_scale is None or v_scale is None):
+        raise ValueError(f"a planned op on a {key_cache.dtype} cache needs both k_scale and v_scale")
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is not None and (scale.dtype != torch.float32 or tuple(scale.shape) != (key_cache.shape[1],)
+                                  or not scale.is_contiguous() or scale.device != key_cache.device):
+            raise ValueError(f"{name} of a planned op must be a contiguous float32 [num_kv_heads={key_cache.shape[1]}] "
+                             f"tensor on {key_cache.device}, got {scale.dtype} {tuple(scale.shape)} on {scale.device}")
+
+
+class _Planned:
+    """Checks the rows' values at construction and the tensors on the first call."""
+
+    def __init__(self, rows: Rows, settings: AttentionSettings, num_blocks: int, block_size: int) -> None:
+        step_checks.check_rows(
+            rows.host_block_tables, rows.host_seq_lens, rows.host_query_start_loc, num_tokens=rows.num_tokens,
+            block_size=block_size, num_blocks=num_blocks, max_seq_len=rows.max_seq_len,
+        )
+        self.rows = rows
+        self.settings = settings
+        self.backend = settings.backend
+        self.window = narrower_window(settings.sliding_window, rows.max_seq_len)
+        self.features: AttentionFeatures | None = None  # checked on the first call
+
+    def _cache(self, key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale: torch.Tensor | None,
+               v_scale: torch.Tensor | None) -> CacheView:
+        return CacheView(key_cache, value_cache, self.rows.block_tables, self.rows.seq_lens, k_scale, v_scale)
+
+    def _check_first(self, query: torch.Tensor, cache: CacheView, partition_size: int | None) -> AttentionFeatures:
+        s = self.settings
+        check_planned_scales(cache.key_cache, cache.k_scale, cache.v_scale)
+        features = input_checks.check_features(query, cache.block_size, s.alibi_slopes, s.blocksparse)
+        self.backend = serving_backend(s.backend, query, cache.head_size, cache.block_size, partition_size,
+                                       cache.key_cache.dtype, features)
+        return features
+
+
+class DecodeAttention(_Planned):
+    """`paged.kernels.paged_attention` for one step's decode rows (`version` v1 or v2)."""
+
+    def __init__(self, rows: Rows, settings: AttentionSettings, version: str, num_heads: int, head_size: int,
+                 num_blocks: int, block_size: int) -> None:
+        super().__init__(rows, settings, num_blocks, block_size)
+        self.version = version
+        self.workspace = self.backend.decode_workspace(
+            rows.num_seqs, num_heads, head_size, version, settings.partition_size, rows.max_seq_len, self.window,
+            rows.block_tables.device,
+        )
+
+    def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        cache = self._cache(key_cache, value_cache, k_scale, v_scale)
+        if self.features is None:
+            input_checks.check_paged_attention(query, cache, self.version, self.settings.partition_size)
+            partition = self.settings.partition_size if self.version == "v2" else None
+            self.features = self._check_first(query, cache, partition)
+        return self.backend.paged_attention(
+            query, cache, self.settings.scale, self.version, self.settings.partition_size, self.rows.max_seq_len,
+            self.window, self.features, workspace=self.workspace,
+        )
+
+
+class PrefillAttention(_Planned):
+    """`paged.kernels.prefill_attention` for one step's prefill rows (or any rows with several
+    queries)."""
+
+    def __init__(self, rows: Rows, settings: AttentionSettings, num_kv_heads: int, head_size: int, num_blocks: int,
+                 block_size: int) -> None:
+        super().__init__(rows, settings, num_blocks, block_size)
+        self.plan = self.backend.plan_prefill(
+            rows.host_query_start_loc, rows.host_seq_lens, rows.host_block_tables, block_size, num_kv_heads,
+            head_size, self.window, rows.block_tables.device,
+        )
+
+    def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        cache = self._cache(key_cache, value_cache, k_scale, v_scale)
+        if self.features is None:
+            input_checks.check_prefill_attention(query, cache, self.rows.query_start_loc)
+            self.features = self._check_first(query, cache, None)
+        return self.backend.prefill_attention(
+            query, cache, self.rows.query_start_loc, self.settings.scale, self.rows.max_query_len,
+            self.rows.max_seq_len, self.window, self.features, plan=self.plan,
+        )
+
+
+class CacheWrite:
+    """`paged.kernels.reshape_and_cache` of one step's new K/V at `slot_mapping` (-1: skipped)."""
+
+    def __init__(self, slot_mapping: torch.Tensor, host_slot_mapping: np.ndarray, backend: str | KernelBackend,
+                 num_slots: int) -> None:
+        step_checks.check_slots(host_slot_mapping, num_slots)
+        self.slot_mapping = slot_mapping
+        self.has_padding = bool((host_slot_mapping < 0).any())
+        self.backend = get_backend(backend)
+        self.checked = False
+
+    def __call__(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+        if not self.checked:
+            head_size, block_size = input_checks.check_reshape_and_cache(key, value, key_cache, value_cache,
+                                                                         self.slot_mapping)
+            check_planned_scales(key_cache, k_scale, v_scale)
+            self.backend = serving_backend(self.backend, key, head_size, block_size, cache_dtype=key_cache.dtype)
+            self.checked = True
+        self.backend.reshape_and_cache(key, value, key_cache, value_cache, self.slot_mapping, k_scale, v_scale,
+                                       has_padding=self.has_padding)

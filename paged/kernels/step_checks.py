@@ -1,0 +1,45 @@
+"""Checks of a step's rows on their host copies: what the front-end ops read from tensors on every
+call (and so wait on the device for), checked once per step by a planned op (`paged.kernels.planned`)
+before anything is copied to the device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def check_rows(
+    block_tables: np.ndarray, seq_lens: np.ndarray, query_start_loc: np.ndarray, *, num_tokens: int,
+    block_size: int, num_blocks: int, max_seq_len: int,
+) -> None:
+    """The values of one op's rows, on their host copies, once per step: what the per-call checks
+    read from tensors, plus that every block a row reads is a block of the cache."""
+    num_seqs = seq_lens.shape[0]
+    if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs or query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(f"rows disagree: block_tables {block_tables.shape}, seq_lens {seq_lens.shape}, "
+                         f"query_start_loc {query_start_loc.shape}")
+    q_lens = np.diff(query_start_loc)
+    if query_start_loc[0] != 0 or query_start_loc[-1] != num_tokens or (q_lens < 0).any():
+        raise ValueError(f"query_start_loc must rise from 0 to num_tokens={num_tokens}, got {query_start_loc.tolist()}")
+    if (q_lens > seq_lens).any():
+        raise ValueError(f"a sequence has more queries than context: query lengths {q_lens.tolist()}, "
+                         f"seq_lens {seq_lens.tolist()}")
+    longest = int(seq_lens.max()) if num_seqs else 0
+    if longest > max_seq_len:
+        raise ValueError(f"max_seq_len={max_seq_len} is below the longest sequence ({longest})")
+    if block_tables.shape[1] * block_size < max_seq_len:
+        raise ValueError(f"block_tables has {block_tables.shape[1]} columns of {block_size} tokens, "
+                         f"fewer than max_seq_len={max_seq_len} needs")
+    read = np.arange(block_tables.shape[1]) < -(-seq_lens[:, None] // block_size)
+    bad = read & ((block_tables < 0) | (block_tables >= num_blocks))
+    if bad.any():
+        raise ValueError(f"block_tables name block(s) {sorted(set(block_tables[bad].tolist()))} outside the "
+                         f"cache's {num_blocks} blocks")
+
+
+def check_slots(slot_mapping: np.ndarray, num_slots: int) -> None:
+    """A step's slot mapping, on its host copy: a slot of the cache, or -1 (skipped)."""
+    bad = (slot_mapping < -1) | (slot_mapping >= num_slots)
+    if bad.any():
+        raise ValueError(f"slot_mapping holds {sorted(set(slot_mapping[bad].tolist()))}; slots run from 0 to "
+                         f"{num_slots - 1} (-1: skip)")

@@ -1,0 +1,249 @@
+"""experiments/gpu_report.py without a GPU: its parsers, the outputs comparison, the budget, the markdown
+it renders from fabricated step results, and its refusal on a machine without CUDA."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+PATH = Path(__file__).resolve().parents[1] / "experiments" / "gpu_report.py"
+
+
+@pytest.fixture(scope="module")
+def report():
+    spec = importlib.util.spec_from_file_location("gpu_report", PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+# -- pytest's output -------------------------------------------------------------------------------
+
+PYTEST_OUTPUT = """\
+..F.s.E
+=================================== FAILURES ===================================
+___________________________________ test_b ____________________________________
+------------------------------ Captured log call -------------------------------
+ERROR    paged:engine.py:12 a log line, not a test
+=========================== short test summary info ============================
+FAILED tests/test_kernels_cuda.py::test_b - assert 1 == 2
+ERROR tests/test_kernels_cuda.py::test_e - RuntimeError: x
+SKIPPED [27] tests/test_kernels_cuda.py:31: needs a CUDA device
+1 failed, 4 passed, 27 skipped, 3 warnings, 2 errors in 112.34s (0:01:52)
+"""
+
+
+def test_pytest_counts_reads_the_summary_line_with_plurals_folded(report) -> None:
+    assert report.pytest_counts(PYTEST_OUTPUT) == {"failed": 1, "passed": 4, "skipped": 27, "warning": 3, "error": 2}
+    assert report.pytest_counts("==== 61 passed in 37.61s ====\n") == {"passed": 61}
+    assert report.pytest_counts("5 deselected in 0.95s\n") == {"deselected": 5}
+
+
+def test_pytest_counts_is_empty_without_a_summary_line(report) -> None:
+    assert report.pytest_counts("..F.\n") == {}  # killed at its timeout
+    assert report.pytest_counts("no tests ran in 0.01s\n") == {}
+    assert report.pytest_counts("...\n3 tokens in 2s\n") == {}  # looks alike, but not pytest's words
+
+
+def test_summary_lines_come_from_the_short_summary_only(report) -> None:
+    assert report.summary_lines(PYTEST_OUTPUT, ("FAILED", "ERROR")) == [
+        "FAILED tests/test_kernels_cuda.py::test_b - assert 1 == 2",
+        "ERROR tests/test_kernels_cuda.py::test_e - RuntimeError: x",
+    ]
+    assert report.summary_lines(PYTEST_OUTPUT, ("SKIPPED",)) == [
+        "SKIPPED [27] tests/test_kernels_cuda.py:31: needs a CUDA device"]
+
+
+# -- requests.jsonl --------------------------------------------------------------------------------
+
+
+def _write_requests(path: Path, outputs: dict[str, list[int]]) -> Path:
+    # the fields around output_token_ids as paged/outputs.py writes them, so the reader ignores the rest
+    lines = [json.dumps({"request_id": rid, "prompt_len": 5, "output_token_ids": ids, "finish_reason": "length",
+                         "outputs": [{"index": 0, "output_token_ids": ids}]}) for rid, ids in outputs.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_read_outputs_maps_request_ids_to_token_ids(report, tmp_path: Path) -> None:
+    path = _write_requests(tmp_path / "requests.jsonl", {"0": [1, 2, 3], "1": []})
+    assert report.read_outputs(path) == {"0": [1, 2, 3], "1": []}
+
+
+def test_compare_outputs_token_by_token(report) -> None:
+    off = {"0": [1, 2, 3], "1": [4, 5, 6, 7], "2": [8], "3": [9, 9]}
+    on = {"0": [1, 2, 3], "1": [4, 5, 0, 0], "2": [8], "3": [9, 9, 9], "4": [1]}
+    c = report.compare_outputs(off, on)
+    assert (c.requests, c.identical) == (5, 2)
+    assert c.tokens == 3 + 4 + 1 + 3 + 1
+    assert c.matching_tokens == 3 + 2 + 1 + 2 + 0
+    assert c.first_difference == "request 1, token 2"
+
+
+def test_compare_outputs_all_identical(report) -> None:
+    c = report.compare_outputs({"a": [1, 2]}, {"a": [1, 2]})
+    assert (c.requests, c.identical, c.tokens, c.matching_tokens, c.first_difference) == (1, 1, 2, 2, None)
+
+
+# -- the budget and the steps ----------------------------------------------------------------------
+
+
+def test_budget_keeps_the_later_steps_shares(report) -> None:
+    fresh = report.Budget(1200.0)
+    assert fresh.allowance(["bench", "job"]) == pytest.approx(1200 * report.SHARES["tests"], abs=1)
+    late = report.Budget(1200.0, start=time.monotonic() - 1000)
+    assert late.allowance([]) == pytest.approx(200, abs=1)
+
+
+def test_steps_over_budget_are_skipped_not_run(report) -> None:
+    args = argparse.Namespace(skip_tests=False, skip_bench=True, skip_job=False)
+    spent = report.Budget(60.0, start=time.monotonic() - 60)
+    results = report.run_steps(args, spent)
+    assert results["bench"] == report.Skipped("--skip-bench")
+    assert all(isinstance(results[s], report.Skipped) and "over budget" in results[s].reason
+               for s in ("tests", "job"))
+
+
+def test_run_command_kills_at_the_timeout_and_keeps_the_output(report) -> None:
+    run = report.run_command([sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"],
+                             timeout_s=2)
+    assert run.returncode is None and not run.ok
+    assert run.stdout == "started\n" and run.wall_s < 30
+
+
+# -- the markdown ----------------------------------------------------------------------------------
+
+
+def _run(report, command: list[str], returncode: int | None, stdout: str = "", stderr: str = "",
+         wall_s: float = 10.0):
+    return report.CommandRun([sys.executable, *command], returncode, stdout, stderr, wall_s, timeout_s=300.0)
+
+
+def _environment(report):
+    return report.Environment(
+        gpu="NVIDIA H100 80GB HBM3", memory_gib=79.1, capability=(9, 0), multiprocessors=132,
+        driver="580.159.04", torch="2.11.0+cu130", cuda="13.0", nvrtc="13.0",
+        packages={"cuda-core": "1.2.2", "cuda-bindings": "13.3.1"}, python="3.11.7", commit="8be5c32",
+        dirty=True, date=datetime(2026, 11, 24, 13, 5, tzinfo=timezone(timedelta(hours=1))),
+    )
+
+
+BENCH_OUTPUT = """\
+NVIDIA H100 80GB HBM3: L2 50 MiB, device-to-device copy 2427 GB/s (±0%)
+ batch  context dtype    kv      v1 µs     ±   v1 %
+     1      512  fp16     =       24.1   ±1%     4%
+"""
+
+
+def _summary(tok_s: float, graph_steps: int | None) -> dict:
+    summary = {"output_tokens_per_s": tok_s, "tpot_mean_s": 0.0202, "tpot_p99_s": 0.03, "itl_mean_s": 0.02,
+               "itl_p99_s": 0.04, "ttft_mean_s": 0.985, "wall_time_s": 5.83, "host_time_s": 6.1,
+               "load_time_s": 2.0, "num_finished": 48, "num_engine_steps": 300,
+               "attention_kernel": "cuda v1/v2 auto", "executor_description": "SmolLM2-135M on cuda"}
+    if graph_steps is not None:
+        summary |= {"cuda_graph_steps": graph_steps, "eager_decode_steps": 300 - graph_steps}
+    return summary
+
+
+def test_render_report_from_fabricated_results(report) -> None:
+    env = _environment(report)
+    tests = report.TestsResult(
+        _run(report, ["-m", "pytest", "-q", "tests/test_kernels_cuda.py"], 1,
+             stdout="...F\nFAILED tests/test_kernels_cuda.py::test_b - assert 1 == 2\n1 failed, 60 passed in 37s\n"),
+        counts={"failed": 1, "passed": 60, "skipped": 2},
+        problems=["FAILED tests/test_kernels_cuda.py::test_b - assert 1 == 2"],
+        skips=["SKIPPED [2] tests/test_kernels_cuda.py:31: needs sm_90"],
+    )
+    bench = report.BenchResult(_run(report, ["experiments/kernel_bench.py", "--repeats", "5"], 0, stdout=BENCH_OUTPUT))
+    off = _run(report, ["run.py", "executor.cuda_graphs=false"], 0)
+    on = _run(report, ["run.py", "executor.cuda_graphs=true"], 0)
+    job = report.JobResult(
+        runs=[report.JobRun("graphs-off", off, _summary(900.0, None)),
+              report.JobRun("graphs-on", on, _summary(1350.0, 280))],
+        outputs=report.OutputComparison(requests=48, identical=47, tokens=6632, matching_tokens=6600,
+                                        first_difference="request 7, token 12"),
+    )
+    text = report.render_report(env, tests, bench, job, budget_min=20)
+
+    lines = text.splitlines()
+    assert lines[0] == "# GPU report: NVIDIA H100 80GB HBM3"
+    assert "2026-11-24, commit 8be5c32 (dirty)" in lines[2]
+    assert "| 1. CUDA tests | 1 failed, 60 passed, 2 skipped | 10 s |" in lines
+    assert "| 2. Kernel benchmark | ok | 10 s |" in lines
+    assert ("| 3. The default job, CUDA graphs off / on | graphs-off 900.0 tok/s / graphs-on 1350.0 tok/s; "
+            "47/48 requests identical | 20 s |") in lines
+    # the environment
+    assert "| driver | 580.159.04 |" in lines
+    assert "| compute capability | 9.0 (sm_90), 132 SMs |" in lines
+    assert "| torch | 2.11.0+cu130 (CUDA 13.0) |" in lines
+    assert "| cuda-core | 1.2.2 |" in lines
+    assert "| commit | 8be5c32 (with uncommitted changes) |" in lines
+    assert "| date | 2026-11-24T13:05+01:00 |" in lines
+    # sections in order, each with its wall time
+    headings = [line for line in lines if line.startswith("## ")]
+    assert headings == ["## Environment", "## 1. CUDA tests (10 s)", "## 2. Kernel benchmark (10 s)",
+                        "## 3. The default job, CUDA graphs off / on (20 s)"]
+    assert "`python -m pytest -q tests/test_kernels_cuda.py`: exit 1, 10.0 s (timeout 300 s)" in lines
+    assert "| failed | passed | skipped |" in lines and "| 1 | 60 | 2 |" in lines
+    assert "SKIPPED [2] tests/test_kernels_cuda.py:31: needs sm_90" in lines
+    assert text.count("FAILED tests/test_kernels_cuda.py::test_b") == 2  # the list, and the output's tail
+    assert "```\n" + BENCH_OUTPUT + "```" in text  # the benchmark's table verbatim
+    # the job: both runs side by side, the ratio, the new counters where present
+    assert "| metric | graphs-off | graphs-on | graphs-on / graphs-off |" in lines
+    assert "| output tokens/s | 900.0 | 1350.0 | 1.50 |" in lines
+    assert "| TPOT mean (ms) | 20.20 | 20.20 | 1.00 |" in lines
+    assert "| CUDA-graph steps | - | 280 | - |" in lines
+    assert "| eager decode steps | - | 20 | - |" in lines
+    assert "| attention | cuda v1/v2 auto | cuda v1/v2 auto |  |" in lines
+    assert ("Outputs: **47 of 48 requests** have identical output token ids (6600 of 6632 tokens agree up to "
+            "each request's first difference); the first difference: request 7, token 12.") in lines
+    assert "stderr's tail" not in text
+
+
+def test_render_report_with_failures_timeouts_and_skips(report) -> None:
+    env = _environment(report)
+    tests = report.TestsResult(_run(report, ["-m", "pytest"], None, stdout="..\n", wall_s=300.0), {}, [], [])
+    failed = report.JobRun("graphs-on", _run(report, ["run.py"], 2, stderr="Traceback\nerror: no cuda_graphs\n"), None)
+    job = report.JobResult(
+        runs=[report.JobRun("graphs-off", _run(report, ["run.py"], 0), _summary(900.0, None)), failed], outputs=None)
+    text = report.render_report(env, tests, report.Skipped("--skip-bench"), job, budget_min=20)
+
+    lines = text.splitlines()
+    assert "| 1. CUDA tests | no pytest summary (timed out) | 300 s |" in lines
+    assert "`python -m pytest`: killed at its timeout, 300 s" in lines
+    assert "```\n..\n```" in text  # what it printed before it was killed
+    assert "| 2. Kernel benchmark | skipped: --skip-bench | - |" in lines
+    assert "## 2. Kernel benchmark" in lines and "Skipped: --skip-bench." in lines
+    assert "| output tokens/s | 900.0 | - | - |" in lines
+    assert "graphs-on, stderr's tail:" in lines and "error: no cuda_graphs" in lines
+    assert "Outputs:" not in text
+
+
+def test_report_name_is_the_date_and_the_gpu(report) -> None:
+    assert report.report_name(_environment(report)) == "2026-11-24-nvidia-h100-80gb-hbm3.md"
+
+
+# -- no GPU ----------------------------------------------------------------------------------------
+
+
+def test_refuses_without_cuda_in_one_line(tmp_path: Path) -> None:
+    # no device visible, so this holds on a GPU machine too instead of starting the whole agenda
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    out = tmp_path / "gpu"
+    done = subprocess.run([sys.executable, str(PATH), "--out", str(out)], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith("gpu_report: no CUDA device: torch ")
+    assert not out.exists()
