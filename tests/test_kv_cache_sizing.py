@@ -141,7 +141,7 @@ def test_the_real_model_resolves_auto_on_its_device():
 
 def test_the_simulator_resolves_auto_for_the_hardware_it_simulates():
     def sim(*overrides: str) -> SimExecutor:
-        cfg = compose_config(["executor=sim", "model=smollm2-135m", *overrides])
+        cfg = compose_config(["executor=sim", "model=tiny-random", "model.dtype=auto", *overrides])
         return SimExecutor(cfg.model, cfg.kernel, hardware=cfg.hardware)
 
     gpu = sim("hardware=a100-40g")
