@@ -11,8 +11,10 @@ Writes `<out>/<date>-<gpu>.md`: the device, its driver and the versions, then on
    skip reasons and, on failure, the failing tests and the output's tail.
 2. Kernel benchmark: `experiments/kernel_bench.py --repeats 5` (the setting of the H100 tables in
    docs/gpu.md, so rows compare), its output verbatim.
-3. The default job on CUDA, `executor.cuda_graphs=false` then `=true`: throughput, TPOT / ITL, times, the
-   CUDA-graph step counters, and how many requests produced the same output token ids in both runs.
+3. The default job: on CUDA in fp32 with `executor.cuda_graphs=false`, on this machine's CPU in fp32 (the
+   outputs' reference), on CUDA as configured by default (bfloat16, graphs on), and on CUDA in fp32 with
+   graphs on: throughput, TPOT / ITL, times, the CUDA-graph step counters, and how many requests produced
+   the same output token ids with graphs off and on, and on CUDA and the CPU.
 
 Each step is a subprocess from the repository root, so a crash or a hang in one is reported and the next
 still runs. The steps share `--budget-min`: each may use what is left less the shares (SHARES) of the
@@ -56,9 +58,17 @@ TAIL_LINES = 40
 # default grid (40 rows) stays within a few minutes.
 BENCH_ARGS = ["--repeats", "5"]
 # model.device=cuda, though `auto` picks CUDA here: a run that fell back to the CPU must fail, not report.
-JOB_OVERRIDES = ["logger=none", "progress=false", "model.device=cuda"]
-# (label, executor.cuda_graphs): the label names the run's folder and its column in the report
-GRAPH_SETTINGS = (("graphs-off", "false"), ("graphs-on", "true"))
+JOB_OVERRIDES = ["logger=none", "progress=false"]
+# (label, overrides): the label names the run's folder and its column in the report; the table's ratio
+# is the last run's over the first's, so fp32 graphs on / off (the earlier H100 runs were fp32, eager)
+JOB_RUNS = (
+    ("cuda-fp32-graphs-off", ["model.device=cuda", "model.dtype=float32", "executor.cuda_graphs=false"]),
+    ("cpu-fp32", ["model.device=cpu", "model.dtype=float32"]),
+    ("cuda-default", ["model.device=cuda"]),
+    ("cuda-fp32-graphs-on", ["model.device=cuda", "model.dtype=float32", "executor.cuda_graphs=true"]),
+)
+# the pairs of runs whose outputs must be token-identical
+COMPARED = (("cuda-fp32-graphs-off", "cuda-fp32-graphs-on"), ("cpu-fp32", "cuda-fp32-graphs-on"))
 # pytest's summary-line words, in its own order
 COUNT_ORDER = ("failed", "passed", "skipped", "deselected", "xfailed", "xpassed", "warning", "error")
 
@@ -148,7 +158,8 @@ class OutputComparison:
 @dataclass(frozen=True)
 class JobResult:
     runs: list[JobRun]
-    outputs: OutputComparison | None  # None unless both runs succeeded
+    # (first label, second label, their outputs compared) for each pair of COMPARED that both succeeded
+    outputs: list[tuple[str, str, OutputComparison]]
 
     @property
     def wall_s(self) -> float:
@@ -261,20 +272,21 @@ def compare_outputs(first: dict[str, list[int]], second: dict[str, list[int]]) -
 
 
 def run_job(timeout_s: float) -> JobResult:
-    """The default job with CUDA graphs off, then on; each run may use half of what is left."""
+    """The default job once per JOB_RUNS entry; each run may use its share of what is left."""
     start = time.monotonic()
     runs = []
     with tempfile.TemporaryDirectory(prefix="gpu-report-") as tmp:
-        for i, (label, graphs) in enumerate(GRAPH_SETTINGS):
+        for i, (label, overrides) in enumerate(JOB_RUNS):
             run_dir = Path(tmp) / label
-            command = [sys.executable, "run.py", *JOB_OVERRIDES, f"executor.cuda_graphs={graphs}",
-                       f"hydra.run.dir={run_dir}"]
+            command = [sys.executable, "run.py", *JOB_OVERRIDES, *overrides, f"hydra.run.dir={run_dir}"]
             left = timeout_s - (time.monotonic() - start)
-            runs.append(JobRun(label, run_command(command, left / (len(GRAPH_SETTINGS) - i)), read_summary(run_dir)))
-        outputs = None
-        off, on = (Path(tmp) / label / "requests.jsonl" for label, _ in GRAPH_SETTINGS)
-        if all(r.run.ok for r in runs) and off.is_file() and on.is_file():
-            outputs = compare_outputs(read_outputs(off), read_outputs(on))
+            runs.append(JobRun(label, run_command(command, left / (len(JOB_RUNS) - i)), read_summary(run_dir)))
+        succeeded = {r.label for r in runs if r.run.ok}
+        outputs = []
+        for first, second in COMPARED:
+            paths = [Path(tmp) / label / "requests.jsonl" for label in (first, second)]
+            if {first, second} <= succeeded and all(p.is_file() for p in paths):
+                outputs.append((first, second, compare_outputs(*map(read_outputs, paths))))
     return JobResult(runs, outputs)
 
 
@@ -394,8 +406,7 @@ def _outcome(section: Section) -> str:
         return "ok" if section.run.ok else _status(section.run)
     ran = [r for r in section.runs if r.summary is not None]
     throughput = " / ".join(f"{r.label} {r.summary['output_tokens_per_s']:.1f} tok/s" for r in ran)
-    agreement = "" if section.outputs is None else (
-        f"; {section.outputs.identical}/{section.outputs.requests} requests identical")
+    agreement = "".join(f"; {a} vs {b}: {o.identical}/{o.requests} requests identical" for a, b, o in section.outputs)
     return (throughput or "no run finished") + agreement
 
 
@@ -479,12 +490,11 @@ def render_job(job: JobResult) -> list[str]:
         rows += [[label, *("-" if s is None else s.get(key, "-") for s in summaries), ""]
                  for label, key in (("attention", "attention_kernel"), ("executor", "executor_description"))]
         lines += [*_table(["metric", *(r.label for r in job.runs), ratio], rows), ""]
-    if job.outputs is not None:
-        o = job.outputs
+    for first, second, o in job.outputs:
         where = "" if o.first_difference is None else f"; the first difference: {o.first_difference}"
-        lines += [f"Outputs: **{o.identical} of {o.requests} requests** have identical output token ids "
-                  f"({o.matching_tokens} of {o.tokens} tokens agree up to each request's first difference){where}.",
-                  ""]
+        lines += [f"Outputs of {first} and {second}: **{o.identical} of {o.requests} requests** have identical "
+                  f"output token ids ({o.matching_tokens} of {o.tokens} tokens agree up to each request's first "
+                  f"difference){where}.", ""]
     for r in job.runs:
         if not r.run.ok:
             lines += [f"{r.label}, stderr's tail:", "", *_fenced(_tail(r.run.stderr)), ""]
@@ -504,7 +514,7 @@ def render_section(title: str, section: Section) -> list[str]:
     return [f"## {title}{wall}", "", *body]
 
 
-TITLES = ("1. CUDA tests", "2. Kernel benchmark", "3. The default job, CUDA graphs off / on")
+TITLES = ("1. CUDA tests", "2. Kernel benchmark", "3. The default job: CUDA graphs off / on, CUDA / CPU")
 
 
 def render_report(env: Environment, tests: Section, bench: Section, job: Section, budget_min: float) -> str:

@@ -171,8 +171,8 @@ def test_render_report_from_fabricated_results(report) -> None:
     job = report.JobResult(
         runs=[report.JobRun("graphs-off", off, _summary(900.0, None)),
               report.JobRun("graphs-on", on, _summary(1350.0, 280))],
-        outputs=report.OutputComparison(requests=48, identical=47, tokens=6632, matching_tokens=6600,
-                                        first_difference="request 7, token 12"),
+        outputs=[("graphs-off", "graphs-on", report.OutputComparison(
+            requests=48, identical=47, tokens=6632, matching_tokens=6600, first_difference="request 7, token 12"))],
     )
     text = report.render_report(env, tests, bench, job, budget_min=20)
 
@@ -181,8 +181,8 @@ def test_render_report_from_fabricated_results(report) -> None:
     assert "2026-11-24, commit 8be5c32 (dirty)" in lines[2]
     assert "| 1. CUDA tests | 1 failed, 60 passed, 2 skipped | 10 s |" in lines
     assert "| 2. Kernel benchmark | ok | 10 s |" in lines
-    assert ("| 3. The default job, CUDA graphs off / on | graphs-off 900.0 tok/s / graphs-on 1350.0 tok/s; "
-            "47/48 requests identical | 20 s |") in lines
+    assert ("| 3. The default job: CUDA graphs off / on, CUDA / CPU | graphs-off 900.0 tok/s / graphs-on 1350.0 "
+            "tok/s; graphs-off vs graphs-on: 47/48 requests identical | 20 s |") in lines
     # the environment
     assert "| driver | 580.159.04 |" in lines
     assert "| compute capability | 9.0 (sm_90), 132 SMs |" in lines
@@ -193,7 +193,7 @@ def test_render_report_from_fabricated_results(report) -> None:
     # sections in order, each with its wall time
     headings = [line for line in lines if line.startswith("## ")]
     assert headings == ["## Environment", "## 1. CUDA tests (10 s)", "## 2. Kernel benchmark (10 s)",
-                        "## 3. The default job, CUDA graphs off / on (20 s)"]
+                        "## 3. The default job: CUDA graphs off / on, CUDA / CPU (20 s)"]
     assert "`python -m pytest -q tests/test_kernels_cuda.py`: exit 1, 10.0 s (timeout 300 s)" in lines
     assert "| failed | passed | skipped |" in lines and "| 1 | 60 | 2 |" in lines
     assert "SKIPPED [2] tests/test_kernels_cuda.py:31: needs sm_90" in lines
@@ -206,8 +206,9 @@ def test_render_report_from_fabricated_results(report) -> None:
     assert "| CUDA-graph steps | - | 280 | - |" in lines
     assert "| eager decode steps | - | 20 | - |" in lines
     assert "| attention | cuda v1/v2 auto | cuda v1/v2 auto |  |" in lines
-    assert ("Outputs: **47 of 48 requests** have identical output token ids (6600 of 6632 tokens agree up to "
-            "each request's first difference); the first difference: request 7, token 12.") in lines
+    assert ("Outputs of graphs-off and graphs-on: **47 of 48 requests** have identical output token ids (6600 of "
+            "6632 tokens agree up to each request's first difference); the first difference: request 7, token 12.") \
+        in lines
     assert "stderr's tail" not in text
 
 
@@ -216,7 +217,7 @@ def test_render_report_with_failures_timeouts_and_skips(report) -> None:
     tests = report.TestsResult(_run(report, ["-m", "pytest"], None, stdout="..\n", wall_s=300.0), {}, [], [])
     failed = report.JobRun("graphs-on", _run(report, ["run.py"], 2, stderr="Traceback\nerror: no cuda_graphs\n"), None)
     job = report.JobResult(
-        runs=[report.JobRun("graphs-off", _run(report, ["run.py"], 0), _summary(900.0, None)), failed], outputs=None)
+        runs=[report.JobRun("graphs-off", _run(report, ["run.py"], 0), _summary(900.0, None)), failed], outputs=[])
     text = report.render_report(env, tests, report.Skipped("--skip-bench"), job, budget_min=20)
 
     lines = text.splitlines()
