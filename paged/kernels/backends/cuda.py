@@ -107,6 +107,7 @@ class CudaRunner:
             )
         self.max_shared_memory = int(self.device.properties.max_shared_memory_per_block_optin)
         self._kernels: dict[str, _Kernel] = {}
+        self._configs: dict[tuple[Any, ...], Any] = {}
         self._streams: dict[int, Any] = {}
         self._context: int | None = None  # this device's primary context, once it was made current
 
@@ -182,18 +183,27 @@ class CudaRunner:
             raise RuntimeError(f"cannot raise a kernel's dynamic shared memory to {needed} bytes: {err!r}")
         kernel.dynamic_smem_limit = needed
 
+    def _config(self, kernel: _Kernel, item: launch.Launch) -> Any:
+        """The checked `LaunchConfig` of a launch shape: a decode step launches the same shapes in
+        every layer, so each is checked and built once, not once per launch."""
+        key = (item.kernel, item.grid, item.block, item.shared_memory, tuple(map(type, item.args)))
+        config = self._configs.get(key)
+        if config is None:
+            from cuda.core import LaunchConfig
+
+            self._check(kernel, item)
+            self._allow_shared_memory(kernel, item.shared_memory)
+            config = self._configs[key] = LaunchConfig(grid=item.grid, block=item.block, shmem_size=item.shared_memory)
+        return config
+
     def run(self, unit: Unit, launches: Sequence[launch.Launch]) -> None:
-        from cuda.core import LaunchConfig
         from cuda.core import launch as cuda_launch
 
         kernels = [self._kernel(unit, item.kernel) for item in launches]
-        for kernel, item in zip(kernels, launches):
-            self._check(kernel, item)
         with self._current():
+            configs = [self._config(kernel, item) for kernel, item in zip(kernels, launches)]
             stream = self._stream()
-            for kernel, item in zip(kernels, launches):
-                self._allow_shared_memory(kernel, item.shared_memory)
-                config = LaunchConfig(grid=item.grid, block=item.block, shmem_size=item.shared_memory)
+            for kernel, item, config in zip(kernels, launches, configs):
                 args = [int(a) if isinstance(a, launch.Ptr) else a for a in item.args]
                 cuda_launch(stream, config, kernel.handle, *args)
 
