@@ -57,6 +57,12 @@ def uniforms(row: SampleRow) -> np.ndarray:
     )
 
 
+def _on(values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values as a `dtype` tensor on `device`, through pinned memory: `torch.tensor(values,
+    device=cuda)` copies from pageable memory, which makes the host wait for the device."""
+    return to_device(np.asarray(values, dtype=np.float64 if dtype.is_floating_point else np.int64), device).to(dtype)
+
+
 def _has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
@@ -75,10 +81,10 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: 
             out = logits.clone()
         row = out[i]
         tokens = r.token_ids or []
-        output = torch.tensor(tokens[r.num_prompt_tokens :], dtype=torch.long, device=row.device)
+        output = _on(tokens[r.num_prompt_tokens :], torch.long, row.device)
         if p.repetition_penalty != 1.0:
             # deduplicated on the host: a device `unique` reads its result size back (a sync)
-            seen = torch.tensor(sorted(set(tokens)), dtype=torch.long, device=row.device)
+            seen = _on(sorted(set(tokens)), torch.long, row.device)
             values = row[seen]
             row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
         if output.numel() and (p.frequency_penalty or p.presence_penalty):
@@ -89,7 +95,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: 
         if min_tokens:
             banned = [*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)]
             if banned:
-                row[torch.tensor(banned, dtype=torch.long, device=row.device)] = float("-inf")
+                row[_on(banned, torch.long, row.device)] = float("-inf")
     return out
 
 
@@ -97,17 +103,17 @@ def sample_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     """Softmax after temperature with top-k, top-p then min-p applied as zeroed columns, in
     vocabulary order and not renormalised: a row's probabilities, and so its draw, never depend on
     whether its batch neighbours filter."""
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    temps = _on([p.temperature for p in params], logits.dtype, logits.device)
     probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
     if any(p.min_p for p in params):
-        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=probs.device)
+        min_p = _on([p.min_p for p in params], probs.dtype, probs.device)
         probs = probs.masked_fill(probs < min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True), 0.0)
     if all(p.top_k == 0 and p.top_p >= 1.0 for p in params):
         return probs
     vocab = probs.shape[1]
     ranked, order = probs.sort(dim=-1, descending=True, stable=True)
-    top_k = torch.tensor([p.top_k or vocab for p in params], device=probs.device)
-    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=probs.device)
+    top_k = _on([p.top_k or vocab for p in params], torch.long, probs.device)
+    top_p = _on([p.top_p for p in params], probs.dtype, probs.device)
     in_top_k = torch.arange(vocab, device=probs.device) < top_k.unsqueeze(1)
     ranked = ranked.masked_fill(~in_top_k, 0.0)
     ranked = ranked / ranked.sum(dim=-1, keepdim=True)
@@ -124,23 +130,25 @@ def _choose(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     beams = [i for i, r in enumerate(rows) if r.params.use_beam_search]
     if beams:
         width = max(rows[i].num_samples for i in beams)
-        out[beams, :width] = torch.log_softmax(logits[beams], dim=-1).topk(width, dim=-1).indices
+        picked = _on(beams, torch.long, logits.device)
+        out[picked, :width] = torch.log_softmax(logits[picked], dim=-1).topk(width, dim=-1).indices
     greedy = [i for i, r in enumerate(rows) if r.params.greedy and not r.params.use_beam_search]
     if len(greedy) == len(rows):  # the usual batch: no row index to copy to the device
         out[:] = logits.argmax(dim=-1, keepdim=True)
     elif greedy:
-        picked = to_device(np.array(greedy, dtype=np.int64), logits.device)
+        picked = _on(greedy, torch.long, logits.device)
         out[picked] = logits[picked].argmax(dim=-1, keepdim=True)  # every sample of a greedy row alike
     rand = [i for i, r in enumerate(rows) if not r.params.greedy]
     if rand:
-        cdf = sample_probs(logits[rand], [rows[i].params for i in rand]).double().cumsum(dim=-1)
+        picked = _on(rand, torch.long, logits.device)
+        cdf = sample_probs(logits[picked], [rows[i].params for i in rand]).double().cumsum(dim=-1)
         width = max(rows[i].num_samples for i in rand)
         u = np.zeros((len(rand), width))
         for j, i in enumerate(rand):
             u[j, : rows[i].num_samples] = uniforms(rows[i])
-        targets = torch.from_numpy(u).to(cdf.device) * cdf[:, -1:]
+        targets = to_device(u, cdf.device) * cdf[:, -1:]
         # First column whose cumulative mass exceeds the target: zero-probability columns never win.
-        out[rand, :width] = torch.searchsorted(cdf, targets, right=True).clamp_(max=cdf.shape[1] - 1)
+        out[picked, :width] = torch.searchsorted(cdf, targets, right=True).clamp_(max=cdf.shape[1] - 1)
     return out
 
 
