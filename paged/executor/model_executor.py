@@ -200,6 +200,8 @@ class ModelExecutor(Executor):
         ):
             self._resolve_backend()
         self.graphs = self._decode_graphs()
+        # a new cache is a new engine's: its summary counts its own steps
+        self.cuda_graph_steps = self.eager_decode_steps = 0
 
     def set_batch_limits(self, max_num_seqs: int, max_model_len: int) -> None:
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
