@@ -117,11 +117,10 @@ class Environment:
 
 
 @dataclass(frozen=True)
-class TestsResult:
+class BenchResult:
+    """A step that is one command."""
+
     run: CommandRun
-    counts: dict[str, int]  # pytest's summary line, e.g. {"passed": 61, "skipped": 2}
-    problems: list[str]  # the FAILED / ERROR lines of pytest's short summary
-    skips: list[str]  # its SKIPPED lines, one per reason
 
     @property
     def wall_s(self) -> float:
@@ -129,12 +128,10 @@ class TestsResult:
 
 
 @dataclass(frozen=True)
-class BenchResult:
-    run: CommandRun
-
-    @property
-    def wall_s(self) -> float:
-        return self.run.wall_s
+class TestsResult(BenchResult):
+    counts: dict[str, int]  # pytest's summary line, e.g. {"passed": 61, "skipped": 2}
+    problems: list[str]  # the FAILED / ERROR lines of pytest's short summary
+    skips: list[str]  # its SKIPPED lines, one per reason
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from paged.config.kernel_options import check_scale
+from paged.kernels import step_checks
 from paged.kernels.backends.interface import CACHE_DTYPES, DTYPES, CacheView, listing
 from paged.kernels.features import FP8_DTYPES, AttentionFeatures, BlockSparse
 from paged.kernels.limits import VERSIONS
@@ -132,15 +133,7 @@ def check_query_offsets(query: torch.Tensor, cache: CacheView, query_start_loc: 
     """The values of `query_start_loc` against the query and the lengths, where reading them
     costs no device synchronisation (a planned op checks them on their host copies instead)."""
     if query_start_loc.device.type == "cpu":
-        q_lens = query_start_loc.diff()
-        num_tokens = query.shape[0]
-        if int(query_start_loc[0]) != 0 or int(query_start_loc[-1]) != num_tokens or bool((q_lens < 0).any()):
-            raise ValueError(
-                f"query_start_loc must rise from 0 to num_tokens={num_tokens}, got {query_start_loc.tolist()}"
-            )
-        if bool((q_lens > cache.seq_lens).any()):
-            raise ValueError(f"a sequence has more queries than context: query lengths {q_lens.tolist()}, "
-                             f"seq_lens {cache.seq_lens.tolist()}")
+        step_checks.check_offsets(query_start_loc.numpy(), cache.seq_lens.numpy(), query.shape[0])
 
 
 def check_sliding_window(sliding_window: int | None) -> int | None:
@@ -193,12 +186,7 @@ def check_max_len(name: str, lengths: torch.Tensor, given: int | None, *, sizes_
 
 
 def check_table_covers(cache: CacheView, max_seq_len: int) -> None:
-    columns = cache.block_tables.shape[1]
-    if columns * cache.block_size < max_seq_len:
-        raise ValueError(
-            f"block_tables has {columns} columns of {cache.block_size} tokens, "
-            f"fewer than max_seq_len={max_seq_len} needs"
-        )
+    step_checks.check_covers(cache.block_tables.shape[1], cache.block_size, max_seq_len)
 
 
 def check_reshape_and_cache(

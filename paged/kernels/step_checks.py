@@ -18,23 +18,33 @@ def check_rows(
     if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs or query_start_loc.shape != (num_seqs + 1,):
         raise ValueError(f"rows disagree: block_tables {block_tables.shape}, seq_lens {seq_lens.shape}, "
                          f"query_start_loc {query_start_loc.shape}")
+    check_offsets(query_start_loc, seq_lens, num_tokens)
+    longest = int(seq_lens.max()) if num_seqs else 0
+    if longest > max_seq_len:
+        raise ValueError(f"max_seq_len={max_seq_len} is below the longest sequence ({longest})")
+    check_covers(block_tables.shape[1], block_size, max_seq_len)
+    read = np.arange(block_tables.shape[1]) < -(-seq_lens[:, None] // block_size)
+    bad = read & ((block_tables < 0) | (block_tables >= num_blocks))
+    if bad.any():
+        raise ValueError(f"block_tables name block(s) {sorted(set(block_tables[bad].tolist()))} outside the "
+                         f"cache's {num_blocks} blocks")
+
+
+def check_offsets(query_start_loc: np.ndarray, seq_lens: np.ndarray, num_tokens: int) -> None:
+    """Query offsets that rise from 0 to `num_tokens`, no sequence with more queries than context."""
     q_lens = np.diff(query_start_loc)
     if query_start_loc[0] != 0 or query_start_loc[-1] != num_tokens or (q_lens < 0).any():
         raise ValueError(f"query_start_loc must rise from 0 to num_tokens={num_tokens}, got {query_start_loc.tolist()}")
     if (q_lens > seq_lens).any():
         raise ValueError(f"a sequence has more queries than context: query lengths {q_lens.tolist()}, "
                          f"seq_lens {seq_lens.tolist()}")
-    longest = int(seq_lens.max()) if num_seqs else 0
-    if longest > max_seq_len:
-        raise ValueError(f"max_seq_len={max_seq_len} is below the longest sequence ({longest})")
-    if block_tables.shape[1] * block_size < max_seq_len:
-        raise ValueError(f"block_tables has {block_tables.shape[1]} columns of {block_size} tokens, "
+
+
+def check_covers(columns: int, block_size: int, max_seq_len: int) -> None:
+    """Block tables of `columns` blocks reach `max_seq_len`, the length the kernels read up to."""
+    if columns * block_size < max_seq_len:
+        raise ValueError(f"block_tables has {columns} columns of {block_size} tokens, "
                          f"fewer than max_seq_len={max_seq_len} needs")
-    read = np.arange(block_tables.shape[1]) < -(-seq_lens[:, None] // block_size)
-    bad = read & ((block_tables < 0) | (block_tables >= num_blocks))
-    if bad.any():
-        raise ValueError(f"block_tables name block(s) {sorted(set(block_tables[bad].tolist()))} outside the "
-                         f"cache's {num_blocks} blocks")
 
 
 def check_slots(slot_mapping: np.ndarray, num_slots: int) -> None:
