@@ -4,3 +4,5 @@
 
 #include "attention.cuh"
 #include "cache.cuh"
+#include "layer_ops.cuh"
+#include "prefill.cuh"

@@ -204,6 +204,9 @@ int cache_ops(std::mt19937& rng) {
 
 }  // namespace
 
+#include "sanitizer_layer_ops.h"
+#include "sanitizer_prefill.h"
+
 int main() {
   std::mt19937 rng(0);
   int status = attention<__half, 64, 16, 32>(rng);
@@ -234,6 +237,8 @@ int main() {
   status |= attention<__nv_bfloat16, 64, 16, 32, __nv_bfloat16, true>(rng);
   status |= cache_ops<float, __nv_fp8_e5m2>(rng);
 #endif
+  status |= layer_ops_scenarios(rng);
+  status |= prefill_scenarios(rng);
   std::puts(status == 0 ? "sanitizer driver: all launches ran" : "sanitizer driver: a launch failed");
   return status;
 }

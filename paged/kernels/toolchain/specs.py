@@ -16,7 +16,7 @@ from paged.kernels.limits import BLOCK_SIZES, DEFAULT_PARTITION_SIZE, NATIVE_HEA
 NUM_THREADS = 128
 CXX_TYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
 CXX_CACHE_TYPES = {torch.float8_e4m3fn: "__nv_fp8_e4m3", torch.float8_e5m2: "__nv_fp8_e5m2"}
-OPS = ("attention_v1", "attention_v2", "cache")
+OPS = ("attention_v1", "attention_v2", "cache", "prefill", "layer")
 
 
 @dataclass(frozen=True, order=True)
@@ -34,7 +34,7 @@ class Unit:
         assert self.dtype in CXX_TYPES.values(), self.dtype
         assert self.cache in ("", *CXX_CACHE_TYPES.values()), self.cache
         assert (self.op == "attention_v2") == (self.partition_size > 0), self
-        assert not (self.features and self.op == "cache"), self
+        assert not (self.features and self.op in ("cache", "layer")), self
 
     @property
     def kernels(self) -> tuple[str, ...]:
@@ -48,15 +48,35 @@ class Unit:
                 f"paged::paged_attention_v2_kernel<{t}, {c}, {h}, {b}, {NUM_THREADS}, {p}, {f}>",
                 f"paged::paged_attention_v2_reduce_kernel<{t}, {h}, {NUM_THREADS}, {p}>",
             )
+        if self.op == "prefill":
+            return (f"paged::prefill_attention_kernel<{t}, {c}, {h}, {b}, {f}>",)
+        if self.op == "layer":
+            return layer_kernels(t)
         return (f"paged::reshape_and_cache_kernel<{t}, {c}>", f"paged::copy_blocks_kernel<{c}>")
 
     @property
     def label(self) -> str:
         cache = f"/{self.cache}" if self.cache else ""
-        if self.op == "cache":
-            return f"cache {self.dtype}{cache}"
+        if self.op in ("cache", "layer"):
+            return f"{self.op} {self.dtype}{cache}"
         label = f"{self.op.removeprefix('attention_')} {self.dtype}{cache} h{self.head_size} b{self.block_size}"
         return label + (f" p{self.partition_size}" if self.partition_size else "") + (" +features" * self.features)
+
+
+def layer_kernels(dtype: str) -> tuple[str, ...]:
+    """The fused elementwise kernels of a Llama layer in activations of C++ type `dtype`
+    (kernels_cu/layer_ops.cuh)."""
+    raise NotImplementedError("filled in by the layer-ops work")
+
+
+def prefill_unit(
+    dtype: torch.dtype, head_size: int, block_size: int, cache_dtype: torch.dtype | None = None,
+    features: bool = False,
+) -> Unit:
+    """The paged varlen prefill kernel (kernels_cu/prefill.cuh); `features`: ALiBi and block-sparse
+    compiled in."""
+    return Unit("prefill", CXX_TYPES[dtype], head_size, block_size, cache=_cache_type(dtype, cache_dtype),
+                features=features)
 
 
 def _cache_type(dtype: torch.dtype, cache_dtype: torch.dtype | None) -> str:

@@ -1,0 +1,4 @@
+// Paged varlen prefill attention (in progress).
+#pragma once
+
+#include "attention.cuh"
