@@ -161,6 +161,9 @@ T __shfl_sync(unsigned, T value, int src_lane, int width = 32) {
   return paged_emu::exchange(value, segment | (src_lane & (width - 1)));
 }
 
+#include "math_intrinsics.h"
+#include "warp_mma.h"
+
 // One exported C entry point per kernel instantiation, called from Python through ctypes.
 #define PAGED_EMU_EXPORT(symbol, ...)                                                   \
   extern "C" int symbol(const paged_emu::LaunchDims* dims, void** args) {             \

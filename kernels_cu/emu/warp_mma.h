@@ -1,0 +1,2 @@
+// Warp-level matrix multiply-accumulate on the host (in progress).
+#pragma once
