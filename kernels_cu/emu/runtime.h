@@ -59,6 +59,8 @@ struct Warp {
   // Two slot sets used alternately: a lane can publish shuffle k+1 while a slower lane still
   // reads shuffle k, yet cannot reach shuffle k+2 before every lane passed shuffle k+1's barrier.
   std::uint64_t slots[2][kWarpSize] = {};
+  // Each lane's tensor-core fragments (four A registers, two B) while a warp_mma.h product runs.
+  unsigned mma[kWarpSize][6] = {};
 };
 
 struct Block {

@@ -25,10 +25,13 @@ from paged.kernels.backends.interface import (
 from paged.kernels.backends.torch_ref import TorchBackend
 from paged.kernels.features import NONE, AttentionFeatures
 from paged.kernels.limits import BLOCK_SIZES, NATIVE_HEAD_SIZES, NATIVE_PARTITION_SIZES
-from paged.kernels.toolchain.specs import NUM_THREADS, Unit, attention_unit, cache_unit
+from paged.kernels.toolchain.specs import NUM_THREADS, Unit, attention_unit, cache_unit, prefill_unit
 from paged.kernels.transfer import to_device
 
 WARP_SIZE = 32
+# kernels_cu/prefill.cuh's tiling: PREFILL_ROWS query rows per CTA of PREFILL_WARPS warps, K/V
+# tiles of PREFILL_KEYS keys.
+PREFILL_WARPS, PREFILL_ROWS, PREFILL_KEYS = 4, 64, 32
 MAX_CACHE_THREADS = 512
 MAX_COPY_THREADS = 1024
 
@@ -150,19 +153,25 @@ def _feature_args(cache: CacheView, features: AttentionFeatures) -> tuple[Arg, .
             *map(np.int32, ints))
 
 
-def _check_shared_memory(runner: Runner, unit: Unit, kernel: str, needed: int, what: str) -> None:
+def prefill_shared_memory(dtype: torch.dtype, head_size: int) -> int:
+    """The prefill kernel's dynamic shared memory: Q, K and Vᵀ tiles padded by 16 bytes a row,
+    then the CUDA-core path's probabilities (prefill.cuh)."""
+    element = torch.tensor([], dtype=dtype).element_size()
+    pad = VECTOR_BYTES // element
+    tiles = (PREFILL_ROWS + PREFILL_KEYS) * (head_size + pad) + head_size * (PREFILL_KEYS + pad)
+    return tiles * element + PREFILL_WARPS * 16 * PREFILL_KEYS * 4
+
+
+def _check_shared_memory(runner: Runner, unit: Unit, kernel: str, needed: int, what: str,
+                         remedy: str = "use version='v2' for long contexts") -> None:
     limit = runner.dynamic_shared_memory_limit(unit, kernel)
     if needed > limit:
-        raise ValueError(
-            f"{what} needs {needed} bytes of shared memory but the device allows {limit}; "
-            "use version='v2' for long contexts"
-        )
+        raise ValueError(f"{what} needs {needed} bytes of shared memory but the device allows {limit}; {remedy}")
 
 
 class RunnerBackend(TorchBackend):
-    """Decode attention and the cache ops of kernels_cu/, for backends whose runner executes
-    `Launch`es (cuda, emu); they support only the instantiated shapes. Prefill is inherited from
-    the torch backend (features and fp8 included): kernels_cu/ has no prefill kernel yet."""
+    """Decode and prefill attention and the cache ops of kernels_cu/, for backends whose runner
+    executes `Launch`es (cuda, emu); they support only the instantiated shapes."""
 
     head_sizes = NATIVE_HEAD_SIZES
     block_sizes = BLOCK_SIZES
@@ -238,6 +247,43 @@ class RunnerBackend(TorchBackend):
                        (_ptr(out), *scratch, _ptr(seq_lens), np.int32(num_partitions), window)),
             ]
         runner.run(unit, launches)
+        return out
+
+    def plan_prefill(
+        self, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray, block_size: int,
+        num_kv_heads: int, head_size: int, sliding_window: int | None, device: torch.device,
+    ) -> None:
+        """The kernel reads the rows' offsets and lengths on the device: nothing to plan."""
+        return None
+
+    def prefill_attention(
+        self, query: torch.Tensor, cache: CacheView, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
+        max_seq_len: int, sliding_window: int | None, features: AttentionFeatures = NONE, plan: object = None,
+    ) -> torch.Tensor:
+        """One launch for the batch: a CTA per 64 (query, head) rows of a sequence and KV head, the
+        grid sized by `max_query_len` (tiles past a sequence's rows return at once)."""
+        runner = self.runner(query)
+        num_heads, head_size = query.shape[1], query.shape[2]
+        key_cache, value_cache = cache.key_cache, cache.value_cache
+        _require_in_place_layout(key_cache=key_cache, value_cache=value_cache)
+        query = _rows(query, vectors=True)
+        block_tables, seq_lens = cache.block_tables.contiguous(), cache.seq_lens.contiguous()
+        query_start_loc = query_start_loc.contiguous()
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        unit = prefill_unit(query.dtype, head_size, cache.block_size, key_cache.dtype, not features.plain)
+        smem = prefill_shared_memory(query.dtype, head_size)
+        _check_shared_memory(runner, unit, unit.kernels[0], smem, f"{query.dtype} prefill attention with head size "
+                             f"{head_size}", "use kernel.backend=torch, or a 16-bit model dtype")
+        group = num_heads // cache.num_kv_heads
+        grid = (-(-max_query_len * group // PREFILL_ROWS), cache.num_kv_heads, seq_lens.shape[0])
+        args = (
+            _ptr(out), _ptr(query), _ptr(key_cache), _ptr(value_cache), np.int32(num_heads),
+            np.int32(cache.num_kv_heads), np.float32(scale), _ptr(block_tables), _ptr(seq_lens),
+            _ptr(query_start_loc), np.int32(block_tables.shape[1]), np.int32(query.stride(0)),
+            np.int32(key_cache.stride(0)), np.int32(key_cache.stride(1)), np.int32(sliding_window or 0),
+            *_feature_args(cache, features),
+        )
+        runner.run(unit, [Launch(unit.kernels[0], grid, PREFILL_WARPS * WARP_SIZE, smem, args)])
         return out
 
     def reshape_and_cache(
