@@ -22,6 +22,15 @@
 
 namespace paged {
 
+template <typename A, typename B>
+struct SameType {
+  static constexpr bool value = false;
+};
+template <typename A>
+struct SameType<A, A> {
+  static constexpr bool value = true;
+};
+
 // Two values packed into one 32-bit fragment register, the first in the low half.
 template <typename T>
 PAGED_DEVICE unsigned pack2(float lo, float hi) {
@@ -40,7 +49,7 @@ PAGED_DEVICE void mma_16816(float (&d)[4], const unsigned (&a)[4], const unsigne
   static_assert(sizeof(T) == 2, "tensor-core fragments hold fp16 or bf16 pairs");
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 #if PAGED_HAS_MMA
-  if constexpr (__is_same(T, __half)) {
+  if constexpr (SameType<T, __half>::value) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                  "{%0,%1,%2,%3};\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])

@@ -36,14 +36,13 @@ constexpr int PREFILL_THREADS = PREFILL_WARPS * WARP_SIZE;
 constexpr int PREFILL_ROWS = 16 * PREFILL_WARPS;  // query rows of a CTA: one m16 tile per warp
 constexpr int PREFILL_KEYS = 32;                   // keys per K/V tile
 
-template <typename A, typename B>
-struct SameType {
-  static constexpr bool value = false;
-};
-template <typename A>
-struct SameType<A, A> {
-  static constexpr bool value = true;
-};
+PAGED_DEVICE float negative_infinity() {
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+  return __int_as_float(0xff800000);
+#else
+  return -INFINITY;
+#endif
+}
 
 // A cache element as T; the fp8 formats' values are all exact in fp16, bf16 and fp32.
 template <typename T, typename C>
@@ -103,7 +102,7 @@ __global__ void prefill_attention_kernel(T* __restrict__ out, const T* __restric
   constexpr int DT = HEAD_SIZE / 8;     // 8-dim column tiles of O
   static_assert(HEAD_SIZE % 16 == 0, "tensor-core k-steps of 16 head dims");
   static_assert(BLOCK_SIZE % VV == 0 && PREFILL_KEYS % VV == 0, "a V vector never straddles a cache block");
-  const float neg_inf = -__builtin_huge_valf();
+  const float neg_inf = negative_infinity();
 
   const int group = num_heads / num_kv_heads;
   const int kv_head = blockIdx.y, seq = blockIdx.z;
@@ -228,15 +227,18 @@ __global__ void prefill_attention_kernel(T* __restrict__ out, const T* __restric
         }
       }
     } else {
+      // The same fragments on CUDA cores: each Q and K element read once per lane and tile.
+      const T* q_rows = q_w + g * ROW;
+#pragma unroll 4
+      for (int d = 0; d < HEAD_SIZE; ++d) {
+        const float q0 = to_float(q_rows[d]), q1 = to_float(q_rows[8 * ROW + d]);
 #pragma unroll
-      for (int n = 0; n < NT; ++n) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const T* q_row = q_w + (g + 8 * (c / 2)) * ROW;
-          const T* k_row = k_s + (n * 8 + 2 * t + c % 2) * ROW;
-          float dot = 0.f;
-          for (int d = 0; d < HEAD_SIZE; ++d) dot += to_float(q_row[d]) * to_float(k_row[d]);
-          s[n][c] = dot;
+        for (int n = 0; n < NT; ++n) {
+          const float k0 = to_float(k_s[(n * 8 + 2 * t) * ROW + d]), k1 = to_float(k_s[(n * 8 + 2 * t + 1) * ROW + d]);
+          s[n][0] += q0 * k0;
+          s[n][1] += q0 * k1;
+          s[n][2] += q1 * k0;
+          s[n][3] += q1 * k1;
         }
       }
     }
@@ -303,15 +305,17 @@ __global__ void prefill_attention_kernel(T* __restrict__ out, const T* __restric
         for (int c = 0; c < 4; ++c) p_w[(g + 8 * (c / 2)) * PREFILL_KEYS + n * 8 + 2 * t + c % 2] = s[n][c];
       }
       __syncwarp();
+      const float* p_rows = p_w + g * PREFILL_KEYS;
+#pragma unroll 2
+      for (int k = 0; k < PREFILL_KEYS; ++k) {
+        const float p0 = p_rows[k], p1 = p_rows[8 * PREFILL_KEYS + k];
 #pragma unroll
-      for (int d = 0; d < DT; ++d) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const float* p_row = p_w + (g + 8 * (c / 2)) * PREFILL_KEYS;
-          const T* v_row = v_s + (d * 8 + 2 * t + c % 2) * VROW;
-          float acc = 0.f;
-          for (int k = 0; k < PREFILL_KEYS; ++k) acc += p_row[k] * to_float(v_row[k]);
-          o[d][c] += acc;
+        for (int d = 0; d < DT; ++d) {
+          const float v0 = to_float(v_s[(d * 8 + 2 * t) * VROW + k]), v1 = to_float(v_s[(d * 8 + 2 * t + 1) * VROW + k]);
+          o[d][0] += p0 * v0;
+          o[d][1] += p0 * v1;
+          o[d][2] += p1 * v0;
+          o[d][3] += p1 * v1;
         }
       }
       // The next tile's probabilities overwrite these only after every lane has read them.
