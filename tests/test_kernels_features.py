@@ -38,7 +38,7 @@ from paged.kernels.toolchain.source import source_dir
 
 # Backends checked against the torch reference; each runs on its declared device (cuda: skipped
 # without a GPU). emu runs the CUDA sources slowly (one g++ build per instantiation), so it takes one
-# case per feature set (EMU_CASES) and no prefill, which it runs through the torch implementation.
+# case per feature set (EMU_CASES).
 BACKENDS = ["cpu", "emu", "cuda"]
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -227,8 +227,7 @@ def test_decode_matches_torch_reference(
 
 @pytest.mark.parametrize(("features", "case"), GRID)
 def test_prefill_matches_torch_reference(backend: str, features: Features, case: AttentionCase) -> None:
-    if backend == "emu":
-        pytest.skip("emu's prefill is the torch implementation")
+    _skip_unserved(backend, features, case)
     x = prefill_inputs(case, _q_lens(case.block_size), seed=_seed(case))
     c = make_case(features, case, x.paged)
     out = _prefill(c, x.query, x.query_start_loc, backend, clean=False)

@@ -1,4 +1,81 @@
-// Sanitizer scenarios of kernels_cu/prefill.cuh, included by sanitizer_driver.cpp (in progress).
+// Sanitizer scenarios of kernels_cu/prefill.cuh, included by sanitizer_driver.cpp: varlen batches
+// of whole prompts, prefix hits and chunks (several row tiles and K/V tiles), GQA, and with a
+// sliding window the table entries of blocks wholly before each sequence's first query's window
+// stale (far outside the caches), so a kernel that reads one faults. Buffers are exactly sized and
+// shared memory follows backends/launch.py's `prefill_shared_memory`.
 #pragma once
 
-inline int prefill_scenarios(std::mt19937&) { return 0; }
+namespace {
+
+template <typename T>
+unsigned long long prefill_smem(int head) {
+  const int pad = 16 / sizeof(T);
+  const int tiles = (paged::PREFILL_ROWS + paged::PREFILL_KEYS) * (head + pad) + head * (paged::PREFILL_KEYS + pad);
+  return static_cast<unsigned long long>(tiles) * sizeof(T) + paged::PREFILL_WARPS * 16 * paged::PREFILL_KEYS * 4;
+}
+
+template <typename T, int HEAD, int BLOCK, typename CACHE_T = T, bool FEATURES = false>
+int prefill(std::mt19937& rng, int sliding_window = 0) {
+  // (queries, context) per sequence: a whole prompt over two row tiles, a prefix hit, a decode row,
+  // and the longest last, so its table row is the buffer's last.
+  const std::vector<int> q_lens = {70, 5, 1, 40};
+  const std::vector<int> seq_lens = {70, 3 * BLOCK + 7, 2 * BLOCK, 100};
+  const int num_seqs = int(seq_lens.size()), num_heads = 4, num_kv_heads = 2, group = num_heads / num_kv_heads;
+  const int max_blocks = paged::div_up(seq_lens.back(), BLOCK);
+  const int num_blocks = max_blocks + 2;
+  std::vector<CACHE_T> k = random_values<CACHE_T>(std::size_t(num_blocks) * num_kv_heads * HEAD * BLOCK, rng);
+  std::vector<CACHE_T> v = random_values<CACHE_T>(k.size(), rng);
+  std::vector<int> starts = {0};
+  for (int q : q_lens) starts.push_back(starts.back() + q);
+  const std::size_t q_size = std::size_t(starts.back()) * num_heads * HEAD;
+  std::vector<T> q = random_values<T>(q_size, rng), out(q_size);
+  std::vector<int> tables(std::size_t(num_seqs) * max_blocks);
+  for (std::size_t i = 0; i < tables.size(); ++i) tables[i] = int(rng() % num_blocks);
+  tables.back() = num_blocks - 1;
+  for (int seq = 0; seq < num_seqs; ++seq) {
+    const int first_query = seq_lens[seq] - q_lens[seq];
+    const int first_block = paged::window_start(first_query + 1, sliding_window) / BLOCK;
+    for (int b = 0; b < first_block; ++b) tables[std::size_t(seq) * max_blocks + b] = kStaleBlock;
+  }
+  std::vector<float> k_scales(num_kv_heads, 0.5f), v_scales(num_kv_heads, 0.25f), slopes(num_heads, -0.125f);
+  const bool fp8 = sizeof(CACHE_T) == 1;
+  const float* k_scales_p = fp8 ? k_scales.data() : nullptr;
+  const float* v_scales_p = fp8 ? v_scales.data() : nullptr;
+  const float* slopes_p = FEATURES ? slopes.data() : nullptr;
+  int bs_block = 2 * BLOCK, bs_local = FEATURES ? 1 : 0, bs_stride = FEATURES ? 3 : 0, bs_step = 1;
+
+  T* out_p = out.data();
+  const T* q_p = q.data();
+  const CACHE_T *k_p = k.data(), *v_p = v.data();
+  const int *tables_p = tables.data(), *lens_p = seq_lens.data(), *starts_p = starts.data();
+  int heads = num_heads, kv_heads = num_kv_heads, blocks_per_seq = max_blocks, q_stride = num_heads * HEAD;
+  int block_stride = num_kv_heads * HEAD * BLOCK, head_stride = HEAD * BLOCK, window = sliding_window;
+  float scale = 1.0f / std::sqrt(float(HEAD));
+  void* args[] = {&out_p,  &q_p,      &k_p,          &v_p,        &heads,       &kv_heads,  &scale,
+                  &tables_p, &lens_p, &starts_p,     &blocks_per_seq, &q_stride, &block_stride, &head_stride,
+                  &window, &k_scales_p, &v_scales_p, &slopes_p,   &bs_block,    &bs_local,  &bs_stride,
+                  &bs_step};
+  const int max_q = *std::max_element(q_lens.begin(), q_lens.end());
+  LaunchDims dims{{unsigned(paged::div_up(max_q * group, paged::PREFILL_ROWS)), unsigned(num_kv_heads),
+                   unsigned(num_seqs)},
+                  {paged::PREFILL_THREADS, 1, 1},
+                  prefill_smem<T>(HEAD)};
+  return run(paged_emu::launch(&paged::prefill_attention_kernel<T, CACHE_T, HEAD, BLOCK, FEATURES>, dims, args),
+             "prefill");
+}
+
+inline int prefill_scenarios(std::mt19937& rng) {
+  // Tensor cores (fp16 with a window shorter than a tile, bf16 with an fp8 cache and the features)
+  // and the CUDA-core path (fp32, a window over several blocks).
+  int status = prefill<__half, 64, 16>(rng, 20);
+  status |= prefill<__nv_bfloat16, 80, 8, __nv_fp8_e4m3, true>(rng);
+  status |= prefill<float, 64, 32>(rng, 45);
+#ifdef PAGED_DRIVER_WIDE_GRID
+  status |= prefill<__half, 128, 32, __nv_fp8_e5m2, true>(rng, 33);
+  status |= prefill<float, 96, 16, float, true>(rng);
+  status |= prefill<__nv_bfloat16, 112, 16>(rng);
+#endif
+  return status;
+}
+
+}  // namespace
