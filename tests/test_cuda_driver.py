@@ -17,7 +17,7 @@ import pytest
 
 from paged.kernels.testing import attention_grid, default_partition_grid
 from tests import fake_driver
-from tests.fake_driver.scenario import SMEM_CASE
+from tests.fake_driver.scenario import PREFILL_CASES, SMEM_CASE
 
 NUM_THREADS = 128
 DEFAULT_SMEM = 48 * 1024
@@ -209,6 +209,39 @@ def test_driver_sees_shared_memory_opted_in_exactly_when_needed(launches: fake_d
     needs_opt_in = dynamic + r["static_smem"] > DEFAULT_SMEM
     assert needs_opt_in == (regime != "default-below")
     assert opt_ins == ([(8, dynamic, 0)] if needs_opt_in else [])
+
+
+def _prefill_smem(dtype: str, head: int) -> int:
+    """Q (64 rows), K (32 keys) and Vᵀ tiles padded by 16 bytes a row, then 4 warps' 16 x 32 fp32
+    probabilities: prefill.cuh's layout, written out independently of the launch plan."""
+    element = ELEMENT_SIZE[dtype]
+    pad = 16 // element
+    return ((64 + 32) * (head + pad) + head * (32 + pad)) * element + 4 * 16 * 32 * 4
+
+
+@pytest.mark.parametrize("features", [False, True], ids=["plain", "features"])
+@pytest.mark.parametrize(("case", "q_lens"), PREFILL_CASES, ids=[c.id for c, _ in PREFILL_CASES])
+def test_driver_receives_the_prefill_launch_plan(launches: fake_driver.Run, case: Any, q_lens: tuple[int, ...],
+                                                 features: bool) -> None:
+    """One launch for the batch: a CTA per 64 (query, head) rows of a sequence and KV head."""
+    if features and case is not PREFILL_CASES[0][0]:
+        pytest.skip("the features run on the first case")
+    r, calls = _case(launches, f"prefill-{'features-' * features}{case.id}")
+    (launch,) = _launched(calls)
+    dtype = str(case.dtype).removeprefix("torch.")
+    head, block, group = case.head_size, case.block_size, case.num_heads // case.num_kv_heads
+    smem = _prefill_smem(dtype, head)
+    grid = (math.ceil(max(q_lens) * group / 64), case.num_kv_heads, len(q_lens))
+    _check_common_launch(launch, r["names"][0], grid, NUM_THREADS, smem, r["stream"])
+    assert _decode(launch) == [
+        _ptr(r["out"]), _ptr(r["query"]), _ptr(r["key_cache"]), _ptr(r["value_cache"]), _i32(case.num_heads),
+        _i32(case.num_kv_heads), _i32(_f32(r["scale"])), _ptr(r["block_tables"]), _ptr(r["seq_lens"]),
+        _ptr(r["query_start_loc"]), _i32(r["max_blocks"]), _i32(case.num_heads * head),
+        _i32(case.num_kv_heads * head * block), _i32(head * block), _i32(r["sliding_window"]),
+        *map(_ptr, r["features"]), *map(_i32, r["sparse"]),
+    ]
+    opt_ins = [(c["attr"], c["value"]) for c in calls if c["call"] == "cuKernelSetAttribute"]
+    assert opt_ins == ([(8, smem)] if smem > DEFAULT_SMEM else [])
 
 
 def test_driver_rejects_bad_caches_before_any_launch(launches: fake_driver.Run) -> None:

@@ -1,7 +1,7 @@
 """What runs in the subprocess whose libcuda.so.1 is the recording fake: every launch plan and the
 swap copies of the cuda backend, through `paged.kernels` ops, the real `CudaRunner` and cuda.core.
 
-    python -m tests.fake_driver.scenario {launches|swaps|init} OUT.json
+    python -m tests.fake_driver.scenario {launches|swaps|layer|init} OUT.json
 
 Device memory is host memory under the fake driver, so the tensors are CPU tensors and the backend
 is `RunnerBackend` with the real runner; only the tensor -> runner choice (`CudaBackend.runner`
@@ -25,9 +25,16 @@ import torch
 from paged import kernels
 from paged.kernels.backends.launch import RunnerBackend
 from paged.kernels.features import BlockSparse, alibi_slopes
-from paged.kernels.testing import AttentionCase, attention_grid, attention_inputs, default_partition_grid, random_cache
+from paged.kernels.testing import (
+    AttentionCase,
+    attention_grid,
+    attention_inputs,
+    default_partition_grid,
+    prefill_inputs,
+    random_cache,
+)
 from paged.kernels.toolchain import nvrtc
-from paged.kernels.toolchain.specs import Unit, attention_unit, cache_unit
+from paged.kernels.toolchain.specs import Unit, attention_unit, cache_unit, prefill_unit
 
 # Shorter than the longest sequence of `attention_grid()[0]`, not a multiple of its block or partition.
 WINDOW = 20
@@ -138,6 +145,33 @@ def attention_case(case: AttentionCase, version: str, backend: HostMemoryCuda, s
     out = kernels.paged_attention(query, key_cache, value_cache, tables, x.seq_lens, x.scale, version=version,
                                   backend=backend, partition_size=case.partition_size, max_seq_len=max_seq_len,
                                   sliding_window=sliding_window, **extra)
+    return {**result, "out": out.data_ptr()}
+
+
+# (case, queries per sequence): fp16 GQA over two row tiles with a prefix hit and a decode row; fp32
+# head 256, whose tiles need more than the 48 KB default of shared memory.
+PREFILL_CASES = (
+    (AttentionCase(torch.float16, 64, 16, 4, 2, 512, (40, 70, 9)), (20, 70, 1)),
+    (AttentionCase(torch.float32, 256, 8, 1, 2, 512, (33, 5)), (33, 2)),
+)
+
+
+def prefill_case(case: AttentionCase, q_lens: tuple[int, ...], backend: HostMemoryCuda, stream: Any, arch: str,
+                 features: bool = False) -> dict[str, Any]:
+    x = prefill_inputs(case, q_lens)
+    extra = _fp8_features(case, x.paged) if features else {}
+    key_cache, value_cache = extra.pop("key_cache", x.paged.key_cache), extra.pop("value_cache", x.paged.value_cache)
+    p, sparse = x.paged, extra.get("blocksparse")
+    result = {"query": x.query.data_ptr(), "key_cache": key_cache.data_ptr(), "value_cache": value_cache.data_ptr(),
+              "block_tables": p.block_tables.data_ptr(), "max_blocks": p.block_tables.shape[1],
+              "seq_lens": p.seq_lens.data_ptr(), "query_start_loc": x.query_start_loc.data_ptr(), "scale": p.scale,
+              "stream": _stream_id(stream), "sliding_window": WINDOW if features else 0,
+              "features": [extra[k].data_ptr() if k in extra else 0 for k in ("k_scale", "v_scale", "alibi_slopes")],
+              "sparse": [sparse.block_size, sparse.local_blocks, sparse.vert_stride, sparse.head_sliding_step]
+              if sparse else [0, 0, 0, 0],
+              **_lowered(prefill_unit(case.dtype, case.head_size, case.block_size, key_cache.dtype, features), arch)}
+    out = kernels.prefill_attention(x.query, key_cache, value_cache, p.block_tables, x.query_start_loc, p.seq_lens,
+                                    p.scale, backend=backend, sliding_window=WINDOW if features else None, **extra)
     return {**result, "out": out.data_ptr()}
 
 
@@ -269,6 +303,12 @@ def launch_cases(arch: str) -> list[Case]:
     cases.append(Case("cache-fp8", lambda: cache_case(torch.float16, backend, active["stream"], arch,
                                                       torch.float8_e5m2)))
     cases += smem_cases(active["stream"], backend, arch)
+    for case, q_lens in PREFILL_CASES:
+        cases.append(Case(f"prefill-{case.id}", lambda c=case, q=q_lens: prefill_case(
+            c, q, backend, active["stream"], arch)))
+    case, q_lens = PREFILL_CASES[0]
+    cases.append(Case(f"prefill-features-{case.id}", lambda: prefill_case(
+        case, q_lens, backend, active["stream"], arch, features=True)))
     for kind in ("strided_cache", "misaligned_cache", "overlapping_caches"):
         cases.append(Case(f"bad-{kind}", lambda k=kind: bad_cache_case(k, backend)))
 
@@ -318,12 +358,18 @@ def main() -> None:
     log = os.environ.get("FAKE_CUDA_LOG")
     # cuda.core deprecates launching on a foreign stream object; the runner must wrap it first.
     warnings.simplefilter("error", DeprecationWarning)
-    if scenario in ("launches", "swaps"):
+    if scenario in ("launches", "swaps", "layer"):
         from cuda.core import Device
 
         Device(0).set_current()
         major, minor = Device(0).compute_capability
-        cases = launch_cases(f"sm_{major}{minor}") if scenario == "launches" else swap_cases()
+        arch = f"sm_{major}{minor}"
+        if scenario == "layer":  # one decode step of a model (layer_scenario.py)
+            from tests.fake_driver.layer_scenario import layer_cases
+
+            cases = layer_cases(arch)
+        else:
+            cases = launch_cases(arch) if scenario == "launches" else swap_cases()
     else:
         cases = init_cases()
     results = {}
