@@ -62,8 +62,8 @@ RUNNER = EmuRunner()
 
 
 class EmuBackend(RunnerBackend):
-    """The CUDA kernels on CPU tensors. Prefill is the torch implementation (no CUDA prefill kernel
-    exists yet)."""
+    """The CUDA kernels on CPU tensors: decode, prefill and the cache ops, as the cuda backend
+    launches them."""
 
     name = "emu"
     description = "CUDA kernels emulated on the CPU"
