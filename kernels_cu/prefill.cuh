@@ -54,6 +54,18 @@ PAGED_DEVICE T cache_to(C x) {
   }
 }
 
+// A vector of cache elements into a shared-memory tile of T: one vector store when the cache holds
+// T (the tile rows are 16-byte aligned), else element by element.
+template <typename T, typename C, int N>
+PAGED_DEVICE void store_tile(T* dst, const Vec<C, N>& v) {
+  if constexpr (SameType<T, C>::value) {
+    *reinterpret_cast<Vec<T, N>*>(dst) = v;
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) dst[e] = cache_to<T>(v.val[e]);
+  }
+}
+
 // Which keys a CTA reads: positions [begin, end), and under block-sparse attention those whose
 // sparse block some row of the tile sees (any head of the group, from the earliest query's block:
 // a superset of what each row keeps, which the logits' mask then narrows).
@@ -181,8 +193,7 @@ __global__ void prefill_attention_kernel(T* __restrict__ out, const T* __restric
         const int64 block = block_table[position / BLOCK_SIZE];
         const Vec<CACHE_T, X> v = load_vec<CACHE_T, X>(k_head + block * kv_block_stride +
                                                         (chunk * BLOCK_SIZE + position % BLOCK_SIZE) * X);
-#pragma unroll
-        for (int e = 0; e < X; ++e) dst[e] = cache_to<T>(v.val[e]);
+        store_tile<T>(dst, v);
       } else {
 #pragma unroll
         for (int e = 0; e < X; ++e) dst[e] = from_float<T>(0.f);
@@ -195,10 +206,8 @@ __global__ void prefill_attention_kernel(T* __restrict__ out, const T* __restric
       // A vector lies in one cache block and one sparse block (a multiple of the cache block).
       if (keys.needed(position) && keys.needed(position + VV - 1)) {
         const int64 block = block_table[position / BLOCK_SIZE];
-        const Vec<CACHE_T, VV> v =
-            load_vec<CACHE_T, VV>(v_head + block * kv_block_stride + dim * BLOCK_SIZE + position % BLOCK_SIZE);
-#pragma unroll
-        for (int e = 0; e < VV; ++e) dst[e] = cache_to<T>(v.val[e]);
+        store_tile<T>(dst, load_vec<CACHE_T, VV>(v_head + block * kv_block_stride + dim * BLOCK_SIZE +
+                                                  position % BLOCK_SIZE));
       } else {
         for (int e = 0; e < VV; ++e) {
           const int p = position + e;
