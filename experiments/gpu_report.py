@@ -1,5 +1,5 @@
-"""The GPU agenda as one command: the CUDA tests, the kernel benchmark and the default job with CUDA graphs
-off and on, written to one markdown report.
+"""The GPU agenda as one command: the CUDA tests, the kernel benchmarks and the default job (CUDA graphs
+off and on, CUDA and the CPU, our kernels and torch's), written to one markdown report.
 
     python experiments/gpu_report.py [--out experiments/results/gpu/] [--skip-tests] [--skip-bench]
         [--skip-job] [--budget-min 20]
@@ -9,17 +9,25 @@ Writes `<out>/<date>-<gpu>.md`: the device, its driver and the versions, then on
 
 1. CUDA tests: `pytest -q -rfEs tests/*cuda*.py` (the kernels, the driver, CUDA graphs), with counts,
    skip reasons and, on failure, the failing tests and the output's tail.
-2. Kernel benchmark: `experiments/kernel_bench.py --repeats 5` (the setting of the H100 tables in
-   docs/gpu.md, so rows compare), its output verbatim.
+2. Kernel benchmarks, each output verbatim: decode attention, `experiments/kernel_bench.py --repeats 5`
+   (the setting of the H100 tables in docs/gpu.md, so rows compare); then prefill attention,
+   `experiments/prefill_bench.py --device cuda --repeats 5` (our paged varlen kernel against torch
+   SDPA-flash on contiguous inputs and the torch reference; its lowest cuda / sdpa-flash throughput ratio
+   against the >= 50% target). Each has its share of the step (BENCHES), so a hang in the first leaves
+   the second its time, and a failure of one is reported beside the other's output.
 3. The default job: on CUDA in fp32 with `executor.cuda_graphs=false`, on this machine's CPU in fp32 (the
-   outputs' reference), on CUDA as configured by default (bfloat16, graphs on), and on CUDA in fp32 with
-   graphs on: throughput, TPOT / ITL, times, the CUDA-graph step counters, and how many requests produced
-   the same output token ids with graphs off and on, and on CUDA and the CPU.
+   outputs' reference), on CUDA as configured by default (bfloat16, graphs on), the same with
+   `kernel.backend=torch` (the torch kernels and layer ops; that backend cannot be captured, so its decode
+   steps run eagerly), and on CUDA in fp32 with graphs on: throughput, TPOT / ITL, TTFT, times, the
+   CUDA-graph step counters; the TTFT mean of the torch kernels over ours on the same prompts (the target:
+   >= 3x); and how many requests produced the same output token ids with graphs off and on, on CUDA and
+   the CPU, and with our kernels and torch's.
 
 Each step is a subprocess from the repository root, so a crash or a hang in one is reported and the next
 still runs. The steps share `--budget-min`: each may use what is left less the shares (SHARES) of the
 steps after it, is killed at that timeout, and is skipped with a note when under MIN_STEP_S is left.
-Without a CUDA device it refuses at once (exit 2).
+Without a CUDA device it refuses at once (exit 2). The records and the markdown are in
+gpu_report_render.py.
 """
 
 from __future__ import annotations
@@ -48,15 +56,36 @@ import torch
 from paged.kernels.backends.cuda import driver_version
 from paged.kernels.toolchain import nvrtc
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_report_render import (  # noqa: E402  (sibling script, not a package)
+    COUNT_ORDER,
+    BenchResult,
+    BenchRun,
+    CommandRun,
+    Environment,
+    JobResult,
+    JobRun,
+    OutputComparison,
+    Section,
+    Skipped,
+    TestsResult,
+    TtftRatio,
+    render_report,
+    report_name,
+)
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "experiments" / "results" / "gpu"
 # Shares of the budget each step is guaranteed; one step may also use what an earlier one left unused.
-SHARES = {"tests": 0.35, "bench": 0.35, "job": 0.30}
+SHARES = {"tests": 0.30, "bench": 0.35, "job": 0.35}
 MIN_STEP_S = 30.0  # less than this cannot even load the model, so the step is skipped instead
-TAIL_LINES = 40
-# Repeats as the H100 sessions in docs/gpu.md ran it: their tables compare with this one, and the
-# default grid (40 rows) stays within a few minutes.
-BENCH_ARGS = ["--repeats", "5"]
+# (label, script and arguments, share of the step it is guaranteed). kernel_bench.py at the repeats of the
+# H100 sessions in docs/gpu.md, so their tables compare with this one (its 40 rows take a few minutes);
+# prefill_bench.py's 2 shapes x 5 workloads take well under a minute once NVRTC has compiled.
+BENCHES = (
+    ("decode attention", ["experiments/kernel_bench.py", "--repeats", "5"], 0.7),
+    ("prefill attention", ["experiments/prefill_bench.py", "--device", "cuda", "--repeats", "5"], 0.3),
+)
 # model.device=cuda, though `auto` picks CUDA here: a run that fell back to the CPU must fail, not report.
 JOB_OVERRIDES = ["logger=none", "progress=false"]
 # (label, overrides): the label names the run's folder and its column in the report; the table's ratio
@@ -65,105 +94,15 @@ JOB_RUNS = (
     ("cuda-fp32-graphs-off", ["model.device=cuda", "model.dtype=float32", "executor.cuda_graphs=false"]),
     ("cpu-fp32", ["model.device=cpu", "model.dtype=float32"]),
     ("cuda-default", ["model.device=cuda"]),
+    ("cuda-torch-kernels", ["model.device=cuda", "kernel.backend=torch"]),
     ("cuda-fp32-graphs-on", ["model.device=cuda", "model.dtype=float32", "executor.cuda_graphs=true"]),
 )
-# the pairs of runs whose outputs must be token-identical
-COMPARED = (("cuda-fp32-graphs-off", "cuda-fp32-graphs-on"), ("cpu-fp32", "cuda-fp32-graphs-on"))
-# pytest's summary-line words, in its own order
-COUNT_ORDER = ("failed", "passed", "skipped", "deselected", "xfailed", "xpassed", "warning", "error")
-
-
-# -- results: what each step leaves for the report -------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Skipped:
-    """A step that did not run, and why (a --skip flag, the budget, nothing to run)."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class CommandRun:
-    """One subprocess: `returncode` is None when it was killed at `timeout_s`."""
-
-    command: list[str]
-    returncode: int | None
-    stdout: str
-    stderr: str
-    wall_s: float
-    timeout_s: float
-
-    @property
-    def ok(self) -> bool:
-        return self.returncode == 0
-
-
-@dataclass(frozen=True)
-class Environment:
-    gpu: str
-    memory_gib: float
-    capability: tuple[int, int]
-    multiprocessors: int
-    driver: str
-    torch: str
-    cuda: str
-    nvrtc: str
-    packages: dict[str, str]  # distribution -> version, or "not installed"
-    python: str
-    commit: str
-    dirty: bool
-    date: datetime
-
-
-@dataclass(frozen=True)
-class BenchResult:
-    """A step that is one command."""
-
-    run: CommandRun
-
-    @property
-    def wall_s(self) -> float:
-        return self.run.wall_s
-
-
-@dataclass(frozen=True)
-class TestsResult(BenchResult):
-    counts: dict[str, int]  # pytest's summary line, e.g. {"passed": 61, "skipped": 2}
-    problems: list[str]  # the FAILED / ERROR lines of pytest's short summary
-    skips: list[str]  # its SKIPPED lines, one per reason
-
-
-@dataclass(frozen=True)
-class JobRun:
-    label: str
-    run: CommandRun
-    summary: dict[str, Any] | None  # its summary.json; None when the run wrote none
-
-
-@dataclass(frozen=True)
-class OutputComparison:
-    """Two runs' requests.jsonl, token by token."""
-
-    requests: int  # request ids in either run
-    identical: int  # requests whose output token ids are the same in both
-    tokens: int  # output tokens, the longer of the two outputs per request
-    matching_tokens: int  # tokens before each request's first difference
-    first_difference: str | None  # where the first differing request diverges; None if all identical
-
-
-@dataclass(frozen=True)
-class JobResult:
-    runs: list[JobRun]
-    # (first label, second label, their outputs compared) for each pair of COMPARED that both succeeded
-    outputs: list[tuple[str, str, OutputComparison]]
-
-    @property
-    def wall_s(self) -> float:
-        return sum(r.run.wall_s for r in self.runs)
-
-
-Section = TestsResult | BenchResult | JobResult | Skipped
+# the pairs of runs whose outputs are compared token by token: fp32 ones must be identical; the bf16 pair
+# (our kernels, torch's) shows how far rounding takes them apart
+COMPARED = (("cuda-fp32-graphs-off", "cuda-fp32-graphs-on"), ("cpu-fp32", "cuda-fp32-graphs-on"),
+            ("cuda-default", "cuda-torch-kernels"))
+# the issue's prefill target: TTFT at least 3x lower with our kernels than with torch's, on the same prompts
+TTFT = TtftRatio(slower="cuda-torch-kernels", faster="cuda-default", target=3.0)
 
 
 # -- running the steps -----------------------------------------------------------------------------
@@ -237,7 +176,15 @@ def run_tests(timeout_s: float) -> TestsResult | Skipped:
 
 
 def run_bench(timeout_s: float) -> BenchResult:
-    return BenchResult(run_command([sys.executable, "experiments/kernel_bench.py", *BENCH_ARGS], timeout_s))
+    """Each of BENCHES in turn, whatever became of the one before: each may use what is left of
+    `timeout_s` less the shares of the ones after it."""
+    start = time.monotonic()
+    runs = []
+    for i, (label, script, _) in enumerate(BENCHES):
+        later = sum(share for _, _, share in BENCHES[i + 1:])
+        left = timeout_s - (time.monotonic() - start) - timeout_s * later
+        runs.append(BenchRun(label, run_command([sys.executable, *script], max(left, 1.0))))
+    return BenchResult(runs)
 
 
 def read_summary(run_dir: Path) -> dict[str, Any] | None:
@@ -284,7 +231,7 @@ def run_job(timeout_s: float) -> JobResult:
             paths = [Path(tmp) / label / "requests.jsonl" for label in (first, second)]
             if {first, second} <= succeeded and all(p.is_file() for p in paths):
                 outputs.append((first, second, compare_outputs(*map(read_outputs, paths))))
-    return JobResult(runs, outputs)
+    return JobResult(runs, outputs, TTFT)
 
 
 # -- the environment -------------------------------------------------------------------------------
@@ -356,191 +303,6 @@ def missing_cuda() -> str:
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
 
 
-# -- the report ------------------------------------------------------------------------------------
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:
-    def line(cells: Sequence[object]) -> str:
-        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
-
-    return [line(header), "|" + "---|" * len(header), *(line(r) for r in rows)]
-
-
-def _fenced(text: str) -> list[str]:
-    return ["```", text.rstrip("\n"), "```"]
-
-
-def _tail(text: str) -> str:
-    return "\n".join(text.rstrip("\n").splitlines()[-TAIL_LINES:])
-
-
-def _shown_command(command: Sequence[str]) -> str:
-    # the interpreter's path says nothing about the run; `python` reads as the reader would type it
-    return " ".join(["python", *command[1:]] if command and command[0] == sys.executable else command)
-
-
-def _status(run: CommandRun) -> str:
-    if run.returncode is None:
-        return f"killed at its timeout, {run.timeout_s:.0f} s"
-    return f"exit {run.returncode}, {run.wall_s:.1f} s (timeout {run.timeout_s:.0f} s)"
-
-
-def _command_line(run: CommandRun) -> str:
-    return f"`{_shown_command(run.command)}`: {_status(run)}"
-
-
-def _counts_text(counts: dict[str, int]) -> str:
-    return ", ".join(f"{counts[k]} {k}" for k in COUNT_ORDER if k in counts) or "no pytest summary"
-
-
-def _outcome(section: Section) -> str:
-    """The one cell of the overview table that says how a step went."""
-    if isinstance(section, Skipped):
-        return f"skipped: {section.reason}"
-    if isinstance(section, TestsResult):
-        return _counts_text(section.counts) + ("" if section.run.returncode is not None else " (timed out)")
-    if isinstance(section, BenchResult):
-        return "ok" if section.run.ok else _status(section.run)
-    ran = [r for r in section.runs if r.summary is not None]
-    throughput = " / ".join(f"{r.label} {r.summary['output_tokens_per_s']:.1f} tok/s" for r in ran)
-    agreement = "".join(f"; {a} vs {b}: {o.identical}/{o.requests} requests identical" for a, b, o in section.outputs)
-    return (throughput or "no run finished") + agreement
-
-
-def render_environment(env: Environment) -> list[str]:
-    major, minor = env.capability
-    rows = [
-        ("GPU", env.gpu),
-        ("memory", f"{env.memory_gib:.1f} GiB"),
-        ("compute capability", f"{major}.{minor} (sm_{major}{minor}), {env.multiprocessors} SMs"),
-        ("driver", env.driver),
-        ("torch", f"{env.torch} (CUDA {env.cuda})"),
-        ("NVRTC", env.nvrtc),
-        *env.packages.items(),
-        ("Python", env.python),
-        ("commit", f"{env.commit}{' (with uncommitted changes)' if env.dirty else ''}"),
-        ("date", env.date.isoformat(timespec="minutes")),
-    ]
-    return ["## Environment", "", *_table(("", ""), rows)]
-
-
-def render_tests(tests: TestsResult) -> list[str]:
-    lines = [_command_line(tests.run), ""]
-    if tests.counts:
-        shown = [k for k in COUNT_ORDER if k in tests.counts]
-        lines += [*_table(shown, [[tests.counts[k] for k in shown]]), ""]
-    if tests.skips:
-        lines += ["Skipped:", "", *_fenced("\n".join(tests.skips)), ""]
-    if tests.problems:
-        lines += ["Failed:", "", *_fenced("\n".join(tests.problems)), ""]
-    if not tests.run.ok:
-        lines += ["Output's tail:", "", *_fenced(_tail(tests.run.stdout + tests.run.stderr)), ""]
-    return lines
-
-
-def render_bench(bench: BenchResult) -> list[str]:
-    lines = [_command_line(bench.run), ""]
-    if bench.run.stdout.strip():
-        lines += [*_fenced(bench.run.stdout), ""]
-    if not bench.run.ok:
-        lines += ["stderr's tail:", "", *_fenced(_tail(bench.run.stderr)), ""]
-    return lines
-
-
-# (label, summary.json key, scale, format); paged/metrics.py and paged/summary.py define the keys
-JOB_METRICS = [
-    ("output tokens/s", "output_tokens_per_s", 1, "{:.1f}"),
-    ("TPOT mean (ms)", "tpot_mean_s", 1000, "{:.2f}"),
-    ("TPOT p99 (ms)", "tpot_p99_s", 1000, "{:.2f}"),
-    ("ITL mean (ms)", "itl_mean_s", 1000, "{:.2f}"),
-    ("ITL p99 (ms)", "itl_p99_s", 1000, "{:.2f}"),
-    ("TTFT mean (s)", "ttft_mean_s", 1, "{:.3f}"),
-    ("total time, first arrival to last finish (s)", "wall_time_s", 1, "{:.2f}"),
-    ("host time of the run (s)", "host_time_s", 1, "{:.2f}"),
-    ("load time, engine build (s)", "load_time_s", 1, "{:.2f}"),
-    ("requests finished", "num_finished", 1, "{}"),
-    ("engine steps", "num_engine_steps", 1, "{}"),
-    ("CUDA-graph steps", "cuda_graph_steps", 1, "{}"),
-    ("eager decode steps", "eager_decode_steps", 1, "{}"),
-]
-
-
-def _metric_cells(key: str, scale: float, fmt: str, summaries: Sequence[dict[str, Any] | None]) -> list[str]:
-    """One value per run ("-" where absent: a failed run, or a key older trees do not write), then the
-    ratio of the last to the first."""
-    values = [s.get(key) if s is not None else None for s in summaries]
-    cells = ["-" if v is None else fmt.format(v * scale) for v in values]
-    first, last = values[0], values[-1]
-    numbers = all(isinstance(v, int | float) for v in (first, last))
-    return [*cells, f"{last / first:.2f}" if numbers and first else "-"]
-
-
-def render_job(job: JobResult) -> list[str]:
-    lines = []
-    for r in job.runs:
-        lines += [f"- {r.label}: {_command_line(r.run)}"]
-    lines.append("")
-    summaries = [r.summary for r in job.runs]
-    if any(s is not None for s in summaries):
-        ratio = f"{job.runs[-1].label} / {job.runs[0].label}"
-        rows = [[label, *_metric_cells(key, scale, fmt, summaries)] for label, key, scale, fmt in JOB_METRICS]
-        rows += [[label, *("-" if s is None else s.get(key, "-") for s in summaries), ""]
-                 for label, key in (("attention", "attention_kernel"), ("executor", "executor_description"))]
-        lines += [*_table(["metric", *(r.label for r in job.runs), ratio], rows), ""]
-    for first, second, o in job.outputs:
-        where = "" if o.first_difference is None else f"; the first difference: {o.first_difference}"
-        lines += [f"Outputs of {first} and {second}: **{o.identical} of {o.requests} requests** have identical "
-                  f"output token ids ({o.matching_tokens} of {o.tokens} tokens agree up to each request's first "
-                  f"difference){where}.", ""]
-    for r in job.runs:
-        if not r.run.ok:
-            lines += [f"{r.label}, stderr's tail:", "", *_fenced(_tail(r.run.stderr)), ""]
-    return lines
-
-
-def render_section(title: str, section: Section) -> list[str]:
-    if isinstance(section, Skipped):
-        body = [f"Skipped: {section.reason}.", ""]
-    elif isinstance(section, TestsResult):
-        body = render_tests(section)
-    elif isinstance(section, BenchResult):
-        body = render_bench(section)
-    else:
-        body = render_job(section)
-    wall = "" if isinstance(section, Skipped) else f" ({section.wall_s:.0f} s)"
-    return [f"## {title}{wall}", "", *body]
-
-
-TITLES = ("1. CUDA tests", "2. Kernel benchmark", "3. The default job: CUDA graphs off / on, CUDA / CPU")
-
-
-def render_report(env: Environment, tests: Section, bench: Section, job: Section, budget_min: float) -> str:
-    """The whole report: the device, an overview, the environment, then one section per step."""
-    sections = (tests, bench, job)
-    used = sum(0.0 if isinstance(s, Skipped) else s.wall_s for s in sections)
-    overview = [(title, _outcome(s), "-" if isinstance(s, Skipped) else f"{s.wall_s:.0f} s")
-                for title, s in zip(TITLES, sections)]
-    lines = [
-        f"# GPU report: {env.gpu}",
-        "",
-        f"{env.date:%Y-%m-%d}, commit {env.commit}{' (dirty)' if env.dirty else ''}: "
-        f"`python experiments/gpu_report.py` (`make gpu-report`), {used / 60:.1f} of {budget_min:g} minutes.",
-        "",
-        *_table(("section", "outcome", "wall time"), overview),
-        "",
-        *render_environment(env),
-        "",
-    ]
-    for title, section in zip(TITLES, sections):
-        lines += render_section(title, section)
-    return "\n".join(lines).rstrip("\n") + "\n"
-
-
-def report_name(env: Environment) -> str:
-    slug = re.sub(r"[^a-z0-9]+", "-", env.gpu.lower()).strip("-")
-    return f"{env.date:%Y-%m-%d}-{slug}.md"
-
-
 # -- the command -----------------------------------------------------------------------------------
 
 
@@ -565,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder of the report (default: %(default)s)")
     parser.add_argument("--skip-tests", action="store_true", help="no CUDA tests")
-    parser.add_argument("--skip-bench", action="store_true", help="no kernel benchmark")
+    parser.add_argument("--skip-bench", action="store_true", help="no kernel benchmarks")
     parser.add_argument("--skip-job", action="store_true", help="no default-job runs")
     parser.add_argument("--budget-min", type=float, default=20.0, help="minutes the whole run may take")
     args = parser.parse_args(argv)

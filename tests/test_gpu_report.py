@@ -1,5 +1,6 @@
-"""experiments/gpu_report.py without a GPU: its parsers, the outputs comparison, the budget, the markdown
-it renders from fabricated step results, and its refusal on a machine without CUDA."""
+"""experiments/gpu_report.py without a GPU: its parsers, the outputs comparison, the budget, the benchmark
+and job steps over faked or stand-in subprocesses, the markdown it renders (gpu_report_render.py) from
+fabricated step results, the TTFT ratio, and its refusal on a machine without CUDA."""
 
 from __future__ import annotations
 
@@ -26,6 +27,12 @@ def report():
     spec.loader.exec_module(module)
     yield module
     del sys.modules[spec.name]
+
+
+@pytest.fixture(scope="module")
+def render(report):
+    """experiments/gpu_report_render.py, the records and the markdown, as gpu_report.py imported it."""
+    return sys.modules["gpu_report_render"]
 
 
 # -- pytest's output -------------------------------------------------------------------------------
@@ -122,6 +129,59 @@ def test_run_command_kills_at_the_timeout_and_keeps_the_output(report) -> None:
     assert run.stdout == "started\n" and run.wall_s < 30
 
 
+def test_run_bench_runs_each_benchmark_whatever_became_of_the_one_before(report, monkeypatch) -> None:
+    # the first hangs past its share and is killed; the second still gets the rest and is reported
+    monkeypatch.setattr(report, "BENCHES", (
+        ("decode attention", ["-c", "import time; print('decode', flush=True); time.sleep(60)"], 0.5),
+        ("prefill attention", ["-c", "import sys; print('prefill'); sys.exit(1)"], 0.5),
+    ))
+    bench = report.run_bench(timeout_s=4)
+    assert [r.label for r in bench.runs] == ["decode attention", "prefill attention"]
+    decode, prefill = (r.run for r in bench.runs)
+    assert decode.returncode is None and decode.stdout == "decode\n" and decode.timeout_s == pytest.approx(2, abs=0.5)
+    assert prefill.returncode == 1 and prefill.stdout == "prefill\n" and prefill.timeout_s > 1
+    assert bench.wall_s == pytest.approx(decode.wall_s + prefill.wall_s)
+
+
+def test_the_benchmarks_are_kernel_bench_then_prefill_bench_on_cuda(report) -> None:
+    scripts = [script for _, script, _ in report.BENCHES]
+    assert scripts == [["experiments/kernel_bench.py", "--repeats", "5"],
+                       ["experiments/prefill_bench.py", "--device", "cuda", "--repeats", "5"]]
+    assert sum(share for _, _, share in report.BENCHES) == pytest.approx(1)
+    assert sum(report.SHARES.values()) == pytest.approx(1)
+
+
+def test_run_job_runs_the_torch_kernels_as_the_default_and_compares_them(report, render, monkeypatch) -> None:
+    """Subprocesses faked: each writes the summary and outputs a run of run.py would, into its hydra dir."""
+    commands = []
+
+    def fake_run(command: list[str], timeout_s: float):
+        commands.append(command)
+        run_dir = Path(next(a for a in command if a.startswith("hydra.run.dir=")).split("=", 1)[1])
+        run_dir.mkdir(parents=True)
+        torch_kernels = "kernel.backend=torch" in command
+        (run_dir / "summary.json").write_text(json.dumps(_summary(900.0, None, ttft=1.2 if torch_kernels else 0.3)))
+        _write_requests(run_dir / "requests.jsonl", {"0": [1, 2, 3], "1": [4, 5] if torch_kernels else [4, 6]})
+        return report.CommandRun(command, 0, "", "", 1.0, timeout_s)
+
+    monkeypatch.setattr(report, "run_command", fake_run)
+    job = report.run_job(timeout_s=500)
+    labels = [r.label for r in job.runs]
+    assert labels[0] == "cuda-fp32-graphs-off" and labels[-1] == "cuda-fp32-graphs-on"  # the table's ratio
+    overrides = dict(report.JOB_RUNS)
+    # the CUDA default (its dtype, graphs on) but for the kernels: only the backend differs
+    assert overrides["cuda-torch-kernels"] == [*overrides["cuda-default"], "kernel.backend=torch"]
+    assert not any(a.startswith(("model.dtype", "executor.cuda_graphs")) for a in overrides["cuda-default"])
+    assert len(commands) == len(report.JOB_RUNS)
+    assert all(c[1] == "run.py" and "logger=none" in c for c in commands)
+    compared = {(a, b): o for a, b, o in job.outputs}
+    assert set(compared) == set(report.COMPARED)
+    assert (compared["cuda-default", "cuda-torch-kernels"].identical, compared["cpu-fp32", "cuda-fp32-graphs-on"]
+            .identical) == (1, 2)
+    assert job.ttft == report.TtftRatio("cuda-torch-kernels", "cuda-default", 3.0)
+    assert render.ttft_ratio(job) == pytest.approx((4.0, 1.2, 0.3))
+
+
 # -- the markdown ----------------------------------------------------------------------------------
 
 
@@ -146,14 +206,36 @@ NVIDIA H100 80GB HBM3: L2 50 MiB, device-to-device copy 2427 GB/s (±0%)
 """
 
 
-def _summary(tok_s: float, graph_steps: int | None) -> dict:
+PREFILL_OUTPUT = """\
+NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, bfloat16, block 16; median of 5, ms per layer call
+workload                       sdpa-flash     cuda cuda eager    torch flash TF/s cuda TF/s cuda/flash torch/cuda
+16 seqs x 512                       0.100    0.150      0.250    2.500      100.0      66.7        67%     10.00x
+
+cuda / sdpa-flash throughput, lowest: 67% (SmolLM2-135M, 16 seqs x 512); target >= 50%: met
+"""
+
+
+def _bench(report, prefill_code: int = 0, prefill_stderr: str = ""):
+    return report.BenchResult([
+        report.BenchRun("decode attention", _run(report, ["experiments/kernel_bench.py", "--repeats", "5"], 0,
+                                                 stdout=BENCH_OUTPUT)),
+        report.BenchRun("prefill attention", _run(
+            report, ["experiments/prefill_bench.py", "--device", "cuda", "--repeats", "5"], prefill_code,
+            stdout=PREFILL_OUTPUT, stderr=prefill_stderr)),
+    ])
+
+
+def _summary(tok_s: float, graph_steps: int | None, ttft: float = 0.985) -> dict:
     summary = {"output_tokens_per_s": tok_s, "tpot_mean_s": 0.0202, "tpot_p99_s": 0.03, "itl_mean_s": 0.02,
-               "itl_p99_s": 0.04, "ttft_mean_s": 0.985, "wall_time_s": 5.83, "host_time_s": 6.1,
+               "itl_p99_s": 0.04, "ttft_mean_s": ttft, "wall_time_s": 5.83, "host_time_s": 6.1,
                "load_time_s": 2.0, "num_finished": 48, "num_engine_steps": 300,
                "attention_kernel": "cuda v1/v2 auto", "executor_description": "SmolLM2-135M on cuda"}
     if graph_steps is not None:
         summary |= {"cuda_graph_steps": graph_steps, "eager_decode_steps": 300 - graph_steps}
     return summary
+
+
+JOB_TITLE = "3. The default job: CUDA graphs off / on, CUDA / CPU, our kernels / torch's"
 
 
 def test_render_report_from_fabricated_results(report) -> None:
@@ -165,7 +247,7 @@ def test_render_report_from_fabricated_results(report) -> None:
         problems=["FAILED tests/test_kernels_cuda.py::test_b - assert 1 == 2"],
         skips=["SKIPPED [2] tests/test_kernels_cuda.py:31: needs sm_90"],
     )
-    bench = report.BenchResult(_run(report, ["experiments/kernel_bench.py", "--repeats", "5"], 0, stdout=BENCH_OUTPUT))
+    bench = _bench(report)
     off = _run(report, ["run.py", "executor.cuda_graphs=false"], 0)
     on = _run(report, ["run.py", "executor.cuda_graphs=true"], 0)
     job = report.JobResult(
@@ -180,8 +262,8 @@ def test_render_report_from_fabricated_results(report) -> None:
     assert lines[0] == "# GPU report: NVIDIA H100 80GB HBM3"
     assert "2026-11-24, commit 8be5c32 (dirty)" in lines[2]
     assert "| 1. CUDA tests | 1 failed, 60 passed, 2 skipped | 10 s |" in lines
-    assert "| 2. Kernel benchmark | ok | 10 s |" in lines
-    assert ("| 3. The default job: CUDA graphs off / on, CUDA / CPU | graphs-off 900.0 tok/s / graphs-on 1350.0 "
+    assert "| 2. Kernel benchmarks: decode, prefill | decode attention ok; prefill attention ok | 20 s |" in lines
+    assert (f"| {JOB_TITLE} | graphs-off 900.0 tok/s / graphs-on 1350.0 "
             "tok/s; graphs-off vs graphs-on: 47/48 requests identical | 20 s |") in lines
     # the environment
     assert "| driver | 580.159.04 |" in lines
@@ -192,13 +274,16 @@ def test_render_report_from_fabricated_results(report) -> None:
     assert "| date | 2026-11-24T13:05+01:00 |" in lines
     # sections in order, each with its wall time
     headings = [line for line in lines if line.startswith("## ")]
-    assert headings == ["## Environment", "## 1. CUDA tests (10 s)", "## 2. Kernel benchmark (10 s)",
-                        "## 3. The default job: CUDA graphs off / on, CUDA / CPU (20 s)"]
+    assert headings == ["## Environment", "## 1. CUDA tests (10 s)", "## 2. Kernel benchmarks: decode, prefill (20 s)",
+                        f"## {JOB_TITLE} (20 s)"]
     assert "`python -m pytest -q tests/test_kernels_cuda.py`: exit 1, 10.0 s (timeout 300 s)" in lines
     assert "| failed | passed | skipped |" in lines and "| 1 | 60 | 2 |" in lines
     assert "SKIPPED [2] tests/test_kernels_cuda.py:31: needs sm_90" in lines
     assert text.count("FAILED tests/test_kernels_cuda.py::test_b") == 2  # the list, and the output's tail
-    assert "```\n" + BENCH_OUTPUT + "```" in text  # the benchmark's table verbatim
+    # each benchmark's output verbatim, in order under its heading
+    assert "```\n" + BENCH_OUTPUT + "```" in text and "```\n" + PREFILL_OUTPUT + "```" in text
+    assert lines.index("### Decode attention") < text.splitlines().index("### Prefill attention")
+    assert "`python experiments/prefill_bench.py --device cuda --repeats 5`: exit 0, 10.0 s (timeout 300 s)" in lines
     # the job: both runs side by side, the ratio, the new counters where present
     assert "| metric | graphs-off | graphs-on | graphs-on / graphs-off |" in lines
     assert "| output tokens/s | 900.0 | 1350.0 | 1.50 |" in lines
@@ -224,11 +309,48 @@ def test_render_report_with_failures_timeouts_and_skips(report) -> None:
     assert "| 1. CUDA tests | no pytest summary (timed out) | 300 s |" in lines
     assert "`python -m pytest`: killed at its timeout, 300 s" in lines
     assert "```\n..\n```" in text  # what it printed before it was killed
-    assert "| 2. Kernel benchmark | skipped: --skip-bench | - |" in lines
-    assert "## 2. Kernel benchmark" in lines and "Skipped: --skip-bench." in lines
+    assert "| 2. Kernel benchmarks: decode, prefill | skipped: --skip-bench | - |" in lines
+    assert "## 2. Kernel benchmarks: decode, prefill" in lines and "Skipped: --skip-bench." in lines
     assert "| output tokens/s | 900.0 | - | - |" in lines
     assert "graphs-on, stderr's tail:" in lines and "error: no cuda_graphs" in lines
     assert "Outputs:" not in text
+
+
+def test_a_failed_benchmark_is_reported_beside_the_others_output(report) -> None:
+    bench = _bench(report, prefill_code=1, prefill_stderr="Traceback\nRuntimeError: no kernel image\n")
+    text = report.render_report(_environment(report), report.Skipped("--skip-tests"), bench,
+                                report.Skipped("--skip-job"), budget_min=20)
+    lines = text.splitlines()
+    assert ("| 2. Kernel benchmarks: decode, prefill | decode attention ok; prefill attention exit 1, 10.0 s "
+            "(timeout 300 s) | 20 s |") in lines
+    assert "```\n" + BENCH_OUTPUT + "```" in text and "```\n" + PREFILL_OUTPUT + "```" in text
+    assert text.count("stderr's tail:") == 1 and "RuntimeError: no kernel image" in lines
+    assert text.index("### Prefill attention") < text.index("stderr's tail:")
+
+
+def _ttft_job(report, torch_kernels_summary: dict | None):
+    ours = report.JobRun("cuda-default", _run(report, ["run.py", "model.device=cuda"], 0), _summary(2000.0, 290, 0.3))
+    theirs = report.JobRun("cuda-torch-kernels", _run(report, ["run.py", "kernel.backend=torch"],
+                                                      0 if torch_kernels_summary else 1), torch_kernels_summary)
+    return report.JobResult([ours, theirs], [], report.TtftRatio("cuda-torch-kernels", "cuda-default", 3.0))
+
+
+def test_render_job_states_the_ttft_ratio_against_its_target(report, render) -> None:
+    met = render.render_job(_ttft_job(report, _summary(700.0, None, 1.05)))
+    assert ("TTFT mean of cuda-torch-kernels over cuda-default (the same prompts): **3.50x** (1.050 s / 0.300 s); "
+            "the target, at least 3x lower with our kernels: met.") in met
+    assert "| TTFT mean (s) | 0.300 | 1.050 | 3.50 |" in met
+    short = render.render_job(_ttft_job(report, _summary(700.0, None, 0.6)))
+    assert any("**2.00x**" in line and line.endswith("NOT met.") for line in short)
+    overview = report.render_report(_environment(report), report.Skipped("x"), report.Skipped("x"),
+                                    _ttft_job(report, _summary(700.0, None, 1.05)), budget_min=20)
+    assert "; TTFT cuda-torch-kernels / cuda-default: 3.50x | " in overview
+
+
+def test_render_job_says_when_the_ttft_ratio_is_not_measured(report, render) -> None:
+    lines = render.render_job(_ttft_job(report, None))
+    assert "TTFT mean of cuda-torch-kernels over cuda-default: not measured (a run wrote no TTFT)." in lines
+    assert "cuda-torch-kernels, stderr's tail:" in lines
 
 
 def test_report_name_is_the_date_and_the_gpu(report) -> None:
