@@ -1,7 +1,8 @@
 # `make run` runs the default job, `make test` the test suite; both set up .venv on first use.
 # `make docs` builds docs/ into site/ (mkdocs, strict: a broken link or a missing API object fails).
-# `make gpu-report` (whoever has a GPU runs it first): CUDA tests, kernel benchmark, the default job with CUDA
-# graphs off/on, one markdown report under experiments/results/gpu/ to commit (experiments/gpu_report.py).
+# `make gpu-report` (whoever has a GPU runs it first): CUDA tests, kernel and prefill benchmarks, the default job
+# with CUDA graphs off/on and with torch kernels, one markdown report under experiments/results/gpu/ to commit
+# (experiments/gpu_report.py).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
