@@ -30,7 +30,7 @@ import paged.executor.model_executor as model_executor
 import paged.kernels.planned as planned
 from paged import LLM, SamplingParams
 from paged.executor.step_plan import InputBuffers
-from paged.model.layer_ops import NATIVE_CPU_OPS, TORCH_OPS, TorchLayerOps
+from paged.model.layer_ops import NATIVE_CPU_OPS, TORCH_OPS, RunnerLayerOps, TorchLayerOps
 from paged.model.linear import Linear
 from paged.model.llama import LlamaModel
 
@@ -78,7 +78,7 @@ def instrument(timer: StepTimer) -> None:
     InputBuffers.upload = timer.wrap("input preparation", InputBuffers.upload)
     Linear.__call__ = timer.wrap("matmul (layers)", Linear.__call__)
     LlamaModel.compute_logits = timer.wrap("matmul (lm_head)", LlamaModel.compute_logits)
-    for cls in {type(ops) for ops in (NATIVE_CPU_OPS, TORCH_OPS)} | {TorchLayerOps}:
+    for cls in {type(ops) for ops in (NATIVE_CPU_OPS, TORCH_OPS)} | {TorchLayerOps, RunnerLayerOps}:
         for method in ("rms_norm", "add_rms_norm", "silu_and_mul", "rotation", "rope"):
             setattr(cls, method, timer.wrap("norms / RoPE / SwiGLU", cls.__dict__.get(method, getattr(cls, method))))
     execute = model_executor.ModelExecutor.execute

@@ -130,7 +130,7 @@ class ModelExecutor(Executor):
         version = "auto(v1/v2)" if self.version == "auto" else self.version
         self.kernel_description = f"{version}/{reason}"
         if isinstance(self.model, LlamaModel):
-            self.model.ops = layer_ops_for(self.backend.name)
+            self.model.ops = layer_ops_for(self.backend)
         self.attention = AttentionSettings(
             self.backend, self.scale, self.partition_size, self.sliding_window, self.alibi_slopes, self.blocksparse)
 

@@ -1,4 +1,4 @@
-"""The decoder's elementwise ops, as torch formulas or as the cpu backend's native fused kernels.
+"""The decoder's elementwise ops, as torch formulas or as a kernel backend's fused kernels.
 
 A prefill step of a few thousand tokens spent a quarter of its time outside the matmuls on this
 2-core machine: every torch op of RMSNorm, RoPE and SwiGLU reads and writes the whole activation,
@@ -7,8 +7,15 @@ into the norm and rotate q and k in place. They keep torch's fp32 arithmetic, to
 (RMSNorm copies the summation order of torch's sum kernel, SiLU its vector `exp`; RoPE is built
 without FMA contraction), so greedy outputs stay those of the torch formulas.
 
-The executor uses the native ops where its attention runs on the native cpu backend
-(`kernel.backend=cpu`, or `auto` on a CPU) and the torch formulas everywhere else.
+On the cuda and emu backends the same ops are the CUDA kernels of kernels_cu/layer_ops.cuh
+(`RunnerLayerOps`): one launch each where the torch formulas run 2 (SwiGLU) to 9 (fp16 add +
+RMSNorm) ATen kernels. The residual add and RoPE are bit-identical to the torch formulas; RMSNorm
+sums its squares in a block reduction's order and SiLU uses CUDA's expf (kernels_cu/layer_ops.cuh
+states what that changes).
+
+The executor picks the ops from its attention backend (`layer_ops_for`): the native ones on the
+native cpu backend (`kernel.backend=cpu`, or `auto` on a CPU), the CUDA kernels on a runner backend
+(cuda, emu), the torch formulas everywhere else.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from paged.kernels import fused_ops as native
+from paged.kernels.backends.interface import KernelBackend
+from paged.kernels.backends.layer_plans import FusedLayerOpsMixin
 
 # per step, what `rope` needs for its positions (see `TorchLayerOps.rotation`)
 Rotation = tuple[torch.Tensor, ...]
@@ -91,11 +100,46 @@ class NativeCpuLayerOps(TorchLayerOps):
         return qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
 
 
+class RunnerLayerOps(TorchLayerOps):
+    """The CUDA kernels of kernels_cu/layer_ops.cuh through a runner backend (cuda, emu), for every
+    model dtype. The norms write in place where the native cpu ops do; nothing reads a tensor's
+    values on the host, so a CUDA graph can capture a step."""
+
+    name = "fused"
+
+    def __init__(self, backend: FusedLayerOpsMixin) -> None:
+        self.backend = backend
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.backend.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """`residual += x` in place, then the norm of the sum written over `x`, which is returned."""
+        return self.backend.add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.silu_and_mul(x)
+
+    def rotation(self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Rotation:
+        """The positions and the whole tables: the kernel looks the rows up itself."""
+        return positions, cos, sin
+
+    def rope(self, qkv: torch.Tensor, rotation: Rotation, num_heads: int, head_dim: int) -> torch.Tensor:
+        """Rotates `qkv`'s first heads in place (no copy of q or k) and returns them as a view."""
+        self.backend.rotary_embedding(qkv, *rotation, num_heads, head_dim)
+        return qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
+
+
 TORCH_OPS = TorchLayerOps()
 NATIVE_CPU_OPS = NativeCpuLayerOps()
 
 
-def layer_ops_for(backend_name: str) -> TorchLayerOps:
-    """The ops a Llama layer runs beside attention on `backend_name`: the native fused ones wherever
-    attention runs natively on the CPU, the torch formulas everywhere else (module docstring)."""
-    return NATIVE_CPU_OPS if backend_name == "cpu" else TORCH_OPS
+def layer_ops_for(backend: KernelBackend) -> TorchLayerOps:
+    """The ops a Llama layer runs beside attention on `backend`: the native fused ones wherever
+    attention runs natively on the CPU, the CUDA kernels on a runner backend (cuda, emu), the torch
+    formulas everywhere else (module docstring)."""
+    if backend.name == "cpu":
+        return NATIVE_CPU_OPS
+    if isinstance(backend, FusedLayerOpsMixin):
+        return RunnerLayerOps(backend)
+    return TORCH_OPS

@@ -107,7 +107,7 @@ class Execution:
     but without loading the weights, so that a cached calibration is found at no model load."""
 
     gemm: str  # torch | onednn
-    layer_ops: str  # native | torch: norms, RoPE, SwiGLU
+    layer_ops: str  # native | fused | torch: norms, RoPE, SwiGLU
     backend: kernels.KernelBackend
     version: str  # auto | v1 | v2
     partition_size: int
@@ -149,7 +149,7 @@ def resolve_execution(cfg: Any, arch: LlamaArch) -> Execution:
     )
     return Execution(
         gemm=resolve_gemm(cfg.model.gemm, dtype, _CPU) if llama else "torch",
-        layer_ops=layer_ops_for(backend.name).name if llama else "torch",
+        layer_ops=layer_ops_for(backend).name if llama else "torch",
         backend=backend, version=kernel.version, partition_size=kernel.partition_size,
         kv_cache_dtype=kernel.kv_cache_dtype, blocksparse=sparse,
     )

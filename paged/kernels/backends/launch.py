@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import math
 from abc import abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -22,6 +20,8 @@ from paged.kernels.backends.interface import (
     require_contiguous,
     window_span,
 )
+from paged.kernels.backends.launch_api import VECTOR_BYTES, Arg, Copy, Launch, Ptr, Runner
+from paged.kernels.backends.layer_plans import FusedLayerOpsMixin
 from paged.kernels.backends.torch_ref import TorchBackend
 from paged.kernels.features import NONE, AttentionFeatures
 from paged.kernels.limits import BLOCK_SIZES, NATIVE_HEAD_SIZES, NATIVE_PARTITION_SIZES
@@ -36,31 +36,6 @@ MAX_CACHE_THREADS = 512
 MAX_COPY_THREADS = 1024
 
 
-class Ptr(int):
-    """A device (or host, for the emulator) address passed as a pointer argument."""
-
-
-Arg = Ptr | np.int32 | np.float32
-
-
-@dataclass(frozen=True)
-class Launch:
-    kernel: str
-    grid: tuple[int, int, int]
-    block: int
-    shared_memory: int
-    args: tuple[Arg, ...]
-
-
-@dataclass(frozen=True)
-class Copy:
-    """`nbytes` from address `src` to address `dst`, each on the host or the device."""
-
-    dst: Ptr
-    src: Ptr
-    nbytes: int
-
-
 class V2Scratch(NamedTuple):
     """v2's fp32 intermediates: `[num_seqs, num_heads, num_partitions]` exp sums and max logits,
     `[..., head_size]` partition outputs."""
@@ -68,25 +43,6 @@ class V2Scratch(NamedTuple):
     exp_sums: torch.Tensor
     max_logits: torch.Tensor
     tmp_out: torch.Tensor
-
-
-# The kernels load the query and the caches in vectors of up to 16 bytes.
-VECTOR_BYTES = 16
-
-
-class Runner(Protocol):
-    # Copies run asynchronously, so host memory in them must be page-locked.
-    needs_pinned_host: bool
-
-    def dynamic_shared_memory_limit(self, unit: Unit, kernel: str) -> int:
-        """The most dynamic shared memory one block of `kernel` may use on this device."""
-        ...
-
-    def run(self, unit: Unit, launches: Sequence[Launch]) -> None: ...
-
-    def copy(self, copies: Sequence[Copy]) -> None:
-        """Runs the copies in order."""
-        ...
 
 
 def _ptr(t: torch.Tensor) -> Ptr:
@@ -169,7 +125,7 @@ def _check_shared_memory(runner: Runner, unit: Unit, kernel: str, needed: int, w
         raise ValueError(f"{what} needs {needed} bytes of shared memory but the device allows {limit}; {remedy}")
 
 
-class RunnerBackend(TorchBackend):
+class RunnerBackend(FusedLayerOpsMixin, TorchBackend):
     """Decode and prefill attention and the cache ops of kernels_cu/, for backends whose runner
     executes `Launch`es (cuda, emu); they support only the instantiated shapes."""
 

@@ -63,10 +63,31 @@ class Unit:
         return label + (f" p{self.partition_size}" if self.partition_size else "") + (" +features" * self.features)
 
 
+# The layer kernels that load whole 16-byte vectors where their rows allow it, else one element.
+VECTOR_LAYER_OPS = ("rms_norm", "add_rms_norm", "silu_and_mul")
+LAYER_OPS = (*VECTOR_LAYER_OPS, "rotary_embedding")
+
+
+def layer_kernel(dtype: str, op: str, vectorized: bool = False) -> str:
+    """The C++ name expression of layer op `op` (of `LAYER_OPS`) in activations of C++ type
+    `dtype`; `vectorized`: the variant loading 16 bytes at a time (`VECTOR_LAYER_OPS` only)."""
+    assert op in LAYER_OPS and not (vectorized and op not in VECTOR_LAYER_OPS), (op, vectorized)
+    if op == "rotary_embedding":
+        return f"paged::rotary_embedding_kernel<{dtype}>"
+    element_size = next(t for t, name in CXX_TYPES.items() if name == dtype).itemsize
+    return f"paged::{op}_kernel<{dtype}, {16 // element_size if vectorized else 1}>"
+
+
 def layer_kernels(dtype: str) -> tuple[str, ...]:
     """The fused elementwise kernels of a Llama layer in activations of C++ type `dtype`
-    (kernels_cu/layer_ops.cuh)."""
-    raise NotImplementedError("filled in by the layer-ops work")
+    (kernels_cu/layer_ops.cuh): each vector op in both variants, then RoPE."""
+    vector_ops = [layer_kernel(dtype, op, vectorized) for op in VECTOR_LAYER_OPS for vectorized in (True, False)]
+    return (*vector_ops, layer_kernel(dtype, "rotary_embedding"))
+
+
+def layer_unit(dtype: torch.dtype) -> Unit:
+    """RMSNorm, residual add + RMSNorm, SiLU-and-mul and RoPE of a Llama layer in `dtype`."""
+    return Unit("layer", CXX_TYPES[dtype])
 
 
 def prefill_unit(
@@ -105,7 +126,8 @@ def cache_unit(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> Un
 
 def dispatchable_units(partition_size: int = DEFAULT_PARTITION_SIZE) -> list[Unit]:
     """Every unit the front end can pick with the given v2 partition size: each activation dtype
-    with a cache of its own dtype or of either fp8 format, attention plain or with the features."""
+    with a cache of its own dtype or of either fp8 format, attention plain or with the features, and
+    each dtype's layer ops."""
     caches = (None, *FP8_DTYPES)
     units = [cache_unit(dtype, cache) for dtype in CXX_TYPES for cache in caches]
     for dtype in CXX_TYPES:
@@ -114,15 +136,16 @@ def dispatchable_units(partition_size: int = DEFAULT_PARTITION_SIZE) -> list[Uni
                 for block in BLOCK_SIZES:
                     units += [attention_unit(dtype, head, block, v, partition_size, cache, features)
                               for features in (False, True) for v in ("v1", "v2")]
-    return units
+    return units + [layer_unit(dtype) for dtype in CXX_TYPES]
 
 
 def default_units() -> list[Unit]:
     """The configurations models run with most: fp16/bf16, head 128, block 16, with a cache of the
-    model's dtype or fp8 e4m3."""
+    model's dtype or fp8 e4m3, and the layer ops of both dtypes."""
     units = []
     for dtype in (torch.float16, torch.bfloat16):
         for cache in (None, torch.float8_e4m3fn):
             units.append(cache_unit(dtype, cache))
             units += [attention_unit(dtype, 128, 16, v, DEFAULT_PARTITION_SIZE, cache) for v in ("v1", "v2")]
+        units.append(layer_unit(dtype))
     return units
