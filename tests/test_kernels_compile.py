@@ -43,7 +43,8 @@ def test_default_configurations_compile_cold_fast_without_spills_then_hit_the_ca
     cold = nvrtc.compile_units(units, arch)
     cold_s = time.perf_counter() - start
     assert not any(c.cached for c in cold)
-    # 14 units (fp16/bf16 x own-dtype/fp8 caches, and their layer ops); generous for a loaded 2-core machine
+    # 18 units (fp16/bf16 x own-dtype/fp8 caches: decode, prefill, cache ops; and their layer ops); generous for a
+    # loaded 2-core machine
     assert cold_s < 45, f"cold compile of the default configurations took {cold_s:.1f} s"
     for compiled in cold:
         assert compiled.cubin.startswith(ELF)
@@ -69,9 +70,11 @@ def _check_compiles(units: list[specs.Unit], arch: str) -> None:
 def test_every_dispatchable_instantiation_with_a_model_dtype_cache_compiles_to_cubin(arch: str) -> None:
     """Uses the shared cache: the first run on a machine compiles ~110 units per arch."""
     units = specs.dispatchable_units()
-    # activation dtypes x (own, e4m3, e5m2) caches, attention plain or with the features, layer ops
-    assert len(units) == 3 * 3 + 3 * 3 * 6 * 3 * 2 * 2 + 3
-    _check_compiles([u for u in units if not u.cache and not u.features], arch)
+    # activation dtypes x (own, e4m3, e5m2) caches: cache ops; decode v1, v2 and prefill, plain or with
+    # the features, per head size and block size; layer ops
+    assert len(units) == 3 * 3 + 3 * 3 * 6 * 3 * 2 * 3 + 3
+    # prefill's CUDA-core fp32 variant takes seconds each: its covering set is in the test below
+    _check_compiles([u for u in units if not u.cache and not u.features and u.op != "prefill"], arch)
 
 
 def test_fp8_and_feature_instantiations_compile_to_cubin() -> None:
@@ -85,6 +88,10 @@ def test_fp8_and_feature_instantiations_compile_to_cubin() -> None:
             units += [specs.attention_unit(dtype, head, block, v, 512, fp8) for v in ("v1", "v2")]
     for dtype, head, block in configs:
         units += [specs.attention_unit(dtype, head, block, v, 512, features=True) for v in ("v1", "v2")]
+    # prefill: each configuration once, its cache, features and format rotating
+    caches = (None, *FP8_DTYPES)
+    units += [specs.prefill_unit(dtype, head, block, caches[i % 3], i % 2 == 1)
+              for i, (dtype, head, block) in enumerate(configs)]
     _check_compiles(units, "sm_90")
 
 
@@ -163,7 +170,7 @@ def test_build_cli_prints_the_resource_report(capsys: pytest.CaptureFixture[str]
     row = next(line for line in out.splitlines() if line.startswith(v1_default))
     regs, spill_st, spill_ld, smem, seconds = row.split()[-5:]
     assert int(regs) > 0 and (spill_st, spill_ld) == ("0", "0") and int(smem) > 0 and float(seconds) > 0
-    assert "14 units (34 kernels) for sm_90" in out
+    assert "18 units (38 kernels) for sm_90" in out
 
 
 def test_build_cli_refuses_an_unknown_arch(capsys: pytest.CaptureFixture[str]) -> None:

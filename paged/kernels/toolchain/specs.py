@@ -126,8 +126,8 @@ def cache_unit(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> Un
 
 def dispatchable_units(partition_size: int = DEFAULT_PARTITION_SIZE) -> list[Unit]:
     """Every unit the front end can pick with the given v2 partition size: each activation dtype
-    with a cache of its own dtype or of either fp8 format, attention plain or with the features, and
-    each dtype's layer ops."""
+    with a cache of its own dtype or of either fp8 format, decode and prefill attention plain or with
+    the features, and each dtype's layer ops."""
     caches = (None, *FP8_DTYPES)
     units = [cache_unit(dtype, cache) for dtype in CXX_TYPES for cache in caches]
     for dtype in CXX_TYPES:
@@ -136,16 +136,19 @@ def dispatchable_units(partition_size: int = DEFAULT_PARTITION_SIZE) -> list[Uni
                 for block in BLOCK_SIZES:
                     units += [attention_unit(dtype, head, block, v, partition_size, cache, features)
                               for features in (False, True) for v in ("v1", "v2")]
+                    units += [prefill_unit(dtype, head, block, cache, features) for features in (False, True)]
     return units + [layer_unit(dtype) for dtype in CXX_TYPES]
 
 
 def default_units() -> list[Unit]:
     """The configurations models run with most: fp16/bf16, head 128, block 16, with a cache of the
-    model's dtype or fp8 e4m3, and the layer ops of both dtypes."""
+    model's dtype or fp8 e4m3 (decode v1 / v2, prefill, the cache ops), and the layer ops of both
+    dtypes."""
     units = []
     for dtype in (torch.float16, torch.bfloat16):
         for cache in (None, torch.float8_e4m3fn):
             units.append(cache_unit(dtype, cache))
             units += [attention_unit(dtype, 128, 16, v, DEFAULT_PARTITION_SIZE, cache) for v in ("v1", "v2")]
+            units.append(prefill_unit(dtype, 128, 16, cache))
         units.append(layer_unit(dtype))
     return units
