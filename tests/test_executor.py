@@ -192,3 +192,11 @@ def test_native_layer_ops_and_gemms_generate_what_the_torch_formulas_recompute(g
     ex.model.ops = TORCH_OPS
     for prompt, out in zip(PROMPTS, outputs, strict=True):
         assert out == recompute_greedy(ex.model, prompt, 8)
+
+
+def test_a_position_past_the_rope_table_is_refused_before_the_forward() -> None:
+    """The fused RoPE kernels look positions up on the device, where nothing checks them."""
+    ex = make_executor(max_position_embeddings=16)
+    ex.init_kv_cache(num_blocks=64, block_size=BLOCK)
+    with pytest.raises(ValueError, match="position 19 is past the model's max_position_embeddings=16"):
+        generate(ex, [list(range(1, 21))], max_tokens=1)

@@ -203,6 +203,15 @@ class ModelExecutor(Executor):
         # a new cache is a new engine's: its summary counts its own steps
         self.cuda_graph_steps = self.eager_decode_steps = 0
 
+    def _check_positions(self, host: HostBatch) -> None:
+        """Positions have RoPE rows only up to the model's table: the torch formulas would raise
+        an IndexError past it, the fused kernels (which look rows up on the device) read past it."""
+        if isinstance(self.model, LlamaModel) and host.num_tokens:
+            last = int(host.positions.max())
+            if last >= self.arch.max_position_embeddings:
+                raise ValueError(f"position {last} is past the model's max_position_embeddings="
+                                 f"{self.arch.max_position_embeddings}; keep scheduler.max_model_len at most that")
+
     def set_batch_limits(self, max_num_seqs: int, max_model_len: int) -> None:
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
 
@@ -325,6 +334,7 @@ class ModelExecutor(Executor):
                 kernels.copy_blocks(self.key_caches, self.value_caches, sched.blocks_to_copy, backend=self.backend)
             prep_start = time.perf_counter()
             host = plan_batch(sched, self.block_size)
+            self._check_positions(host)
             prep_time = time.perf_counter() - prep_start
             version = self._choose_version(host)
             hidden, batch = self._run(host, version)
