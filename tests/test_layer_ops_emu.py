@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from paged.config import KernelConfig, ModelConfig
 from paged.executor.model_executor import ModelExecutor
@@ -288,3 +289,32 @@ def test_tiny_model_generates_the_torch_formulas_tokens() -> None:
     fused = generate(ex, PROMPTS, 6)
     ex.model.ops = TORCH_OPS
     assert generate(ex, PROMPTS, 6) == fused
+
+
+class _KernelCount(TorchDispatchMode):
+    """ATen ops that launch work: views (no kernel) are not counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+        self.count += not func.is_view and func.__name__.split(".")[0] not in ("view", "slice", "unsqueeze", "split")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(("dtype", "expected"), [(torch.float32, 21), (torch.float16, 25)])
+def test_the_torch_formulas_cost_this_many_aten_kernels_per_layer(dtype: torch.dtype, expected: int) -> None:
+    """What the fused ops replace (docs/kernels.md's launch comparison): RoPE 5, each add + RMSNorm
+    7 (fp32) or 9 (fp16, with the casts), SwiGLU 2, on SmolLM2's shapes."""
+    hidden, inter, heads, head_dim = 576, 1536, 12, 64
+    x, residual, weight = (torch.randn(*shape).to(dtype) for shape in ((4, hidden), (4, hidden), (hidden,)))
+    qkv, gate_up = torch.randn(4, 15 * head_dim).to(dtype), torch.randn(4, 2 * inter).to(dtype)
+    positions, cos, sin = _rope_inputs(dtype, head_dim)
+    rotation = TORCH_OPS.rotation(positions, cos, sin)
+    with _KernelCount() as counted:
+        TORCH_OPS.rope(qkv, rotation, heads, head_dim)
+        for _ in range(2):
+            TORCH_OPS.add_rms_norm(x, residual, weight, EPS)
+        TORCH_OPS.silu_and_mul(gate_up)
+    assert counted.count == expected

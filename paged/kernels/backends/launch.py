@@ -112,7 +112,7 @@ def _feature_args(cache: CacheView, features: AttentionFeatures) -> tuple[Arg, .
 def prefill_shared_memory(dtype: torch.dtype, head_size: int) -> int:
     """The prefill kernel's dynamic shared memory: Q, K and Vᵀ tiles padded by 16 bytes a row,
     then the CUDA-core path's probabilities (prefill.cuh)."""
-    element = torch.tensor([], dtype=dtype).element_size()
+    element = dtype.itemsize
     pad = VECTOR_BYTES // element
     tiles = (PREFILL_ROWS + PREFILL_KEYS) * (head_size + pad) + head_size * (PREFILL_KEYS + pad)
     return tiles * element + PREFILL_WARPS * 16 * PREFILL_KEYS * 4

@@ -6,6 +6,7 @@ granularity of lazy compilation and of the on-disk caches of both native backend
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,7 @@ VECTOR_LAYER_OPS = ("rms_norm", "add_rms_norm", "silu_and_mul")
 LAYER_OPS = (*VECTOR_LAYER_OPS, "rotary_embedding")
 
 
+@functools.cache  # called per launch, per layer: the names and units are fixed per argument set
 def layer_kernel(dtype: str, op: str, vectorized: bool = False) -> str:
     """The C++ name expression of layer op `op` (of `LAYER_OPS`) in activations of C++ type
     `dtype`; `vectorized`: the variant loading 16 bytes at a time (`VECTOR_LAYER_OPS` only)."""
@@ -85,11 +87,13 @@ def layer_kernels(dtype: str) -> tuple[str, ...]:
     return (*vector_ops, layer_kernel(dtype, "rotary_embedding"))
 
 
+@functools.cache
 def layer_unit(dtype: torch.dtype) -> Unit:
     """RMSNorm, residual add + RMSNorm, SiLU-and-mul and RoPE of a Llama layer in `dtype`."""
     return Unit("layer", CXX_TYPES[dtype])
 
 
+@functools.cache
 def prefill_unit(
     dtype: torch.dtype, head_size: int, block_size: int, cache_dtype: torch.dtype | None = None,
     features: bool = False,
