@@ -43,7 +43,7 @@ class StepRecord:
     num_cached_free_blocks: int
     prefix_queried_tokens: int
     prefix_hit_tokens: int
-    attention_version: str | None  # decode kernel that ran (v1/v2); None in a step without decode rows
+    attention_version: str | None  # decode kernel that ran (v1/v2/v3); None in a step without decode rows
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -290,6 +290,7 @@ class MetricsRecorder:
             "engine_overhead_fraction": (sum(s.overhead_s for s in steps) / step_time) if step_time > 0 else 0.0,
             "decode_steps_v1": sum(s.attention_version == "v1" for s in steps),
             "decode_steps_v2": sum(s.attention_version == "v2" for s in steps),
+            "decode_steps_v3": sum(s.attention_version == "v3" for s in steps),
             "client_service_ratio": self.client_service_ratio(),
             "kv_blocks_in_use_end": kv_end.num_allocated_blocks,
             "num_total_blocks": kv_end.num_total_blocks,

@@ -110,7 +110,7 @@ class ExecutorOutput:
     num_computed_tokens: int = 0
     model_time_s: float = 0.0  # forward pass, attention and sampling
     prep_time_s: float = 0.0  # building the step's input tensors: engine overhead, not model time
-    attention_version: str | None = None  # the decode kernel that ran (v1/v2); None without decode rows
+    attention_version: str | None = None  # the decode kernel that ran (v1/v2/v3); None without decode rows
     # per scheduled sequence, each sampled token's log-probability (None: an executor without them, 0.0)
     logprobs: list[list[float]] | None = None
     # per scheduled sequence, per sampled token its own and the top-k log-probabilities, when asked

@@ -6,8 +6,8 @@ and no torch); each part asserts that what it implements matches.
 
 from __future__ import annotations
 
-# kernel.version: the paged-attention kernels (auto picks between them by vLLM's rule)
-VERSIONS = ("v1", "v2")
+# kernel.version: the decode kernels: vLLM's v1 / v2 and the GQA-grouped split-KV v3 (auto: paged.kernels.ops)
+VERSIONS = ("v1", "v2", "v3")
 # the activation dtypes the model and the kernels run in
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 # model.dtype: one of them, or auto (per device: paged.config.dtype)

@@ -43,7 +43,7 @@ class PagedAttention:
         num_blocks, num_kv_heads, head_size, block_size = value_caches[0].shape
         self.write = CacheWrite(batch.slot_mapping, batch.host.slot_mapping, settings.backend, num_blocks * block_size)
         self.decode = None if batch.decode is None or decode_version is None else DecodeAttention(
-            batch.decode, settings, decode_version, num_heads, head_size, num_blocks, block_size)
+            batch.decode, settings, decode_version, num_heads, num_kv_heads, head_size, num_blocks, block_size)
         self.prefill = None if batch.prefill is None else PrefillAttention(
             batch.prefill, settings, num_kv_heads, head_size, num_blocks, block_size)
 

@@ -117,7 +117,7 @@ class ModelExecutor(Executor):
 
     @property
     def _v2_partition_size(self) -> int | None:
-        return None if self.version == "v1" else self.partition_size
+        return self.partition_size if self.version in ("v2", "auto") else None
 
     def _resolve_backend(self) -> None:
         """The backend for this model's device, dtype and head size, and the cache's block size once
@@ -238,7 +238,8 @@ class ModelExecutor(Executor):
             return self.version
         # a windowed row reads at most the window: that is the length the kernels' work scales with
         attended = min(rows.max_seq_len, self.sliding_window or rows.max_seq_len)
-        return kernels.choose_version(attended, rows.seq_lens.shape[0], self.arch.num_heads, self.partition_size)
+        return kernels.choose_version(attended, rows.seq_lens.shape[0], self.arch.num_heads, self.partition_size,
+                                      backend=self.backend.name)
 
     def _announce(self, what: str) -> None:
         if what not in self._announced:

@@ -34,10 +34,19 @@ V1_MAX_SEQ_LEN = 8192
 V1_MIN_PARALLELISM = 512
 
 
+# The backends on which v3 was measured to beat v1 and v2 (docs/kernels.md, "Choosing a decode
+# kernel"): `auto` picks v3 there and keeps vLLM's rule elsewhere.
+V3_BACKENDS: frozenset[str] = frozenset()
+
+
 def choose_version(
-    max_seq_len: int, num_seqs: int, num_heads: int, partition_size: int = DEFAULT_PARTITION_SIZE
+    max_seq_len: int, num_seqs: int, num_heads: int, partition_size: int = DEFAULT_PARTITION_SIZE, *,
+    backend: str | None = None,
 ) -> str:
-    """vLLM's rule: v1 when one partition suffices or the grid already has enough blocks."""
+    """`kernel.version=auto`: v3 on a backend of `V3_BACKENDS`, else vLLM's rule: v1 when one
+    partition suffices or the grid already has enough blocks, v2 otherwise."""
+    if backend in V3_BACKENDS:
+        return "v3"
     num_partitions = -(-max_seq_len // partition_size)
     use_v1 = max_seq_len <= V1_MAX_SEQ_LEN and (
         num_partitions == 1 or num_seqs * num_heads > V1_MIN_PARALLELISM

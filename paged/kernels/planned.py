@@ -104,15 +104,15 @@ class _Planned:
 
 
 class DecodeAttention(_Planned):
-    """`paged.kernels.paged_attention` for one step's decode rows (`version` v1 or v2)."""
+    """`paged.kernels.paged_attention` for one step's decode rows (`version` v1, v2 or v3)."""
 
-    def __init__(self, rows: Rows, settings: AttentionSettings, version: str, num_heads: int, head_size: int,
-                 num_blocks: int, block_size: int) -> None:
+    def __init__(self, rows: Rows, settings: AttentionSettings, version: str, num_heads: int, num_kv_heads: int,
+                 head_size: int, num_blocks: int, block_size: int) -> None:
         super().__init__(rows, settings, num_blocks, block_size)
         self.version = version
         self.workspace = self.backend.decode_workspace(
-            rows.num_seqs, num_heads, head_size, version, settings.partition_size, rows.max_seq_len, self.window,
-            rows.block_tables.device,
+            rows.num_seqs, num_heads, num_kv_heads, head_size, block_size, version, settings.partition_size,
+            rows.max_seq_len, self.window, rows.block_tables.device,
         )
 
     def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -89,7 +89,8 @@ def decode_case(version: str, dtype: torch.dtype, backend: HostMemoryCuda, strea
                 starts, max_seq_len=max(SEQ_LENS), max_query_len=1)
     settings = AttentionSettings(backend, head**-0.5, PARTITION)
     write = CacheWrite(torch.from_numpy(slots), slots, backend, NUM_BLOCKS * BLOCK)
-    decode = DecodeAttention(rows, settings, version, model_arch.num_heads, head, NUM_BLOCKS, BLOCK)
+    decode = DecodeAttention(rows, settings, version, model_arch.num_heads, model_arch.num_kv_heads, head, NUM_BLOCKS,
+                             BLOCK)
 
     def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         write(k, v, *caches[layer])

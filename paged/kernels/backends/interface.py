@@ -146,8 +146,8 @@ class KernelBackend(ABC):
         return None
 
     def decode_workspace(
-        self, num_seqs: int, num_heads: int, head_size: int, version: str, partition_size: int, max_seq_len: int,
-        sliding_window: int | None, device: torch.device,
+        self, num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int, block_size: int, version: str,
+        partition_size: int, max_seq_len: int, sliding_window: int | None, device: torch.device,
     ) -> object:
         """Scratch that `paged_attention` would otherwise allocate on every call, made once for a
         step's decode rows and passed to each layer's call as `workspace`; `None` (the default)

@@ -143,8 +143,8 @@ class RunnerBackend(FusedLayerOpsMixin, TorchBackend):
     graph_capturable = True
 
     def decode_workspace(
-        self, num_seqs: int, num_heads: int, head_size: int, version: str, partition_size: int, max_seq_len: int,
-        sliding_window: int | None, device: torch.device,
+        self, num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int, block_size: int, version: str,
+        partition_size: int, max_seq_len: int, sliding_window: int | None, device: torch.device,
     ) -> V2Scratch | None:
         """v2's per-partition exp sums, max logits and outputs, for rows of up to `max_seq_len`."""
         if version != "v2":
@@ -187,7 +187,8 @@ class RunnerBackend(FusedLayerOpsMixin, TorchBackend):
             launches = [Launch(unit.kernels[0], (num_heads, num_seqs, 1), NUM_THREADS, smem, (_ptr(out), *common))]
         else:
             scratch_tensors = workspace or self.decode_workspace(
-                num_seqs, num_heads, head_size, version, partition_size, max_seq_len, sliding_window, query.device)
+                num_seqs, num_heads, num_kv_heads, head_size, block_size, version, partition_size, max_seq_len,
+                sliding_window, query.device)
             assert isinstance(scratch_tensors, V2Scratch)
             exp_sums, max_logits, tmp_out = scratch_tensors
             num_partitions = exp_sums.shape[2]

@@ -373,7 +373,8 @@ class TorchBackend(KernelBackend):
         self, query: torch.Tensor, cache: CacheView, scale: float, version: str, partition_size: int, max_seq_len: int,
         sliding_window: int | None, features: AttentionFeatures = NONE, workspace: object = None,
     ) -> torch.Tensor:
-        if version == "v1":
+        # v3's single pass computes v1's softmax; its splits are a schedule, not different math
+        if version in ("v1", "v3"):
             return paged_attention_v1(query, cache, scale, max_seq_len, sliding_window, features)
         return paged_attention_v2(query, cache, scale, max_seq_len, partition_size, sliding_window, features)
 
