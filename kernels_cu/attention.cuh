@@ -17,7 +17,8 @@
 //
 // The cache's element type CACHE_T is T, or fp8 (__nv_fp8_e4m3 / __nv_fp8_e5m2) with one fp32
 // scale per KV head: a key's dot product and a value row's weighted sum are taken on the fp8 values
-// converted to float and multiplied by the head's scale once (x = 16 / sizeof(CACHE_T) = 16).
+// converted four at a time (fp8_vec.cuh) and multiplied by the head's scale once
+// (x = 16 / sizeof(CACHE_T) = 16).
 // ALiBi (alibi_slopes non-null) adds slope * (token - query position) to each logit. Block-sparse
 // attention (bs_vert_stride > 0) keeps a cache block when its sparse block is among the query's
 // bs_local_blocks last ones or a vertical one ((sparse block + offset) % bs_vert_stride == 0, the
@@ -27,7 +28,7 @@
 // both variants ran plain attention 2-3x slower on an H100 (v1).
 #pragma once
 
-#include "vec.cuh"
+#include "fp8_vec.cuh"
 
 namespace paged {
 
@@ -110,8 +111,8 @@ PAGED_DEVICE void paged_attention(float* __restrict__ exp_sums, float* __restric
   const int num_tokens = cmin(end_block * BLOCK_SIZE, seq_len) - start_token;
   const int kv_head = head / (num_heads / num_kv_heads);
   const int* block_table = block_tables + static_cast<int64>(seq) * max_num_blocks_per_seq;
-  const float k_scale = FP8 ? f.k_scales[kv_head] : 1.f;
-  const float v_scale = FP8 ? f.v_scales[kv_head] : 1.f;
+  const float k_scale = FP8 ? f.k_scales[kv_head] * raw_scale<CACHE_T>() : 1.f;
+  const float v_scale = FP8 ? f.v_scales[kv_head] * raw_scale<CACHE_T>() : 1.f;
   const float alibi_slope = FEATURES && f.alibi_slopes ? f.alibi_slopes[head] : 0.f;
   const bool sparse = FEATURES && f.bs_vert_stride > 0;
   const int q_sparse_block = sparse ? (seq_len - 1) / f.bs_block_size : 0;
@@ -147,8 +148,10 @@ PAGED_DEVICE void paged_attention(float* __restrict__ exp_sums, float* __restric
       const int elem = (group_lane + j * GROUP) * VEC;
       const Vec<CACHE_T, VEC> k = load_vec<CACHE_T, VEC>(k_ptr + (elem / X) * BLOCK_SIZE * X + elem % X);
       const Vec<T, VEC>& qv = q_vecs[group_lane][j];
+      float kf[VEC];
+      to_floats(k, kf);
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) qk += to_float(qv.val[e]) * to_float(k.val[e]);
+      for (int e = 0; e < VEC; ++e) qk += to_float(qv.val[e]) * kf[e];
     }
     qk = scale * k_scale * warp_reduce<GROUP / 2>(qk, SumOp());
     if (group_lane == 0) {
@@ -203,12 +206,14 @@ PAGED_DEVICE void paged_attention(float* __restrict__ exp_sums, float* __restric
       const int row = lane / V_VECS_PER_ROW + i * ROWS_PER_ITER;
       if (row < HEAD_SIZE) {
         const Vec<CACHE_T, V_VEC> v = load_vec<CACHE_T, V_VEC>(v_ptr + row * BLOCK_SIZE + v_offset);
+        float vf[V_VEC];
+        to_floats(v, vf);
         float sum = 0.f;
 #pragma unroll
         for (int e = 0; e < V_VEC; ++e) {
           const int token = lane_token + e;
           const bool masked = edge_block && (token >= seq_len || token < first_token);
-          const float value = masked ? 0.f : to_float(v.val[e]);
+          const float value = masked ? 0.f : vf[e];
           sum += probs[e] * value;
         }
         accs[i] += sum * v_scale;

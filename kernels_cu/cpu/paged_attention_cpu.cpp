@@ -17,6 +17,8 @@
 // v2: partitions of partition_size tokens, each with its max logit, exp-sum and normalised partial
 //     output; then the partials are rescaled by exp(max_p - max) * sum_p and reduced
 //     (the math of torch_ref.paged_attention_v2).
+// v3 (decode_v3.h): one online-softmax pass per (seq, kv_head, KV split) of a per-step split plan,
+//     the splits merged by log-sum-exp.
 // With a sliding window both start at the window's first block (v2: at the partition holding it)
 // and never read the blocks before it.
 //
@@ -28,6 +30,7 @@
 // -inf and its weight 0.
 
 #include "common.h"
+#include "decode_v3.h"
 #include "layer_ops.h"
 #include "prefill.h"
 #include "swap.h"
@@ -317,28 +320,30 @@ void run_v2(const Args& a) {
   });
 }
 
-enum Op : int { kDecodeV1 = 1, kDecodeV2 = 2, kPrefill = 3 };
+enum Op : int { kDecodeV1 = 1, kDecodeV2 = 2, kPrefill = 3, kDecodeV3 = 4 };
 
+// `plan`: v3's split plan, unused by the other ops.
 template <typename C, int BS>
-void run_op(Op op, const Args& a) {
+void run_op(Op op, const Args& a, const SplitArgs& plan) {
   switch (op) {
     case kDecodeV1: run_v1<C, BS>(a); break;
     case kDecodeV2: run_v2<C, BS>(a); break;
     case kPrefill: run_prefill<C, BS>(a); break;
+    case kDecodeV3: run_v3<C, BS>(a, plan); break;
   }
 }
 
 template <typename C>
-int dispatch_bs(Op op, const Args& a) {
+int dispatch_bs(Op op, const Args& a, const SplitArgs& plan) {
   switch (a.block_size) {
-    case 8: run_op<C, 8>(op, a); return 0;
-    case 16: run_op<C, 16>(op, a); return 0;
-    case 32: run_op<C, 32>(op, a); return 0;
+    case 8: run_op<C, 8>(op, a, plan); return 0;
+    case 16: run_op<C, 16>(op, a, plan); return 0;
+    case 32: run_op<C, 32>(op, a, plan); return 0;
     default: return 1;
   }
 }
 
-int run(Op op, const Args& a) {
+int run(Op op, const Args& a, const SplitArgs& plan = {1, 1}) {
   if (a.block_size <= 0) return 1;
   if (a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads) return 2;
   if (a.dtype != kF32 && a.dtype != kF16 && a.dtype != kBF16) return 7;
@@ -351,12 +356,15 @@ int run(Op op, const Args& a) {
   if (sp.on() && (sp.local_blocks < 0 || sp.vert_stride <= 0 || sp.block_size <= 0 || sp.block_size % a.block_size))
     return 9;
   if (a.num_threads <= 0) return 6;
+  if (op == kDecodeV3) {
+    if (const int status = check_split_plan(a, plan)) return status;
+  }
   switch (a.cache_dtype) {
-    case kF32: return dispatch_bs<F32>(op, a);
-    case kF16: return dispatch_bs<F16>(op, a);
-    case kBF16: return dispatch_bs<BF16>(op, a);
-    case kE4M3: return dispatch_bs<E4M3>(op, a);
-    default: return dispatch_bs<E5M2>(op, a);
+    case kF32: return dispatch_bs<F32>(op, a, plan);
+    case kF16: return dispatch_bs<F16>(op, a, plan);
+    case kBF16: return dispatch_bs<BF16>(op, a, plan);
+    case kE4M3: return dispatch_bs<E4M3>(op, a, plan);
+    default: return dispatch_bs<E5M2>(op, a, plan);
   }
 }
 
@@ -386,6 +394,14 @@ extern "C" int paged_attention_cpu(PAGED_CPU_COMMON_ARGS, int version, int parti
                                    int num_threads) {
   const Args a{PAGED_CPU_COMMON_FIELDS, nullptr, partition_size, max_seq_len, 0, num_threads};
   return paged_cpu::run(version == 1 ? paged_cpu::kDecodeV1 : paged_cpu::kDecodeV2, a);
+}
+
+// v3: `num_splits` splits of `split_blocks` cache blocks per (sequence, KV head), which must hold
+// the blocks a row of max_seq_len attends to (13 / 14 otherwise: nothing is read or written).
+extern "C" int paged_attention_v3_cpu(PAGED_CPU_COMMON_ARGS, int num_splits, int split_blocks, int max_seq_len,
+                                      int num_threads) {
+  const Args a{PAGED_CPU_COMMON_FIELDS, nullptr, 0, max_seq_len, 0, num_threads};
+  return paged_cpu::run(paged_cpu::kDecodeV3, a, {num_splits, split_blocks});
 }
 
 extern "C" int prefill_attention_cpu(PAGED_CPU_COMMON_ARGS, const int32_t *query_start_loc, int max_query_len,

@@ -3,7 +3,8 @@
 Attention reads K/V straight from the paged cache through the block tables, so unlike the torch
 reference it makes no gathered or permuted copies; a swap is one memcpy per cache and block pair.
 It implements every cache dtype (fp8 with its scales) and attention feature (ALiBi, block-sparse)
-of `paged.kernels.features`.
+of `paged.kernels.features`. Decode v3 splits each (sequence, KV head) into the KV splits of a
+`paged.kernels.split_plan` plan, made once per step for the OpenMP threads (`decode_workspace`).
 The library is built with the host compiler (`$CXX`, else `g++`) into the on-disk kernel cache,
 keyed by the sources' hash, the compiler, the flags and the CPU, and loaded once per process
 through ctypes. `reshape_and_cache` is native for caches in the activations' dtype (fp8 caches use
@@ -28,6 +29,7 @@ from paged.kernels.backends.interface import CACHE_DTYPES, FEATURES, CacheView, 
 from paged.kernels.backends.torch_ref import TorchBackend
 from paged.kernels.features import FP8_DTYPES, NONE, AttentionFeatures
 from paged.kernels.limits import BLOCK_SIZES
+from paged.kernels.split_plan import MAX_SPLITS, Hardware, SplitPlan, plan_splits
 from paged.kernels.toolchain import host_compiler
 from paged.kernels.toolchain.cache_dir import ArtifactCache
 from paged.kernels.toolchain.source import source_dir
@@ -53,7 +55,12 @@ _STATUS = {
     10: "slot_mapping holds a slot >= num_blocks * block_size",
     11: "positions holds a position outside the cos/sin tables",
     12: "sizes must be positive (head_dim even) and exp_lanes 0, 8 or 16",
+    13: f"the v3 split plan needs 1 <= num_splits <= {MAX_SPLITS} and split_blocks >= 1",
+    14: "the v3 split plan's splits cannot hold the blocks a row of max_seq_len attends to",
 }
+# v3 work items per OpenMP thread the planner aims for when it splits: with a few each, dynamic
+# scheduling evens out the threads (one item per thread leaves them idle on a remainder).
+V3_SLOTS_PER_THREAD = 4
 # PAGED_CPU_COMMON_ARGS: dtypes, out, query and its strides, caches, block tables and their stride,
 # seq_lens, the sizes, scale, sliding window, fp8 scales, ALiBi slopes, the four block-sparse ints.
 _COMMON_ARGS = [
@@ -66,6 +73,8 @@ _Int64s = ctypes.POINTER(ctypes.c_int64)
 _SIGNATURES = {
     # version, partition_size, max_seq_len, num_threads
     "paged_attention_cpu": [*_COMMON_ARGS, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int],
+    # num_splits, split_blocks, max_seq_len, num_threads
+    "paged_attention_v3_cpu": [*_COMMON_ARGS, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int],
     # query_start_loc, max_query_len, num_threads
     "prefill_attention_cpu": [*_COMMON_ARGS, ctypes.c_void_p, ctypes.c_int, ctypes.c_int],
     # num_caches, src cache addresses, dst cache addresses, bytes per block, mapping, num_pairs, num_threads
@@ -196,10 +205,32 @@ class CpuBackend(TorchBackend):
     def unavailable_reason(self) -> str | None:
         return _load_failure()
 
+    def decode_workspace(
+        self, num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int, block_size: int, version: str,
+        partition_size: int, max_seq_len: int, sliding_window: int | None, device: torch.device,
+    ) -> SplitPlan | None:
+        """v3's split plan for the step (the kernel allocates its small merge scratch per call);
+        `None` for v1 and v2."""
+        if version != "v3":
+            return None
+        return plan_splits(num_seqs, num_kv_heads, max_seq_len, block_size,
+                           Hardware(torch.get_num_threads(), V3_SLOTS_PER_THREAD), sliding_window=sliding_window)
+
     def paged_attention(
         self, query: torch.Tensor, cache: CacheView, scale: float, version: str, partition_size: int, max_seq_len: int,
         sliding_window: int | None, features: AttentionFeatures = NONE, workspace: object = None,
     ) -> torch.Tensor:
+        """v3 runs `workspace`'s split plan, else plans one for these rows."""
+        if version == "v3":
+            plan = workspace
+            if plan is None:
+                plan = self.decode_workspace(query.shape[0], query.shape[1], cache.num_kv_heads, cache.head_size,
+                                             cache.block_size, version, partition_size, max_seq_len, sliding_window,
+                                             query.device)
+            if not isinstance(plan, SplitPlan) or plan.block_size != cache.block_size:
+                raise ValueError(f"cpu v3 needs a SplitPlan for block_size={cache.block_size}, got {plan!r}")
+            return _call("paged_attention_v3_cpu", query, cache, scale, sliding_window, features, plan.num_splits,
+                         plan.split_blocks, max_seq_len, torch.get_num_threads())
         version_number = 1 if version == "v1" else 2
         return _call("paged_attention_cpu", query, cache, scale, sliding_window, features, version_number,
                      partition_size, max_seq_len, torch.get_num_threads())
