@@ -39,6 +39,14 @@ constexpr int WARP_SIZE = 32;
 constexpr unsigned FULL_MASK = 0xffffffffu;
 constexpr float FLT_MAX_ = 3.402823466e+38f;
 
+PAGED_DEVICE float negative_infinity() {
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+  return __int_as_float(0xff800000);
+#else
+  return -INFINITY;
+#endif
+}
+
 PAGED_HD constexpr int div_up(int a, int b) { return (a + b - 1) / b; }
 PAGED_HD constexpr int cmax(int a, int b) { return a > b ? a : b; }
 PAGED_HD constexpr int cmin(int a, int b) { return a < b ? a : b; }

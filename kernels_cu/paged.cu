@@ -4,5 +4,6 @@
 
 #include "attention.cuh"
 #include "cache.cuh"
+#include "decode_v3.cuh"
 #include "layer_ops.cuh"
 #include "prefill.cuh"

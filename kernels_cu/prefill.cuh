@@ -36,14 +36,6 @@ constexpr int PREFILL_THREADS = PREFILL_WARPS * WARP_SIZE;
 constexpr int PREFILL_ROWS = 16 * PREFILL_WARPS;  // query rows of a CTA: one m16 tile per warp
 constexpr int PREFILL_KEYS = 32;                   // keys per K/V tile
 
-PAGED_DEVICE float negative_infinity() {
-#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
-  return __int_as_float(0xff800000);
-#else
-  return -INFINITY;
-#endif
-}
-
 // A cache element as T; the fp8 formats' values are all exact in fp16, bf16 and fp32.
 template <typename T, typename C>
 PAGED_DEVICE T cache_to(C x) {

@@ -37,17 +37,21 @@ constexpr int kMaxSplits = 128;
 // under its rounding, flush to 0.
 constexpr float kRescaleSlack = 16.f;
 
+// Width of v3's lane-folded sums (v3_values): 8 floats, one AVX2 vector (two NEON ones). Every block
+// size is a multiple of it.
+constexpr int kLanes = 8;
+
 struct SplitArgs {
   int num_splits, split_blocks;
 };
 
 struct V3Scratch {
   std::vector<float> q;      // [D]: one query head
-  std::vector<float> qx;     // [G][D/x][BS][x]: each head's query chunk repeated for every slot
+  std::vector<float> qx;     // [G][D/x][W]: each head's query chunks, repeated to W = max(x, kLanes)
   std::vector<float> kt;     // [D/x][BS][x]: a non-fp32 K tile as fp32
   std::vector<float> vt;     // [D][BS]: a V tile as fp32, 0 where masked
   std::vector<float> p;      // [G][BS]: one block's logits, then weights
-  std::vector<float> vacc;   // [G][D][BS]: per-slot sums of weighted values
+  std::vector<float> vacc;   // [G][D][kLanes]: sums of weighted values, the slots folded onto lanes
   std::vector<float> ref, sum;  // [G]: reference max (-inf: nothing seen yet) and exp-sum
   std::vector<float> o;      // [G][D]: the split's normalised output
   std::vector<char> sees;    // [G]: block-sparse, whether each head sees the current block
@@ -55,11 +59,11 @@ struct V3Scratch {
   void init(int G, int D, int BS) {
     const size_t tile = static_cast<size_t>(D) * BS;
     q.resize(D);
-    qx.resize(G * tile);
+    qx.resize(static_cast<size_t>(G) * D * 2);  // W / x <= kLanes / 4
     kt.resize(tile);
     vt.resize(tile);
     p.resize(static_cast<size_t>(G) * BS);
-    vacc.assign(G * tile, 0.f);
+    vacc.assign(static_cast<size_t>(G) * D * kLanes, 0.f);
     ref.resize(G);
     sum.resize(G);
     o.resize(static_cast<size_t>(G) * D);
@@ -67,38 +71,49 @@ struct V3Scratch {
   }
 };
 
-// The G heads' query rows from `head0` in the K tile's layout, each x-chunk repeated per slot.
-template <typename C, int BS>
+// The query pattern one K-tile vector multiplies: a K tile is [D/x][BS][x], so an x-chunk of the
+// query repeats along each row of the tile; W = max(x, kLanes) floats hold one repetition unit.
+template <int x>
+constexpr int pattern_width() { return x < kLanes ? kLanes : x; }
+
+// The G heads' query rows from `head0` as [G][D/x][W]: chunk c of head g repeated over W floats.
+template <typename C>
 inline void v3_load_query(const Args& a, int seq, int head0, int G, V3Scratch& s) {
-  constexpr int x = x_of<C>();
+  constexpr int x = x_of<C>(), W = pattern_width<x>();
   const int D = a.head_size;
   for (int g = 0; g < G; ++g) {
     load_query_row(a, seq * a.q_stride_seq + (head0 + g) * a.q_stride_head, D, s.q.data());
-    float* dst = s.qx.data() + static_cast<int64_t>(g) * D * BS;
+    float* dst = s.qx.data() + static_cast<int64_t>(g) * (D / x) * W;
     for (int c = 0; c < D / x; ++c)
-      for (int off = 0; off < BS; ++off)
-        for (int i = 0; i < x; ++i) dst[(c * BS + off) * x + i] = s.q[c * x + i];
+      for (int i = 0; i < W; ++i) dst[c * W + i] = s.q[c * x + i % x];
   }
 }
 
-// p[g][off] = scale * q[g] . k[off] for every slot of the tile (masking is the caller's).
+// p[g][off] = scale * q[g] . k[off] for every slot of the tile (masking is the caller's). The
+// products run along the tile in cache order in pieces of 64 floats (8 AVX2 accumulators held in
+// registers over the D/x chunks); each slot's x lanes are summed once, outside the vector loop.
 template <int x, int BS>
 inline void v3_logits(int G, int D, float scale, const float* qx, const float* kf, const char* sees, float* p) {
-  constexpr int chunk = BS * x;
+  constexpr int W = pattern_width<x>(), chunk = BS * x, piece = chunk < 64 ? chunk : 64;
+  const int chunks = D / x;
   for (int g = 0; g < G; ++g) {
     if (sees && !sees[g]) continue;
-    const float* q = qx + static_cast<int64_t>(g) * D * BS;
-    float part[chunk] = {};  // [BS][x]: lanes summed per slot below, outside the vector loop
-    for (int c = 0; c < D / x; ++c) {
-      const float* qc = q + c * chunk;
-      const float* kc = kf + c * chunk;
+    const float* q = qx + static_cast<int64_t>(g) * chunks * W;
+    for (int base = 0; base < chunk; base += piece) {
+      float part[piece] = {};  // [piece / x][x]
+      for (int c = 0; c < chunks; ++c) {
+        const float* qc = q + c * W;
+        const float* kc = kf + c * chunk + base;
+        for (int h = 0; h < piece / W; ++h) {
 #pragma omp simd
-      for (int j = 0; j < chunk; ++j) part[j] += qc[j] * kc[j];
-    }
-    for (int off = 0; off < BS; ++off) {
-      float dot = 0.f;
-      for (int i = 0; i < x; ++i) dot += part[off * x + i];
-      p[g * BS + off] = dot * scale;
+          for (int i = 0; i < W; ++i) part[h * W + i] += qc[i] * kc[h * W + i];
+        }
+      }
+      for (int off = 0; off < piece / x; ++off) {
+        float dot = 0.f;
+        for (int i = 0; i < x; ++i) dot += part[off * x + i];
+        p[g * BS + base / x + off] = dot * scale;
+      }
     }
   }
 }
@@ -116,7 +131,7 @@ inline void v3_softmax_row(const Args& a, V3Scratch& s, int g, int head, int que
     const float new_ref = block_max + kRescaleSlack;
     if (old_ref != -std::numeric_limits<float>::infinity()) {
       const float alpha = std::exp(old_ref - new_ref);
-      const int64_t n = static_cast<int64_t>(a.head_size) * BS;
+      const int64_t n = static_cast<int64_t>(a.head_size) * kLanes;
       float* acc = s.vacc.data() + g * n;
 #pragma omp simd
       for (int64_t j = 0; j < n; ++j) acc[j] *= alpha;
@@ -134,17 +149,38 @@ inline void v3_softmax_row(const Args& a, V3Scratch& s, int g, int head, int que
   s.sum[g] += total;
 }
 
-// vacc[g][d][off] += p[g][off] * v[d][off] for the heads that see the block.
+// vacc[g][d][i] += sum_h p[g][h * kLanes + i] * v[d][h * kLanes + i] for the heads that see the
+// block: the slots fold onto kLanes lanes (in a fixed order, so no reassociation is needed), which
+// divides the accumulators' loads and stores by BS / kLanes.
 template <int BS>
 inline void v3_values(int G, int D, const float* vf, const float* p, const char* sees, float* vacc) {
   for (int g = 0; g < G; ++g) {
     if (sees && !sees[g]) continue;
     const float* pg = p + g * BS;
-    float* acc = vacc + static_cast<int64_t>(g) * D * BS;
+    float* acc = vacc + static_cast<int64_t>(g) * D * kLanes;
     for (int d = 0; d < D; ++d) {
+      const float* vd = vf + d * BS;
+      float* ad = acc + d * kLanes;
 #pragma omp simd
-      for (int off = 0; off < BS; ++off) acc[d * BS + off] += pg[off] * vf[d * BS + off];
+      for (int i = 0; i < kLanes; ++i) {
+        float t = ad[i];
+        for (int h = 0; h < BS / kLanes; ++h) t += pg[h * kLanes + i] * vd[h * kLanes + i];
+        ad[i] = t;
+      }
     }
+  }
+}
+
+// Asks for the next block's K and V tiles while this one is computed: the block table scatters
+// the tiles, so the hardware prefetcher, which follows streams, cannot anticipate the jump.
+template <typename C>
+inline void prefetch_tiles(const Args& a, int64_t block, int kvh) {
+  const int64_t bytes = static_cast<int64_t>(a.head_size) * a.block_size * sizeof(typename C::storage);
+  const char* k = reinterpret_cast<const char*>(tile_ptr<C>(a.key_cache, a, block, kvh));
+  const char* v = reinterpret_cast<const char*>(tile_ptr<C>(a.value_cache, a, block, kvh));
+  for (int64_t at = 0; at < bytes; at += 64) {
+    __builtin_prefetch(k + at);
+    __builtin_prefetch(v + at);
   }
 }
 
@@ -171,6 +207,7 @@ void v3_attend_split(const Args& a, V3Scratch& s, int kvh, const int32_t* table,
       }
       if (!any) continue;  // no head of the group sees it: never read
     }
+    if (b + 1 < b_end) prefetch_tiles<C>(a, table[b + 1], kvh);
     const S* k = tile_ptr<C>(a.key_cache, a, table[b], kvh);
     const float* kf;
     if constexpr (std::is_same_v<C, F32>) {
@@ -200,14 +237,14 @@ void v3_attend_split(const Args& a, V3Scratch& s, int kvh, const int32_t* table,
     v3_values<BS>(G, D, vf, s.p.data(), sees, s.vacc.data());
   }
   for (int g = 0; g < G; ++g) {
-    float* acc = s.vacc.data() + static_cast<int64_t>(g) * D * BS;
+    float* acc = s.vacc.data() + static_cast<int64_t>(g) * D * kLanes;
     const float inv = s.sum[g] > 0.f ? 1.f / s.sum[g] : 0.f;
     for (int d = 0; d < D; ++d) {
       float total = 0.f;
-      for (int off = 0; off < BS; ++off) total += acc[d * BS + off];
+      for (int i = 0; i < kLanes; ++i) total += acc[d * kLanes + i];
       s.o[g * D + d] = total * inv;
     }
-    std::fill(acc, acc + static_cast<int64_t>(D) * BS, 0.f);
+    std::fill(acc, acc + static_cast<int64_t>(D) * kLanes, 0.f);
   }
 }
 
@@ -250,7 +287,7 @@ void run_v3(const Args& a, const SplitArgs& plan) {
       const int64_t b_begin = first / BS + static_cast<int64_t>(split) * plan.split_blocks;
       const int64_t b_end = std::min<int64_t>(b_begin + plan.split_blocks, (L + BS - 1) / BS);
       if (b_begin < b_end) {
-        v3_load_query<C, BS>(a, seq, head0, G, s);
+        v3_load_query<C>(a, seq, head0, G, s);
         v3_attend_split<C, BS>(a, s, kvh, a.block_tables + seq * a.bt_stride, L, first, static_cast<int>(b_begin),
                                static_cast<int>(b_end));
       } else {  // past the context (or an empty sequence): weight 0

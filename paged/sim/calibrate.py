@@ -109,7 +109,7 @@ class Execution:
     gemm: str  # torch | onednn
     layer_ops: str  # native | fused | torch: norms, RoPE, SwiGLU
     backend: kernels.KernelBackend
-    version: str  # auto | v1 | v2
+    version: str  # auto | v1 | v2 | v3
     partition_size: int
     kv_cache_dtype: str
     blocksparse: BlockSparse | None
@@ -345,6 +345,7 @@ def _overhead(
     cost = CostModel(
         spec, hardware, dtype.itemsize, version=execution.version, partition_size=execution.partition_size,
         kv_dtype_bytes=cache_dtype(execution.kv_cache_dtype, dtype).itemsize, blocksparse=execution.blocksparse,
+        backend=execution.backend.name,
     )
     window = spec.sliding_window
     params = SamplingParams(max_tokens=_PROBE_TOKENS, ignore_eos=True, temperature=0.0)

@@ -9,10 +9,11 @@ Per layer (all layers are alike, so one layer is costed and multiplied):
   SMs a GEMM's output tiles keep busy), so a small batch is bandwidth-bound;
 - prefill attention: 4 x head_dim x heads FLOPs for every (query, key) pair a causal prefill of
   the uncached tokens computes against the sequence's full context (cached prefix included);
-- decode attention: each sequence reads its K and V for its real context length. The paged kernel
-  gives every (sequence, head) one thread block (v1) or one per 512-token partition (v2), so the
-  step also cannot end before its largest work unit streams at one SM's share of the bandwidth:
-  with few, long sequences v1 leaves SMs idle and v2 wins, as vLLM's heuristic assumes;
+- decode attention: each sequence reads its K and V for its real context length, and the step
+  cannot end before the kernel's largest work unit streams at one SM's share of the bandwidth
+  (`decode_attention.py`: v1, v2 and v3's units and merges), at the efficiency the hardware's
+  kernel table gives the variant and the batch's shape class (`kernel_table.py`: measured where
+  a kernel benchmark exists, its source stated per row), so `kernel=v1|v2|v3` prices that kernel;
 - layer norms, residual adds, rotary, the MLP activation and the KV-cache write: memory-bound;
 - the KV cache's element size (`kv_dtype_bytes`: 1 for an fp8 cache) prices every byte of K/V that
   attention reads from the cache, the cache write stores and a swap moves; weights and activations
@@ -29,10 +30,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from paged.config.choices import VERSIONS
 from paged.kernels import choose_version
 from paged.kernels.features import BlockSparse
 from paged.model.spec import ModelSpec
+from paged.sim.decode_attention import AttentionShape, decode_bytes
 from paged.sim.hardware import Hardware
+from paged.sim.kernel_table import Entry, decode_table, shape_class
 from paged.step import SchedulerOutput
 
 
@@ -119,14 +123,17 @@ class CostModel:
     def __init__(
         self, spec: ModelSpec, hardware: Hardware, dtype_bytes: int, *, version: str = "auto",
         partition_size: int = 512, kv_dtype_bytes: int | None = None, blocksparse: BlockSparse | None = None,
+        backend: str = "cuda",
     ) -> None:
         """`kv_dtype_bytes`: one KV cache element's bytes (None: `dtype_bytes`, the model's);
-        `blocksparse`: the decode kernels read only the blocks its pattern keeps."""
-        if version not in ("auto", "v1", "v2"):
-            raise ValueError(f"kernel.version={version!r} is not supported; allowed: auto, v1, v2")
+        `blocksparse`: the decode kernels read only the blocks its pattern keeps; `backend`: the
+        kernel backend whose `kernel.version=auto` choice is priced (a simulated GPU runs cuda)."""
+        allowed = ("auto", *VERSIONS)
+        if version not in allowed:
+            raise ValueError(f"kernel.version={version!r} is not supported; allowed: {', '.join(allowed)}")
         self.spec, self.hw, self.b = spec, hardware, dtype_bytes
         self.kv_b = dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes
-        self.version, self.partition_size = version, partition_size
+        self.version, self.partition_size, self.backend = version, partition_size, backend
         self.blocksparse = blocksparse
         g = hardware.num_gpus
         s = spec
@@ -160,6 +167,7 @@ class CostModel:
             (up_out, h * up_out), (h, inter * h),
         ]
         self._efficiency: dict[int, float] = {}
+        self.kernel_table: dict[tuple[str, str], Entry] = decode_table(hardware)
 
     def _matmul_efficiency(self, tokens: int) -> float:
         """The table's efficiency at `tokens`, times the share of the tensor cores' work that is
@@ -195,6 +203,7 @@ class CostModel:
         )
         attention, version = self._attention(shape)
         elementwise = t * (self.elementwise * b + self.cache_write_bytes) / self.bw
+        # v2's reduce is a kernel of its own; v3 merges its splits in the same pass
         kernels = _KERNELS_PER_LAYER + (version == "v2") + (shape.num_prefill_rows > 0 and version is not None)
         layer = max(linear + attention + elementwise, kernels * hw.kernel_launch_s)
         communication = 0.0
@@ -240,7 +249,7 @@ class CostModel:
         return local + remote * sparse.block_size / sparse.vert_stride
 
     def _attention(self, shape: StepShape) -> tuple[float, str | None]:
-        """Queries and outputs move at the model's dtype, K/V at the cache's, as both attention
+        """Queries and outputs move at the model's dtype, K/V at the cache's, as the attention
         kernels read every context token from the cache. An fp8 cache adds no dequantisation time:
         decode attention is priced by its bytes alone (the conversion to fp32 happens in registers as
         the K/V stream in), and prefill's flops run on the dequantised fp16 tiles."""
@@ -254,18 +263,10 @@ class CostModel:
         if not contexts:
             return time, None
         num, longest = len(contexts), max(contexts)
-        total = sum(map(self._read, contexts))
         version = self.version
         if version == "auto":
-            version = choose_version(longest, num, self.heads, self.partition_size)
-        bandwidth = hw.memory_bandwidth * hw.decode_attention_efficiency
-        traffic = 2 * total * self.kv_size * kv_b + 2 * num * self.q_size * b
-        unit = min(longest, self.partition_size) if version == "v2" else longest
-        # one thread block streams its unit at one SM's share of the bandwidth
-        time += max(traffic / bandwidth, 2 * unit * d * kv_b * hw.num_sms / bandwidth)
-        if version == "v2":
-            p = self.partition_size
-            partitions = sum(-(-c // p) for c in contexts)
-            # the reduce reads each partition's max, sum and partial output (fp32) and writes the row
-            time += self.heads * (partitions * (2 + d) * 4 + num * d * b) / bandwidth
-        return time, version
+            version = choose_version(longest, num, self.heads, self.partition_size, backend=self.backend)
+        attention = AttentionShape(self.heads, self.kv_heads, d, b, kv_b, shape.block_size, self.partition_size)
+        work = decode_bytes(version, contexts, sum(map(self._read, contexts)), attention, hw.num_sms)
+        efficiency = self.kernel_table[version, shape_class(num, longest)].efficiency
+        return time + work / (hw.memory_bandwidth * efficiency), version

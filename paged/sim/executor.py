@@ -79,9 +79,10 @@ class SimExecutor(Executor):
         self.model_cfg = model
         self.spec, tokenizer_source = model_spec(model)
         check_parallelism(self.spec, hw_cfg.num_gpus)
-        # model.dtype=auto means what the real model would run in on the simulated device: a
-        # calibrated hardware is this machine's CPU (cpu-local), every other one a GPU
-        self.dtype_name = resolve_dtype(model.dtype, "cpu" if hw_cfg.calibrated else "cuda")
+        # model.dtype=auto and kernel.backend=auto mean what the real model would run on the simulated
+        # device: a calibrated hardware is this machine's CPU (cpu-local), every other one a GPU
+        self._device = "cpu" if hw_cfg.calibrated else "cuda"
+        self.dtype_name = resolve_dtype(model.dtype, self._device)
         self.dtype_bytes = getattr(torch, self.dtype_name).itemsize
         # a calibrated hardware (cpu-local) arrives measured from the builder (paged.sim.calibrate)
         self.hardware: Hardware = resolve_hardware(hw_cfg)
@@ -132,6 +133,7 @@ class SimExecutor(Executor):
         self.cost_model = CostModel(
             self.spec, self.hardware, self.dtype_bytes, version=kernel.version, partition_size=kernel.partition_size,
             kv_dtype_bytes=self.kv_dtype_bytes, blocksparse=sparse,
+            backend=self._device if kernel.backend == "auto" else kernel.backend,
         )
         pattern = f", block-sparse {sparse}" if sparse else ""
         self.kernel_description = f"{kernel.version} (simulated paged attention{pattern})"

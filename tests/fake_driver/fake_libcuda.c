@@ -318,8 +318,10 @@ static int attribute(int attr) {
     case 10: return 32;            // WARP_SIZE
     case 16: return 132;           // MULTIPROCESSOR_COUNT
     case 38: return 50 << 20;      // L2_CACHE_SIZE
+    case 39: return 2048;          // MAX_THREADS_PER_MULTIPROCESSOR
     case 75: return g_cc / 10;     // COMPUTE_CAPABILITY_MAJOR
     case 76: return g_cc % 10;     // COMPUTE_CAPABILITY_MINOR
+    case 81: return 233472;        // MAX_SHARED_MEMORY_PER_MULTIPROCESSOR (228 KB, an H100)
     case 97: return g_smem_optin;  // MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
     case 111: return g_cc >= 80 ? RESERVED_SMEM : 0;  // RESERVED_SHARED_MEMORY_PER_BLOCK
     default: return 0;

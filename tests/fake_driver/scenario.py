@@ -72,6 +72,9 @@ class HostMemoryCuda(RunnerBackend):
     def runner(self, tensor: torch.Tensor) -> Any:
         return self._runner
 
+    def device_limits(self, device: torch.device) -> Any:
+        return self._runner.limits
+
 
 def _stream_id(stream: Any) -> int:
     from cuda.bindings import driver

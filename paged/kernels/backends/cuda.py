@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from paged.kernels.backends import launch
+from paged.kernels.backends.decode_v3 import DeviceLimits
 from paged.kernels.toolchain import nvrtc
 from paged.kernels.toolchain.specs import Unit
 
@@ -105,7 +106,11 @@ class CudaRunner:
                 f"NVRTC {'.'.join(map(str, nvrtc.toolchain().version))} cannot build for device {index} "
                 f"({self.arch}); it supports {', '.join(nvrtc.supported_archs())}: upgrade nvidia-cuda-nvrtc"
             )
-        self.max_shared_memory = int(self.device.properties.max_shared_memory_per_block_optin)
+        properties = self.device.properties
+        self.max_shared_memory = int(properties.max_shared_memory_per_block_optin)
+        self.limits = DeviceLimits(int(properties.multiprocessor_count),
+                                   int(properties.max_shared_memory_per_multiprocessor),
+                                   int(properties.max_threads_per_multiprocessor))
         self._kernels: dict[str, _Kernel] = {}
         self._configs: dict[tuple[Any, ...], Any] = {}
         self._streams: dict[int, Any] = {}
@@ -230,10 +235,16 @@ class CudaBackend(launch.RunnerBackend):
         self._runners: dict[int, CudaRunner] = {}
 
     def runner(self, tensor: torch.Tensor) -> CudaRunner:
-        index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+        return self._runner(tensor.device)
+
+    def _runner(self, device: torch.device) -> CudaRunner:
+        index = device.index if device.index is not None else torch.cuda.current_device()
         if index not in self._runners:
             self._runners[index] = CudaRunner(index)
         return self._runners[index]
+
+    def device_limits(self, device: torch.device) -> DeviceLimits:
+        return self._runner(device).limits
 
     def unavailable_reason(self) -> str | None:
         if not torch.cuda.is_available():

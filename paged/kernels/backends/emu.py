@@ -10,12 +10,15 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from paged.kernels.backends.decode_v3 import DeviceLimits
 from paged.kernels.backends.launch import Copy, Launch, Ptr, RunnerBackend
 from paged.kernels.toolchain import emulator, host_compiler
 from paged.kernels.toolchain.specs import Unit
 
 # Same opt-in limit as an H100, so a launch the GPU would refuse fails here too.
 MAX_SHARED_MEMORY = 227 * 1024
+# An H100 SXM's SMs, shared memory and threads per SM: v3 plans the splits an H100 would run.
+H100 = DeviceLimits(multiprocessors=132, shared_memory_per_multiprocessor=228 * 1024, threads_per_multiprocessor=2048)
 _STATUS = {1: "block size must be 1..1024 threads", 2: "grid dimensions must be positive"}
 _LOCK = threading.Lock()  # the runtime's globals (gridDim, shared memory) hold one launch at a time
 
@@ -71,6 +74,9 @@ class EmuBackend(RunnerBackend):
 
     def runner(self, tensor: torch.Tensor) -> EmuRunner:
         return RUNNER
+
+    def device_limits(self, device: torch.device) -> DeviceLimits:
+        return H100
 
     def unavailable_reason(self) -> str | None:
         return host_compiler.unavailable_reason()

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from paged.kernels.backends.decode_v3 import DeviceLimits, V3Workspace, v3_launches, v3_unit, v3_workspace
 from paged.kernels.backends.interface import (
     CACHE_DTYPES,
     FEATURES,
@@ -139,14 +140,22 @@ class RunnerBackend(FusedLayerOpsMixin, TorchBackend):
     def runner(self, tensor: torch.Tensor) -> Runner:
         """The runner owning `tensor`'s device."""
 
+    @abstractmethod
+    def device_limits(self, device: torch.device) -> DeviceLimits:
+        """What v3's split planner fills on `device`."""
+
     # The kernels skip slot -1 and read lengths on the device.
     graph_capturable = True
 
     def decode_workspace(
         self, num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int, block_size: int, version: str,
         partition_size: int, max_seq_len: int, sliding_window: int | None, device: torch.device,
-    ) -> V2Scratch | None:
-        """v2's per-partition exp sums, max logits and outputs, for rows of up to `max_seq_len`."""
+    ) -> V2Scratch | V3Workspace | None:
+        """v2's per-partition exp sums, max logits and outputs, or v3's split plan and its scratch,
+        for rows of up to `max_seq_len`."""
+        if version == "v3":
+            return v3_workspace(self.device_limits(device), num_seqs, num_heads, num_kv_heads, head_size, block_size,
+                                max_seq_len, sliding_window, device)
         if version != "v2":
             return None
         num_partitions = -(-window_span(max_seq_len, sliding_window, partition_size) // partition_size)
@@ -170,6 +179,17 @@ class RunnerBackend(FusedLayerOpsMixin, TorchBackend):
         query = _rows(query, vectors=True)
         block_tables, seq_lens = cache.block_tables.contiguous(), cache.seq_lens.contiguous()
         out = torch.empty_like(query)
+        if version == "v3":
+            v3 = workspace or self.decode_workspace(num_seqs, num_heads, num_kv_heads, head_size, block_size, version,
+                                                    partition_size, max_seq_len, sliding_window, query.device)
+            assert isinstance(v3, V3Workspace)
+            unit, smem = v3_unit(query, cache, features.plain)
+            _check_shared_memory(runner, unit, unit.kernels[0], smem, f"v3 attention with head size {head_size}",
+                                 "use kernel.backend=torch, or a 16-bit model dtype")
+            rows = CacheView(key_cache, value_cache, block_tables, seq_lens)
+            runner.run(unit, v3_launches(unit, smem, query, out, rows, scale, max_seq_len, sliding_window,
+                                         _feature_args(cache, features), v3))
+            return out
         unit = attention_unit(query.dtype, head_size, block_size, version, partition_size, key_cache.dtype,
                               not features.plain)
         window = np.int32(sliding_window or 0)  # 0: the whole context

@@ -17,7 +17,10 @@ from paged.kernels.limits import BLOCK_SIZES, DEFAULT_PARTITION_SIZE, NATIVE_HEA
 NUM_THREADS = 128
 CXX_TYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
 CXX_CACHE_TYPES = {torch.float8_e4m3fn: "__nv_fp8_e4m3", torch.float8_e5m2: "__nv_fp8_e5m2"}
-OPS = ("attention_v1", "attention_v2", "cache", "prefill", "layer")
+OPS = ("attention_v1", "attention_v2", "attention_v3", "cache", "prefill", "layer")
+# v3 CTAs hold this many query heads of a GQA group: the smallest tile that holds the group, else 8
+# (larger groups take several head chunks).
+GROUP_TILES = (1, 2, 4, 8)
 
 
 @dataclass(frozen=True, order=True)
@@ -29,6 +32,7 @@ class Unit:
     partition_size: int = 0
     cache: str = ""  # the KV cache's element type when it is not `dtype` (fp8)
     features: bool = False  # ALiBi / block-sparse compiled in (attention only)
+    group_tile: int = 0  # v3: query heads per CTA, of GROUP_TILES
 
     def __post_init__(self) -> None:
         assert self.op in OPS, self.op
@@ -36,6 +40,7 @@ class Unit:
         assert self.cache in ("", *CXX_CACHE_TYPES.values()), self.cache
         assert (self.op == "attention_v2") == (self.partition_size > 0), self
         assert not (self.features and self.op in ("cache", "layer")), self
+        assert (self.op == "attention_v3") == (self.group_tile in GROUP_TILES), self
 
     @property
     def kernels(self) -> tuple[str, ...]:
@@ -49,6 +54,11 @@ class Unit:
                 f"paged::paged_attention_v2_kernel<{t}, {c}, {h}, {b}, {NUM_THREADS}, {p}, {f}>",
                 f"paged::paged_attention_v2_reduce_kernel<{t}, {h}, {NUM_THREADS}, {p}>",
             )
+        if self.op == "attention_v3":
+            return (
+                f"paged::paged_attention_v3_kernel<{t}, {c}, {h}, {b}, {self.group_tile}, {f}>",
+                f"paged::paged_attention_v3_merge_kernel<{t}, {h}>",
+            )
         if self.op == "prefill":
             return (f"paged::prefill_attention_kernel<{t}, {c}, {h}, {b}, {f}>",)
         if self.op == "layer":
@@ -61,7 +71,8 @@ class Unit:
         if self.op in ("cache", "layer"):
             return f"{self.op} {self.dtype}{cache}"
         label = f"{self.op.removeprefix('attention_')} {self.dtype}{cache} h{self.head_size} b{self.block_size}"
-        return label + (f" p{self.partition_size}" if self.partition_size else "") + (" +features" * self.features)
+        label += f" p{self.partition_size}" if self.partition_size else ""
+        return label + (f" g{self.group_tile}" if self.group_tile else "") + (" +features" * self.features)
 
 
 # The layer kernels that load whole 16-byte vectors where their rows allow it, else one element.
@@ -108,12 +119,21 @@ def _cache_type(dtype: torch.dtype, cache_dtype: torch.dtype | None) -> str:
     return CXX_CACHE_TYPES[cache_dtype] if cache_dtype in FP8_DTYPES else ""
 
 
+def group_tile(group: int) -> int:
+    """v3's query heads per CTA for a GQA group of `group` heads."""
+    return next((tile for tile in GROUP_TILES if tile >= group), GROUP_TILES[-1])
+
+
 def attention_unit(
     dtype: torch.dtype, head_size: int, block_size: int, version: str, partition_size: int,
-    cache_dtype: torch.dtype | None = None, features: bool = False,
+    cache_dtype: torch.dtype | None = None, features: bool = False, group: int = 1,
 ) -> Unit:
-    """`features`: the kernel with ALiBi and block-sparse compiled in (plain attention runs without)."""
+    """`features`: the kernel with ALiBi and block-sparse compiled in (plain attention runs without);
+    `group`: query heads per KV head, which picks v3's head tile."""
     cache = _cache_type(dtype, cache_dtype)
+    if version == "v3":
+        return Unit("attention_v3", CXX_TYPES[dtype], head_size, block_size, cache=cache, features=features,
+                    group_tile=group_tile(group))
     if version == "v1":
         return Unit("attention_v1", CXX_TYPES[dtype], head_size, block_size, cache=cache, features=features)
     return Unit("attention_v2", CXX_TYPES[dtype], head_size, block_size, partition_size, cache, features)
@@ -140,19 +160,22 @@ def dispatchable_units(partition_size: int = DEFAULT_PARTITION_SIZE) -> list[Uni
                 for block in BLOCK_SIZES:
                     units += [attention_unit(dtype, head, block, v, partition_size, cache, features)
                               for features in (False, True) for v in ("v1", "v2")]
+                    units += [attention_unit(dtype, head, block, "v3", 0, cache, features, tile)
+                              for features in (False, True) for tile in GROUP_TILES]
                     units += [prefill_unit(dtype, head, block, cache, features) for features in (False, True)]
     return units + [layer_unit(dtype) for dtype in CXX_TYPES]
 
 
 def default_units() -> list[Unit]:
     """The configurations models run with most: fp16/bf16, head 128, block 16, with a cache of the
-    model's dtype or fp8 e4m3 (decode v1 / v2, prefill, the cache ops), and the layer ops of both
-    dtypes."""
+    model's dtype or fp8 e4m3 (decode v1 / v2, v3 for GQA groups of 4 and 8, prefill, the cache ops),
+    and the layer ops of both dtypes."""
     units = []
     for dtype in (torch.float16, torch.bfloat16):
         for cache in (None, torch.float8_e4m3fn):
             units.append(cache_unit(dtype, cache))
             units += [attention_unit(dtype, 128, 16, v, DEFAULT_PARTITION_SIZE, cache) for v in ("v1", "v2")]
+            units += [attention_unit(dtype, 128, 16, "v3", 0, cache, group=group) for group in (4, 8)]
             units.append(prefill_unit(dtype, 128, 16, cache))
         units.append(layer_unit(dtype))
     return units

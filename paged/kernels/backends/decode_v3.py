@@ -1,0 +1,140 @@
+"""v3 decode's launch plan (kernels_cu/decode_v3.cuh) for the runner backends: the split plan and
+its scratch, made once per step, and the main and merge launches of each layer's call.
+
+The split count comes from `paged.kernels.split_plan` with the device's SMs and the CTAs one SM
+holds at v3's shared memory and thread count, so it depends on the batch's shape and longest
+context only: a CUDA graph replays the plan it was captured with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from paged.kernels.backends.interface import CacheView
+from paged.kernels.backends.launch_api import Arg, Launch, Ptr
+from paged.kernels.features import FP8_DTYPES
+from paged.kernels.split_plan import MAX_SPLITS, TILE_TOKENS, Hardware, SplitPlan, attended_blocks, plan_splits
+from paged.kernels.toolchain.specs import Unit, attention_unit, group_tile
+
+V3_WARPS = 4
+V3_THREADS = 32 * V3_WARPS
+V3_WARP_KEYS = TILE_TOKENS // V3_WARPS
+V3_TABLE_CHUNK = 128
+# Shared memory the driver keeps per CTA on sm_80 and newer, on top of what the kernel asks for.
+RESERVED_SHARED_MEMORY = 1024
+
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    """What an occupancy estimate needs of a device."""
+
+    multiprocessors: int
+    shared_memory_per_multiprocessor: int
+    threads_per_multiprocessor: int
+
+
+def v3_shared_memory(cache_element_size: int, head_size: int, tile: int) -> int:
+    """decode_v3.cuh's V3Layout: the pre-scaled query, a table chunk, the warps' probabilities and
+    softmax states, then 3 stages of K/V tiles (2 where a stage passes 16 KB)."""
+    tile_bytes = TILE_TOKENS * head_size * cache_element_size
+    stages = 3 if 2 * tile_bytes <= 16384 else 2
+    fixed = tile * head_size * 4 + V3_TABLE_CHUNK * 4 + V3_WARPS * tile * V3_WARP_KEYS * 4 + 2 * V3_WARPS * tile * 4
+    return fixed + stages * 2 * tile_bytes
+
+
+def hardware(limits: DeviceLimits, shared_memory: int) -> Hardware:
+    """The device's SMs and the v3 CTAs each holds at once (by threads and shared memory; the
+    kernel's registers allow at least as many at 128 threads)."""
+    by_threads = limits.threads_per_multiprocessor // V3_THREADS
+    by_smem = limits.shared_memory_per_multiprocessor // (shared_memory + RESERVED_SHARED_MEMORY)
+    return Hardware(limits.multiprocessors, max(min(by_threads, by_smem), 1))
+
+
+@dataclass(frozen=True)
+class V3Workspace:
+    """A step's split plan and, with more than one split, its fp32 scratch: `lse`
+    `[num_seqs, num_heads, splits]` and the partial outputs `[..., head_size]`."""
+
+    plan: SplitPlan
+    lse: torch.Tensor | None
+    tmp_out: torch.Tensor | None
+
+    @property
+    def capacity(self) -> int:
+        """The most splits the scratch holds."""
+        return 1 if self.lse is None else self.lse.shape[2]
+
+
+def v3_workspace(
+    limits: DeviceLimits, num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
+    max_seq_len: int, sliding_window: int | None, device: torch.device, num_splits: int | None = None,
+) -> V3Workspace:
+    """Plans the splits of rows of up to `max_seq_len` and allocates their scratch. Occupancy is
+    estimated at a 16-bit cache, the common case (an fp8 cache fits more CTAs, fp32 fewer)."""
+    group = num_heads // num_kv_heads
+    tile = group_tile(group)
+    chunks = -(-group // tile)
+    device_hw = hardware(limits, v3_shared_memory(2, head_size, tile))
+    plan = plan_splits(num_seqs, num_kv_heads * chunks, max(max_seq_len, 1), block_size, device_hw,
+                       sliding_window=sliding_window, num_splits=num_splits)
+    if plan.num_splits == 1:
+        return V3Workspace(plan, None, None)
+    lse = torch.empty((num_seqs, num_heads, plan.num_splits), dtype=torch.float32, device=device)
+    tmp_out = torch.empty((num_seqs, num_heads, plan.num_splits, head_size), dtype=torch.float32, device=device)
+    return V3Workspace(plan, lse, tmp_out)
+
+
+def check_workspace(workspace: V3Workspace, max_seq_len: int, sliding_window: int | None, block_size: int) -> None:
+    """A plan must cover the rows' longest span and fit its scratch: a kernel given less would leave
+    tokens out or write past the scratch."""
+    plan = workspace.plan
+    if plan.num_splits > min(workspace.capacity, MAX_SPLITS):
+        raise ValueError(f"the split plan has {plan.num_splits} splits but the scratch holds "
+                         f"{workspace.capacity}; allowed: 1..{min(workspace.capacity, MAX_SPLITS)}")
+    needed = attended_blocks(max_seq_len, sliding_window, block_size)
+    if plan.block_size != block_size or plan.num_splits * plan.split_blocks < needed:
+        raise ValueError(f"the split plan covers {plan.num_splits} x {plan.split_blocks} blocks of "
+                         f"{plan.block_size} tokens, but rows of max_seq_len={max_seq_len} need {needed} blocks of "
+                         f"{block_size}: plan the step with its longest context")
+
+
+def v3_unit(query: torch.Tensor, cache: CacheView, plain: bool) -> tuple[Unit, int]:
+    """The unit v3 runs for this query and cache, and the dynamic shared memory of its main kernel."""
+    num_heads, head_size = query.shape[1], query.shape[2]
+    key_cache = cache.key_cache
+    unit = attention_unit(query.dtype, head_size, cache.block_size, "v3", 0, key_cache.dtype, not plain,
+                          num_heads // cache.num_kv_heads)
+    element = 1 if key_cache.dtype in FP8_DTYPES else key_cache.element_size()
+    return unit, v3_shared_memory(element, head_size, unit.group_tile)
+
+
+def v3_launches(
+    unit: Unit, shared_memory: int, query: torch.Tensor, out: torch.Tensor, cache: CacheView, scale: float,
+    max_seq_len: int, sliding_window: int | None, feature_args: tuple[Arg, ...], workspace: V3Workspace,
+) -> list[Launch]:
+    """The main launch (grid: KV heads x head chunks, sequences, splits) and, with several splits,
+    the merge. `cache`'s block tables and lengths must be contiguous and outlive the launches."""
+    num_seqs, num_heads, _ = query.shape
+    key_cache, value_cache = cache.key_cache, cache.value_cache
+    block_size, num_kv_heads = cache.block_size, cache.num_kv_heads
+    check_workspace(workspace, max_seq_len, sliding_window, block_size)
+    plan, lse, tmp_out = workspace.plan, workspace.lse, workspace.tmp_out
+    scratch = (Ptr(0), Ptr(0)) if lse is None or tmp_out is None else (Ptr(lse.data_ptr()), Ptr(tmp_out.data_ptr()))
+    window = np.int32(sliding_window or 0)
+    args = (
+        Ptr(out.data_ptr()), *scratch, Ptr(query.data_ptr()), Ptr(key_cache.data_ptr()),
+        Ptr(value_cache.data_ptr()), np.int32(num_heads), np.int32(num_kv_heads), np.float32(scale),
+        Ptr(cache.block_tables.data_ptr()), Ptr(cache.seq_lens.data_ptr()), np.int32(cache.block_tables.shape[1]),
+        np.int32(query.stride(0)), np.int32(key_cache.stride(0)), np.int32(key_cache.stride(1)), window,
+        np.int32(plan.split_blocks), np.int32(workspace.capacity), *feature_args,
+    )
+    grid = (num_kv_heads * -(-(num_heads // num_kv_heads) // unit.group_tile), num_seqs, plan.num_splits)
+    launches = [Launch(unit.kernels[0], grid, V3_THREADS, shared_memory, args)]
+    if plan.num_splits > 1:
+        launches.append(Launch(unit.kernels[1], (num_heads, num_seqs, 1), V3_THREADS, 0, (
+            Ptr(out.data_ptr()), *scratch, Ptr(cache.seq_lens.data_ptr()), np.int32(block_size),
+            np.int32(plan.split_blocks), np.int32(workspace.capacity), window)))
+    return launches
