@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from paged import kernels
+from paged.kernels.backends.decode_v3 import DeviceLimits
+from paged.kernels.backends.emu import H100
 from paged.kernels.backends.launch import RunnerBackend, prefill_shared_memory
 from paged.kernels.features import FP8_MAX, BlockSparse, alibi_slopes
 from paged.kernels.registry import resolve_backend
@@ -73,10 +75,13 @@ def _quantize(cache: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
     return (cache.float() / scale.view(1, -1, *[1] * (cache.dim() - 2))).clamp(-limit, limit).to(dtype)
 
 
-def _inputs(s: Setting, seed: int = 0) -> dict:
+def feature_inputs(s: Setting, seed: int = 0, seq_lens: tuple[int, ...] = SEQ_LENS,
+                   q_lens: tuple[int, ...] = Q_LENS) -> dict:
+    """The arguments, feature options and NaN-free (dequantised) caches of setting `s`: the
+    decode tests (q_lens all 1) share them."""
     num_kv_heads = 2
-    case = AttentionCase(s.dtype, s.head, s.block, s.group, num_kv_heads, 512, SEQ_LENS)
-    x = prefill_inputs(case, Q_LENS, seed=seed)
+    case = AttentionCase(s.dtype, s.head, s.block, s.group, num_kv_heads, 512, seq_lens)
+    x = prefill_inputs(case, q_lens, seed=seed)
     p = x.paged
     args = {"query": x.query, "key_cache": p.key_cache, "value_cache": p.value_cache, "block_tables": p.block_tables,
             "query_start_loc": x.query_start_loc, "seq_lens": p.seq_lens, "scale": p.scale}
@@ -131,7 +136,7 @@ def reference64(args: dict, options: dict, clean: tuple[torch.Tensor, torch.Tens
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=[s.name for s in SETTINGS])
 def test_prefill_kernel_matches_a_float64_reference(setting: Setting) -> None:
-    x = _inputs(setting)
+    x = feature_inputs(setting)
     out = kernels.prefill_attention(**x["args"], backend="emu", **x["options"])
     assert out.dtype == setting.dtype and not out.isnan().any()
     torch.testing.assert_close(out.double(), reference64(x["args"], x["options"], x["clean"]),
@@ -144,7 +149,7 @@ def test_blocks_before_the_window_and_slots_past_the_context_are_never_read(dtyp
     NaN (the block manager may have given them away), as do the caches' slots past each context
     (prefill_inputs); nothing NaN reaches the output."""
     setting = Setting("stale", dtype, block=8, window=12)
-    x = _inputs(setting)
+    x = feature_inputs(setting)
     args, block = x["args"], setting.block
     poisoned = args["key_cache"].shape[0]  # a block past those the tables use, all NaN
     for name in ("key_cache", "value_cache"):
@@ -197,6 +202,9 @@ class _SmallDevice(RunnerBackend):
 
     def runner(self, tensor: torch.Tensor) -> _SmallSharedMemory:
         return self.recorder
+
+    def device_limits(self, device: torch.device) -> DeviceLimits:
+        return H100
 
 
 def test_tiles_larger_than_the_devices_shared_memory_are_refused_before_launch() -> None:

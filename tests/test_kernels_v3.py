@@ -1,0 +1,174 @@
+"""kernels_cu/decode_v3.cuh on the emulator against the float64 reference of the prefill tests
+(a decode row is a one-query prefill): GQA groups 1-16 (head chunks past 8), every head size,
+block sizes 8-32, contexts 1-16K, fp8 caches with per-head scales, ALiBi, sliding windows and
+block-sparse patterns; forced split counts; stale table entries before the window; and the split
+planner's refusals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from paged import kernels
+from paged.kernels.backends.decode_v3 import V3Workspace, check_workspace, v3_shared_memory, v3_workspace
+from paged.kernels.backends.emu import BACKEND as EMU
+from paged.kernels.backends.emu import H100
+from paged.kernels.backends.interface import CacheView
+from paged.kernels.features import alibi_slopes
+from paged.kernels.ops import narrower_window
+from paged.kernels.split_plan import MAX_SPLITS, Hardware, SplitPlan, plan_splits
+from paged.kernels.testing import tolerance
+from paged.kernels.toolchain import host_compiler
+from tests.test_prefill_kernel import E4M3, E5M2, SPARSE, SPARSE_PER_KV_HEAD, Setting, feature_inputs, reference64
+
+pytestmark = pytest.mark.skipif(host_compiler.unavailable_reason() is not None, reason="no host compiler")
+
+# (setting, context lengths): every head size and block size, GQA 1, 2, 3, 4, 5, 8 and 16.
+SETTINGS = (
+    (Setting("fp32-mha-h64", torch.float32, head=64, group=1), (1, 15, 17, 300)),
+    (Setting("fp16-gqa8-h128", torch.float16, head=128, group=8), (1, 33, 1000, 4097)),
+    (Setting("bf16-gqa4-h256-b32", torch.bfloat16, head=256, block=32, group=4), (5, 700)),
+    (Setting("fp16-gqa3-h80-b8", torch.float16, head=80, block=8, group=3), (9, 250, 2049)),
+    (Setting("fp16-gqa16-h96", torch.float16, head=96, group=16), (40, 600)),
+    (Setting("fp32-gqa2-h112-b8-window", torch.float32, head=112, block=8, group=2, window=100), (50, 130, 999)),
+    (Setting("bf16-gqa5-alibi", torch.bfloat16, group=5, alibi=True), (3, 77, 1500)),
+    (Setting("fp16-sparse", torch.float16, sparse=SPARSE, group=2), (1, 90, 700)),
+    (Setting("fp32-sparse-per-kv-head-b8", torch.float32, sparse=SPARSE_PER_KV_HEAD, block=8), (20, 333)),
+    (Setting("fp16-e4m3-gqa8-h128", torch.float16, head=128, group=8, cache=E4M3), (7, 1200)),
+    (Setting("bf16-e5m2-window", torch.bfloat16, cache=E5M2, window=300, group=2), (100, 301, 2000)),
+    (Setting("fp32-e4m3-everything", torch.float32, cache=E4M3, window=200, alibi=True, sparse=SPARSE), (64, 900)),
+    (Setting("fp16-gqa8-16k", torch.float16, group=8), (16384,)),
+)
+
+
+def _decode(x: dict) -> dict:
+    """The prefill tests' arguments as `paged_attention`'s."""
+    args = dict(x["args"])
+    args.pop("query_start_loc")
+    return args
+
+
+def _reference(x: dict) -> torch.Tensor:
+    return reference64(x["args"], x["options"], x["clean"])
+
+
+@pytest.mark.parametrize(("setting", "seq_lens"), SETTINGS, ids=[s.name for s, _ in SETTINGS])
+def test_v3_matches_a_float64_reference(setting: Setting, seq_lens: tuple[int, ...]) -> None:
+    x = feature_inputs(setting, seq_lens=seq_lens, q_lens=(1,) * len(seq_lens))
+    out = kernels.paged_attention(**_decode(x), version="v3", backend="emu", **x["options"])
+    assert out.dtype == setting.dtype and not out.isnan().any()
+    torch.testing.assert_close(out.double(), _reference(x), **tolerance(setting.dtype))
+
+
+def _run_with_splits(x: dict, num_splits: int) -> tuple[torch.Tensor, V3Workspace]:
+    args, options = _decode(x), x["options"]
+    query, key_cache = args["query"], args["key_cache"]
+    max_seq_len = int(args["seq_lens"].max())
+    window = narrower_window(options["sliding_window"], max_seq_len)
+    workspace = v3_workspace(H100, query.shape[0], query.shape[1], key_cache.shape[1], query.shape[2],
+                             args["value_cache"].shape[3], max_seq_len, window, query.device, num_splits=num_splits)
+    cache = CacheView(key_cache, args["value_cache"], args["block_tables"], args["seq_lens"])
+    out = EMU.paged_attention(query, cache, args["scale"], "v3", 512, max_seq_len, window, workspace=workspace)
+    return out, workspace
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 40])
+def test_every_split_count_gives_the_same_attention(num_splits: int) -> None:
+    """Forced split counts, down to one tile a split (40 > the 16 tiles of the longest row), each
+    split whole tiles: sequences shorter than the plan have empty trailing splits, which the merge
+    leaves out."""
+    setting = Setting("splits", torch.float16, group=4, block=16)
+    x = feature_inputs(setting, seq_lens=(1, 31, 100, 500), q_lens=(1,) * 4)
+    out, workspace = _run_with_splits(x, num_splits)
+    tiles_per_split = -(-16 // num_splits)
+    assert workspace.plan.num_splits == -(-16 // tiles_per_split)
+    torch.testing.assert_close(out.double(), _reference(x), **tolerance(torch.float16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_blocks_before_the_window_and_slots_past_the_context_are_never_read(dtype: torch.dtype) -> None:
+    """Table entries of blocks wholly before each row's window name a block of NaN; with several
+    splits too, nothing NaN reaches the output."""
+    setting = Setting("stale", dtype, block=8, window=60, group=2)
+    x = feature_inputs(setting, seq_lens=(70, 200, 333), q_lens=(1, 1, 1))
+    reference = _reference(x)
+    args = x["args"]
+    poisoned = args["key_cache"].shape[0]
+    for name in ("key_cache", "value_cache"):
+        args[name] = torch.cat([args[name], torch.full_like(args[name][:1], float("nan"))])
+    tables = args["block_tables"].clone()
+    for s, seq_len in enumerate(args["seq_lens"].tolist()):
+        tables[s, : (seq_len - setting.window) // setting.block] = poisoned
+    args["block_tables"] = tables
+    for num_splits in (1, 3):
+        out, _ = _run_with_splits(x, num_splits)
+        assert not out.isnan().any()
+        torch.testing.assert_close(out.double(), reference, **tolerance(dtype))
+
+
+def test_the_planner_splits_only_what_leaves_the_device_idle() -> None:
+    h100 = Hardware(132, 2)
+    assert plan_splits(256, 8, 1024, 16, h100).num_splits == 1  # 2048 CTAs already fill it
+    one_long = plan_splits(1, 8, 16384, 16, h100)
+    # 264 slots / 8 KV heads: 33 splits wanted, of whole tiles: 16 tiles (512 tokens) each, so 32
+    assert one_long.num_splits == 32 and one_long.split_tokens == 512
+    assert one_long.num_splits * one_long.split_tokens >= 16384
+    assert plan_splits(1, 8, 200, 16, h100).num_splits == 1  # no split shorter than 256 tokens
+    window = plan_splits(1, 8, 16384, 16, h100, sliding_window=1000)
+    assert window.num_splits * window.split_blocks >= -(-(1000 + 15) // 16)
+    # A plan depends on the longest context only, so a graph captured with it replays it.
+    assert plan_splits(4, 2, 5000, 16, h100) == plan_splits(4, 2, 5000, 16, h100)
+
+
+def test_a_plan_with_more_splits_than_the_scratch_holds_is_refused() -> None:
+    refusal = rf"num_splits=200 is outside the scratch's capacity; allowed: 1..{MAX_SPLITS}"
+    with pytest.raises(ValueError, match=refusal):
+        plan_splits(1, 1, 100000, 16, Hardware(132), num_splits=200)
+    x = feature_inputs(Setting("scratch", torch.float16, group=2), seq_lens=(900,), q_lens=(1,))
+    _, workspace = _run_with_splits(x, 4)
+    assert workspace.lse is not None
+    grown = replace(workspace, plan=SplitPlan(8, workspace.plan.split_blocks // 2, 16))
+    with pytest.raises(ValueError, match="the split plan has 8 splits but the scratch holds 4; allowed: 1..4"):
+        check_workspace(grown, 900, None, 16)
+    short = replace(workspace, plan=SplitPlan(2, 4, 16))
+    with pytest.raises(ValueError, match=r"covers 2 x 4 blocks of 16 tokens, but rows of max_seq_len=900 need 57"):
+        check_workspace(short, 900, None, 16)
+
+
+def test_an_unsupported_head_size_is_refused_before_launch_and_auto_picks_no_v3_there() -> None:
+    setting = Setting("head32", torch.float16, head=32, group=2)
+    x = feature_inputs(setting, seq_lens=(5,), q_lens=(1,))
+    with pytest.raises(ValueError, match=r"head_size=32 is not supported by backend='emu'; supported: 64, 80, 96"):
+        kernels.paged_attention(**_decode(x), version="v3", backend="emu")
+    backend, _ = kernels.resolve_backend("auto", device=torch.device("cpu"), dtype=torch.float16, head_size=32,
+                                         block_size=16, partition_size=None)
+    assert kernels.choose_version(5, 1, 4, backend=backend.name) in ("v1", "v2")
+
+
+def test_shared_memory_follows_the_layout_of_decode_v3() -> None:
+    """Three 16 KB stages of fp16 K/V at head 128 with the group of 8; fp32 at head 256 drops to two."""
+    assert v3_shared_memory(2, 128, 8) == 8 * 128 * 4 + 512 + 4 * 8 * 8 * 4 + 2 * 4 * 8 * 4 + 3 * 2 * 32 * 128 * 2
+    assert v3_shared_memory(4, 256, 8) == 8 * 256 * 4 + 512 + 1024 + 256 + 2 * 2 * 32 * 256 * 4
+
+
+def test_planned_v3_runs_alibi_once_planned_for_the_step() -> None:
+    """Through `DecodeAttention`: the plan is made at construction from the host rows; each layer's
+    call reuses it."""
+    from paged.kernels.planned import AttentionSettings, DecodeAttention, Rows
+
+    setting = Setting("planned", torch.bfloat16, group=4, alibi=True)
+    x = feature_inputs(setting, seq_lens=(3, 800), q_lens=(1, 1))
+    args = _decode(x)
+    tables, lens = args["block_tables"], args["seq_lens"]
+    rows = Rows(tables, lens, torch.arange(3, dtype=torch.int32), tables.numpy(), lens.numpy(),
+                torch.arange(3, dtype=torch.int32).numpy(), max_seq_len=800, max_query_len=1)
+    settings = AttentionSettings(EMU, args["scale"], 512, alibi_slopes=alibi_slopes(8))
+    num_blocks, num_kv_heads, head_size, block_size = args["value_cache"].shape
+    decode = DecodeAttention(rows, settings, "v3", 8, num_kv_heads, head_size, num_blocks, block_size)
+    assert isinstance(decode.workspace, V3Workspace)
+    for _ in range(2):
+        out = decode(args["query"], args["key_cache"], args["value_cache"])
+        torch.testing.assert_close(out.double(), _reference(x), **tolerance(torch.bfloat16))
