@@ -8,8 +8,26 @@
 // 16-byte cp.async in a STAGES-deep pipeline (tile i + STAGES - 1 is in flight while tile i is
 // computed); the block-table entries of the next V3_TABLE_CHUNK blocks are prefetched into
 // shared memory, so no tile waits on a table read before its loads can start. One pass with an
-// online softmax: each warp owns 8 keys of every tile (4 lanes per key share its head dims) and
-// keeps a running max, sum and fp32 output per head; the warps are merged at the end.
+// online softmax: each warp owns 8 keys of every tile and keeps a running max, sum and fp32 output
+// per head; the warps are merged at the end.
+//
+// The products. fp16 and bf16 models with a head tile of 4 or 8 (GQA groups >= 3; 4 query heads
+// and up) on sm_80 and newer run both on tensor cores (mma.cuh's m16n8k16, fp32 accumulation),
+// with the heads as the M dimension and the warp's 8 keys as N: S = Q·Kᵀ takes A = the CTA's query
+// heads (rows 0..GT-1 of 16, the rest zero; the unscaled query in T, so it is exact) and B = the
+// keys' head dims straight from the K tile (fp8 converted to T exactly: its raw half value, via
+// float for bf16), HEAD / 16 instructions; the softmax scale (with k_scale) multiplies the fp32
+// logits. Each lane then holds head lane / 4's logits of keys 2t, 2t+1 (t = lane % 4), so the
+// softmax state of a head lives in its four lanes (max over them by two shuffles, the sum kept per
+// lane until the end). O = P·V takes those probabilities, rounded to T as flash-attention does
+// (the sum adds the rounded values, so the weights stay normalised), as the A fragment without
+// leaving registers (keys 8..15 of the k16 step zero) and B = V's keys 2t, 2t+1 of head dim
+// 8n + lane / 4, HEAD / 8 instructions, the output of head lane / 4 at dims 8n + 2t, 2t + 1.
+// Half of each instruction is padding (rows 8..15 and, in P·V, keys 8..15), which costs nothing
+// that matters next to the CUDA-core loops it replaces. Masked keys are zeroed in V's fragment
+// (their logits are -inf by selection, and a NaN in a K slot only reaches its own key's logit).
+// fp32 models, head tiles of 1 and 2, and targets before sm_80 compute on CUDA cores: 4 lanes per
+// key share its head dims for S, and each lane owns head dims of P·V for every head.
 //
 // Splits (paged/kernels/split_plan.py, planned once per step from the SM count and occupancy):
 // split s covers split_blocks cache blocks from the block holding the first position the query
@@ -27,6 +45,7 @@
 
 #include "async_copy.cuh"
 #include "attention.cuh"
+#include "mma.cuh"
 
 namespace paged {
 
@@ -42,7 +61,7 @@ template <typename CACHE_T, int HEAD, int GT>
 struct V3Layout {
   static constexpr int TILE_BYTES = V3_TILE * HEAD * static_cast<int>(sizeof(CACHE_T));  // K or V
   static constexpr int STAGES = 2 * TILE_BYTES <= 16384 ? 3 : 2;
-  static constexpr int Q_BYTES = GT * HEAD * 4;               // the query, fp32, pre-scaled
+  static constexpr int Q_BYTES = GT * HEAD * 4;  // the query: fp32, pre-scaled (T, unscaled, for tensor cores)
   static constexpr int TABLE_BYTES = V3_TABLE_CHUNK * 4;
   static constexpr int P_BYTES = V3_WARPS * GT * V3_WARP_KEYS * 4;  // each warp's probabilities
   static constexpr int STATE_BYTES = 2 * V3_WARPS * GT * 4;         // each warp's max and sum
@@ -68,6 +87,28 @@ PAGED_DEVICE void load_floats8(const C* src, float (&out)[8]) {
   }
 }
 
+// Two consecutive cache elements as a tensor-core fragment register of T (the first in the low
+// half); fp8 values raw (scaled by 1 / Fp8Raw::scale), exact in fp16 and bf16.
+template <typename T>
+PAGED_DEVICE unsigned v3_from_half2(unsigned halves) {
+  if constexpr (SameType<T, __half>::value) {
+    return halves;
+  } else {
+    const __half* h = reinterpret_cast<const __half*>(&halves);
+    return pack2<T>(__half2float(h[0]), __half2float(h[1]));
+  }
+}
+template <typename T, typename C>
+PAGED_DEVICE unsigned v3_pair(const C* src) {
+  if constexpr (sizeof(C) == 1) {
+    unsigned halves[2];
+    fp8x4_to_half2x2<C>(*reinterpret_cast<const unsigned short*>(src), halves);
+    return v3_from_half2<T>(halves[0]);
+  } else {
+    return load2(src);
+  }
+}
+
 // Grid (num_kv_heads * head chunks, num_seqs, splits), V3_THREADS threads, V3Layout::BYTES of
 // dynamic shared memory. lse [num_seqs, num_heads, scratch_splits] and tmp_out [..., HEAD] are
 // written only with more than one split.
@@ -80,6 +121,9 @@ __global__ void paged_attention_v3_kernel(T* __restrict__ out, float* __restrict
                                           int q_stride, int kv_block_stride, int kv_head_stride, int sliding_window,
                                           int split_blocks, int scratch_splits, FEATURE_PARAMS) {
   typedef V3Layout<CACHE_T, HEAD, GT> L;
+  // Tensor cores (see the top of the file); the fragments read the cache as T pairs or fp8.
+  constexpr bool MMA = PAGED_HAS_MMA && sizeof(T) == 2 && GT >= 4 && GT <= 8 && HEAD % 16 == 0 &&
+                       (SameType<T, CACHE_T>::value || sizeof(CACHE_T) == 1);
   constexpr int X = 16 / sizeof(CACHE_T);
   constexpr int TILE_BLOCKS = V3_TILE / BLOCK;
   constexpr int ROWS = div_up(HEAD, WARP_SIZE);  // head dims per lane in P·V
@@ -140,8 +184,13 @@ __global__ void paged_attention_v3_kernel(T* __restrict__ out, float* __restrict
 
   const float q_scale = scale * k_scale;
   const T* q_ptr = q + static_cast<int64>(seq) * q_stride + static_cast<int64>(head0) * HEAD;
-  for (int i = thread; i < GT * HEAD; i += V3_THREADS) {
-    q_s[i] = i < heads * HEAD ? to_float(q_ptr[i]) * q_scale : 0.f;
+  if constexpr (MMA) {
+    T* q_t = reinterpret_cast<T*>(smem);
+    for (int i = thread; i < GT * HEAD; i += V3_THREADS) q_t[i] = i < heads * HEAD ? q_ptr[i] : from_float<T>(0.f);
+  } else {
+    for (int i = thread; i < GT * HEAD; i += V3_THREADS) {
+      q_s[i] = i < heads * HEAD ? to_float(q_ptr[i]) * q_scale : 0.f;
+    }
   }
 
   // Issues the copies of tile j (if the split has it) into its stage and closes a commit group, so
@@ -177,115 +226,224 @@ __global__ void paged_attention_v3_kernel(T* __restrict__ out, float* __restrict
   };
 
   const float neg_inf = negative_infinity();
-  float row_max[GT], row_sum[GT], acc[GT][ROWS];
-#pragma unroll
-  for (int g = 0; g < GT; ++g) {
-    row_max[g] = neg_inf;
-    row_sum[g] = 0.f;
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) acc[g][r] = 0.f;
-  }
-  const int slice = lane / V3_WARP_KEYS, key = lane % V3_WARP_KEYS;
-
-  // One warp's 8 keys of tile j: logits, the online softmax update and P·V.
-  auto compute = [&](int j) {
-    const int in_tile = warp * V3_WARP_KEYS;
-    const int block = start_block + j * TILE_BLOCKS + in_tile / BLOCK;
-    if (block >= end_block || !any_sees(block * BLOCK)) return;
-    const int first_key = block * BLOCK + in_tile % BLOCK;
-    const CACHE_T* k_tile = tiles + (j % L::STAGES) * 2 * V3_TILE * HEAD + (in_tile / BLOCK) * HEAD * BLOCK;
-    const CACHE_T* v_tile = k_tile + V3_TILE * HEAD;
-
-    float dot[GT];
-#pragma unroll
-    for (int g = 0; g < GT; ++g) dot[g] = 0.f;
-    for (int c = slice; c < HEAD / X; c += V3_SLICES) {
-      float k[X];
-      to_floats(load_vec<CACHE_T, X>(k_tile + (c * BLOCK + in_tile % BLOCK + key) * X), k);
-#pragma unroll
-      for (int g = 0; g < GT; ++g) {
-        const float* qg = q_s + g * HEAD + c * X;
-#pragma unroll
-        for (int e = 0; e < X; ++e) dot[g] += qg[e] * k[e];
-      }
+  float* outputs = reinterpret_cast<float*>(tiles);
+  // The K/V pipeline around a warp's `compute(j)` of tile j; the tiles' memory is free afterwards.
+  auto pipeline = [&](auto&& compute) {
+    for (int j = 0; j < L::STAGES - 1; ++j) issue(j);
+    for (int j = 0; j < num_tiles; ++j) {
+      cp_async_wait<L::STAGES - 2>();
+      __syncthreads();  // tile j is in every thread's view; tile j - 1's stage is free again
+      issue(j + L::STAGES - 1);
+      compute(j);
     }
-    // The four slices of a key hold partial dot products over disjoint head dims.
-#pragma unroll
-    for (int g = 0; g < GT; ++g) {
-      dot[g] += __shfl_xor_sync(FULL_MASK, dot[g], V3_WARP_KEYS);
-      dot[g] += __shfl_xor_sync(FULL_MASK, dot[g], 2 * V3_WARP_KEYS);
-    }
-    const int token = first_key + key;
-    const bool valid = token >= first_token && token < seq_len;
-#pragma unroll
-    for (int g = 0; g < GT; ++g) {
-      const float logit = valid && sees(g, block * BLOCK) ? dot[g] + slope[g] * (token - seq_len + 1) : neg_inf;
-      const float tile_max = warp_reduce<V3_WARP_KEYS / 2>(logit, MaxOp());
-      const float new_max = fmaxf(row_max[g], tile_max);
-      // Nothing seen yet: keep the state as it is (exp(-inf - -inf) would be NaN).
-      const bool none = new_max == neg_inf;
-      const float p = none ? 0.f : __expf(logit - new_max);
-      const float alpha = none ? 1.f : __expf(row_max[g] - new_max);
-      row_sum[g] = row_sum[g] * alpha + warp_reduce<V3_WARP_KEYS / 2>(p, SumOp());
-      row_max[g] = new_max;
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) acc[g][r] *= alpha;
-      if (slice == 0) p_s[g * V3_WARP_KEYS + key] = p;
-    }
-    __syncwarp();
-    bool slot_valid[V3_WARP_KEYS];
-#pragma unroll
-    for (int e = 0; e < V3_WARP_KEYS; ++e) slot_valid[e] = first_key + e >= first_token && first_key + e < seq_len;
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      const int d = lane + r * WARP_SIZE;
-      if (d < HEAD) {
-        float v[V3_WARP_KEYS];
-        load_floats8(v_tile + d * BLOCK + in_tile % BLOCK, v);
-#pragma unroll
-        for (int e = 0; e < V3_WARP_KEYS; ++e) v[e] = slot_valid[e] ? v[e] : 0.f;
-#pragma unroll
-        for (int g = 0; g < GT; ++g) {
-          float sum = 0.f;
-#pragma unroll
-          for (int e = 0; e < V3_WARP_KEYS; ++e) sum += p_s[g * V3_WARP_KEYS + e] * v[e];
-          acc[g][r] += sum;
-        }
-      }
-    }
-    __syncwarp();  // the probabilities are read before the next tile overwrites them
+    cp_async_wait<0>();
+    __syncthreads();
   };
 
-  for (int j = 0; j < L::STAGES - 1; ++j) issue(j);
-  for (int j = 0; j < num_tiles; ++j) {
-    cp_async_wait<L::STAGES - 2>();
-    __syncthreads();  // tile j is in every thread's view; tile j - 1's stage is free again
-    issue(j + L::STAGES - 1);
-    compute(j);
-  }
-  cp_async_wait<0>();
-  __syncthreads();
+  if constexpr (MMA) {
+    // Lane (g, t) = (lane / 4, lane % 4): head g of the tile (rows g + 8 are padding) and, of the
+    // warp's 8 keys, 2t and 2t + 1 in S and P; head dims 8n + 2t, 8n + 2t + 1 of O.
+    const int g = lane / 4, t = lane % 4;
+    const bool g_live = g < GT;
+    const int my_head = head0 + cmin(g, heads - 1);
+    const float my_slope = FEATURES && f.alibi_slopes ? f.alibi_slopes[my_head] : 0.f;
+    const int my_offset = f.bs_head_sliding_step >= 0 ? my_head * f.bs_head_sliding_step + 1
+                                                      : kv_head * -f.bs_head_sliding_step + 1;
+    const T* q_g = reinterpret_cast<const T*>(smem) + cmin(g, GT - 1) * HEAD;
+    float m_run = neg_inf, l_run = 0.f, o[HEAD / 8][2];
+#pragma unroll
+    for (int n = 0; n < HEAD / 8; ++n) o[n][0] = o[n][1] = 0.f;
 
-  // Merge the warps: each rescales its output to the CTA's max and leaves it in the tiles' memory.
-  if (lane == 0) {
+    auto compute = [&](int j) {
+      const int in_tile = warp * V3_WARP_KEYS;
+      const int block = start_block + j * TILE_BLOCKS + in_tile / BLOCK;
+      if (block >= end_block || !any_sees(block * BLOCK)) return;
+      const int slot = in_tile % BLOCK;  // the warp's first key in its cache block
+      const int first_key = block * BLOCK + slot;
+      const CACHE_T* k_tile = tiles + (j % L::STAGES) * 2 * V3_TILE * HEAD + (in_tile / BLOCK) * HEAD * BLOCK;
+      const CACHE_T* v_tile = k_tile + V3_TILE * HEAD;
+
+      // S = Q·Kᵀ: K's layout [HEAD / X][BLOCK][X] puts head dims 2t, 2t + 1 of key g side by side.
+      float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int kk = 0; kk < HEAD; kk += 16) {
+        const unsigned a[4] = {g_live ? load2(q_g + kk + 2 * t) : 0u, 0u, g_live ? load2(q_g + kk + 8 + 2 * t) : 0u,
+                               0u};
+        unsigned b[2];
+        if constexpr (sizeof(CACHE_T) == 1) {
+          // One 16-byte chunk per key holds the k-step: bytes 2t, 2t + 1 and 8 + 2t, 9 + 2t.
+          const unsigned short* chunk =
+              reinterpret_cast<const unsigned short*>(k_tile + ((kk / X) * BLOCK + slot + g) * X);
+          unsigned halves[2];
+          fp8x4_to_half2x2<CACHE_T>(static_cast<unsigned>(chunk[t]) | static_cast<unsigned>(chunk[4 + t]) << 16,
+                                    halves);
+          b[0] = v3_from_half2<T>(halves[0]);
+          b[1] = v3_from_half2<T>(halves[1]);
+        } else {
+          b[0] = load2(k_tile + ((kk / X) * BLOCK + slot + g) * X + 2 * t);
+          b[1] = load2(k_tile + ((kk / X + 1) * BLOCK + slot + g) * X + 2 * t);
+        }
+        mma_16816<T>(s, a, b);
+      }
+
+      // Scale, bias and mask by selection; the online softmax over the head's four lanes.
+      const bool head_sees = g_live && (!sparse || (g < heads && sparse_keeps(f, block * BLOCK, q_sparse_block,
+                                                                               my_offset)));
+      bool valid[2];
+      float tile_max = neg_inf;
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int token = first_key + 2 * t + c;
+        valid[c] = token >= first_token && token < seq_len;
+        s[c] = valid[c] && head_sees ? s[c] * q_scale + my_slope * (token - seq_len + 1) : neg_inf;
+        tile_max = fmaxf(tile_max, s[c]);
+      }
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL_MASK, tile_max, 1));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(FULL_MASK, tile_max, 2));
+      const float new_max = fmaxf(m_run, tile_max);
+      // Nothing seen yet: keep the state as it is (exp(-inf - -inf) would be NaN).
+      const bool none = new_max == neg_inf;
+      const float alpha = none ? 1.f : __expf(m_run - new_max);
+      m_run = new_max;
+      const unsigned p_pair = pack2<T>(none ? 0.f : __expf(s[0] - new_max), none ? 0.f : __expf(s[1] - new_max));
+      const T* p_t = reinterpret_cast<const T*>(&p_pair);
+      l_run = l_run * alpha + (to_float(p_t[0]) + to_float(p_t[1]));
+
+      // O += P·V, masked keys' V zeroed (unwritten slots may hold NaN, and 0 · NaN is NaN).
+      const unsigned a[4] = {p_pair, 0u, 0u, 0u};
+      const unsigned keep = (valid[0] ? 0x0000ffffu : 0u) | (valid[1] ? 0xffff0000u : 0u);
+#pragma unroll
+      for (int n = 0; n < HEAD / 8; ++n) {
+        const unsigned b[2] = {v3_pair<T>(v_tile + (n * 8 + g) * BLOCK + slot + 2 * t) & keep, 0u};
+        float d[4] = {o[n][0] * alpha, o[n][1] * alpha, 0.f, 0.f};
+        mma_16816<T>(d, a, b);
+        o[n][0] = d[0];
+        o[n][1] = d[1];
+      }
+    };
+    pipeline(compute);
+
+    // Merge the warps: each rescales its output to the CTA's max and leaves it in the tiles' memory.
+    l_run += __shfl_xor_sync(FULL_MASK, l_run, 1);
+    l_run += __shfl_xor_sync(FULL_MASK, l_run, 2);
+    if (g_live && t == 0) {
+      max_s[warp * GT + g] = m_run;
+      sum_s[warp * GT + g] = l_run;
+    }
+    __syncthreads();
+    if (g_live) {
+      float cta_max = neg_inf;
+#pragma unroll
+      for (int w = 0; w < V3_WARPS; ++w) cta_max = fmaxf(cta_max, max_s[w * GT + g]);
+      const float factor = m_run == neg_inf ? 0.f : __expf(m_run - cta_max);
+#pragma unroll
+      for (int n = 0; n < HEAD / 8; ++n) {
+        outputs[(warp * GT + g) * HEAD + n * 8 + 2 * t] = o[n][0] * factor;
+        outputs[(warp * GT + g) * HEAD + n * 8 + 2 * t + 1] = o[n][1] * factor;
+      }
+    }
+  } else {
+    float row_max[GT], row_sum[GT], acc[GT][ROWS];
 #pragma unroll
     for (int g = 0; g < GT; ++g) {
-      max_s[warp * GT + g] = row_max[g];
-      sum_s[warp * GT + g] = row_sum[g];
+      row_max[g] = neg_inf;
+      row_sum[g] = 0.f;
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) acc[g][r] = 0.f;
     }
-  }
-  __syncthreads();
-  float* outputs = reinterpret_cast<float*>(tiles);
+    const int slice = lane / V3_WARP_KEYS, key = lane % V3_WARP_KEYS;
+
+    // One warp's 8 keys of tile j: logits, the online softmax update and P·V.
+    auto compute = [&](int j) {
+      const int in_tile = warp * V3_WARP_KEYS;
+      const int block = start_block + j * TILE_BLOCKS + in_tile / BLOCK;
+      if (block >= end_block || !any_sees(block * BLOCK)) return;
+      const int first_key = block * BLOCK + in_tile % BLOCK;
+      const CACHE_T* k_tile = tiles + (j % L::STAGES) * 2 * V3_TILE * HEAD + (in_tile / BLOCK) * HEAD * BLOCK;
+      const CACHE_T* v_tile = k_tile + V3_TILE * HEAD;
+
+      float dot[GT];
 #pragma unroll
-  for (int g = 0; g < GT; ++g) {
-    float cta_max = neg_inf;
+      for (int g = 0; g < GT; ++g) dot[g] = 0.f;
+      for (int c = slice; c < HEAD / X; c += V3_SLICES) {
+        float k[X];
+        to_floats(load_vec<CACHE_T, X>(k_tile + (c * BLOCK + in_tile % BLOCK + key) * X), k);
 #pragma unroll
-    for (int w = 0; w < V3_WARPS; ++w) cta_max = fmaxf(cta_max, max_s[w * GT + g]);
-    const float factor = row_max[g] == neg_inf ? 0.f : __expf(row_max[g] - cta_max);
+        for (int g = 0; g < GT; ++g) {
+          const float* qg = q_s + g * HEAD + c * X;
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      const int d = lane + r * WARP_SIZE;
-      if (d < HEAD) outputs[(warp * GT + g) * HEAD + d] = acc[g][r] * factor;
+          for (int e = 0; e < X; ++e) dot[g] += qg[e] * k[e];
+        }
+      }
+      // The four slices of a key hold partial dot products over disjoint head dims.
+#pragma unroll
+      for (int g = 0; g < GT; ++g) {
+        dot[g] += __shfl_xor_sync(FULL_MASK, dot[g], V3_WARP_KEYS);
+        dot[g] += __shfl_xor_sync(FULL_MASK, dot[g], 2 * V3_WARP_KEYS);
+      }
+      const int token = first_key + key;
+      const bool valid = token >= first_token && token < seq_len;
+#pragma unroll
+      for (int g = 0; g < GT; ++g) {
+        const float logit = valid && sees(g, block * BLOCK) ? dot[g] + slope[g] * (token - seq_len + 1) : neg_inf;
+        const float tile_max = warp_reduce<V3_WARP_KEYS / 2>(logit, MaxOp());
+        const float new_max = fmaxf(row_max[g], tile_max);
+        // Nothing seen yet: keep the state as it is (exp(-inf - -inf) would be NaN).
+        const bool none = new_max == neg_inf;
+        const float p = none ? 0.f : __expf(logit - new_max);
+        const float alpha = none ? 1.f : __expf(row_max[g] - new_max);
+        row_sum[g] = row_sum[g] * alpha + warp_reduce<V3_WARP_KEYS / 2>(p, SumOp());
+        row_max[g] = new_max;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) acc[g][r] *= alpha;
+        if (slice == 0) p_s[g * V3_WARP_KEYS + key] = p;
+      }
+      __syncwarp();
+      bool slot_valid[V3_WARP_KEYS];
+#pragma unroll
+      for (int e = 0; e < V3_WARP_KEYS; ++e) slot_valid[e] = first_key + e >= first_token && first_key + e < seq_len;
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        const int d = lane + r * WARP_SIZE;
+        if (d < HEAD) {
+          float v[V3_WARP_KEYS];
+          load_floats8(v_tile + d * BLOCK + in_tile % BLOCK, v);
+#pragma unroll
+          for (int e = 0; e < V3_WARP_KEYS; ++e) v[e] = slot_valid[e] ? v[e] : 0.f;
+#pragma unroll
+          for (int g = 0; g < GT; ++g) {
+            float sum = 0.f;
+#pragma unroll
+            for (int e = 0; e < V3_WARP_KEYS; ++e) sum += p_s[g * V3_WARP_KEYS + e] * v[e];
+            acc[g][r] += sum;
+          }
+        }
+      }
+      __syncwarp();  // the probabilities are read before the next tile overwrites them
+    };
+
+    pipeline(compute);
+
+    // Merge the warps: each rescales its output to the CTA's max and leaves it in the tiles' memory.
+    if (lane == 0) {
+#pragma unroll
+      for (int g = 0; g < GT; ++g) {
+        max_s[warp * GT + g] = row_max[g];
+        sum_s[warp * GT + g] = row_sum[g];
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int g = 0; g < GT; ++g) {
+      float cta_max = neg_inf;
+#pragma unroll
+      for (int w = 0; w < V3_WARPS; ++w) cta_max = fmaxf(cta_max, max_s[w * GT + g]);
+      const float factor = row_max[g] == neg_inf ? 0.f : __expf(row_max[g] - cta_max);
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        const int d = lane + r * WARP_SIZE;
+        if (d < HEAD) outputs[(warp * GT + g) * HEAD + d] = acc[g][r] * factor;
+      }
     }
   }
   __syncthreads();

@@ -15,11 +15,16 @@ from typing import Any
 
 import pytest
 
+from paged.kernels.backends.decode_v3 import DeviceLimits, hardware, v3_shared_memory
+from paged.kernels.split_plan import plan_splits
 from paged.kernels.testing import attention_grid, default_partition_grid
+from paged.kernels.toolchain.specs import group_tile
 from tests import fake_driver
-from tests.fake_driver.scenario import PREFILL_CASES, SMEM_CASE
+from tests.fake_driver.scenario import PREFILL_CASES, SMEM_CASE, V3_CASES
 
 NUM_THREADS = 128
+# What fake_libcuda.c reports: an H100's SMs, shared memory, threads and registers per SM.
+FAKE_LIMITS = DeviceLimits(132, 228 * 1024, 2048, 65536)
 DEFAULT_SMEM = 48 * 1024
 ELEMENT_SIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -89,6 +94,9 @@ def test_driver_receives_the_attention_launch_plan(launches: fake_driver.Run, ca
 
 def _check_attention(case: Any, version: str, r: dict[str, Any], calls: list[dict[str, Any]], *, q_ptr: int,
                      q_stride: int) -> None:
+    if version == "v3":
+        _check_v3(case, r, calls)
+        return
     lookups = [c for c in calls if c["call"] == "cuLibraryGetKernel"]
     assert all(c["found"] for c in lookups) and {c["name"] for c in lookups} <= set(r["names"])
     launched = _launched(calls)
@@ -121,13 +129,67 @@ def _check_attention(case: Any, version: str, r: dict[str, Any], calls: list[dic
     assert reduce_args == [_ptr(r["out"]), *scratch, _ptr(r["seq_lens"]), _i32(partitions), _i32(window)]
 
 
+@pytest.mark.parametrize("case", V3_CASES, ids=[c.id for c in V3_CASES])
+def test_driver_receives_the_v3_launch_plan(launches: fake_driver.Run, case: Any) -> None:
+    r, calls = _case(launches, f"attention-v3-{case.id}")
+    smem = _check_v3(case, r, calls)
+    # each case's kernel is launched here for the first time: it opts in past 48 KB
+    opt_ins = [(c["attr"], c["value"]) for c in calls if c["call"] == "cuKernelSetAttribute"]
+    assert opt_ins == ([(8, smem)] if smem > DEFAULT_SMEM else [])
+
+
+def test_v3_rows_that_leave_the_device_idle_are_split_and_merged(launches: fake_driver.Run) -> None:
+    """The long rows of the partition grid (4 sequences x 2 KV heads, 1100 tokens) fill 8 CTAs
+    without splits; the plan splits them, and a merge launch follows the main one."""
+    case = default_partition_grid()[0]
+    _, calls = _case(launches, f"attention-v3-{case.id}")
+    main, merge = _launched(calls)
+    assert main["grid"][2] > 1 and tuple(merge["grid"]) == (case.num_heads, len(case.seq_lens), 1)
+
+
+def _check_v3(case: Any, r: dict[str, Any], calls: list[dict[str, Any]]) -> int:
+    """One CTA per (KV head x head chunk, sequence, split) with the plan's arguments; the merge only
+    with splits. Returns the main kernel's dynamic shared memory."""
+    launched = _launched(calls)
+    num_seqs, head, block = len(case.seq_lens), case.head_size, case.block_size
+    group = case.num_heads // case.num_kv_heads
+    tile = group_tile(group)
+    ctas = case.num_kv_heads * -(-group // tile)
+    window = r["sliding_window"]
+    plan = plan_splits(num_seqs, ctas, r["max_seq_len"], block, hardware(FAKE_LIMITS, v3_shared_memory(2, head, tile)),
+                       sliding_window=window or None)
+    element = 1 if "fp8" in r["kernels"][0] else ELEMENT_SIZE[str(case.dtype).removeprefix("torch.")]
+    smem = v3_shared_memory(element, head, tile)
+    main = launched[0]
+    _check_common_launch(main, r["names"][0], (ctas, num_seqs, plan.num_splits), NUM_THREADS, smem, r["stream"])
+    args = _decode(main)
+    scratch = args[1:3]
+    kv_block_stride, kv_head_stride = case.num_kv_heads * head * block, head * block
+    assert args[0] == _ptr(r["out"])
+    assert args[3:] == [
+        _ptr(r["query"]), _ptr(r["key_cache"]), _ptr(r["value_cache"]), _i32(case.num_heads),
+        _i32(case.num_kv_heads), _i32(_f32(r["scale"])), _ptr(r["block_tables"]), _ptr(r["seq_lens"]),
+        _i32(r["max_blocks"]), _i32(r["q_stride"]), _i32(kv_block_stride), _i32(kv_head_stride), _i32(window),
+        _i32(plan.split_blocks), _i32(plan.num_splits), *map(_ptr, r["features"]), *map(_i32, r["sparse"]),
+    ]
+    if plan.num_splits == 1:
+        assert len(launched) == 1 and scratch == [_ptr(0), _ptr(0)]
+        return smem
+    assert all(ptr for _, ptr in scratch) and scratch[0] != scratch[1]
+    (merge,) = launched[1:]
+    _check_common_launch(merge, r["names"][1], (case.num_heads, num_seqs, 1), NUM_THREADS, 0, r["stream"])
+    assert _decode(merge) == [_ptr(r["out"]), *scratch, _ptr(r["seq_lens"]), _i32(block), _i32(plan.split_blocks),
+                              _i32(plan.num_splits), _i32(window)]
+    return smem
+
+
 def _span(max_seq_len: int, window: int, align: int) -> int:
     """Positions the kernels cover: a window's start lies at most `align - 1` past the `align`
     boundary they start from."""
     return min(max_seq_len, window + align - 1) if window else max_seq_len
 
 
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", ["v1", "v2", "v3"])
 def test_driver_gets_the_window_and_a_grid_that_covers_only_it(launches: fake_driver.Run, version: str) -> None:
     case = attention_grid()[0]
     r, calls = _case(launches, f"window-{version}-{case.id}")
@@ -138,7 +200,7 @@ def test_driver_gets_the_window_and_a_grid_that_covers_only_it(launches: fake_dr
         assert partitions < math.ceil(r["max_seq_len"] / case.partition_size)
 
 
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", ["v1", "v2", "v3"])
 def test_driver_gets_fp8_scales_alibi_slopes_and_the_sparse_pattern(launches: fake_driver.Run, version: str) -> None:
     case = attention_grid()[0]
     r, calls = _case(launches, f"features-{version}-{case.id}")

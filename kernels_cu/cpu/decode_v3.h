@@ -7,12 +7,13 @@
 // has empty trailing splits. Splits only exist to keep every thread busy when the batch has too
 // few (sequence, KV head) pairs; with one split an item writes its output directly.
 //
-// Per block of a split: the K tile gives the G heads' logits (the query laid out like a K tile,
-// as in v1, so an fp32 K tile is used in place and no reduction runs in a vectorised dimension),
-// then each head's online softmax (a running reference max and exp-sum), then the weights times
-// the V tile into per-slot partial sums [G][D][BS] (vectorised over the block's slots, again no
-// reduction), folded over the slots once, at the split's end. Each K and V tile is read once per
-// group, as in v1/v2, but the logits never leave the block: no per-context buffer, no second pass.
+// Per block of a split: the K tile gives the G heads' logits (multiplied in cache order against
+// the query chunk repeated to a vector's width, so an fp32 K tile is used in place and no
+// reduction runs in a vectorised dimension), then each head's online softmax (a reference max
+// and an exp-sum, rescaling only when the max passes the reference), then the weights times the
+// V tile into sums folded onto 8 lanes per (head, dim), summed over the lanes once, at the
+// split's end. Each K and V tile is read once per group, as in v1/v2, and the next block's tiles
+// are prefetched; the logits never leave the block: no per-context buffer, no second pass.
 //
 // Masking: slots past seq_len and before the window get weight exactly 0 and their V is replaced
 // by 0 (the cache may hold NaN there, and 0 * NaN is NaN); blocks wholly before the window are
@@ -37,8 +38,8 @@ constexpr int kMaxSplits = 128;
 // under its rounding, flush to 0.
 constexpr float kRescaleSlack = 16.f;
 
-// Width of v3's lane-folded sums (v3_values): 8 floats, one AVX2 vector (two NEON ones). Every block
-// size is a multiple of it.
+// Width of v3's lane-folded sums (v3_values): 8 floats, one AVX2 vector (two NEON ones). Every
+// block size is a multiple of it.
 constexpr int kLanes = 8;
 
 struct SplitArgs {

@@ -322,6 +322,7 @@ static int attribute(int attr) {
     case 75: return g_cc / 10;     // COMPUTE_CAPABILITY_MAJOR
     case 76: return g_cc % 10;     // COMPUTE_CAPABILITY_MINOR
     case 81: return 233472;        // MAX_SHARED_MEMORY_PER_MULTIPROCESSOR (228 KB, an H100)
+    case 82: return 65536;         // MAX_REGISTERS_PER_MULTIPROCESSOR
     case 97: return g_smem_optin;  // MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
     case 111: return g_cc >= 80 ? RESERVED_SMEM : 0;  // RESERVED_SHARED_MEMORY_PER_BLOCK
     default: return 0;

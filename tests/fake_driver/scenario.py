@@ -39,6 +39,8 @@ from paged.kernels.toolchain.specs import Unit, attention_unit, cache_unit, pref
 # Shorter than the longest sequence of `attention_grid()[0]`, not a multiple of its block or partition.
 WINDOW = 20
 # One case per v1 shared-memory regime of this configuration (see `smem_cases`).
+# v3 on every dtype and block size, MHA to MQA, and the long rows that split.
+V3_CASES = attention_grid()[:4] + default_partition_grid()
 SMEM_CASE = AttentionCase(torch.float16, 128, 16, 4, 2, 512, (5, 40))
 DEVICE_LIMIT = int(os.environ.get("FAKE_CUDA_SMEM_OPTIN", 232448))
 
@@ -144,7 +146,7 @@ def attention_case(case: AttentionCase, version: str, backend: HostMemoryCuda, s
               "sparse": [sparse.block_size, sparse.local_blocks, sparse.vert_stride, sparse.head_sliding_step]
               if sparse else [0, 0, 0, 0],
               **_lowered(attention_unit(case.dtype, case.head_size, case.block_size, version, case.partition_size,
-                                        key_cache.dtype, features), arch)}
+                                        key_cache.dtype, features, case.group), arch)}
     out = kernels.paged_attention(query, key_cache, value_cache, tables, x.seq_lens, x.scale, version=version,
                                   backend=backend, partition_size=case.partition_size, max_seq_len=max_seq_len,
                                   sliding_window=sliding_window, **extra)
@@ -289,15 +291,18 @@ def launch_cases(arch: str) -> list[Case]:
         for version in ("v1", "v2"):
             cases.append(Case(f"attention-{version}-{case.id}",
                               lambda c=case, v=version: attention_case(c, v, backend, active["stream"], arch)))
+    for case in V3_CASES:
+        cases.append(Case(f"attention-v3-{case.id}",
+                          lambda c=case: attention_case(c, "v3", backend, active["stream"], arch)))
     for layout in ("fused", "misaligned"):
         case = attention_grid()[0]
         cases.append(Case(f"query-{layout}-{case.id}",
                           lambda c=case, lay=layout: attention_case(c, "v2", backend, active["stream"], arch, lay)))
     window_case = attention_grid()[0]
-    for version in ("v1", "v2"):
+    for version in ("v1", "v2", "v3"):
         cases.append(Case(f"window-{version}-{window_case.id}", lambda v=version: attention_case(
             window_case, v, backend, active["stream"], arch, sliding_window=WINDOW)))
-    for version in ("v1", "v2"):
+    for version in ("v1", "v2", "v3"):
         cases.append(Case(f"features-{version}-{window_case.id}", lambda v=version: attention_case(
             window_case, v, backend, active["stream"], arch, features=True)))
     for dtype in (torch.float32, torch.float16, torch.bfloat16):

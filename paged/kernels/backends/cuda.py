@@ -110,7 +110,8 @@ class CudaRunner:
         self.max_shared_memory = int(properties.max_shared_memory_per_block_optin)
         self.limits = DeviceLimits(int(properties.multiprocessor_count),
                                    int(properties.max_shared_memory_per_multiprocessor),
-                                   int(properties.max_threads_per_multiprocessor))
+                                   int(properties.max_threads_per_multiprocessor),
+                                   int(properties.max_registers_per_multiprocessor))
         self._kernels: dict[str, _Kernel] = {}
         self._configs: dict[tuple[Any, ...], Any] = {}
         self._streams: dict[int, Any] = {}

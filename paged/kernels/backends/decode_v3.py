@@ -25,6 +25,9 @@ V3_WARP_KEYS = TILE_TOKENS // V3_WARPS
 V3_TABLE_CHUNK = 128
 # Shared memory the driver keeps per CTA on sm_80 and newer, on top of what the kernel asks for.
 RESERVED_SHARED_MEMORY = 1024
+# Registers per thread of the main kernel as NVRTC allocates them for fp16, head 128, a group of 8
+# on sm_90 (168; fp32 at head 256 takes 240): the plan is made before the kernel is loaded.
+V3_REGISTERS = 168
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class DeviceLimits:
     multiprocessors: int
     shared_memory_per_multiprocessor: int
     threads_per_multiprocessor: int
+    registers_per_multiprocessor: int = 65536
 
 
 def v3_shared_memory(cache_element_size: int, head_size: int, tile: int) -> int:
@@ -45,12 +49,13 @@ def v3_shared_memory(cache_element_size: int, head_size: int, tile: int) -> int:
     return fixed + stages * 2 * tile_bytes
 
 
-def hardware(limits: DeviceLimits, shared_memory: int) -> Hardware:
-    """The device's SMs and the v3 CTAs each holds at once (by threads and shared memory; the
-    kernel's registers allow at least as many at 128 threads)."""
+def hardware(limits: DeviceLimits, shared_memory: int, registers: int = V3_REGISTERS) -> Hardware:
+    """The device's SMs and the v3 CTAs each holds at once: the fewest its threads, shared memory
+    and registers allow (an H100 holds 3 at fp16, head 128)."""
     by_threads = limits.threads_per_multiprocessor // V3_THREADS
     by_smem = limits.shared_memory_per_multiprocessor // (shared_memory + RESERVED_SHARED_MEMORY)
-    return Hardware(limits.multiprocessors, max(min(by_threads, by_smem), 1))
+    by_registers = limits.registers_per_multiprocessor // (registers * V3_THREADS)
+    return Hardware(limits.multiprocessors, max(min(by_threads, by_smem, by_registers), 1))
 
 
 @dataclass(frozen=True)
