@@ -206,6 +206,7 @@ int cache_ops(std::mt19937& rng) {
 
 #include "sanitizer_layer_ops.h"
 #include "sanitizer_prefill.h"
+#include "sanitizer_v3.h"
 
 int main() {
   std::mt19937 rng(0);
@@ -239,6 +240,7 @@ int main() {
 #endif
   status |= layer_ops_scenarios(rng);
   status |= prefill_scenarios(rng);
+  status |= v3_scenarios(rng);
   std::puts(status == 0 ? "sanitizer driver: all launches ran" : "sanitizer driver: a launch failed");
   return status;
 }
