@@ -10,7 +10,9 @@ Writes `<out>/<date>-<gpu>.md`: the device, its driver and the versions, then on
 1. CUDA tests: `pytest -q -rfEs tests/*cuda*.py` (the kernels, the driver, CUDA graphs), with counts,
    skip reasons and, on failure, the failing tests and the output's tail.
 2. Kernel benchmarks, each output verbatim: decode attention, `experiments/kernel_bench.py --repeats 5`
-   (the setting of the H100 tables in docs/gpu.md, so rows compare); then prefill attention,
+   on the shapes of the H100 tables in docs/gpu.md (their setting, so rows compare; the v3 targets'
+   shapes first), our v1 / v2 / v3 with the SDPA and FlashInfer peers (FlashInfer where `.flashinfer/`
+   was carried, docs/gpu.md); then prefill attention,
    `experiments/prefill_bench.py --device cuda --repeats 5` (our paged varlen kernel against torch
    SDPA-flash on contiguous inputs and the torch reference; its lowest cuda / sdpa-flash throughput ratio
    against the >= 50% target). Each has its share of the step (BENCHES), so a hang in the first leaves
@@ -79,11 +81,18 @@ DEFAULT_OUT = ROOT / "experiments" / "results" / "gpu"
 # Shares of the budget each step is guaranteed; one step may also use what an earlier one left unused.
 SHARES = {"tests": 0.30, "bench": 0.35, "job": 0.35}
 MIN_STEP_S = 30.0  # less than this cannot even load the model, so the step is skipped instead
+# kernel_bench.py's rows: the shapes of the H100 tables in docs/gpu.md, the v3 targets' three first so that a
+# bench cut short by its share still has them
+DECODE_SHAPES = ("64x4096", "256x1024", "1x16384", "1x512", "1x4096", "16x1024", "16x16384", "256x16384")
+# the peers that compile nothing per shape: FlexAttention's torch.compile per row would not fit the share
+# (docs/gpu.md gives the command that times it on the v3 targets' shapes)
+DECODE_PEERS = ("sdpa-flash", "sdpa-cudnn", "flashinfer")
 # (label, script and arguments, share of the step it is guaranteed). kernel_bench.py at the repeats of the
-# H100 sessions in docs/gpu.md, so their tables compare with this one (its 40 rows take a few minutes);
+# H100 sessions in docs/gpu.md, so their tables compare with this one (its 16 rows take a few minutes);
 # prefill_bench.py's 2 shapes x 5 workloads take well under a minute once NVRTC has compiled.
 BENCHES = (
-    ("decode attention", ["experiments/kernel_bench.py", "--repeats", "5"], 0.7),
+    ("decode attention", ["experiments/kernel_bench.py", "--repeats", "5", "--shapes", *DECODE_SHAPES,
+                          "--peers", *DECODE_PEERS], 0.7),
     ("prefill attention", ["experiments/prefill_bench.py", "--device", "cuda", "--repeats", "5"], 0.3),
 )
 # model.device=cuda, though `auto` picks CUDA here: a run that fell back to the CPU must fail, not report.

@@ -1,5 +1,7 @@
-"""Paged attention latency: v1 / v2 / v3 (NVRTC-compiled kernels_cu/), the torch reference and peers
-(torch SDPA flash / cuDNN, FlexAttention, FlashInfer), measured in one run on the same shapes.
+"""Paged decode attention latency: our v1 / v2 / v3, the torch reference and peers, on the same shapes.
+
+Ours are the NVRTC-compiled kernels_cu/ kernels; the peers torch SDPA (flash / cuDNN), FlexAttention
+and FlashInfer (kernel_peers.py), all measured in one run.
 
     python experiments/kernel_bench.py [--batch 1 4 16 64 256] [--context 512 1024 4096 16384]
         [--shapes 64x4096 256x1024 1x16384] [--dtype float16 bfloat16] [--kv-cache-dtype auto fp8_e4m3]
@@ -52,7 +54,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules, also when imported by path
-from kernel_inputs import NUM_HEADS, SCALE, Inputs, kv_bytes, random_set, set_bytes, set_count  # noqa: E402
+from kernel_inputs import NUM_HEADS, SCALE, Inputs, kv_bytes, random_set, set_bytes  # noqa: E402
 from kernel_peers import PEERS, Cell, Peers  # noqa: E402
 from kernel_targets import check_targets  # noqa: E402
 from kernel_timing import Probe, Timer, Timing, reason  # noqa: E402
@@ -153,7 +155,7 @@ class Bench:
     def row(self, batch: int, context: int, dtype: torch.dtype, kv: str) -> str:
         kv_dtype = cache_dtype(kv, dtype)
         device = self.timer.device
-        count = set_count(set_bytes(batch, context, dtype, kv_dtype), self.timer.cache_bytes(), self.timer.free_bytes())
+        count = self.timer.set_count(set_bytes(batch, context, dtype, kv_dtype))
         sets = [random_set(batch, context, dtype, kv_dtype, device) for _ in range(count)]
         scales = {}
         if kv_dtype != dtype:
@@ -207,12 +209,10 @@ class Bench:
             print(f"  read probe: {line}")
         how = "CUDA-graph replays" if device.type == "cuda" else "host-timed loops"
         print(f"ours ({self.backend} backend) and the peers: median of {self.timer.repeats} {how} of >= "
-              f"{self.timer.iters} calls rotating over inputs > 3x the cache; ±: half the interquartile range; "
+              f"{self.timer.iters} calls rotating over input sets; ±: half the interquartile range; "
               "%: unique K/V bytes / time / read probe. torch: eager, host included")
         print("kv: the cache's dtype ('=': the query's; e4m3 / e5m2: fp8, whose % counts its one-byte reads); "
               "fi/v3: flashinfer µs / v3 µs")
-        for line in self.peers.header():
-            print(f"  {line}")
         heads = "".join(f" {name + ' µs ± %':>{CELL}}" for name in self.columns)
         print(f"{'batch':>6} {'context':>8} {'dtype':>5} {'kv':>5}{heads} {'auto':>5} {'best':>8} {'fi/v3':>6}")
 

@@ -1,5 +1,5 @@
 """The decode benchmark's inputs (experiments/kernel_bench.py): vLLM-layout sets of query, K/V caches and
-block tables at one batch shape, as many as rotate past the cache, and the same data in the layouts
+block tables at one batch shape, and the same data in the layouts
 the peers read (kernel_peers.py).
 
 Setup after vLLM's benchmark_paged_attention.py: 64 query / 8 KV heads (GQA 8), head 128, block 16,
@@ -20,13 +20,6 @@ from paged.kernels.testing import random_cache
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 64, 8, 128, 16
 SCALE = HEAD_SIZE**-0.5
-# Rotating inputs span this many cache (L2) sizes: a margin, since L2 replacement is not strict LRU.
-L2_MULTIPLE = 3
-# Sets below 3 * 50 MiB / 512 = 300 KiB take ~0.1 µs of DRAM time, far under a call's latency, so
-# whether they hit L2 no longer matters; more sets would only lengthen warm-up and capture.
-MAX_SETS = 512
-# Share of free memory the rotating sets may take; the rest is for scratch, graph pools and the reference.
-MEMORY_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -44,15 +37,8 @@ def kv_bytes(batch: int, context: int, kv_dtype: torch.dtype) -> int:
     return 2 * batch * context * NUM_KV_HEADS * HEAD_SIZE * kv_dtype.itemsize
 
 
-def set_count(set_bytes: int, cache_bytes: int, free_bytes: int) -> int:
-    """Independent sets together over `L2_MULTIPLE` cache sizes (at least two, at most `MAX_SETS`)
-    where memory allows. Only sets many times larger than the cache are cut short, and the cache
-    holds a negligible share of such a set."""
-    wanted = min(MAX_SETS, max(2, -(-L2_MULTIPLE * cache_bytes // set_bytes)))
-    return max(1, min(wanted, int(free_bytes * MEMORY_FRACTION) // set_bytes))
-
-
 def set_bytes(batch: int, context: int, dtype: torch.dtype, kv_dtype: torch.dtype) -> int:
+    """Bytes of one set in our layout."""
     blocks = batch * -(-context // BLOCK_SIZE)
     return (kv_dtype.itemsize * 2 * blocks * NUM_KV_HEADS * HEAD_SIZE * BLOCK_SIZE
             + dtype.itemsize * batch * NUM_HEADS * HEAD_SIZE + 4 * blocks)

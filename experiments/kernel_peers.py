@@ -41,7 +41,6 @@ from kernel_inputs import (
     one_sequence,
     random_set,
     set_bytes,
-    set_count,
 )
 from kernel_timing import Timer, Timing, reason
 
@@ -68,13 +67,16 @@ class _Shape:
                  reference: Reference) -> None:
         self.timer, self.batch, self.context, self.dtype, self.kv_dtype = timer, batch, context, dtype, kv_dtype
         self.reference = reference
-        self.count = set_count(set_bytes(batch, context, dtype, kv_dtype), timer.cache_bytes(), timer.free_bytes())
+        self.bytes = set_bytes(batch, context, dtype, kv_dtype)
 
     def sets(self, convert: Callable[[Inputs], object], repeat: int = 1) -> tuple[list[object], torch.Tensor]:
         """`convert` of each rotating set (our layout dropped once converted), and our v2's output on
-        the first; with `repeat`, as many fewer sets as the copies take memory."""
+        the first; `repeat`: the converted set is that many times larger."""
+        size = self.bytes * (1 + repeat)  # ours and the converted one, while converting
+        if size > self.timer.free_bytes():
+            raise MemoryError(f"a set and its {repeat}x conversion, {size / 2**30:.1f} GiB, would not fit")
         converted, expected = [], None
-        for i in range(max(1, self.count // repeat)):
+        for i in range(self.timer.set_count(self.bytes * repeat)):
             inputs = random_set(self.batch, self.context, self.dtype, self.kv_dtype, self.timer.device)
             if i == 0:
                 expected = self.reference(inputs)
@@ -108,6 +110,8 @@ def _sdpa(shape: _Shape, backend: torch.nn.attention.SDPBackend) -> Cell:
     try:
         calls[0]()
     except RuntimeError as e:  # "No available kernel": this backend takes no GQA
+        if isinstance(e, torch.OutOfMemoryError):
+            raise
         refused = reason(e)
     else:
         return _checked(shape.timer, calls, expected)
@@ -115,7 +119,7 @@ def _sdpa(shape: _Shape, backend: torch.nn.attention.SDPBackend) -> Cell:
     sets, expected = shape.sets(functools.partial(convert, repeat=GROUP), repeat=GROUP)
     calls = [functools.partial(call, *s, gqa=False) for s in sets]
     return _checked(shape.timer, calls, expected,
-                    f"K/V repeated to the query heads, 8x the bytes read (enable_gqa=True refused: {refused})")
+                    f"K/V repeated to the query heads, {GROUP}x the bytes read (enable_gqa=True refused: {refused})")
 
 
 @functools.cache
@@ -140,13 +144,17 @@ def _flex(shape: _Shape) -> Cell:
 
     def convert(inputs: Inputs) -> tuple[torch.Tensor, ...]:
         k, v = (one_sequence(pages) for pages in hnd_pages(inputs))
-        tables = inputs.block_tables[:, None, None, :]
-        device, b = tables.device, shape.batch
-        partial = torch.zeros_like(tables)
-        partial[..., 0] = tables[..., -1]
+        b, per_row = inputs.block_tables.shape
+        device = k.device
+        # index lists as wide as the whole page pool, as _paged_attention's converted masks are: flex
+        # checks the mask's KV extent against the K/V's
+        full_indices = torch.zeros(b, 1, 1, k.shape[2] // BLOCK_SIZE, dtype=torch.int32, device=device)
+        full_indices[..., :per_row] = inputs.block_tables[:, None, None, :]
+        partial_indices = torch.zeros_like(full_indices)
+        partial_indices[..., 0] = full_indices[..., per_row - 1]
         mask = BlockMask.from_kv_blocks(
-            torch.full((b, 1, 1), int(remainder > 0), dtype=torch.int32, device=device), partial,
-            torch.full((b, 1, 1), full, dtype=torch.int32, device=device), tables.contiguous(),
+            torch.full((b, 1, 1), int(remainder > 0), dtype=torch.int32, device=device), partial_indices,
+            torch.full((b, 1, 1), full, dtype=torch.int32, device=device), full_indices,
             BLOCK_SIZE=(128, BLOCK_SIZE), mask_mod=_flex_mask_mod(remainder), seq_lengths=(1, k.shape[2]),
             **forward_only,
         )
@@ -173,10 +181,6 @@ class Peers:
             if problem:
                 self.unavailable["flashinfer"] = f"not built: {problem}"
         self.flashinfer_src = flashinfer_src
-
-    def header(self) -> list[str]:
-        """A line per peer that runs no cell at all."""
-        return [f"{name}: {why}" for name, why in self.unavailable.items()]
 
     def row(self, batch: int, context: int, dtype: torch.dtype, kv_dtype: torch.dtype,
             reference: Reference) -> dict[str, Cell]:

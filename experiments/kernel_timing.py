@@ -9,7 +9,7 @@ a `Timing` is their median and spread.
 Probes, over a buffer far past L2 (1 GiB on CUDA, 256 MiB on the CPU), timed as the kernels are:
 - copy: `dst.copy_(src)`, bytes read + written per second (the earlier tables' denominator);
 - read: each byte read once and reduced to one number. `torch.sum(dtype=float32)` of an fp16 buffer
-  (torch's vectorised reduction), and on CUDA with Triton importable a streaming-load kernel
+  (torch's vectorised reduction; fp32 on the CPU), and on CUDA with Triton importable a streaming-load kernel
   (kernel_read_probe.py); the faster is the read bandwidth, which kernel_bench's % divide by.
 """
 
@@ -27,6 +27,15 @@ CUDA_PROBE_BYTES = 1 << 30
 CPU_PROBE_BYTES = 256 << 20
 PROBE_CALLS = 10  # probe passes per graph: each takes ~0.3-1 ms on CUDA, well above event resolution
 CPU_CACHE_FALLBACK = 32 << 20  # last-level cache assumed where sysconf does not say
+# Rotating inputs span this many cache (L2) sizes: a margin, since L2 replacement is not strict LRU.
+L2_MULTIPLE = 3
+# Sets below 3 * 50 MiB / 512 = 300 KiB take ~0.1 µs of DRAM time, far under a call's latency, so
+# whether they hit L2 no longer matters; more sets would only lengthen warm-up and capture.
+MAX_SETS = 512
+# On the CPU a call takes milliseconds and the table is a smoke test: a few sets keep it quick.
+CPU_MAX_SETS = 4
+# Share of free memory the rotating sets may take; the rest is for scratch, graph pools and the reference.
+MEMORY_FRACTION = 0.5
 
 
 def reason(e: BaseException) -> str:
@@ -143,6 +152,14 @@ class Timer:
             return torch.cuda.mem_get_info(self.device)[0]
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
+    def set_count(self, set_bytes: int) -> int:
+        """Independent input sets of `set_bytes` each, together over `L2_MULTIPLE` cache sizes (at
+        least two, at most `MAX_SETS`) where memory allows. Only sets many times larger than the
+        cache are cut short, and the cache holds a negligible share of such a set."""
+        most = MAX_SETS if self.device.type == "cuda" else CPU_MAX_SETS
+        wanted = min(most, max(2, -(-L2_MULTIPLE * self.cache_bytes() // set_bytes)))
+        return max(1, min(wanted, int(self.free_bytes() * MEMORY_FRACTION) // set_bytes))
+
     def _probe(self, calls: Callable[[], object]) -> Timing:
         timer = Timer(self.device, PROBE_CALLS, self.repeats)
         return timer.graphed([calls])
@@ -157,12 +174,16 @@ class Timer:
 
     def read_probes(self) -> tuple[Probe, list[str]]:
         """The fastest read-only pass over a buffer far past the cache, and a line per method tried."""
-        size = CUDA_PROBE_BYTES if self.device.type == "cuda" else CPU_PROBE_BYTES
-        buf = torch.ones(size // 2, dtype=torch.float16, device=self.device)
+        cuda = self.device.type == "cuda"
+        size = CUDA_PROBE_BYTES if cuda else CPU_PROBE_BYTES
+        # fp16 as the caches are on CUDA; on the CPU, whose fp16 sum converts element by element, fp32
+        dtype = torch.float16 if cuda else torch.float32
+        buf = torch.ones(size // dtype.itemsize, dtype=dtype, device=self.device)
         timing = self._probe(lambda: buf.sum(dtype=torch.float32))
-        probes = [Probe(size / (timing.us * 1e-6), timing, f"torch.sum(float32) of {size >> 20} MiB fp16")]
+        what = f"torch.sum(float32) of {size >> 20} MiB {str(dtype).removeprefix('torch.')}"
+        probes = [Probe(size / (timing.us * 1e-6), timing, what)]
         notes = []
-        if self.device.type == "cuda":
+        if cuda:
             try:
                 from kernel_read_probe import triton_read  # Triton: on CUDA machines only
 

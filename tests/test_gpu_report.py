@@ -145,8 +145,13 @@ def test_run_bench_runs_each_benchmark_whatever_became_of_the_one_before(report,
 
 def test_the_benchmarks_are_kernel_bench_then_prefill_bench_on_cuda(report) -> None:
     scripts = [script for _, script, _ in report.BENCHES]
-    assert scripts == [["experiments/kernel_bench.py", "--repeats", "5"],
+    assert scripts == [["experiments/kernel_bench.py", "--repeats", "5", "--shapes", *report.DECODE_SHAPES,
+                        "--peers", "sdpa-flash", "sdpa-cudnn", "flashinfer"],
                        ["experiments/prefill_bench.py", "--device", "cuda", "--repeats", "5"]]
+    # the v3 targets' shapes come first, and every H100 table row of docs/gpu.md is there
+    assert report.DECODE_SHAPES[:3] == ("64x4096", "256x1024", "1x16384")
+    assert set(report.DECODE_SHAPES) == {"1x512", "1x4096", "1x16384", "16x1024", "16x16384", "64x4096", "256x1024",
+                                         "256x16384"}
     assert sum(share for _, _, share in report.BENCHES) == pytest.approx(1)
     assert sum(report.SHARES.values()) == pytest.approx(1)
 

@@ -10,8 +10,8 @@ kernel includes: `flashinfer/data/include` (FlashInfer's headers, ~6 MB) and the
 of the CCCL it ships (`flashinfer/data/cccl/libcudacxx/include`, ~15 MB; its headers need a newer
 `<cuda/cmath>` than CUDA 13.0's). The ~21 MB folder is what a GPU session carries (the machine has
 no network). `build` compiles with FlashInfer's own JIT flags (`--expt-relaxed-constexpr`,
-`-static-global-template-stub=false`), once per configuration; the library is cached under
-`<src>/build/` by a hash of the source and the flags.
+`-static-global-template-stub=false`), every configuration the bench may use at once (the bench also
+builds one on first use); a library is cached under `<src>/build/` by a hash of the source and flags.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 FLASHINFER_VERSION = "0.7.2.post1"
@@ -100,9 +101,11 @@ def main() -> None:
     problem = source_problem(args.src)
     if problem:
         sys.exit(f"cannot build: {problem}")
-    for query in ("float16", "bfloat16"):
-        for kv in (query, "float8_e4m3fn", "float8_e5m2"):
-            print(build(args.src, query, kv, args.arch))
+    configs = [(query, kv) for query in ("float16", "bfloat16") for kv in (query, "float8_e4m3fn", "float8_e5m2")]
+    # one nvcc per configuration at once: each is single-threaded, and a GPU machine has the cores
+    with ThreadPoolExecutor(len(configs)) as pool:
+        for library in pool.map(lambda config: build(args.src, *config, args.arch), configs):
+            print(library)
 
 
 if __name__ == "__main__":
