@@ -143,8 +143,13 @@ __global__ void paged_attention_v3_kernel(T* __restrict__ out, float* __restrict
   const int first_token = window_start(seq_len, sliding_window);
   const int num_seq_blocks = div_up(seq_len, BLOCK);
   const int start_block = first_token / BLOCK + split * split_blocks;
+#ifdef PAGED_TEST_NO_SPLIT_GUARD
+  const bool past_scratch = false;  // the planted defect: splits past the scratch write past it
+#else
+  const bool past_scratch = split >= scratch_splits;
+#endif
   // Split 0 always runs, so an empty sequence still gets its (zero) output.
-  if ((split > 0 && start_block >= num_seq_blocks) || split >= scratch_splits) return;
+  if ((split > 0 && start_block >= num_seq_blocks) || past_scratch) return;
   const int end_block = cmin(start_block + split_blocks, num_seq_blocks);
   const int num_tiles = cmax(div_up(end_block - start_block, TILE_BLOCKS), 0);
   const int* block_table = block_tables + static_cast<int64>(seq) * max_num_blocks_per_seq;

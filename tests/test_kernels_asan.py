@@ -1,7 +1,8 @@
 """AddressSanitizer + UndefinedBehaviorSanitizer over the emulated kernels, the CPU counterpart of
 compute-sanitizer memcheck: every access the real sources make, over every dtype, block size and
 head size, stays inside its buffer without undefined behaviour; and the same checks report a block
-table one block short of the longest sequence (ASan) and a misaligned query (UBSan), so they can fail."""
+table one block short of the longest sequence (ASan), a misaligned query (UBSan) and a v3 split past
+its scratch once the kernel's guard is gone (ASan), so they can fail."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ VARIANTS = {
     "clean": (),
     "oob_block_table": ("PAGED_TEST_OOB_BLOCK_TABLE",),
     "misaligned_query": ("PAGED_TEST_MISALIGNED_QUERY",),
+    "no_split_guard": ("PAGED_TEST_NO_SPLIT_GUARD",),
 }
 
 
@@ -92,3 +94,12 @@ def test_asan_ubsan_reports_misaligned_query_load(drivers: dict[str, Path]) -> N
     assert result.returncode == UBSAN_EXIT, result.stderr[-4000:]
     assert re.search(r"vec\.cuh:\d+:\d+: runtime error: .*misaligned address", result.stderr), result.stderr[-4000:]
     assert "attention.cuh" in result.stderr
+
+
+def test_asan_reports_a_v3_split_past_the_scratch_once_the_guard_is_gone(drivers: dict[str, Path]) -> None:
+    """The clean run launches v3 with six splits over a scratch of four and is clean because the
+    kernel checks the split index; without that check the same launch writes past the scratch."""
+    result = _run(drivers["no_split_guard"])
+    assert result.returncode == ASAN_EXIT, result.stderr[-4000:]
+    assert "ERROR: AddressSanitizer: heap-buffer-overflow" in result.stderr
+    assert re.search(r"WRITE of size 4 .*\n(.*\n)*?.*decode_v3\.cuh", result.stderr), result.stderr[-4000:]

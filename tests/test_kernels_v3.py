@@ -41,6 +41,16 @@ SETTINGS = (
     (Setting("bf16-e5m2-window", torch.bfloat16, cache=E5M2, window=300, group=2), (100, 301, 2000)),
     (Setting("fp32-e4m3-everything", torch.float32, cache=E4M3, window=200, alibi=True, sparse=SPARSE), (64, 900)),
     (Setting("fp16-gqa8-16k", torch.float16, group=8), (16384,)),
+    # tensor cores (fp16 / bf16, head tiles 4 and 8) under every feature
+    (Setting("fp16-gqa4-window-alibi-sparse", torch.float16, group=4, window=150, alibi=True, sparse=SPARSE),
+     (1, 64, 151, 700)),
+    (Setting("bf16-gqa8-e4m3-window-h96-b8", torch.bfloat16, head=96, block=8, group=8, cache=E4M3, window=90),
+     (5, 91, 500)),
+    (Setting("fp16-gqa6-e5m2-sparse-per-kv-head-h112", torch.float16, head=112, group=6, cache=E5M2,
+             sparse=SPARSE_PER_KV_HEAD), (20, 333)),
+    (Setting("bf16-gqa4-e4m3-everything-h256-b32", torch.bfloat16, head=256, block=32, group=4, cache=E4M3,
+             window=200, alibi=True, sparse=SPARSE), (64, 900)),
+    (Setting("fp16-gqa7-e4m3-alibi-h80", torch.float16, head=80, group=7, cache=E4M3, alibi=True), (3, 333)),
 )
 
 
@@ -88,11 +98,12 @@ def test_every_split_count_gives_the_same_attention(num_splits: int) -> None:
     torch.testing.assert_close(out.double(), _reference(x), **tolerance(torch.float16))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_blocks_before_the_window_and_slots_past_the_context_are_never_read(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("dtype", "group"), [(torch.float32, 2), (torch.float16, 2), (torch.float16, 4),
+                                            (torch.bfloat16, 4)], ids=str)
+def test_blocks_before_the_window_and_slots_past_the_context_are_never_read(dtype: torch.dtype, group: int) -> None:
     """Table entries of blocks wholly before each row's window name a block of NaN; with several
-    splits too, nothing NaN reaches the output."""
-    setting = Setting("stale", dtype, block=8, window=60, group=2)
+    splits too, and on tensor cores (group 4), nothing NaN reaches the output."""
+    setting = Setting("stale", dtype, block=8, window=60, group=group)
     x = feature_inputs(setting, seq_lens=(70, 200, 333), q_lens=(1, 1, 1))
     reference = _reference(x)
     args = x["args"]

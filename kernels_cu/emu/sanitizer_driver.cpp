@@ -12,6 +12,8 @@
 //     longest (last) sequence needs, so the kernel reads past the table and ASan must report it.
 //   PAGED_TEST_MISALIGNED_QUERY (here) passes a query that starts one element into its buffer, so
 //     the kernel's vector loads of it are misaligned (a GPU faults) and UBSan must report it.
+//   PAGED_TEST_NO_SPLIT_GUARD (decode_v3.cuh) drops v3's check of the split index against the
+//     scratch's capacity, so the launch with more splits than its scratch writes past it (ASan).
 // Runs with a sliding window give the blocks wholly before each sequence's window a table entry far
 // outside the caches (a stale entry may name any block), so a kernel that reads one faults. Runs
 // with an fp8 cache read per-head scale arrays of exactly num_kv_heads floats; runs with the
@@ -37,7 +39,8 @@
 // ASan's compile and run are cheap next to TSan's, so an ASan build covers every dtype, block size
 // and head size while TSan keeps its short list. A planted defect stops the program at the first
 // launch, so those builds skip the extra instantiations they would never reach.
-#if defined(PAGED_DRIVER_ASAN) && !defined(PAGED_TEST_OOB_BLOCK_TABLE) && !defined(PAGED_TEST_MISALIGNED_QUERY)
+#if defined(PAGED_DRIVER_ASAN) && !defined(PAGED_TEST_OOB_BLOCK_TABLE) && !defined(PAGED_TEST_MISALIGNED_QUERY) && \
+    !defined(PAGED_TEST_NO_SPLIT_GUARD)
 #define PAGED_DRIVER_WIDE_GRID 1
 #endif
 

@@ -26,8 +26,9 @@ V3_TABLE_CHUNK = 128
 # Shared memory the driver keeps per CTA on sm_80 and newer, on top of what the kernel asks for.
 RESERVED_SHARED_MEMORY = 1024
 # Registers per thread of the main kernel as NVRTC allocates them for fp16, head 128, a group of 8
-# on sm_90 (168; fp32 at head 256 takes 240): the plan is made before the kernel is loaded.
-V3_REGISTERS = 168
+# on sm_90 (110 on tensor cores; the CUDA-core path of fp32 at head 256 takes 240): the plan is
+# made before the kernel is loaded.
+V3_REGISTERS = 110
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,8 @@ def v3_shared_memory(cache_element_size: int, head_size: int, tile: int) -> int:
 
 def hardware(limits: DeviceLimits, shared_memory: int, registers: int = V3_REGISTERS) -> Hardware:
     """The device's SMs and the v3 CTAs each holds at once: the fewest its threads, shared memory
-    and registers allow (an H100 holds 3 at fp16, head 128)."""
+    and registers allow (an H100 holds 4 at fp16, head 128, a group of 8: 53 KB of shared memory
+    each)."""
     by_threads = limits.threads_per_multiprocessor // V3_THREADS
     by_smem = limits.shared_memory_per_multiprocessor // (shared_memory + RESERVED_SHARED_MEMORY)
     by_registers = limits.registers_per_multiprocessor // (registers * V3_THREADS)
