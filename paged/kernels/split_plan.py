@@ -3,7 +3,7 @@
 v3 runs one work item (a CUDA thread block, an OpenMP task) per (sequence, KV head, KV split) and
 merges a sequence's splits by log-sum-exp. Splits only pay when the batch alone leaves the
 hardware idle: few sequences, or few KV heads, over long contexts. The planner sizes them as
-FlashInfer's decode planner does: enough work items to fill every processor `waves` times over,
+FlashInfer's decode planner does: enough work items to fill every processor's slots once,
 no split shorter than `min_split_tokens` (the merge and the partial outputs cost more than the
 parallelism buys below that), and every split a whole number of v3's K/V tiles.
 
