@@ -17,6 +17,7 @@ checked against v1 first. `--torch` adds the torch reference. `--quick`: fp32 on
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import time
@@ -96,8 +97,9 @@ def main() -> None:
     args = parser.parse_args()
     repeats, dtypes = (5, ["float32"]) if args.quick else (args.repeats, args.dtypes)
 
-    print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; "
-          f"median of {repeats}, ms per layer call; q{NUM_HEADS}/kv{NUM_KV_HEADS} head {HEAD_SIZE} block {BLOCK_SIZE}")
+    print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, load average "
+          f"{os.getloadavg()[0]:.1f}; median of {repeats}, ms per layer call; q{NUM_HEADS}/kv{NUM_KV_HEADS} "
+          f"head {HEAD_SIZE} block {BLOCK_SIZE}")
     extra = f" {'torch':>8}" if args.torch else ""
     print(f"{'workload':<9} {'dtype':<9} {'v1':>8} {'v2':>8} {'v3':>8}{extra} {'splits':>7} {'v3/v2':>6} {'v3/v1':>6}")
     for dtype_name in dtypes:

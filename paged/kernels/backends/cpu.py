@@ -60,7 +60,7 @@ _STATUS = {
 }
 # v3 work items per OpenMP thread the planner aims for when it splits: with a few each, dynamic
 # scheduling evens out the threads (one item per thread leaves them idle on a remainder).
-V3_SLOTS_PER_THREAD = 4
+V3_SLOTS_PER_THREAD = 8
 # PAGED_CPU_COMMON_ARGS: dtypes, out, query and its strides, caches, block tables and their stride,
 # seq_lens, the sizes, scale, sliding window, fp8 scales, ALiBi slopes, the four block-sparse ints.
 _COMMON_ARGS = [
