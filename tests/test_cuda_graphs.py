@@ -38,7 +38,7 @@ def _generate(engine: Engine, max_tokens: int = 24) -> list[list[int]]:
     return [r.seqs[0].output_token_ids for r in requests]
 
 
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", ["v1", "v2", "v3"])
 def test_graphs_on_and_off_give_the_same_tokens(version: str) -> None:
     eager = _engine("executor.cuda_graphs=false", f"kernel.version={version}")
     graphs = _engine("executor.cuda_graphs=true", f"kernel.version={version}")

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+from paged import kernels
 from paged.config import KernelConfig, ModelConfig
 from paged.executor.model_executor import ModelExecutor
 from paged.model.layer_ops import NATIVE_CPU_OPS, TORCH_OPS
@@ -84,7 +85,7 @@ def tiny() -> ModelExecutor:
     return make_executor()
 
 
-@pytest.mark.parametrize("version", ["v1", "v2", "auto"])
+@pytest.mark.parametrize("version", ["v1", "v2", "v3", "auto"])
 def test_paged_generation_equals_full_recompute(version: str) -> None:
     ex = make_executor(version=version, partition_size=16)
     outputs = generate(ex, PROMPTS, max_tokens=12)
@@ -179,7 +180,8 @@ def test_unknown_arch_key_is_rejected() -> None:
 @pytest.mark.parametrize("gemm", ["torch", "auto"])
 def test_native_layer_ops_and_gemms_generate_what_the_torch_formulas_recompute(gemm: str) -> None:
     """On the native cpu backend the norms, RoPE and SwiGLU are the native kernels; they keep the
-    torch formulas' fp32 results, so paged generation equals a torch-ops full recompute exactly."""
+    torch formulas' fp32 results, so paged generation (decode on v3, `auto`'s pick on cpu) equals a
+    torch-ops full recompute exactly."""
     ex = ModelExecutor(
         ModelConfig(name="tiny-random", source="random", gemm=gemm),
         KernelConfig(name="test", version="auto", backend="cpu", partition_size=32),
@@ -188,6 +190,7 @@ def test_native_layer_ops_and_gemms_generate_what_the_torch_formulas_recompute(g
     if ex.backend.name != "cpu":
         pytest.skip(f"native cpu backend unavailable: {ex.kernel_description}")
     assert ex.model.ops is NATIVE_CPU_OPS and f"gemm {ex.gemm}, native norms/RoPE/SwiGLU" in ex.description
+    assert kernels.choose_version(100, len(PROMPTS), ex.arch.num_heads, backend=ex.backend.name) == "v3"
     outputs = generate(ex, PROMPTS, max_tokens=8)
     ex.model.ops = TORCH_OPS
     for prompt, out in zip(PROMPTS, outputs, strict=True):

@@ -28,7 +28,7 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", ["v1", "v2", "v3"])
 @pytest.mark.parametrize("case", attention_grid() + default_partition_grid(), ids=lambda c: c.id)
 def test_paged_attention_matches_reference(case: AttentionCase, version: str) -> None:
     x = attention_inputs(case, device="cuda")

@@ -78,7 +78,7 @@ def hf_greedy(reference, prompts) -> list[list[int]]:
     return [out[0, len(ids) :].tolist() for ids, out in zip(prompts, outputs, strict=True)]
 
 
-@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("version", ["v1", "v2", "v3"])
 def test_greedy_decoding_matches_hf_generate(smollm: ModelExecutor, prompts, hf_greedy, version: str) -> None:
     smollm.version = version  # 16-token partitions: v2 reduces over several partitions per sequence
     ours = generate(smollm, prompts, MAX_NEW)
