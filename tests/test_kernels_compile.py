@@ -43,8 +43,8 @@ def test_default_configurations_compile_cold_fast_without_spills_then_hit_the_ca
     cold = nvrtc.compile_units(units, arch)
     cold_s = time.perf_counter() - start
     assert not any(c.cached for c in cold)
-    # 18 units (fp16/bf16 x own-dtype/fp8 caches: decode, prefill, cache ops; and their layer ops); generous for a
-    # loaded 2-core machine
+    # 26 units (fp16/bf16 x own-dtype/fp8 caches: decode v1/v2, v3 for groups of 4 and 8, prefill, cache ops; and
+    # their layer ops); generous for a loaded 2-core machine
     assert cold_s < 45, f"cold compile of the default configurations took {cold_s:.1f} s"
     for compiled in cold:
         assert compiled.cubin.startswith(ELF)
@@ -70,11 +70,13 @@ def _check_compiles(units: list[specs.Unit], arch: str) -> None:
 def test_every_dispatchable_instantiation_with_a_model_dtype_cache_compiles_to_cubin(arch: str) -> None:
     """Uses the shared cache: the first run on a machine compiles ~110 units per arch."""
     units = specs.dispatchable_units()
-    # activation dtypes x (own, e4m3, e5m2) caches: cache ops; decode v1, v2 and prefill, plain or with
-    # the features, per head size and block size; layer ops
-    assert len(units) == 3 * 3 + 3 * 3 * 6 * 3 * 2 * 3 + 3
-    # prefill's CUDA-core fp32 variant takes seconds each: its covering set is in the test below
-    _check_compiles([u for u in units if not u.cache and not u.features and u.op != "prefill"], arch)
+    # activation dtypes x (own, e4m3, e5m2) caches: cache ops; decode v1, v2, prefill and v3 in its 4 head
+    # tiles, plain or with the features, per head size and block size; layer ops
+    assert len(units) == 3 * 3 + 3 * 3 * 6 * 3 * 2 * (3 + 4) + 3
+    # prefill's CUDA-core fp32 variant and v3's 4 head tiles take seconds each: their covering sets are
+    # in the test below
+    _check_compiles([u for u in units if not u.cache and not u.features and u.op not in ("prefill", "attention_v3")],
+                    arch)
 
 
 def test_fp8_and_feature_instantiations_compile_to_cubin() -> None:
@@ -91,6 +93,9 @@ def test_fp8_and_feature_instantiations_compile_to_cubin() -> None:
     # prefill: each configuration once, its cache, features and format rotating
     caches = (None, *FP8_DTYPES)
     units += [specs.prefill_unit(dtype, head, block, caches[i % 3], i % 2 == 1)
+              for i, (dtype, head, block) in enumerate(configs)]
+    # v3: each configuration once, its head tile (group 1, 2, 4, 8), cache and features rotating
+    units += [specs.attention_unit(dtype, head, block, "v3", 0, caches[i % 3], i % 2 == 1, (1, 2, 4, 8)[i % 4])
               for i, (dtype, head, block) in enumerate(configs)]
     _check_compiles(units, "sm_90")
 
