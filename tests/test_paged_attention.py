@@ -110,5 +110,5 @@ def test_auto_resolves_the_backend_once_and_says_why() -> None:
     ex = ModelExecutor(ModelConfig(name="tiny-random", source="random", device="cpu"), KernelConfig(name="t"))
     assert ex.backend.name == "cpu"
     assert ex.kernel_description == (
-        "auto(v1/v2)/cpu (native C++/OpenMP; auto: backend='cuda' needs cuda tensors, got tensors on cpu)"
+        "auto(v3)/cpu (native C++/OpenMP; auto: backend='cuda' needs cuda tensors, got tensors on cpu)"
     )

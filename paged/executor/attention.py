@@ -21,7 +21,7 @@ from paged.kernels.planned import AttentionSettings, CacheWrite, DecodeAttention
 
 class PagedAttention:
     """The model's attention callback for one step: `(layer, q, k, v) -> out`, rows in batch order.
-    `decode_version` (v1/v2) is the kernel the decode rows run, `None` when the step has none;
+    `decode_version` (v1/v2/v3) is the kernel the decode rows run, `None` when the step has none;
     `kv_scales` the fp8 cache's scales (`None` for a cache in the model's dtype)."""
 
     def __init__(

@@ -127,7 +127,9 @@ class ModelExecutor(Executor):
             block_size=self.block_size or None, partition_size=self._v2_partition_size,
             cache_dtype=self.cache_dtype, features=self._features,
         )
-        version = "auto(v1/v2)" if self.version == "auto" else self.version
+        # what auto picks here: v3 on a backend it was measured to win on, else vLLM's v1/v2 rule
+        picks = "v3" if self.backend.name in kernels.V3_BACKENDS else "v1/v2"
+        version = f"auto({picks})" if self.version == "auto" else self.version
         self.kernel_description = f"{version}/{reason}"
         if isinstance(self.model, LlamaModel):
             self.model.ops = layer_ops_for(self.backend)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from paged.kernels.backends.interface import KernelBackend
 from paged.kernels.ops import (
+    V3_BACKENDS,
     choose_version,
     copy_blocks,
     paged_attention,
@@ -25,6 +26,7 @@ from paged.kernels.registry import BACKENDS, get_backend, resolve_backend
 
 __all__ = [
     "BACKENDS",
+    "V3_BACKENDS",
     "KernelBackend",
     "choose_version",
     "copy_blocks",
