@@ -213,7 +213,10 @@ int cache_ops(std::mt19937& rng) {
 
 int main() {
   std::mt19937 rng(0);
-  int status = attention<__half, 64, 16, 32>(rng);
+  int status = 0;
+  // The missing split guard is v3's alone: its build runs only v3, sparing a compile of the rest.
+#ifndef PAGED_TEST_NO_SPLIT_GUARD
+  status |= attention<__half, 64, 16, 32>(rng);
   status |= attention<__nv_bfloat16, 80, 8, 32>(rng);
   status |= attention<float, 64, 32, 64>(rng);
   status |= cache_ops<__half>(rng);
@@ -243,6 +246,7 @@ int main() {
 #endif
   status |= layer_ops_scenarios(rng);
   status |= prefill_scenarios(rng);
+#endif
   status |= v3_scenarios(rng);
   std::puts(status == 0 ? "sanitizer driver: all launches ran" : "sanitizer driver: a launch failed");
   return status;
