@@ -56,7 +56,7 @@ constexpr int V3_WARP_KEYS = V3_TILE / V3_WARPS;     // keys of a tile each warp
 constexpr int V3_SLICES = WARP_SIZE / V3_WARP_KEYS;  // lanes sharing one key's head dims
 constexpr int V3_TABLE_CHUNK = 128;                  // block-table entries prefetched at a time
 
-// The shared memory of one CTA (paged/kernels/backends/decode_v3.py computes the same bytes).
+// The shared memory of one CTA (paged/kernels/backends/v3_plans.py computes the same bytes).
 template <typename CACHE_T, int HEAD, int GT>
 struct V3Layout {
   static constexpr int TILE_BYTES = V3_TILE * HEAD * static_cast<int>(sizeof(CACHE_T));  // K or V

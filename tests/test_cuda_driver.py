@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from paged.kernels.backends.decode_v3 import DeviceLimits, hardware, v3_shared_memory
+from paged.kernels.backends.v3_plans import DeviceLimits, hardware, v3_shared_memory
 from paged.kernels.split_plan import plan_splits
 from paged.kernels.testing import attention_grid, default_partition_grid
 from paged.kernels.toolchain.specs import group_tile

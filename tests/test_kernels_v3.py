@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from paged import kernels
-from paged.kernels.backends.decode_v3 import V3Workspace, check_workspace, v3_shared_memory, v3_workspace
 from paged.kernels.backends.emu import BACKEND as EMU
 from paged.kernels.backends.emu import H100
 from paged.kernels.backends.interface import CacheView
+from paged.kernels.backends.v3_plans import V3Workspace, check_workspace, v3_shared_memory, v3_workspace
 from paged.kernels.features import alibi_slopes
 from paged.kernels.ops import narrower_window
 from paged.kernels.split_plan import MAX_SPLITS, Hardware, SplitPlan, plan_splits

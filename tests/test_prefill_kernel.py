@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from paged import kernels
-from paged.kernels.backends.decode_v3 import DeviceLimits
 from paged.kernels.backends.emu import H100
 from paged.kernels.backends.launch import RunnerBackend, prefill_shared_memory
+from paged.kernels.backends.v3_plans import DeviceLimits
 from paged.kernels.features import FP8_MAX, BlockSparse, alibi_slopes
 from paged.kernels.registry import resolve_backend
 from paged.kernels.testing import AttentionCase, prefill_inputs, tolerance

@@ -2,7 +2,7 @@
 // one CTA and in head chunks, one split (the output written directly) and several (merged), a
 // sliding window with the table entries before each row's window stale, fp8 with the features; and
 // a grid with more splits than the scratch holds (a plan the host refuses), whose extra CTAs must
-// write nothing. Buffers are exactly sized; shared memory follows backends/decode_v3.py's
+// write nothing. Buffers are exactly sized; shared memory follows backends/v3_plans.py's
 // `v3_shared_memory`.
 #pragma once
 

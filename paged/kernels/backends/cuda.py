@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from paged.kernels.backends import launch
-from paged.kernels.backends.decode_v3 import DeviceLimits
+from paged.kernels.backends.v3_plans import DeviceLimits
 from paged.kernels.toolchain import nvrtc
 from paged.kernels.toolchain.specs import Unit
 

@@ -12,7 +12,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from paged.kernels.backends.decode_v3 import DeviceLimits, V3Workspace, v3_launches, v3_unit, v3_workspace
 from paged.kernels.backends.interface import (
     CACHE_DTYPES,
     FEATURES,
@@ -24,6 +23,7 @@ from paged.kernels.backends.interface import (
 from paged.kernels.backends.launch_api import VECTOR_BYTES, Arg, Copy, Launch, Ptr, Runner
 from paged.kernels.backends.layer_plans import FusedLayerOpsMixin
 from paged.kernels.backends.torch_ref import TorchBackend
+from paged.kernels.backends.v3_plans import DeviceLimits, V3Workspace, v3_launches, v3_unit, v3_workspace
 from paged.kernels.features import NONE, AttentionFeatures
 from paged.kernels.limits import BLOCK_SIZES, NATIVE_HEAD_SIZES, NATIVE_PARTITION_SIZES
 from paged.kernels.toolchain.specs import NUM_THREADS, Unit, attention_unit, cache_unit, prefill_unit
