@@ -64,6 +64,23 @@ int run(int status, const char* what) {
   return status;
 }
 
+// The attention kernels' FEATURE_PARAMS, with buffers of exactly the size a kernel may read: per-KV-head
+// fp8 scales (passed only for an fp8 cache), per-head ALiBi slopes and a sparse pattern of two cache
+// blocks (both only with the features). Launches pass the addresses of the `args` members.
+template <typename CACHE_T, int BLOCK, bool FEATURES>
+struct FeatureArgs {
+  FeatureArgs(int num_heads, int num_kv_heads)
+      : k_scale_values(num_kv_heads, 0.5f), v_scale_values(num_kv_heads, 0.25f), slope_values(num_heads, -0.125f),
+        k_scales(sizeof(CACHE_T) == 1 ? k_scale_values.data() : nullptr),
+        v_scales(sizeof(CACHE_T) == 1 ? v_scale_values.data() : nullptr),
+        slopes(FEATURES ? slope_values.data() : nullptr) {}
+  std::vector<float> k_scale_values, v_scale_values, slope_values;
+  const float *k_scales, *v_scales, *slopes;
+  int bs_block = 2 * BLOCK, bs_local = FEATURES ? 1 : 0, bs_stride = FEATURES ? 3 : 0, bs_step = 1;
+};
+// FeatureArgs `f`'s members in FEATURE_PARAMS order, for a launch's argument array.
+#define FEATURE_ARG_PTRS(f) &f.k_scales, &f.v_scales, &f.slopes, &f.bs_block, &f.bs_local, &f.bs_stride, &f.bs_step
+
 // Every buffer is a std::vector of exactly the size the kernel may touch (and shared memory is sized
 // by the formulas of backends/launch.py), so ASan's redzones sit right past each one.
 template <typename T, typename CACHE_T, int HEAD, int BLOCK, int PARTITION, bool FEATURES>
@@ -110,14 +127,8 @@ int attention(std::mt19937& rng, const std::vector<int>& seq_lens, int sliding_w
   std::vector<float> max_logits(exp_sums.size());
   std::vector<float> tmp_out(exp_sums.size() * HEAD);
 
-  std::vector<float> k_scales(num_kv_heads, 0.5f), v_scales(num_kv_heads, 0.25f);
-  std::vector<float> slopes(num_heads, -0.125f);
-  const bool fp8 = sizeof(CACHE_T) == 1;
-  const float* k_scales_p = fp8 ? k_scales.data() : nullptr;
-  const float* v_scales_p = fp8 ? v_scales.data() : nullptr;
-  const float* slopes_p = FEATURES ? slopes.data() : nullptr;
-  // Sparse blocks of two cache blocks: the longest sequence skips some; off without the features.
-  int bs_block = 2 * BLOCK, bs_local = FEATURES ? 1 : 0, bs_stride = FEATURES ? 3 : 0, bs_step = 1;
+  // Sparse blocks of two cache blocks: the longest sequence skips some.
+  FeatureArgs<CACHE_T, BLOCK, FEATURES> features(num_heads, num_kv_heads);
 
   T* out_p = out.data();
   const T* q_p = q.data() + kQueryOffset;
@@ -129,8 +140,7 @@ int attention(std::mt19937& rng, const std::vector<int>& seq_lens, int sliding_w
   float scale = 1.0f / std::sqrt(float(HEAD));
   int window = sliding_window;
   void* common[] = {&q_p, &k_p, &v_p, &kv_heads, &scale, &tables_p, &lens_p, &blocks_per_seq,
-                    &q_stride, &block_stride, &head_stride, &window, &k_scales_p, &v_scales_p, &slopes_p,
-                    &bs_block, &bs_local, &bs_stride, &bs_step};
+                    &q_stride, &block_stride, &head_stride, &window, FEATURE_ARG_PTRS(features)};
 
   const unsigned long long outputs_smem = (kThreads / 64) * HEAD * 4;
   const unsigned long long v1_smem =

@@ -37,12 +37,7 @@ int prefill(std::mt19937& rng, int sliding_window = 0) {
     const int first_block = paged::window_start(first_query + 1, sliding_window) / BLOCK;
     for (int b = 0; b < first_block; ++b) tables[std::size_t(seq) * max_blocks + b] = kStaleBlock;
   }
-  std::vector<float> k_scales(num_kv_heads, 0.5f), v_scales(num_kv_heads, 0.25f), slopes(num_heads, -0.125f);
-  const bool fp8 = sizeof(CACHE_T) == 1;
-  const float* k_scales_p = fp8 ? k_scales.data() : nullptr;
-  const float* v_scales_p = fp8 ? v_scales.data() : nullptr;
-  const float* slopes_p = FEATURES ? slopes.data() : nullptr;
-  int bs_block = 2 * BLOCK, bs_local = FEATURES ? 1 : 0, bs_stride = FEATURES ? 3 : 0, bs_step = 1;
+  FeatureArgs<CACHE_T, BLOCK, FEATURES> features(num_heads, num_kv_heads);
 
   T* out_p = out.data();
   const T* q_p = q.data();
@@ -51,10 +46,9 @@ int prefill(std::mt19937& rng, int sliding_window = 0) {
   int heads = num_heads, kv_heads = num_kv_heads, blocks_per_seq = max_blocks, q_stride = num_heads * HEAD;
   int block_stride = num_kv_heads * HEAD * BLOCK, head_stride = HEAD * BLOCK, window = sliding_window;
   float scale = 1.0f / std::sqrt(float(HEAD));
-  void* args[] = {&out_p,  &q_p,      &k_p,          &v_p,        &heads,       &kv_heads,  &scale,
-                  &tables_p, &lens_p, &starts_p,     &blocks_per_seq, &q_stride, &block_stride, &head_stride,
-                  &window, &k_scales_p, &v_scales_p, &slopes_p,   &bs_block,    &bs_local,  &bs_stride,
-                  &bs_step};
+  void* args[] = {&out_p,    &q_p,    &k_p,      &v_p,            &heads,    &kv_heads,     &scale,
+                  &tables_p, &lens_p, &starts_p, &blocks_per_seq, &q_stride, &block_stride, &head_stride,
+                  &window,   FEATURE_ARG_PTRS(features)};
   const int max_q = *std::max_element(q_lens.begin(), q_lens.end());
   LaunchDims dims{{unsigned(paged::div_up(max_q * group, paged::PREFILL_ROWS)), unsigned(num_kv_heads),
                    unsigned(num_seqs)},

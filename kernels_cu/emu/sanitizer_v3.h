@@ -36,12 +36,7 @@ int v3(std::mt19937& rng, const std::vector<int>& seq_lens, int group, int split
   const bool partial = splits > 1;
   std::vector<float> lse(partial ? std::size_t(num_seqs) * num_heads * scratch_splits : 0);
   std::vector<float> tmp_out(lse.size() * HEAD);
-  std::vector<float> k_scales(num_kv_heads, 0.5f), v_scales(num_kv_heads, 0.25f), slopes(num_heads, -0.125f);
-  const bool fp8 = sizeof(CACHE_T) == 1;
-  const float* k_scales_p = fp8 ? k_scales.data() : nullptr;
-  const float* v_scales_p = fp8 ? v_scales.data() : nullptr;
-  const float* slopes_p = FEATURES ? slopes.data() : nullptr;
-  int bs_block = 2 * BLOCK, bs_local = FEATURES ? 1 : 0, bs_stride = FEATURES ? 3 : 0, bs_step = 1;
+  FeatureArgs<CACHE_T, BLOCK, FEATURES> features(num_heads, num_kv_heads);
 
   T* out_p = out.data();
   float* lse_p = partial ? lse.data() : nullptr;
@@ -53,10 +48,10 @@ int v3(std::mt19937& rng, const std::vector<int>& seq_lens, int group, int split
   int block_stride = num_kv_heads * HEAD * BLOCK, head_stride = HEAD * BLOCK, window = sliding_window;
   int split_blocks_arg = split_blocks, capacity = partial ? scratch_splits : 1, block = BLOCK;
   float scale = 1.0f / std::sqrt(float(HEAD));
-  void* args[] = {&out_p,    &lse_p,      &tmp_p,      &q_p,          &k_p,         &v_p,        &heads,
-                  &kv_heads, &scale,      &tables_p,   &lens_p,       &blocks_per_seq, &q_stride, &block_stride,
-                  &head_stride, &window,  &split_blocks_arg, &capacity, &k_scales_p, &v_scales_p, &slopes_p,
-                  &bs_block, &bs_local,   &bs_stride,  &bs_step};
+  void* args[] = {&out_p,       &lse_p,  &tmp_p,           &q_p,      &k_p,          &v_p,
+                  &heads,       &kv_heads, &scale,         &tables_p, &lens_p,       &blocks_per_seq,
+                  &q_stride,    &block_stride, &head_stride, &window, &split_blocks_arg, &capacity,
+                  FEATURE_ARG_PTRS(features)};
   const unsigned chunks = unsigned(paged::div_up(group, GT));
   LaunchDims dims{{num_kv_heads * chunks, unsigned(num_seqs), unsigned(splits)}, {paged::V3_THREADS, 1, 1},
                   static_cast<unsigned long long>(Layout::BYTES)};
