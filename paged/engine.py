@@ -26,6 +26,11 @@ class Engine:
         self.metrics.on_add(request)
         self.scheduler.add_request(request)
 
+    def abort(self, request: Request, reason: str) -> None:
+        """Abort `request` wherever it is (waiting, running, swapped), freeing its blocks; the next
+        `step` returns it among the finished, with `reason` as its abort reason."""
+        self.scheduler.abort(request, reason)
+
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished

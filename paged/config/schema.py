@@ -115,6 +115,8 @@ class ModelConfig:
     gemm: str = "auto"
     # source=gguf: reuse the dequantized weights cached on disk (keyed by the file's SHA-256); false: dequantize
     weight_cache: bool = True
+    # CPU threads for torch and the native kernels; None: the cores this process may use (paged.threads)
+    num_threads: int | None = None
 
 
 @dataclass
@@ -219,6 +221,8 @@ class ReportConfig:
     paper: list[Any] = field(default_factory=list)
     sustainable: Any = None
     ratio: Any = None
+    # true: a preset's sweep also replaces experiments/results/NAME/ (the committed results); false: its run dir only
+    publish: bool = False
 
 
 @dataclass
