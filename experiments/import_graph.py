@@ -22,11 +22,17 @@ PACKAGE = ROOT / "paged"
 
 # Bottom first. A unit: a folder of paged/ or a top-level module, by its name.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("step", "config", "request", "clock", "assets", "plugins", "detokenizer", "data"),
+    (
+        "step", "config", "request", "clock", "assets", "plugins", "detokenizer", "data", "atomic_file",
+        "interrupt", "threads",
+    ),
     ("memory", "kernels", "model"),
     ("scheduler", "executor", "sim", "metrics", "workload"),
     ("engine", "builder"),
-    ("llm", "runner", "report", "summary", "experiment", "outputs", "wandb_logger", "__init__"),
+    (
+        "llm", "llm_inputs", "llm_options", "runner", "report", "summary", "experiment", "outputs", "wandb_logger",
+        "__init__",
+    ),
 )
 LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 

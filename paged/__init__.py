@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from paged.request import SamplingParams
+from paged import threads
+
+# First, before anything imports torch: its OpenMP runtime reads the wait policy once, when it loads.
+threads.set_wait_policy_env()
+
+from paged.request import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "BeamSearchParams", "SamplingParams"]
 

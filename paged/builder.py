@@ -12,6 +12,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from paged.config import AllocatorConfig, ByteSizes, ConfigError, ExecutorConfig, validate
 from paged.engine import Engine
 from paged.executor.base import Executor
@@ -22,6 +24,7 @@ from paged.scheduler.policy import SchedulingPolicy
 from paged.scheduler.preemption import MODES, PreemptionMode
 from paged.sim.calibrate import calibrated_hardware
 from paged.sim.executor import SimExecutor
+from paged.workload import check_inputs
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +50,21 @@ class Plugins:
 
 
 def check_config(cfg: Any, executor_cls: type[Executor] | None = None) -> Plugins:
-    """Range checks on the core keys, then every plugin's class and settings; builds nothing.
+    """Every key known, range checks on the core keys, the workload's inputs (sampling keys, files),
+    then every plugin's class and settings; builds nothing and loads no weights.
     `executor_cls` is the class of an executor the caller already has (else the configured one)."""
     executor = check_plugin(
         cfg.executor, "executor", Executor, core=_core_keys(ExecutorConfig), provided=("model", "kernel", "seed"),
     )
-    sizes = validate(cfg, block_sizes=(executor_cls or executor.cls).block_sizes)
+    runs_on = executor_cls or executor.cls
+    sizes = validate(cfg, block_sizes=runs_on.block_sizes)
+    check_inputs(cfg.workload, has_tokenizer=cfg.model.source != "spec", model_name=cfg.model.name)
+    if cfg.model.device == "cuda" and not issubclass(runs_on, SimExecutor) and not torch.cuda.is_available():
+        # else torch's own AssertionError ("Torch not compiled with CUDA enabled") after loading
+        raise ConfigError(
+            f"model.device=cuda but this torch {torch.__version__} sees no CUDA device; use model.device=auto "
+            "(CUDA where there is one, else the CPU) or model.device=cpu"
+        )
     plugins = Plugins(
         sizes=sizes,
         allocator=check_plugin(
@@ -69,7 +81,7 @@ def check_config(cfg: Any, executor_cls: type[Executor] | None = None) -> Plugin
             f"model={cfg.model.name} is a spec-only model (no weights): executor={cfg.executor.name} cannot "
             "run it; use executor=sim"
         )
-    _check_swap(cfg, plugins, executor_cls or plugins.executor.cls)
+    _check_swap(cfg, plugins, runs_on)
     if plugins.reservation.cls.needs_output_lengths and not cfg.workload.ignore_eos:
         raise ConfigError(
             f"allocator={cfg.allocator.name} reserves each request's true output length, which the workload "

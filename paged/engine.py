@@ -8,6 +8,8 @@ so that no caller reaches into the scheduler's block manager or allocator.
 
 from __future__ import annotations
 
+import dataclasses
+
 from paged.executor.base import Executor
 from paged.metrics import MetricsRecorder
 from paged.request import Request
@@ -23,13 +25,43 @@ class Engine:
         self.clock = executor.clock
 
     def add_request(self, request: Request) -> None:
+        if request.params.max_tokens is None:
+            self._resolve_max_tokens(request)
         self.metrics.on_add(request)
         self.scheduler.add_request(request)
+
+    def _resolve_max_tokens(self, request: Request) -> None:
+        """vLLM's `max_tokens=None`: as many tokens as `max_model_len` leaves after the prompt. The
+        request gets its own params (the caller's may be shared by other prompts). A prompt that
+        leaves no room (for `min_tokens`) is aborted by the scheduler's intake, with this reason."""
+        params = request.params
+        max_model_len = self.scheduler.max_model_len
+        room = max_model_len - request.num_prompt_tokens
+        need = max(params.min_tokens, 1)
+        if room < need and request.abort_reason is None:
+            request.abort_reason = (
+                f"max_tokens=None: the prompt's {request.num_prompt_tokens} tokens leave {max(room, 0)} of "
+                f"max_model_len={max_model_len} to generate, fewer than {need}"
+            )
+        request.params = dataclasses.replace(params, max_tokens=max(room, need))
 
     def abort(self, request: Request, reason: str) -> None:
         """Abort `request` wherever it is (waiting, running, swapped), freeing its blocks; the next
         `step` returns it among the finished, with `reason` as its abort reason."""
         self.scheduler.abort(request, reason)
+
+    def abort_all(self, reason: str) -> list[Request]:
+        """Abort every request the engine holds (waiting, running, swapped) with `reason` and step
+        until it holds none, so that it is as if they never came; returns them. Nothing is computed:
+        the steps only return the aborted. The prefix cache keeps only blocks whose step completed
+        (a block is published after `execute` returns), so a step that raised leaves none behind."""
+        s = self.scheduler
+        held = list(dict.fromkeys(seq.request for seq in (*s.waiting, *s.running, *s.swapped)))
+        for request in held:
+            self.abort(request, reason)
+        while self.has_unfinished:
+            self.step()
+        return held
 
     @property
     def has_unfinished(self) -> bool:

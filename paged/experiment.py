@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +14,11 @@ from paged.builder import build_engine
 from paged.config import compose_config
 from paged.engine import Engine
 from paged.executor.base import Executor
+from paged.interrupt import Interrupt
+from paged.metrics import RequestMetrics
 from paged.outputs import print_summary, write_outputs
 from paged.request import Request
-from paged.runner import run_workload
+from paged.runner import drive, to_request
 from paged.summary import summarize
 from paged.wandb_logger import WandbLogger
 from paged.workload import WorkloadItem, load_workload
@@ -24,8 +27,19 @@ log = logging.getLogger(__name__)
 
 
 def run_experiment(
-    cfg: Any, run_dir: Path, *, group: str | None = None, name: str | None = None, tags: list[str] | None = None
+    cfg: Any,
+    run_dir: Path,
+    *,
+    group: str | None = None,
+    name: str | None = None,
+    tags: list[str] | None = None,
+    interrupt: Interrupt | None = None,
 ) -> dict[str, Any]:
+    """Build, run the workload, write summary.json and requests.jsonl into `run_dir`, log to W&B.
+
+    With `interrupt`, SIGINT and SIGTERM request it while the workload runs and the outputs are
+    written (not while the engine builds): the run stops between steps, aborts what is unfinished,
+    and writes the partial results (`interrupted: true`); the caller reads `interrupt` to exit."""
     engine, load_time = _timed_build(cfg)
     executor = engine.executor
     items = workload_for(cfg, engine)
@@ -36,10 +50,15 @@ def run_experiment(
         simulated=engine.clock.simulated, tags=tags,
     )
     engine.metrics.step_listeners.append(wb.log_step)
-    requests, summary = _run(cfg, engine, items, load_time, progress=cfg.progress)
-    decode = executor.tokenizer.decode if executor.tokenizer is not None else None
-    write_outputs(run_dir, summary, requests, engine.metrics.request_metrics(), decode)
-    wb.finish(summary, engine.metrics.request_metrics(), run_dir)
+    log.info("running %d request(s)%s", len(items), "; Ctrl-C stops and writes what finished" if interrupt else "")
+    with interrupt.catching() if interrupt is not None else nullcontext():
+        requests, summary = _run(cfg, engine, items, load_time, progress=cfg.progress, stop=interrupt)
+        # in item order; a stopped run's never-submitted requests are only counted (num_not_started)
+        submitted = set(engine.metrics.requests)
+        requests = [r for r in requests if r in submitted]
+        decode = executor.tokenizer.decode if executor.tokenizer is not None else None
+        write_outputs(run_dir, summary, requests, [RequestMetrics.of(r) for r in requests], decode)
+        wb.finish(summary, engine.metrics.request_metrics(), run_dir)
     title = f"paged: {cfg.allocator.name} | {cfg.scheduler.name} | {executor.description}"
     print_summary(summary, title)
     log.info("wrote %s", run_dir)
@@ -71,10 +90,21 @@ def _timed_build(cfg: Any, executor: Executor | None = None) -> tuple[Engine, fl
 
 
 def _run(
-    cfg: Any, engine: Engine, items: list[WorkloadItem], load_time: float, *, progress: bool
+    cfg: Any,
+    engine: Engine,
+    items: list[WorkloadItem],
+    load_time: float,
+    *,
+    progress: bool,
+    stop: Interrupt | None = None,
 ) -> tuple[list[Request], dict[str, Any]]:
     """The workload's requests (in item order) and the run's summary."""
     start = time.perf_counter()
-    requests = run_workload(engine, items, progress=progress)
+    requests = [to_request(item) for item in items]
+    engine.clock.reset()  # the items' arrival times are seconds from the start
+    stopped = drive(engine, requests, progress=progress, stop=stop)
     host_time = time.perf_counter() - start
-    return requests, summarize(cfg, engine, host_time_s=host_time, load_time_s=load_time)
+    return requests, summarize(
+        cfg, engine, host_time_s=host_time, load_time_s=load_time,
+        num_not_started=len(requests) - len(engine.metrics.requests), interrupted=stopped,
+    )

@@ -1,16 +1,19 @@
-"""`LLM(...).generate(prompts, sampling_params)` and `LLM.beam_search`: vLLM's offline API and
-output records on the same engine `run.py` uses."""
+"""`LLM(...).generate(prompts, sampling_params)`, `LLM.chat` and `LLM.beam_search`: vLLM's offline
+API and output records on the same engine `run.py` uses. What a call accepts is checked in
+`paged.llm_inputs`, what `LLM(...)` takes in `paged.llm_options`."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from paged.builder import build_engine
-from paged.config import compose_config
 from paged.engine import Engine
 from paged.executor.base import Executor
+from paged.llm_inputs import Prompt, check_conversations, check_params, check_prompts, render_chat, show, split_prompts
+from paged.llm_options import EngineArgs, llm_config
 from paged.outputs import completion_text
 from paged.request import Request, SamplingParams
 from paged.runner import drive, to_request
@@ -118,22 +121,32 @@ class BeamSearchOutput:
 
 
 PromptType = str | Sequence[int] | dict[str, Any]
+ChatMessage = dict[str, Any]
+# LLM's own keyword arguments, besides vLLM's engine arguments (`EngineArgs`)
+_OWN_ARGS = ("allocator", "scheduler", "kernel", "overrides", "executor")
 
 
 class LLM:
     def __init__(
         self,
-        model: str = "smollm2-135m",
+        model: str | os.PathLike[str] = "smollm2-135m",
         *,
-        allocator: str = "prefix",
+        allocator: str | None = None,
         scheduler: str = "fcfs",
         kernel: str = "auto",
         overrides: Sequence[str] = (),
         executor: Executor | None = None,
+        **engine_args: Any,
     ) -> None:
-        self.config = compose_config(
-            [f"model={model}", f"allocator={allocator}", f"scheduler={scheduler}", f"kernel={kernel}",
-             "logger=none", "progress=false", *overrides]
+        """`model`: a config model name (conf/model/*.yaml), a local Hugging Face checkpoint
+        directory or a .gguf file. `allocator`, `scheduler`, `kernel` choose config options (the
+        allocator defaults to prefix, or naive with enable_prefix_caching=False), `overrides` are
+        any further config overrides (applied last), `executor` an already built executor to
+        reuse. `engine_args` are vLLM's keyword arguments (`paged.llm_options.EngineArgs`:
+        max_model_len, gpu_memory_utilization, dtype, seed, ...); an unknown one is a TypeError."""
+        self.config = llm_config(
+            model, allocator=allocator, scheduler=scheduler, kernel=kernel, overrides=overrides,
+            engine_args=EngineArgs.from_kwargs(engine_args, own=_OWN_ARGS),
         )
         self.engine: Engine = build_engine(self.config, executor=executor)
         self.executor = self.engine.executor
@@ -150,34 +163,39 @@ class LLM:
         """vLLM's `LLM.generate`: one `RequestOutput` per prompt, in prompt order. Prompts are
         strings, token id lists, or vLLM's dicts ({"prompt": ...} / {"prompt_token_ids": [...]}).
         Without `sampling_params`, vLLM's defaults (temperature 1.0, 16 tokens). `priority` (vLLM's:
-        lower first, for scheduler=priority) and `client_id` (for scheduler=fair) are per prompt."""
-        prompts = self._prompt_list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts")
-        priorities = list(priority) if priority is not None else [0] * len(prompts)
-        clients = list(client_id) if client_id is not None else [None] * len(prompts)
-        for name, values in (("priority", priorities), ("client_id", clients)):
-            if len(values) != len(prompts):
-                raise ValueError(f"got {len(values)} {name} values for {len(prompts)} prompts")
-        for p in priorities:
-            if isinstance(p, bool) or not isinstance(p, int):
-                raise ValueError(f"priority must be an integer (lower is served first), got {p!r}")
-        for c in clients:
-            if c is not None and not isinstance(c, str):
-                raise ValueError(f"client_id must be a string or None, got {c!r}")
-        requests = [
-            self._request(prompt, p, prio, client)
-            for prompt, p, prio, client in zip(prompts, sampling_params, priorities, clients, strict=True)
-        ]
-        drive(self.engine, requests, progress=use_tqdm, label="Processed prompts")
-        return [self._output(r) for r in requests]
+        lower first, for scheduler=priority) and `client_id` (for scheduler=fair) are per prompt.
+        Every argument is checked before any prompt is submitted; an exception during the run
+        (KeyboardInterrupt included) aborts this call's requests and leaves the engine idle."""
+        raw = split_prompts(prompts)
+        params = check_params(sampling_params, len(raw))
+        checked = check_prompts(raw, self.executor.tokenizer, self.executor.vocab_size, self.executor.description)
+        return self._run(checked, params, use_tqdm, priority, client_id)
+
+    def chat(
+        self,
+        messages: Sequence[ChatMessage] | Sequence[Sequence[ChatMessage]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of {"role": str, "content": str} dicts) or
+        a list of them, each rendered through the tokenizer's chat template (or `chat_template`, a
+        Jinja template) and generated from; one `RequestOutput` per conversation, whose `prompt` is
+        the rendered text."""
+        conversations = check_conversations(messages)
+        params = check_params(sampling_params, len(conversations))
+        prompts = render_chat(
+            self.get_tokenizer(), conversations, chat_template, add_generation_prompt, self.executor.vocab_size
+        )
+        return self._run(prompts, params, use_tqdm, None, None)
 
     def beam_search(
         self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = False
     ) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search`: per prompt, its `beam_width` best hypotheses, best first."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {show(params)}")
         outputs = self.generate(prompts, params.sampling_params(), use_tqdm=use_tqdm)
         return [
             BeamSearchOutput([
@@ -190,41 +208,56 @@ class LLM:
             for out in outputs
         ]
 
+    def get_tokenizer(self) -> Any:
+        """The model's Hugging Face tokenizer (vLLM returns the same kind); ValueError where the
+        model has none (a spec-only model)."""
+        tokenizer = self.executor.tokenizer
+        if tokenizer is None:
+            raise ValueError(f"the model has no tokenizer ({self.executor.description}): prompts are token id lists")
+        return getattr(tokenizer, "hf", tokenizer)
+
     def reset_prefix_cache(self) -> bool:
         """Drop all cached prefix blocks; False (and nothing dropped) while requests hold blocks."""
         return self.engine.reset_prefix_cache()
 
-    @staticmethod
-    def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
-        if isinstance(prompts, str | dict):
-            return [prompts]
-        if prompts and all(isinstance(t, int) for t in prompts):  # one prompt as token ids
-            return [prompts]  # type: ignore[list-item]
-        return list(prompts)  # type: ignore[arg-type]
+    def _run(
+        self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool,
+        priority: Sequence[int] | None, client_id: Sequence[str | None] | None,
+    ) -> list[RequestOutput]:
+        """Submit the checked prompts and step until they are done."""
+        priorities = _per_prompt("priority", priority, 0, len(prompts))
+        clients = _per_prompt("client_id", client_id, None, len(prompts))
+        for p in priorities:
+            if isinstance(p, bool) or not isinstance(p, int):
+                raise ValueError(f"priority must be an integer (lower is served first), got {p!r}")
+        for c in clients:
+            if c is not None and not isinstance(c, str):
+                raise ValueError(f"client_id must be a string or None, got {c!r}")
+        requests = [
+            self._request(prompt, p, prio, client)
+            for prompt, p, prio, client in zip(prompts, params, priorities, clients, strict=True)
+        ]
+        try:
+            drive(self.engine, requests, progress=use_tqdm, label="Processed prompts")
+        except BaseException as err:
+            # Nothing of a failed call may linger: its requests would otherwise run first in the
+            # next call. Aborting frees their blocks; the prefix cache only holds blocks of steps
+            # that completed, so the next call's outputs are those of a fresh engine.
+            reason = "interrupted" if isinstance(err, KeyboardInterrupt) else f"{type(err).__name__}: {err}"
+            self.engine.abort_all(f"the generate call failed: {reason}")
+            raise
+        return [self._output(r) for r in requests]
 
-    def _request(self, prompt: PromptType, params: SamplingParams, priority: int, client_id: str | None) -> Request:
-        tokenizer = self.executor.tokenizer
-        text: str | None = None
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError(f"a dict prompt needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
-        if isinstance(prompt, str):
-            if tokenizer is None:
-                raise ValueError(f"{self.executor.description} has no tokenizer: pass prompts as token id lists")
-            text, tokens = prompt, tokenizer.encode(prompt)
-        else:
-            tokens = list(prompt)
+    def _request(self, prompt: Prompt, params: SamplingParams, priority: int, client_id: str | None) -> Request:
         request_id = f"llm-{self._counter}"
         self._counter += 1
         # it arrives now, on the engine's clock (never reset here: a later call's requests arrive later)
-        return to_request(WorkloadItem(
-            request_id, tokens, params, arrival_time=self.engine.clock.now(), prompt=text, priority=priority,
-            client_id=client_id,
+        request = to_request(WorkloadItem(
+            request_id, prompt.token_ids, params, arrival_time=self.engine.clock.now(), prompt=prompt.text,
+            priority=priority, client_id=client_id,
         ))
+        request.cache_salt = prompt.cache_salt
+        return request
 
     def _logprobs(self, entries: list[TokenLogprobs | None] | None) -> list[LogprobDict | None] | None:
         if entries is None:
@@ -263,3 +296,14 @@ class LLM:
             finished=request.finish_time is not None, metrics=metrics,
             prompt_logprobs=self._logprobs(request.prompt_logprobs), abort_reason=request.abort_reason,
         )
+
+
+def _per_prompt(name: str, values: Sequence[Any] | None, default: Any, num_prompts: int) -> list[Any]:
+    """A per-prompt argument as a list of one value per prompt (`default` for each when None)."""
+    if values is None:
+        return [default] * num_prompts
+    if isinstance(values, str | bytes) or not isinstance(values, Sequence):
+        raise TypeError(f"{name} must be a list of one value per prompt, got {show(values)}")
+    if len(values) != num_prompts:
+        raise ValueError(f"got {len(values)} {name} values for {num_prompts} prompts")
+    return list(values)

@@ -10,6 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from paged.atomic_file import atomic_open, write_text
 from paged.metrics import RequestMetrics
 from paged.request import Completion, Request
 from paged.step import scores_tokens
@@ -83,17 +84,20 @@ def write_outputs(
     metrics: list[RequestMetrics],
     decode: Decode | None,
 ) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    with (run_dir / "requests.jsonl").open("w") as f:
-        for request, m in zip(requests, metrics):
+    """requests.jsonl (one line per request and its metrics, in order), then summary.json: each
+    whole or not at all, so that a summary.json (which marks a job done) never sits beside a cut
+    requests.jsonl. Raises OutputError naming the file that could not be written."""
+    with atomic_open(run_dir / "requests.jsonl") as f:
+        for request, m in zip(requests, metrics, strict=True):
             f.write(json.dumps(request_record(request, m, decode)) + "\n")
+    write_text(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
 
 
 _SHOWN = [
     ("num_requests", "requests", "{}"),
     ("num_finished", "finished", "{}"),
     ("num_aborted", "aborted", "{}"),
+    ("num_not_started", "not started", "{}"),
     ("num_preemptions", "preemptions", "{}"),
     ("output_tokens_per_s", "output tokens/s", "{:.1f}"),
     ("requests_per_s", "requests/s", "{:.3f}"),

@@ -10,7 +10,6 @@ plugin setting fails with its key named before any model weights load.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import logging
 import typing
@@ -23,7 +22,7 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from paged.config import ConfigError
+from paged.config import ConfigError, did_you_mean
 
 
 @dataclass(frozen=True)
@@ -40,13 +39,14 @@ class Plugin:
         Settings arrive as plain Python values, config sections (`model=cfg.model`) as their
         schema dataclasses; a settings node with its own `_target_` is instantiated first. A
         constructor's ValueError (a setting out of range) is a config error naming this plugin's
-        key; any other error propagates as raised, with its traceback.
+        key; a ConfigError (it names its own key or file, e.g. a checkpoint's) propagates as it is,
+        and so does any other error, with its traceback.
         """
         try:
             return instantiate({"_target_": self.path, **self.settings}, _convert_="object", **provided)
         except InstantiationException as e:
             cause = e.__cause__
-            if isinstance(cause, ValueError):
+            if isinstance(cause, ValueError) and not isinstance(cause, ConfigError):
                 raise ConfigError(f"{self.key}._target_={self.path!r}: {_one_line(cause)}") from cause
             raise cause or e from None
 
@@ -112,11 +112,9 @@ def _check_settings(key: str, cls: type, settings: dict[str, Any], core: set[str
             raise ConfigError(f"{key}.{name} is set by the framework, not by config")
         if name not in own and not takes_any:
             accepted = ", ".join(own) or "none"
-            close = difflib.get_close_matches(name, [*own, *core], n=1)
-            hint = f"; did you mean {key}.{close[0]}?" if close else ""
             raise ConfigError(
                 f"{key}.{name}={settings[name]!r} is not a setting of {cls.__qualname__} "
-                f"(its settings: {accepted}){hint}"
+                f"(its settings: {accepted}){did_you_mean(name, [*own, *core], key)}"
             )
     for name, param in own.items():
         if param.default is param.empty and name not in settings:

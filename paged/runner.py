@@ -9,8 +9,14 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from paged.engine import Engine
+from paged.interrupt import Interrupt
 from paged.request import Request, SamplingParams
 from paged.workload import WorkloadItem
+
+# the abort reason of the requests a stopped run leaves unfinished
+INTERRUPTED = "interrupted"
+# seconds between looks at the stop flag while idle until the next arrival (wall clock)
+STOP_POLL_S = 0.1
 
 
 def to_request(item: WorkloadItem) -> Request:
@@ -25,23 +31,53 @@ def to_request(item: WorkloadItem) -> Request:
     return request
 
 
-def drive(engine: Engine, requests: Sequence[Request] = (), *, progress: bool = False, label: str = "requests") -> None:
+def drive(
+    engine: Engine,
+    requests: Sequence[Request] = (),
+    *,
+    progress: bool = False,
+    label: str = "requests",
+    stop: Interrupt | None = None,
+) -> bool:
     """Submit each of `requests` once the engine's clock reaches its arrival time, idling until the
     next arrival while nothing runs, and step until every request is done: these and any submitted
-    before. The clock is not reset here, so arrival times are read on it as it stands."""
+    before. The clock is not reset here, so arrival times are read on it as it stands.
+
+    `stop` is checked between steps, never inside one: once it is requested, no more requests are
+    submitted and every unfinished one is aborted with reason "interrupted" (those already finished
+    keep their outputs). Returns True when it stopped so, with work left; False when all was done."""
     pending = sorted(requests, key=lambda r: r.arrival_time)
     clock = engine.clock
+    # a wall-clock idle wait in slices, so that a stop is seen while waiting for a far arrival
+    # (a signal does not cut a sleep short); simulated time waits at no cost
+    slice_s = STOP_POLL_S if stop is not None and not clock.simulated else float("inf")
     i = 0
     with tqdm(total=len(pending), desc=label, unit="req", disable=not progress, leave=False) as bar:
         while i < len(pending) or engine.has_unfinished:
+            if stop is not None and stop.requested:
+                bar.update(_abort_unfinished(engine))
+                return True
             now = clock.now()
             while i < len(pending) and pending[i].arrival_time <= now:
                 engine.add_request(pending[i])
                 i += 1
             if not engine.has_unfinished:
-                clock.wait_until(pending[i].arrival_time)
+                clock.wait_until(min(pending[i].arrival_time, now + slice_s))
                 continue
             bar.update(len(engine.step()))
+    return False
+
+
+def _abort_unfinished(engine: Engine) -> int:
+    """Abort every request the engine has not finished, and step until it has returned them all."""
+    for request in engine.metrics.requests:
+        # finish_time: returned by a step; abort_reason: already on its way out
+        if request.finish_time is None and request.abort_reason is None:
+            engine.abort(request, INTERRUPTED)
+    returned = 0
+    while engine.has_unfinished:
+        returned += len(engine.step())
+    return returned
 
 
 def run_workload(engine: Engine, items: list[WorkloadItem], *, progress: bool = True) -> list[Request]:

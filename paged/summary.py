@@ -11,15 +11,30 @@ from paged.engine import Engine
 
 
 def summarize(
-    cfg: Any, engine: Engine, *, host_time_s: float | None = None, load_time_s: float | None = None
+    cfg: Any,
+    engine: Engine,
+    *,
+    host_time_s: float | None = None,
+    load_time_s: float | None = None,
+    num_not_started: int = 0,
+    interrupted: bool = False,
 ) -> dict[str, Any]:
     """The engine's metrics, what ran, the KV pool's size and the swap counters. `host_time_s` is the
-    host seconds the run took and `load_time_s` those building the engine took (None: not measured)."""
+    host seconds the run took and `load_time_s` those building the engine took (None: not measured).
+    A run stopped early (`interrupted`) left `num_not_started` of its requests unsubmitted: they
+    count in `num_requests`, beside `num_finished` and `num_aborted`."""
     kv, classes, executor = engine.kv_stats(), engine.plugin_classes(), engine.executor
     block_size = cfg.allocator.block_size
     bytes_per_block = executor.kv_cache_spec(block_size).bytes_per_block
     counters = engine.counters
-    summary = engine.metrics.summary(kv_end=kv, caches_prefixes=engine.caches_prefixes)
+    metrics = engine.metrics.summary(kv_end=kv, caches_prefixes=engine.caches_prefixes)
+    # every run has `interrupted` and `num_not_started`, so that a sweep's summaries share one schema
+    summary = {
+        "interrupted": interrupted,
+        **metrics,
+        "num_requests": metrics["num_requests"] + num_not_started,
+        "num_not_started": num_not_started,
+    }
     summary |= {
         "allocator": cfg.allocator.name,
         "allocator_class": classes["allocator"],

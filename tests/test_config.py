@@ -1,8 +1,7 @@
 """Bad config fails before any model loads, with a message naming the value and what is allowed."""
 
 import pytest
-from hydra.errors import ConfigCompositionException, MissingConfigException
-from omegaconf.errors import ValidationError
+from hydra.errors import MissingConfigException
 
 from paged.builder import check_config
 from paged.config import ConfigError, compose_config, parse_bytes, validate
@@ -24,12 +23,13 @@ def test_unknown_group_option_lists_available_options():
 
 
 def test_wrong_type_is_rejected_by_schema():
-    with pytest.raises((ConfigCompositionException, ValidationError), match="block_size"):
+    # checked against the schema before Hydra composes (paged/config/keys.py): one line, the value named
+    with pytest.raises(ConfigError, match="allocator.block_size=abc: Value 'abc' of type 'str'"):
         compose_config(["allocator.block_size=abc"])
 
 
 def test_mistyped_key_is_rejected_by_schema():
-    with pytest.raises((ConfigCompositionException, ValidationError), match="partiton_size"):
+    with pytest.raises(ConfigError, match="unknown key kernel.partiton_size; did you mean kernel.partition_size"):
         compose_config(["kernel.partiton_size=10"])
 
 

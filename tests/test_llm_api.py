@@ -84,10 +84,13 @@ def test_eos_stops_generation_unless_ignore_eos(llm: LLM) -> None:
     assert (stop_token.token_ids, stop_token.finish_reason) == (greedy[: k + 1], "stop")
 
 
-def test_bad_prompt_is_aborted_with_reason_and_others_finish(llm: LLM) -> None:
-    empty, good = llm.generate(["", "Hello"], SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0))
-    assert empty.abort_reason == "empty prompt"
-    assert [c.finish_reason for c in empty.outputs] == ["aborted"] and empty.token_ids == []
+def test_request_that_cannot_run_is_aborted_with_reason_and_others_finish(llm: LLM) -> None:
+    # a well-formed prompt that the configuration cannot serve is aborted (bad input fails the call:
+    # tests/test_llm_inputs.py)
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0) for m in (5000, 3)]
+    too_long, good = llm.generate(["Hi", "Hello"], params)
+    assert too_long.abort_reason.startswith("prompt (1 tokens) + max_tokens (5000) = 5001 tokens")
+    assert [c.finish_reason for c in too_long.outputs] == ["aborted"] and too_long.token_ids == []
     assert good.abort_reason is None and len(good.token_ids) == 3
 
 

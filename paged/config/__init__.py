@@ -2,8 +2,9 @@
 composing a config from overrides (`compose`), and what `model.dtype` means on a device (`dtype`).
 Imports nothing of the model or the kernels."""
 
-from paged.config.compose import CONF_DIR, compose_config
+from paged.config.compose import CONF_DIR, check_command_line, compose_config, config_groups
 from paged.config.dtype import resolve_dtype
+from paged.config.keys import check_keys, check_overrides, did_you_mean
 from paged.config.schema import (
     PLUGIN_NODES,
     AllocatorConfig,
@@ -27,6 +28,6 @@ from paged.config.validate import ByteSizes, validate
 __all__ = [
     "CONF_DIR", "PLUGIN_NODES", "AllocatorConfig", "ByteSizes", "Config", "ConfigError", "ExecutorConfig",
     "HardwareConfig", "KernelConfig", "LoggerConfig", "ModelConfig", "OptionalPluginConfig", "PluginConfig",
-    "ReportConfig", "SchedulerConfig", "WorkloadConfig", "compose_config", "parse_bytes", "register_configs",
-    "resolve_dtype", "validate",
+    "ReportConfig", "SchedulerConfig", "WorkloadConfig", "check_command_line", "check_keys", "check_overrides",
+    "compose_config", "config_groups", "did_you_mean", "parse_bytes", "register_configs", "resolve_dtype", "validate",
 ]

@@ -1,4 +1,5 @@
-"""The config `run.py` would see for a list of overrides (Hydra's compose API)."""
+"""The config `run.py` would see for a list of overrides (Hydra's compose API), with its keys checked
+(`paged.config.keys`) before and after composing."""
 
 from __future__ import annotations
 
@@ -8,15 +9,33 @@ from typing import Any
 from hydra import compose, initialize_config_dir
 
 from paged.assets import asset_dir
+from paged.config.keys import check_keys, check_overrides
 from paged.config.schema import register_configs
 
 CONF_DIR = asset_dir("conf")
 
 
+def config_groups() -> list[str]:
+    """The config groups of `conf/` (`allocator`, `experiment`, ...): an override naming one chooses an option."""
+    return sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir()) if CONF_DIR.is_dir() else []
+
+
+def check_command_line(argv: Sequence[str]) -> None:
+    """`check_overrides` on the overrides of a `run.py` command line (Hydra's own flags, `-m`,
+    `--cfg job`, `--help`, ..., are Hydra's); raises ConfigError before Hydra composes anything."""
+    from hydra._internal.utils import get_args_parser  # Hydra's parser: the flags exactly as run.py takes them
+
+    args, _ = get_args_parser().parse_known_args(list(argv))
+    check_overrides(args.overrides, config_groups())
+
+
 def compose_config(overrides: Sequence[str] = ()) -> Any:
-    """The same config `run.py` would see for these overrides."""
+    """The same config `run.py` would see for these overrides; an unknown key raises ConfigError."""
     if not CONF_DIR.is_dir():
         raise FileNotFoundError(f"config dir {CONF_DIR} not found; reinstall paged (pip install -e .)")
+    check_overrides(overrides, config_groups())
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+        cfg = compose("config", overrides=list(overrides))
+    check_keys(cfg)
+    return cfg

@@ -132,7 +132,7 @@ class WorkloadConfig:
     prompt_len_max: int | None = 512  # None: only the scheduler's max_model_len limits
     output_len_min: int = 4
     output_len_max: int | None = 256
-    prompt_len: int = 512  # kind fixed: every request's exact lengths
+    prompt_len: int = 512  # kind fixed: every request's exact lengths (their sum must fit scheduler.max_model_len)
     output_len: int = 128
     length_scale: float = 1.0
     arrival_rate: float = 0.0
@@ -150,7 +150,7 @@ class WorkloadConfig:
     # > 0: each request's priority is uniform in [0, num_priorities); 0: every request's is 0
     num_priorities: int = 0
     # vLLM's sampling keys, for every request (prompt files: each line's default, its own keys win).
-    # A combination SamplingParams rejects fails at load, naming these keys.
+    # A combination SamplingParams rejects fails before the model loads (paged.builder.check_config), naming these keys.
     n: int = 1  # sequences returned per request (parallel sampling, or the beam width)
     best_of: int | None = None  # sequences sampled per request, the best n returned; None: n
     use_beam_search: bool = False  # beam width best_of (n by default, so n > 1); needs temperature 0

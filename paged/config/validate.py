@@ -17,6 +17,7 @@ from paged.config.choices import (
     KV_CACHE_DTYPES,
     LOGGER_BACKENDS,
     LOGGER_MODES,
+    MAX_NUM_REQUESTS,
     MODEL_DEVICES,
     MODEL_DTYPES,
     MODEL_SOURCES,
@@ -25,6 +26,7 @@ from paged.config.choices import (
     WORKLOAD_KINDS,
 )
 from paged.config.kernel_options import BlockSparseSpec, check_scale
+from paged.config.keys import check_keys
 from paged.config.schema import ConfigError
 from paged.config.units import parse_bytes
 
@@ -38,14 +40,16 @@ class ByteSizes:
 
 
 def validate(cfg: Any, block_sizes: tuple[int, ...] = BLOCK_SIZES) -> ByteSizes:
-    """Every group's checks on a composed config (a DictConfig or a `Config`); `block_sizes` are
-    those the executor runs (the kernels' by default)."""
+    """Every group's checks on a composed config (a DictConfig or a `Config`), its keys first;
+    `block_sizes` are those the executor runs (the kernels' by default)."""
+    check_keys(cfg)
     sizes = check_allocator(cfg.allocator, block_sizes)
     check_scheduler(cfg.scheduler, cfg.allocator.block_size)
     check_kernel(cfg.kernel, cfg.allocator.block_size)
     check_model(cfg.model)
     _positive("hardware.num_gpus", cfg.hardware.num_gpus)
     check_workload(cfg.workload)
+    check_lengths(cfg.workload, cfg.scheduler.max_model_len)
     check_logger(cfg.logger)
     return sizes
 
@@ -149,6 +153,11 @@ def check_model(m: Any) -> None:
         raise ConfigError(
             f"model.sliding_window={window!r} must be a positive number of tokens, or null for the checkpoint's own"
         )
+    threads = m.num_threads
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ConfigError(
+            f"model.num_threads={threads!r} must be an int >= 1, or null for the cores this process may use"
+        )
 
 
 def check_workload(w: Any) -> None:
@@ -159,6 +168,11 @@ def check_workload(w: Any) -> None:
             f"workload={w.kind} needs a count > 0"
         )
     _positive("workload.num_requests", w.num_requests, allow_none=True)
+    if w.num_requests is not None and w.num_requests > MAX_NUM_REQUESTS:
+        raise ConfigError(
+            f"workload.num_requests={w.num_requests} is more than {MAX_NUM_REQUESTS:,}, the most one run builds "
+            "(every request's token ids are held in memory before the run starts)"
+        )
     if w.kind in ("prompts", "trace") and not w.path:
         raise ConfigError(f"workload={w.kind} needs workload.path=FILE")
     if w.arrival_rate < 0:
@@ -184,6 +198,33 @@ def check_workload(w: Any) -> None:
     if w.num_priorities < 0:
         raise ConfigError(
             f"workload.num_priorities={w.num_priorities!r} must be >= 0 (0: every request's priority is 0)"
+        )
+
+
+def check_lengths(w: Any, max_model_len: int) -> None:
+    """Lengths the user gives must fit `scheduler.max_model_len` (a request's prompt and output
+    together, as the engine requires): a fixed workload's exact lengths, and for the sampled kinds the
+    shortest request their minimums allow. Sampled lengths over it are clipped, with a warning
+    (`paged.workload.lengths`); a prompt file's requests are judged one by one by the engine."""
+    limit = f"scheduler.max_model_len={max_model_len}"
+    if w.kind in ("prompts", "fixed"):
+        if w.kind == "fixed" and w.prompt_len + w.output_len > max_model_len:
+            raise ConfigError(
+                f"workload.prompt_len={w.prompt_len} + workload.output_len={w.output_len} = "
+                f"{w.prompt_len + w.output_len} tokens per request, more than {limit}; raise scheduler.max_model_len "
+                "or shorten them"
+            )
+        return
+    if w.shared_prefix_len >= max_model_len:
+        raise ConfigError(
+            f"workload.shared_prefix_len={w.shared_prefix_len} leaves no room to generate: it must be < {limit}"
+        )
+    shortest = w.shared_prefix_len + w.prompt_len_min + w.output_len_min
+    if shortest > max_model_len:
+        raise ConfigError(
+            f"workload.shared_prefix_len={w.shared_prefix_len} + workload.prompt_len_min={w.prompt_len_min} + "
+            f"workload.output_len_min={w.output_len_min} = {shortest} tokens, more than {limit}: "
+            f"no request of workload={w.name} would fit"
         )
 
 

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from paged import kernels
+from paged import kernels, threads
 from paged.config import ConfigError, KernelConfig, ModelConfig, resolve_dtype
 from paged.executor import memory_profile
 from paged.executor.attention import PagedAttention
@@ -34,7 +34,8 @@ DEFAULT_MAX_NUM_SEQS = 64
 
 class ModelExecutor(Executor):
     """A Llama-family model on CPU or CUDA. Public state besides the `Executor` contract: `arch`,
-    `model`, `device`, `dtype`, `kernel_description`, `sliding_window` (the attention window in
+    `model`, `device`, `dtype`, `kernel_description`, `threads` (the CPU threads `paged.threads`
+    chose), `sliding_window` (the attention window in
     tokens, `None` for the whole context), the per-layer `key_caches` / `value_caches` and their
     host-memory swap space `cpu_key_caches` / `cpu_value_caches`, and the counters
     `num_prefill_tokens_computed` / `num_decode_tokens_computed` (tokens run through the model for
@@ -58,12 +59,16 @@ class ModelExecutor(Executor):
                 f"(model.device={model_cfg.device}); use executor.cuda_graphs=false or null"
             )
         self.use_cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        # before the weights load, which runs on these threads too
+        self.threads = threads.configure(model_cfg.num_threads)
         self.dtype: torch.dtype = getattr(torch, resolve_dtype(model_cfg.dtype, self.device.type))
         self.seed = seed
         # checked before the weights load, so a bad value fails at once
         self.gemm = resolve_gemm(model_cfg.gemm, self.dtype, self.device)
         arch, state, tokenizer_source = load_weights(model_cfg)
         self.arch = arch
+        # the embedding's rows: a prompt's token ids must be below it (the LLM API checks them)
+        self.vocab_size = arch.vocab_size
         self.model = build_model(arch, state, self.dtype, self.device, self.gemm)
         self.tokenizer = load_tokenizer(tokenizer_source, chat_template=model_cfg.chat_template)
         eos = self.tokenizer.eos_token_id
@@ -99,7 +104,9 @@ class ModelExecutor(Executor):
         layers = f"; gemm {self.gemm}, {self.model.ops.name} norms/RoPE/SwiGLU" if isinstance(
             self.model, LlamaModel) else ""
         graphs = "; decode from CUDA graphs" if self.graphs is not None else ""
-        return f"{self.model_name} on {self.device} ({dtype}{kv}); attention {self.kernel_description}{layers}{graphs}"
+        cpu = f"; {self.threads.count}" if self.device.type == "cpu" else ""
+        return (f"{self.model_name} on {self.device} ({dtype}{kv}); attention {self.kernel_description}{layers}"
+                f"{graphs}{cpu}")
 
     def configure_kernel(self, kernel_cfg: KernelConfig) -> None:
         """Pick the decode algorithm, the KV cache's dtype and the attention features, and the

@@ -17,6 +17,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from paged.model.checkpoint_check import CheckpointError, check_tokenizer_files
+
 log = logging.getLogger(__name__)
 
 
@@ -38,7 +40,7 @@ def load_hf_tokenizer(source: str) -> PreTrainedTokenizerBase:
     """The transformers tokenizer of a `.gguf` file or an HF checkpoint directory."""
     path = Path(source)
     if path.suffix != ".gguf":
-        return AutoTokenizer.from_pretrained(path)
+        return _directory_tokenizer(path)
     cached = cache_dir() / "tokenizers" / _gguf_cache_key(path)
     if (cached / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(cached)
@@ -55,6 +57,17 @@ def load_hf_tokenizer(source: str) -> PreTrainedTokenizerBase:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     return tok
+
+
+def _directory_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
+    check_tokenizer_files(directory)
+    try:
+        return AutoTokenizer.from_pretrained(directory)
+    except Exception as e:
+        # transformers and tokenizers raise ValueError, OSError, ImportError, KeyError or a bare
+        # Exception for a broken tokenizer, over several lines: each becomes one line naming the directory
+        reason = " ".join(str(e).split())
+        raise CheckpointError(f"the tokenizer in {directory} could not be loaded: {reason}") from e
 
 
 class Tokenizer:

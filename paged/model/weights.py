@@ -13,8 +13,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from paged.config import ModelConfig
 from paged.model.arch import LlamaArch
+from paged.model.checkpoint_check import check_tokenizer_files
 from paged.model.gguf_loader import load_gguf, read_arch
-from paged.model.hf_loader import load_hf, read_hf_arch
+from paged.model.hf_loader import open_hf, read_hf_arch, read_weights
 from paged.model.locate import locate_smollm2
 from paged.model.tiny import random_state, tiny_arch
 from paged.model.weight_cache import load_gguf_cached
@@ -75,8 +76,12 @@ def load_weights(model_cfg: ModelConfig) -> tuple[LlamaArch, dict[str, torch.Ten
         arch, state = _load_gguf_timed(path, model_cfg.weight_cache)
         return _checkpoint_arch(arch, model_cfg), state, path
     if model_cfg.source == "hf":
-        arch, state = load_hf(model_cfg.path)
-        return _checkpoint_arch(arch, model_cfg), state, Path(model_cfg.path)
+        # config.json, the safetensors headers and the tokenizer's presence are checked first, so a
+        # broken checkpoint fails in milliseconds rather than after its weights load
+        path = Path(model_cfg.path)
+        arch, shards = open_hf(path)
+        check_tokenizer_files(path)
+        return _checkpoint_arch(arch, model_cfg), read_weights(shards), path
     arch = tiny_arch(arch_overrides(model_cfg))
     # A fixed weight seed: `tiny-random` is one model whatever the experiment's sampling seed.
     return arch, random_state(arch, seed=0), locate_smollm2()

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from paged.atomic_file import OutputError
 from paged.report import ReportError, build_report
 from paged.report.report import preset_report
 
@@ -20,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = preset_report(args.experiment) if args.experiment else None
         report = build_report(args.dir, args.out, report=settings)
-    except ReportError as e:
+    except (ReportError, OutputError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {report.out_dir / 'results.csv'}, table.md and {len(report.images)} plot(s)")

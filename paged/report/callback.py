@@ -2,7 +2,8 @@
 
 conf/config.yaml registers it (`hydra.callbacks.report`). It works with every launcher: the jobs
 may run in other processes (joblib) or on other machines (submitit), so progress is counted from
-the job folders on the shared file system, not from in-process state."""
+the job folders on the shared file system, not from in-process state. A preset's report goes to its
+`report.out` (the committed `experiments/results/NAME/`) too only with `report.publish=true`."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
+from paged.atomic_file import OutputError, write_text
 from paged.report.collect import ReportError
 from paged.report.report import Report, build_report
 from paged.report.sweep import config_sweep, group_name, num_jobs
@@ -36,7 +38,7 @@ class ReportCallback(Callback):
         sweep_dir = _sweep_dir(config)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         total = num_jobs(swept)
-        (sweep_dir / PROGRESS_FILE).write_text(json.dumps({"total": total, "start": time.time()}))
+        write_text(sweep_dir / PROGRESS_FILE, json.dumps({"total": total, "start": time.time()}))
         log.info("sweep of %s job(s) over %s into %s", total if total is not None else "?", list(swept), sweep_dir)
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
@@ -60,14 +62,14 @@ class ReportCallback(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = _sweep_dir(config)
-        out = OmegaConf.select(config, "report.out")
+        out = _publish_dir(config)
         try:
             report = build_report(sweep_dir)
             if out:
                 # the same report again: its tables are already on the console
                 build_report(sweep_dir, Path(OmegaConf.select(config, "hydra.runtime.cwd") or ".") / out,
                              console=Console(quiet=True))
-        except ReportError as e:
+        except (ReportError, OutputError) as e:
             log.error("sweep report: %s", e)
             sys.exit(1)
         log.info("sweep report: %s%s", sweep_dir / "table.md", f" and {out}" if out else "")
@@ -83,6 +85,17 @@ class ReportCallback(Callback):
         experiment = OmegaConf.select(config, "hydra.runtime.choices.experiment")
         log_report(config.logger, report.out_dir / "report", report.images, report.aggregated,
                    group=group_name(experiment, swept) or report.out_dir.name)
+
+
+def _publish_dir(config: DictConfig) -> str | None:
+    """`report.out` when `report.publish` is true: the committed results a sweep may replace only when
+    asked to, so a trial run of a preset (fewer requests, another value) leaves them as they are."""
+    out = OmegaConf.select(config, "report.out")
+    if out and not OmegaConf.select(config, "report.publish", default=False):
+        log.info("report.out=%s left as it is: its report is in the sweep folder (report.publish=true replaces it)",
+                 out)
+        return None
+    return out
 
 
 def _clock(seconds: float) -> str:

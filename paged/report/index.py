@@ -9,10 +9,12 @@ import re
 import sys
 from pathlib import Path
 
+from paged.atomic_file import OutputError, write_text
+
 HEADER = """# Experiments: the PagedAttention paper, regenerated
 
-Every section below is written by one command, `python run.py -m +experiment=NAME` (presets in
-`conf/experiment/`): the sweep runs, its report (`python -m paged.report`) writes
+Every section below is written by one command, `python run.py -m +experiment=NAME
+report.publish=true` (presets in `conf/experiment/`): the sweep runs, its report (`python -m paged.report`) writes
 `experiments/results/NAME/{results.csv, aggregate.csv, table.md, *.png}`, and this page is
 regenerated with `python -m paged.report.index`. GPU numbers are the simulator's (`executor=sim`,
 the paper's servers in `conf/setup/`); no GPU was used. The `cpu-*` experiments run the real
@@ -61,7 +63,11 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     out = args.out or args.results.parent / "README.md"
-    out.write_text(build_index(args.results))
+    try:
+        write_text(out, build_index(args.results))
+    except OutputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {out}")
     return 0
 

@@ -12,6 +12,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: a sweep may run on a cluster node without a display
 import matplotlib.pyplot as plt  # noqa: E402
 
+from paged.atomic_file import atomic_open  # noqa: E402
 from paged.report.collect import ReportError, reject_unknown  # noqa: E402
 from paged.report.table import is_number, select  # noqa: E402
 
@@ -111,6 +112,7 @@ def plot(rows: list[dict[str, Any]], keys: list[str], spec: PlotSpec, out_dir: P
         fig.suptitle(spec.title)
     fig.tight_layout()
     path = out_dir / f"{spec.name}.png"
-    fig.savefig(path, dpi=110)
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
     return path

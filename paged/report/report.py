@@ -14,12 +14,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from paged.atomic_file import atomic_open, write_text
 from paged.report.collect import Collection, Job, ReportError, collect, reject_unknown
 from paged.report.compare import PaperPoint, compare
 from paged.report.plots import PlotSpec, plot
 from paged.report.ratio import Ratio, ratios
 from paged.report.sustainable import Sustainable, sustainable_rates
-from paged.report.sweep import REPEAT_KEY
+from paged.report.sweep import REPEAT_KEY, run_command
 from paged.report.table import aggregate, is_number, job_rows
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ DEFAULT_METRICS = (
     "normalized_latency_s_per_token", "num_preemptions",
 )
 COMPARE_COLUMNS = ["result", "ours", "paper", "difference", "tolerance", "verdict", "note"]
-REPORT_KEYS = {"title", "metrics", "plots", "paper", "sustainable", "ratio", "out", "notes"}
+REPORT_KEYS = {"title", "metrics", "plots", "paper", "sustainable", "ratio", "out", "notes", "publish"}
 
 
 @dataclass
@@ -79,7 +80,7 @@ def _rich(title: str, rows: list[dict[str, Any]], columns: list[str]) -> Table:
 
 def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     columns = list(dict.fromkeys(k for r in rows for k in r))
-    with path.open("w", newline="") as f:
+    with atomic_open(path, newline="") as f:
         writer = csv.DictWriter(f, columns, restval="")
         writer.writeheader()
         writer.writerows(rows)
@@ -107,10 +108,13 @@ def _columns(rows: list[dict[str, Any]]) -> list[str]:
 
 def _write_markdown(path: Path, root: Path, cfg: dict[str, Any], sections: list[tuple[str, list, list[str]]],
                     failed: list[Job], images: list[Path]) -> None:
-    """table.md: the title, the notes, the configurations' table, the analyses, the failed jobs, the plots."""
+    """table.md: the title, the command that ran the sweep (every override it was given), the notes,
+    the configurations' table, the analyses, the failed jobs, the plots."""
     (title, rows, columns), *analyses = sections
     md = [f"# {title}\n", f"{len(rows)} configurations from `{root}`" + (f", {len(failed)} failed job(s)" if failed
                                                                        else "") + "\n"]
+    if command := run_command(root):
+        md.append(f"\nRun by `{command}`\n\n")
     if cfg.get("notes"):
         md.append(str(cfg["notes"]).strip() + "\n")
     md.append(_markdown(rows, columns))
@@ -119,7 +123,7 @@ def _write_markdown(path: Path, root: Path, cfg: dict[str, Any], sections: list[
     if failed:
         md += ["\n## Failed jobs\n", *(f"- `{j.path}`: {j.error}\n" for j in failed)]
     md += ["\n", *(f"![{p.stem}]({p.name})\n" for p in images)]
-    path.write_text("".join(md))
+    write_text(path, "".join(md))
 
 
 def _config(collection: Collection, override: dict[str, Any] | None) -> dict[str, Any]:

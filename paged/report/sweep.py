@@ -7,6 +7,7 @@ before it launches any job, so a job can tag itself with the keys its sweep vari
 from __future__ import annotations
 
 import math
+import shlex
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,17 @@ def sweep_choices(params: Mapping[str, Any], task: Iterable[str]) -> dict[str, l
         glob = override.value_type is not None and override.value_type.name == "GLOB_CHOICE_SWEEP"
         swept[key] = None if glob else list(override.sweep_string_iterator())
     return swept
+
+
+def run_command(root: Path) -> str | None:
+    """The `run.py` command line, with every override it was given (Hydra's own `hydra.*` aside), that
+    ran the sweep (its `multirun.yaml`) or the single run (its `.hydra/overrides.yaml`) in `root`."""
+    if (root / "multirun.yaml").is_file():
+        task = OmegaConf.select(OmegaConf.load(root / "multirun.yaml"), "hydra.overrides.task")
+        return shlex.join(["python", "run.py", "-m", *task]) if task is not None else None
+    if (root / ".hydra" / "overrides.yaml").is_file():
+        return shlex.join(["python", "run.py", *OmegaConf.load(root / ".hydra" / "overrides.yaml")])
+    return None
 
 
 def read_sweep(sweep_dir: Path) -> dict[str, list[str] | None]:

@@ -13,8 +13,8 @@ each kind to its source. The same seed gives the same requests, in the same orde
 """
 
 from paged.workload.jsonl import parse_prompt_line
-from paged.workload.kinds import load_workload
+from paged.workload.kinds import check_inputs, load_workload
 from paged.workload.prompts import prompt_file
 from paged.workload.records import Tokenizer, WorkloadItem
 
-__all__ = ["Tokenizer", "WorkloadItem", "load_workload", "parse_prompt_line", "prompt_file"]
+__all__ = ["Tokenizer", "WorkloadItem", "check_inputs", "load_workload", "parse_prompt_line", "prompt_file"]

@@ -2,19 +2,20 @@
 
 A small registry, one entry per kind, in the order the "not supported" error lists them. Every
 entry is called the same way (`WorkloadSource`), so a new source is one module and one line here.
+`check_inputs` is what the builder checks of a workload before any weights load.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from paged.config import WorkloadConfig
+from paged.config import ConfigError, WorkloadConfig
 from paged.workload.fixed import fixed_lengths
 from paged.workload.lengths import LengthSource
-from paged.workload.prompts import prompt_source
-from paged.workload.records import Tokenizer, WorkloadItem
+from paged.workload.prompts import check_prompt_file, prompt_source
+from paged.workload.records import Tokenizer, WorkloadItem, workload_sampling
 from paged.workload.synthetic import synthetic_lengths
-from paged.workload.trace import trace_lengths
+from paged.workload.trace import check_trace, trace_lengths
 
 
 class WorkloadSource(Protocol):
@@ -34,6 +35,22 @@ SOURCES: dict[str, WorkloadSource] = {
     "trace": LengthSource(trace_lengths, whole=True),
     "prompts": prompt_source,
 }
+
+
+def check_inputs(cfg: WorkloadConfig, *, has_tokenizer: bool, model_name: str = "this model") -> None:
+    """What can be checked of `cfg` without a model, so that it fails before any weights load: the
+    sampling keys, a tokenizer for prompt files (`has_tokenizer`: the model has one), and the
+    prompt or trace file. Raises ConfigError (FileNotFoundError for a missing file)."""
+    workload_sampling(cfg)
+    if cfg.kind == "prompts":
+        if not has_tokenizer:
+            raise ConfigError(
+                f"workload=prompts needs a tokenizer to encode its prompts; model={model_name} is spec-only "
+                "(no weights, no tokenizer): use workload=synthetic, fixed or trace, or a model with weights"
+            )
+        check_prompt_file(cfg)
+    elif cfg.kind == "trace":
+        check_trace(cfg)
 
 
 def load_workload(

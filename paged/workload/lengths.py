@@ -15,7 +15,8 @@ Clipping: the synthetic and trace sources clip their sampled lengths to the conf
 `max_model_len`, every length is cut to fit it, as the paper's setup cuts sequences to the model's
 max length: the whole prompt (prefix included) to at most `max_model_len - 1` tokens, so at least
 one token can be generated, then the output so that prompt + output <= `max_model_len`. This second
-step wins over `*_len_min`.
+step wins over `*_len_min`; it logs one warning saying how many requests it cut (a length the user
+gives exactly, `fixed`'s, must fit instead: `paged.config.validate.check_lengths`).
 
 Token ids: with a tokenizer, prompts are windows of a built-in corpus so a real model reads real
 language. A spec-only model has no tokenizer, so it gets seeded uniform ids in [0, vocab_size).
@@ -28,6 +29,7 @@ Sampling: every request gets the workload's sampling keys (`records.workload_sam
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
@@ -45,6 +47,8 @@ from paged.workload.records import (
     request_mix,
     workload_sampling,
 )
+
+log = logging.getLogger(__name__)
 
 
 class Lengths(NamedTuple):
@@ -88,8 +92,7 @@ class LengthSource:
         lengths = self.draw(cfg, rng)
         body, output = lengths.body, lengths.output
         if max_model_len is not None:
-            body = np.minimum(body, max_model_len - 1 - cfg.shared_prefix_len)
-            output = np.minimum(output, max_model_len - cfg.shared_prefix_len - body)
+            body, output = _fit(cfg, body, output, max_model_len)
         prefixes, bodies = _token_ids(cfg, tokenizer, vocab_size, body, rng)
         prefix_rng = np.random.default_rng([cfg.seed, PREFIX_CHOICE_STREAM])
         prefix_of = prefix_rng.integers(len(prefixes), size=len(bodies)).tolist()
@@ -102,6 +105,24 @@ class LengthSource:
             params = SamplingParams(max_tokens=o_len, **sampling)
             items.append(WorkloadItem(f"req-{i}", prefixes[p] + ids, params, t, priority=priority, client_id=client))
         return items
+
+
+def _fit(
+    cfg: WorkloadConfig, body: np.ndarray, output: np.ndarray, max_model_len: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The lengths cut to fit `max_model_len`, with one warning saying how many requests were cut:
+    a sampled length over the limit is the distribution's tail, not an error, but never silent."""
+    fitted_body = np.minimum(body, max_model_len - 1 - cfg.shared_prefix_len)
+    fitted_output = np.minimum(output, max_model_len - cfg.shared_prefix_len - fitted_body)
+    prompts_cut = int(np.count_nonzero(fitted_body < body))
+    cut = int(np.count_nonzero((fitted_body < body) | (fitted_output < output)))
+    if cut:
+        log.warning(
+            "workload=%s: %d of %d requests clipped to fit scheduler.max_model_len=%d (%d prompts cut to %d tokens, "
+            "then outputs cut so prompt + output <= %d)", cfg.name, cut, len(body), max_model_len, prompts_cut,
+            max_model_len - 1, max_model_len,
+        )
+    return fitted_body, fitted_output
 
 
 def _token_ids(

@@ -17,7 +17,7 @@ setting, leaves the lengths, arrivals, token ids and other draws of every reques
 Sampling: the workload's `temperature` (default 0.0, greedy, not SamplingParams' 1.0), `n`,
 `best_of`, `use_beam_search` and `length_penalty` set every generated request's sampling and are the
 defaults of every prompt-file line. A combination SamplingParams rejects (beam search with n = 1,
-n = 0, ...) raises a ValueError naming the `workload.` keys before any request is built.
+n = 0, ...) raises a ConfigError naming the `workload.` keys; the builder checks it before any weights load.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from paged.config import WorkloadConfig
+from paged.config import ConfigError, WorkloadConfig
 from paged.request import SamplingParams
 
 # The seeded streams besides the request stream `default_rng(seed)`, each `default_rng([seed, k])`.
@@ -89,5 +89,5 @@ def workload_sampling(cfg: WorkloadConfig) -> dict[str, Any]:
     except ValueError as e:
         # json.dumps writes the values as a Hydra override would (true, null), ready to correct
         settings = " ".join(f"workload.{key}={json.dumps(value)}" for key, value in sampling.items())
-        raise ValueError(f"{settings} is not a valid sampling setup: {e}") from None
+        raise ConfigError(f"{settings} is not a valid sampling setup: {e}") from None
     return sampling

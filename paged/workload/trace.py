@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from paged.config import WorkloadConfig
+from paged.config import ConfigError, WorkloadConfig
 from paged.workload.lengths import Lengths
 
 
@@ -47,6 +47,23 @@ def trace_lengths(cfg: WorkloadConfig, rng: np.random.Generator) -> Lengths:
         scaled(decode, cfg.output_len_min, cfg.output_len_max),
         (arrived - arrived[0]) * cfg.time_scale,
     )
+
+
+def check_trace(cfg: WorkloadConfig) -> None:
+    """Before any model loads: the trace exists, is readable, has the columns and at least one row;
+    a ConfigError (FileNotFoundError for a missing file) names it."""
+    path = _trace_path(str(cfg.path))
+    required = ("arrived_at", "num_prefill_tokens", "num_decode_tokens")
+    try:
+        with path.open() as f:
+            reader = csv.reader(f)
+            header, first = next(reader, []), next(reader, None)
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise ConfigError(f"workload.path={cfg.path!r}: the trace {path} cannot be read ({e})") from None
+    if not set(required) <= set(header):
+        raise ConfigError(f"workload.path={cfg.path!r}: the trace {path} must have the columns {sorted(required)}")
+    if not first:
+        raise ConfigError(f"workload.path={cfg.path!r}: the trace {path} has no rows")
 
 
 def _trace_path(name: str) -> Path:
