@@ -213,7 +213,7 @@ def build_engine(cfg: Any, executor: Executor | None = None) -> Engine:
     )
     scheduler = Scheduler(
         cfg.scheduler, block_manager, policy, preemption=preemption, eos_token_ids=executor.eos_token_ids,
-        tokenizer=executor.tokenizer,
+        tokenizer=executor.tokenizer, vocab_size=executor.vocab_size,
     )
     log.info(
         "KV cache: %d blocks of %d tokens (%d tokens), %d CPU swap blocks; allocator %s, policy %s, executor %s",

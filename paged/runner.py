@@ -55,7 +55,7 @@ def drive(
     with tqdm(total=len(pending), desc=label, unit="req", disable=not progress, leave=False) as bar:
         while i < len(pending) or engine.has_unfinished:
             if stop is not None and stop.requested:
-                bar.update(_abort_unfinished(engine))
+                bar.update(len(engine.abort_all(INTERRUPTED)))
                 return True
             now = clock.now()
             while i < len(pending) and pending[i].arrival_time <= now:
@@ -66,18 +66,6 @@ def drive(
                 continue
             bar.update(len(engine.step()))
     return False
-
-
-def _abort_unfinished(engine: Engine) -> int:
-    """Abort every request the engine has not finished, and step until it has returned them all."""
-    for request in engine.metrics.requests:
-        # finish_time: returned by a step; abort_reason: already on its way out
-        if request.finish_time is None and request.abort_reason is None:
-            engine.abort(request, INTERRUPTED)
-    returned = 0
-    while engine.has_unfinished:
-        returned += len(engine.step())
-    return returned
 
 
 def run_workload(engine: Engine, items: list[WorkloadItem], *, progress: bool = True) -> list[Request]:

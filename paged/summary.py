@@ -45,6 +45,8 @@ def summarize(
         "executor_class": classes["executor"],
         "executor_description": executor.description,
         "attention_kernel": executor.kernel_description,
+        # the host threads the model ran on (null: no model ran, executor=sim)
+        "num_threads": executor.threads.num_threads if executor.threads is not None else None,
         "block_size": block_size,
         "host_time_s": host_time_s,
         "load_time_s": load_time_s,  # building the engine (weights, KV cache): not part of any latency

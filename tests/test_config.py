@@ -1,7 +1,6 @@
 """Bad config fails before any model loads, with a message naming the value and what is allowed."""
 
 import pytest
-from hydra.errors import MissingConfigException
 
 from paged.builder import check_config
 from paged.config import ConfigError, compose_config, parse_bytes, validate
@@ -18,8 +17,14 @@ def test_default_config_is_valid_and_picks_documented_defaults():
 
 
 def test_unknown_group_option_lists_available_options():
-    with pytest.raises(MissingConfigException, match="allocator/nope"):
-        compose_config(["allocator=nope"])
+    with pytest.raises(ConfigError) as err:
+        compose_config(["allocator=prefx"])
+    assert str(err.value) == (
+        "allocator=prefx is not an option; did you mean prefix?; the options of allocator: "
+        "naive, orca-max, orca-oracle, orca-pow2, prefix"
+    )
+    with pytest.raises(ConfigError, match="model=smollm3 is not an option"):
+        compose_config(["model=tiny-random,smollm3"])
 
 
 def test_wrong_type_is_rejected_by_schema():

@@ -20,20 +20,27 @@ def config_groups() -> list[str]:
     return sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir()) if CONF_DIR.is_dir() else []
 
 
+def config_options() -> dict[str, list[str]]:
+    """Each config group of `conf/` and its options (the YAML files in it), sorted."""
+    return {group: sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")) for group in config_groups()}
+
+
 def check_command_line(argv: Sequence[str]) -> None:
     """`check_overrides` on the overrides of a `run.py` command line (Hydra's own flags, `-m`,
     `--cfg job`, `--help`, ..., are Hydra's); raises ConfigError before Hydra composes anything."""
     from hydra._internal.utils import get_args_parser  # Hydra's parser: the flags exactly as run.py takes them
 
     args, _ = get_args_parser().parse_known_args(list(argv))
-    check_overrides(args.overrides, config_groups())
+    # a config folder of the user's (--config-dir, hydra.searchpath) may add options: Hydra checks those
+    own_options = args.config_dir or args.config_path or any("searchpath" in o for o in args.overrides)
+    check_overrides(args.overrides, config_groups() if own_options else config_options())
 
 
 def compose_config(overrides: Sequence[str] = ()) -> Any:
     """The same config `run.py` would see for these overrides; an unknown key raises ConfigError."""
     if not CONF_DIR.is_dir():
         raise FileNotFoundError(f"config dir {CONF_DIR} not found; reinstall paged (pip install -e .)")
-    check_overrides(overrides, config_groups())
+    check_overrides(overrides, config_options())
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=list(overrides))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import typing
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from functools import cache
 from typing import Any
 
@@ -76,11 +76,12 @@ def _walk(node: DictConfig, schema: type, parent: str) -> None:
             _walk(child, child_schema, f"{parent}.{name}" if parent else name)
 
 
-def check_overrides(overrides: Sequence[str], groups: Collection[str] = ()) -> None:
+def check_overrides(overrides: Sequence[str], groups: Collection[str] | Mapping[str, Collection[str]] = ()) -> None:
     """Check the key of every override, and the value of an override of a typed schema key (each
     value of a sweep), before Hydra composes them. `groups` are the config groups (`allocator`,
-    `experiment`, ...): choosing an option is Hydra's to check, as are `hydra.*` keys and overrides
-    Hydra cannot parse."""
+    `experiment`, ...); given as a mapping to their options, a chosen option is checked too (else
+    it is Hydra's to check, e.g. where a user's config folder adds options). `hydra.*` keys and
+    overrides Hydra cannot parse are Hydra's."""
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
     except Exception:  # noqa: BLE001 - a syntax error: Hydra's message says where
@@ -90,10 +91,24 @@ def check_overrides(overrides: Sequence[str], groups: Collection[str] = ()) -> N
         if override.is_delete() or override.package is not None or "/" in key or key.split(".")[0] == "hydra":
             continue
         if key in groups:
+            if isinstance(groups, Mapping):
+                _check_options(override, key, groups[key])
             continue
         schema = _schema_of(key, groups)
         if schema is not None:
             _check_values(override, key, schema)
+
+
+def _check_options(override: Any, group: str, options: Collection[str]) -> None:
+    """Each option an override of `group` chooses (each of a sweep) must be one of `options`."""
+    try:
+        values = list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
+    except Exception:  # noqa: BLE001 - a glob or a range: Hydra expands it
+        return
+    for value in values:
+        if isinstance(value, str) and value not in options and "${" not in value:
+            hint = did_you_mean(value, options)
+            raise ConfigError(f"{group}={value} is not an option{hint}; the options of {group}: {', '.join(options)}")
 
 
 def _schema_of(key: str, groups: Collection[str]) -> type | None:

@@ -19,6 +19,7 @@ from paged.clock import Clock, WallClock
 from paged.config import KernelConfig
 from paged.kernels.limits import BLOCK_SIZES
 from paged.step import ExecutorOutput, SchedulerOutput
+from paged.threads import ThreadChoice
 
 
 class Tokenizer(Protocol):
@@ -76,6 +77,8 @@ class Executor(ABC):
     # The model's attention window in tokens (None: full attention); the block manager frees blocks
     # that fall wholly outside it.
     sliding_window: int | None = None
+    # The host threads it computes on (paged.threads); None: it runs no model (a simulator)
+    threads: ThreadChoice | None = None
 
     def host_memory_bytes(self) -> int | None:
         """Host memory the swap pool must fit in: this machine's RAM; None where the pool is only

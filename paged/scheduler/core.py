@@ -59,6 +59,7 @@ class Scheduler(UpdateMixin):
         preemption: PreemptionMode | None = None,
         eos_token_ids: Collection[int] = (),
         tokenizer: Any = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.cfg = cfg
         # plain ints: the per-token checks must not pay for a config-node lookup
@@ -80,6 +81,9 @@ class Scheduler(UpdateMixin):
         self.eos_token_ids = frozenset(eos_token_ids)
         # detokenizes outputs with stop strings as they grow; None: such requests are refused
         self.tokenizer = tokenizer
+        # prompt token ids must lie in [0, vocab_size) (None: unchecked); one outside would fail the
+        # embedding lookup of the whole step, so the request is refused at intake instead
+        self.vocab_size = vocab_size
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -95,7 +99,7 @@ class Scheduler(UpdateMixin):
         """Queue a request, or abort it at once with a reason when it can never run."""
         reason = intake_rejection(
             request, self.block_manager, max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
-            has_tokenizer=self.tokenizer is not None,
+            has_tokenizer=self.tokenizer is not None, vocab_size=self.vocab_size,
         )
         if reason is not None:
             self.abort(request, reason)

@@ -14,6 +14,7 @@ from paged.request import Request, Sequence
 
 def intake_rejection(
     request: Request, block_manager: BlockManager, *, max_model_len: int, max_num_seqs: int, has_tokenizer: bool,
+    vocab_size: int | None = None,
 ) -> str | None:
     """Why `request` can never run under this configuration; None if it may be queued."""
     if request.abort_reason is not None:
@@ -21,6 +22,8 @@ def intake_rejection(
     params, num_prompt = request.params, request.num_prompt_tokens
     if num_prompt == 0:
         return "empty prompt"
+    if vocab_size is not None and (bad := _out_of_vocabulary(request.prompt_token_ids, vocab_size)) is not None:
+        return bad
     if num_prompt > max_model_len:
         return f"prompt has {num_prompt} tokens, more than max_model_len={max_model_len}"
     if num_prompt + params.max_tokens > max_model_len:
@@ -35,6 +38,13 @@ def intake_rejection(
     if params.stop_strings and not has_tokenizer:
         return "stop strings need a tokenizer, and this executor has none (use stop_token_ids)"
     return block_manager.rejection(request)
+
+
+def _out_of_vocabulary(token_ids: list[int], vocab_size: int) -> str | None:
+    if 0 <= min(token_ids) and max(token_ids) < vocab_size:
+        return None
+    i, t = next((i, t) for i, t in enumerate(token_ids) if not 0 <= t < vocab_size)
+    return f"prompt token id {t} (position {i}) is outside the model's vocabulary [0, {vocab_size})"
 
 
 def allocation_rejection(
