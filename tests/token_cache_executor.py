@@ -23,6 +23,8 @@ class TokenCacheExecutor(Executor):
 
     def __init__(self, vocab_size: int = VOCAB) -> None:
         self.vocab_size = vocab_size
+        # the ids it samples among; a subclass may take a wider vocabulary in its prompts
+        self.num_sampled_ids = vocab_size
         self.eos_token_ids = frozenset([vocab_size - 1])
         self.cache = np.zeros((0, 0), dtype=np.int64)
         self.num_computed_tokens = 0
@@ -55,6 +57,6 @@ class TokenCacheExecutor(Executor):
                 self.cache[table[pos // bs], pos % bs] = seq.token_ids[pos]
             self.num_computed_tokens += item.num_new_tokens
             context = [int(self.cache[table[p // bs], p % bs]) for p in range(item.context_len)]
-            base = (sum(t * (i + 1) for i, t in enumerate(context)) * 7919 + seq.index) % (self.vocab_size - 1)
-            sampled.append([(base + k * 13) % (self.vocab_size - 1) for k in range(item.num_samples)])
+            base = (sum(t * (i + 1) for i, t in enumerate(context)) * 7919 + seq.index) % (self.num_sampled_ids - 1)
+            sampled.append([(base + k * 13) % (self.num_sampled_ids - 1) for k in range(item.num_samples)])
         return ExecutorOutput(sampled, sched.num_batched_tokens, time.perf_counter() - start)

@@ -71,8 +71,10 @@ class ReserveMaxLen(Reservation):
 
 
 class ToyExecutor(TokenCacheExecutor):
-    """The token-cache executor as a config plugin: the SmolLM2 tokenizer, `vocab_size` ids."""
+    """The token-cache executor as a config plugin: it takes the SmolLM2 tokenizer's ids in prompts
+    (its vocabulary) and samples among the first `vocab_size` of them."""
 
     def __init__(self, model: ModelConfig, kernel: KernelConfig, seed: int = 0, vocab_size: int = 1000) -> None:
         super().__init__(vocab_size)
         self.tokenizer = load_tokenizer(locate_smollm2())
+        self.vocab_size = len(self.tokenizer.hf)
