@@ -12,6 +12,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from paged.atomic_file import OutputError
 from paged.builder import check_config
 from paged.config import register_configs
 from paged.report import ReportError, build_report
@@ -290,3 +291,10 @@ def test_the_index_orders_experiments_and_counts_verdicts(tmp_path: Path) -> Non
     assert "![output_throughput_vs_x](results/fig2/output_throughput_vs_x.png)" in page
     assert "`python run.py -m +experiment=fig12-opt13b`" in page and "### Against the paper" in page
     assert index_main([str(tmp_path / "missing")]) == 2
+
+
+def test_a_report_folder_that_cannot_be_made_is_one_output_error(tmp_path: Path) -> None:
+    write_job(tmp_path / "sweep", "0_a", ["allocator=naive"], metrics(1.0, 0.1))
+    (tmp_path / "file").write_text("a file: no folder can be made under it")
+    with pytest.raises(OutputError, match=r"^cannot write the report into .*file/out: Not a directory$"):
+        build_report(tmp_path / "sweep", tmp_path / "file" / "out")

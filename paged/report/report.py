@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from paged.atomic_file import atomic_open, write_text
+from paged.atomic_file import OutputError, atomic_open, write_text
 from paged.report.collect import Collection, Job, ReportError, collect, reject_unknown
 from paged.report.compare import PaperPoint, compare
 from paged.report.plots import PlotSpec, plot
@@ -150,7 +150,10 @@ def build_report(
     collection = collect(root)
     cfg = _config(collection, report)
     out_dir = out_dir or root
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"cannot write the report into {out_dir}: {e.strerror or e}") from e
     keys = list(collection.swept)
     rows = job_rows(collection)
     summary_keys = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in keys and k != "job"]
