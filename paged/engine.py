@@ -92,6 +92,10 @@ class Engine:
         """Whether the allocator keeps a prefix cache (without one, a hit rate means nothing)."""
         return self.scheduler.block_manager.allocator.caches_prefixes
 
+    def cached_prefix_blocks(self, chain: list[bytes]) -> int:
+        """Blocks from the start of `chain` (a prompt's `prompt_block_hashes`) the prefix cache holds now."""
+        return self.scheduler.block_manager.prefix_index.cached_blocks(chain)
+
     def reset_prefix_cache(self) -> bool:
         """Drop all cached prefix blocks; False (and nothing dropped) while requests hold blocks."""
         return self.scheduler.block_manager.allocator.reset_prefix_cache()

@@ -11,6 +11,8 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from paged.builder import build_engine
+from paged.cluster.fleet import Fleet
+from paged.cluster.fleet_builder import build_fleet, uses_fleet
 from paged.config import compose_config
 from paged.engine import Engine
 from paged.executor.base import Executor
@@ -65,7 +67,7 @@ def run_experiment(
     return summary
 
 
-def run_quietly(overrides: list[str], *, executor: Executor | None = None) -> tuple[dict[str, Any], Engine]:
+def run_quietly(overrides: list[str], *, executor: Executor | None = None) -> tuple[dict[str, Any], Engine | Fleet]:
     """The experiment scripts' run: compose `overrides` (no logger, no progress bar), build (on
     `executor` when given, so that repeated runs share its weights), run the workload, and return the
     summary (run.py's keys) and the engine; nothing is written."""
@@ -75,7 +77,7 @@ def run_quietly(overrides: list[str], *, executor: Executor | None = None) -> tu
     return summary, engine
 
 
-def workload_for(cfg: Any, engine: Engine) -> list[WorkloadItem]:
+def workload_for(cfg: Any, engine: Engine | Fleet) -> list[WorkloadItem]:
     """`cfg.workload`'s requests in the executor's vocabulary, clipped to the scheduler's max length."""
     executor = engine.executor
     return load_workload(
@@ -83,26 +85,32 @@ def workload_for(cfg: Any, engine: Engine) -> list[WorkloadItem]:
     )
 
 
-def _timed_build(cfg: Any, executor: Executor | None = None) -> tuple[Engine, float]:
+def _timed_build(cfg: Any, executor: Executor | None = None) -> tuple[Engine | Fleet, float]:
+    """One engine, or a fleet of them when `cfg.cluster` asks for more (`executor` is then unused)."""
     start = time.perf_counter()
-    engine = build_engine(cfg, executor=executor)
+    engine = build_fleet(cfg) if uses_fleet(cfg) else build_engine(cfg, executor=executor)
     return engine, time.perf_counter() - start
 
 
 def _run(
     cfg: Any,
-    engine: Engine,
+    engine: Engine | Fleet,
     items: list[WorkloadItem],
     load_time: float,
     *,
     progress: bool,
     stop: Interrupt | None = None,
 ) -> tuple[list[Request], dict[str, Any]]:
-    """The workload's requests (in item order) and the run's summary."""
+    """The workload's requests (in item order) and the run's summary. A fleet is shut down once its
+    requests ran (or failed): its actors free their machines, its stats stay readable."""
     start = time.perf_counter()
     requests = [to_request(item) for item in items]
     engine.clock.reset()  # the items' arrival times are seconds from the start
-    stopped = drive(engine, requests, progress=progress, stop=stop)
+    try:
+        stopped = drive(engine, requests, progress=progress, stop=stop)
+    finally:
+        if isinstance(engine, Fleet):
+            engine.shutdown()
     host_time = time.perf_counter() - start
     return requests, summarize(
         cfg, engine, host_time_s=host_time, load_time_s=load_time,

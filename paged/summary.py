@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from paged.cluster.fleet import Fleet
 from paged.engine import Engine
 
 
 def summarize(
     cfg: Any,
-    engine: Engine,
+    engine: Engine | Fleet,
     *,
     host_time_s: float | None = None,
     load_time_s: float | None = None,
@@ -22,12 +23,18 @@ def summarize(
     """The engine's metrics, what ran, the KV pool's size and the swap counters. `host_time_s` is the
     host seconds the run took and `load_time_s` those building the engine took (None: not measured).
     A run stopped early (`interrupted`) left `num_not_started` of its requests unsubmitted: they
-    count in `num_requests`, beside `num_finished` and `num_aborted`."""
+    count in `num_requests`, beside `num_finished` and `num_aborted`.
+
+    A fleet's metrics are over all its requests and its KV keys over all its pools; `replicas`
+    holds a row per replica (requests, hit rate, KV usage), and every run has `num_replicas` and
+    `router` (null for one engine)."""
     kv, classes, executor = engine.kv_stats(), engine.plugin_classes(), engine.executor
     block_size = cfg.allocator.block_size
     bytes_per_block = executor.kv_cache_spec(block_size).bytes_per_block
     counters = engine.counters
-    metrics = engine.metrics.summary(kv_end=kv, caches_prefixes=engine.caches_prefixes)
+    metrics = engine.metrics.summary(
+        kv_end=kv, caches_prefixes=engine.caches_prefixes, slo_ttft_s=cfg.slo.ttft_s, slo_tpot_s=cfg.slo.tpot_s,
+    )
     # every run has `interrupted` and `num_not_started`, so that a sweep's summaries share one schema
     summary = {
         "interrupted": interrupted,
@@ -61,7 +68,11 @@ def summarize(
         "swap_bytes": counters.num_swapped_blocks * bytes_per_block,
         "num_swap_fallbacks": engine.num_swap_fallbacks,
         **executor.decode_step_counts(),
+        "num_replicas": len(engine.replicas) if isinstance(engine, Fleet) else 1,
+        "router": cfg.router.name if isinstance(engine, Fleet) else None,
     }
+    if isinstance(engine, Fleet):
+        summary |= {"router_class": classes["router"], "replicas": engine.replica_rows()}
     if engine.clock.simulated:
         # latencies and wall_time_s above are simulated seconds
         summary |= {

@@ -8,6 +8,7 @@ from paged.config.keys import check_keys, check_overrides, did_you_mean
 from paged.config.schema import (
     PLUGIN_NODES,
     AllocatorConfig,
+    ClusterConfig,
     Config,
     ConfigError,
     ExecutorConfig,
@@ -18,6 +19,7 @@ from paged.config.schema import (
     OptionalPluginConfig,
     PluginConfig,
     ReportConfig,
+    RouterConfig,
     SchedulerConfig,
     WorkloadConfig,
     register_configs,
@@ -26,8 +28,9 @@ from paged.config.units import parse_bytes
 from paged.config.validate import ByteSizes, validate
 
 __all__ = [
-    "CONF_DIR", "PLUGIN_NODES", "AllocatorConfig", "ByteSizes", "Config", "ConfigError", "ExecutorConfig",
-    "HardwareConfig", "KernelConfig", "LoggerConfig", "ModelConfig", "OptionalPluginConfig", "PluginConfig",
-    "ReportConfig", "SchedulerConfig", "WorkloadConfig", "check_command_line", "check_keys", "check_overrides",
-    "compose_config", "config_groups", "did_you_mean", "parse_bytes", "register_configs", "resolve_dtype", "validate",
+    "CONF_DIR", "PLUGIN_NODES", "AllocatorConfig", "ByteSizes", "ClusterConfig", "Config", "ConfigError",
+    "ExecutorConfig", "HardwareConfig", "KernelConfig", "LoggerConfig", "ModelConfig", "OptionalPluginConfig",
+    "PluginConfig", "ReportConfig", "RouterConfig", "SchedulerConfig", "WorkloadConfig", "check_command_line",
+    "check_keys", "check_overrides", "compose_config", "config_groups", "did_you_mean", "parse_bytes",
+    "register_configs", "resolve_dtype", "validate",
 ]

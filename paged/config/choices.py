@@ -33,3 +33,4 @@ WORKLOAD_KINDS = ("synthetic", "fixed", "prompts", "trace")
 MAX_NUM_REQUESTS = 1_000_000
 LOGGER_BACKENDS = ("wandb", "none")
 LOGGER_MODES = ("offline", "disabled", "online")
+CLUSTER_BACKENDS = ("auto", "local", "ray")

@@ -184,6 +184,13 @@ class HardwareConfig:
     kernel_launch_s: float | None = None
     allreduce_latency_s: float = 0.0
     pcie_latency_s: float = 0.0  # per host<->device copy: swap moves every block of every layer apart
+    # Where GPUs sit, for disaggregated prefill/decode's KV transfers (paged.cluster.kv_link): GPUs per
+    # node (NVLink between them: interconnect_bandwidth), the latency of one copy over NVLink, and the
+    # network across nodes: B/s per GPU one way (its NIC) and one copy's latency. Null: not given.
+    gpus_per_node: int | None = None
+    interconnect_latency_s: float | None = None
+    network_bandwidth: float | None = None
+    network_latency_s: float | None = None
     step_overhead_s: float | None = None
     seq_overhead_s: float | None = None
     calibrated: bool = False
@@ -206,6 +213,38 @@ class ExecutorConfig:
 
     name: str = MISSING
     _target_: str = MISSING
+
+
+@dataclass
+class RouterConfig:
+    """Core keys; the YAML's other keys are settings of the `_target_` router class (paged/cluster)."""
+
+    name: str = MISSING
+    _target_: str = MISSING
+
+
+@dataclass
+class ClusterConfig:
+    """Replicas of the whole engine behind a router (paged/cluster). One replica is a plain engine."""
+
+    num_replicas: int = 1
+    # where replicas run: `local` (in this process: executor=sim's fleet on one virtual clock, or real
+    # engines stepped in turn), `ray` (one Ray actor per replica), `auto` (ray for a real model when
+    # there is more than one replica, local otherwise)
+    backend: str = "auto"
+    address: str | None = None  # an existing Ray cluster (`ray://host:10001` or `auto`); None: a local Ray
+    num_cpus_per_replica: float = 1.0  # the Ray resources one replica actor reserves
+    # disaggregated prefill/decode (executor=sim): both > 0 replace num_replicas with two pools
+    prefill_replicas: int = 0
+    decode_replicas: int = 0
+
+
+@dataclass
+class SLOConfig:
+    """Service-level objectives the summary's `goodput` counts against (paged.slo); null: none."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
 
 
 @dataclass
@@ -236,6 +275,9 @@ class Config:
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    slo: SLOConfig = field(default_factory=SLOConfig)
     seed: int = 0
     progress: bool = True
     # an index to sweep (`repeat=0,1,2`) for repeated measurements; the report folds it into median
@@ -244,7 +286,9 @@ class Config:
 
 
 # Nodes whose keys beyond the schema's are a plugin's own settings (checked against its class).
-PLUGIN_NODES = ("allocator", "allocator.reservation", "scheduler.policy", "scheduler.preemption", "executor")
+PLUGIN_NODES = (
+    "allocator", "allocator.reservation", "scheduler.policy", "scheduler.preemption", "executor", "router",
+)
 
 
 def register_configs() -> None:

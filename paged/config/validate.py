@@ -13,6 +13,7 @@ from paged.config.choices import (
     BACKENDS,
     BATCH_ORDERS,
     BLOCK_SIZES,
+    CLUSTER_BACKENDS,
     GEMMS,
     KV_CACHE_DTYPES,
     LOGGER_BACKENDS,
@@ -51,6 +52,8 @@ def validate(cfg: Any, block_sizes: tuple[int, ...] = BLOCK_SIZES) -> ByteSizes:
     check_workload(cfg.workload)
     check_lengths(cfg.workload, cfg.scheduler.max_model_len)
     check_logger(cfg.logger)
+    check_cluster(cfg.cluster)
+    check_slo(cfg.slo)
     return sizes
 
 
@@ -250,3 +253,25 @@ def _check_clients(w: Any) -> None:
 def check_logger(lg: Any) -> None:
     _choice("logger.backend", lg.backend, LOGGER_BACKENDS)
     _choice("logger.mode", lg.mode, LOGGER_MODES)
+
+
+def check_cluster(c: Any) -> None:
+    """Replica counts and where replicas run; the two disaggregated pools come together or not at all."""
+    _positive("cluster.num_replicas", c.num_replicas)
+    _choice("cluster.backend", c.backend, CLUSTER_BACKENDS)
+    if c.num_cpus_per_replica <= 0:
+        raise ConfigError(f"cluster.num_cpus_per_replica={c.num_cpus_per_replica} must be > 0")
+    for key in ("prefill_replicas", "decode_replicas"):
+        if getattr(c, key) < 0:
+            raise ConfigError(f"cluster.{key}={getattr(c, key)} must be >= 0 (0: no disaggregation)")
+    if (c.prefill_replicas > 0) != (c.decode_replicas > 0):
+        raise ConfigError(
+            f"cluster.prefill_replicas={c.prefill_replicas} and cluster.decode_replicas={c.decode_replicas}: "
+            "disaggregation needs both pools (> 0), or neither (0)"
+        )
+
+
+def check_slo(slo: Any) -> None:
+    """Each objective is a positive number of seconds, or null (none)."""
+    _positive("slo.ttft_s", slo.ttft_s, allow_none=True)
+    _positive("slo.tpot_s", slo.tpot_s, allow_none=True)

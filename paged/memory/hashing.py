@@ -21,3 +21,13 @@ def block_hash(parent: bytes | None, token_ids: Sequence[int], extra_key: str | 
     if extra_key is not None:
         data += b"\x01" + extra_key.encode()
     return xxhash.xxh3_128_digest(data)
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[bytes]:
+    """The chained hashes of the full blocks of `token_ids`, as the prefix cache keys them (the salt
+    keys the first block; chaining carries it to every later one)."""
+    chain: list[bytes] = []
+    for i in range(len(token_ids) // block_size):
+        chain.append(block_hash(chain[-1] if chain else None, token_ids[i * block_size : (i + 1) * block_size],
+                                None if chain else salt))
+    return chain

@@ -54,6 +54,18 @@ class PrefixIndex:
             hits.append(block_id)
         return hits
 
+    def cached_blocks(self, chain: list[bytes]) -> int:
+        """How many blocks from the start of `chain` (a prompt's `prompt_block_hashes`) the cache
+        holds now: what a router asks of a replica, without a sequence and taking no reference."""
+        if not self.enabled:
+            return 0
+        hits = 0
+        for h in chain:
+            if self.allocator.peek(h) is None:
+                break
+            hits += 1
+        return hits
+
     def match(self, seq: Sequence, hits: list[int]) -> None:
         """Take a reference on each of `hits`, what `lookup(seq)` just returned."""
         chain = self._chains.get(seq, ())

@@ -1,0 +1,156 @@
+"""A fleet of replicas behind a router, driven as one engine.
+
+`paged.runner.drive` submits a request once the fleet's clock reaches its arrival, steps while any
+replica holds work and aborts all on a stop; the fleet routes each submitted request and decides
+which replica steps next. Simulated replicas share one timeline: the fleet's time is the earliest
+clock among the busy replicas, and that replica steps next, so events happen in time order as if
+the replicas ran side by side. Real replicas in this process take turns on the wall clock.
+
+The replicas record into one `MetricsRecorder` (the fleet's), so fleet-level latencies and
+throughput are computed over every request as for one engine; each replica keeps its own row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from typing import Any
+
+from paged.clock import Clock, WallClock
+from paged.cluster.replica import Replica
+from paged.cluster.router import Router
+from paged.executor.base import Executor
+from paged.metrics import MetricsRecorder
+from paged.request import Request
+from paged.scheduler.core import SchedulerCounters
+from paged.step import KVStats
+
+
+class FleetClock(Clock):
+    """Simulated: the earliest clock among busy replicas (the next event), else the time the fleet
+    idled to. Wall: the wall clock, shared by every replica once reset together."""
+
+    def __init__(self, fleet: Fleet, simulated: bool) -> None:
+        self.fleet = fleet
+        self.simulated = simulated
+        self._wall = WallClock()
+        self._idle = 0.0
+
+    def now(self) -> float:
+        if not self.simulated:
+            return self._wall.now()
+        t = self.fleet.next_step_time()
+        return self._idle if t is None else t
+
+    def reset(self) -> None:
+        self._wall.reset()
+        self._idle = 0.0
+        for replica in self.fleet.replicas:
+            replica.clock.reset()
+
+    def wait_until(self, t: float) -> None:
+        if self.simulated:
+            self._idle = max(self._idle, t)
+        else:
+            self._wall.wait_until(t)
+
+
+class Fleet:
+    """Replicas behind a router. Public state: `replicas`, `router`, `metrics` (the fleet's
+    recorder), `clock`; `live` lists the replicas still alive.
+
+    On a simulated clock the busy replicas wait in a heap by their clock (a replica's clock moves
+    only when it steps, or when it takes a request while idle), so a step costs O(log replicas)."""
+
+    def __init__(self, replicas: list[Replica], router: Router, metrics: MetricsRecorder | None = None) -> None:
+        if not replicas:
+            raise ValueError("a fleet needs at least one replica")
+        self.replicas = replicas
+        self.router = router
+        self.metrics = metrics or MetricsRecorder()
+        self.clock: Clock = FleetClock(self, simulated=replicas[0].clock.simulated)
+        self._turn = 0
+        self._queue: list[tuple[float, int]] = []  # simulated: (clock, index) of each busy replica
+
+    @property
+    def live(self) -> list[Replica]:
+        return [r for r in self.replicas if r.alive]
+
+    @property
+    def has_unfinished(self) -> bool:
+        if self.clock.simulated:
+            return bool(self._queue)
+        return any(r.has_unfinished for r in self.live)
+
+    def next_step_time(self) -> float | None:
+        """Simulated: the clock of the busy replica that steps next; None when none is busy."""
+        return self._queue[0][0] if self._queue else None
+
+    def add_request(self, request: Request) -> None:
+        replica = self.router.route(request, self.live)
+        was_busy = replica.has_unfinished
+        replica.add_request(request)
+        if self.clock.simulated and not was_busy:
+            heapq.heappush(self._queue, (replica.clock.now(), replica.index))
+
+    def step(self) -> list[Request]:
+        """Step the replica whose turn it is: the earliest busy one on a simulated clock, else the
+        next busy one in turn. Returns the requests it finished."""
+        if self.clock.simulated:
+            _, index = heapq.heappop(self._queue)
+            replica = self.replicas[index]
+            finished = replica.step()
+            if replica.has_unfinished:
+                heapq.heappush(self._queue, (replica.clock.now(), index))
+            return finished
+        busy = [r for r in self.live if r.has_unfinished]
+        replica = busy[self._turn % len(busy)]
+        self._turn += 1
+        return replica.step()
+
+    def abort_all(self, reason: str) -> list[Request]:
+        self._queue.clear()
+        return [request for replica in self.live for request in replica.abort_all(reason)]
+
+    def shutdown(self) -> None:
+        """Release what the replicas hold outside this process (a Ray fleet's actors); nothing for
+        replicas in it. Their rows and stats stay readable."""
+
+    # -- what the summary asks, over the whole fleet ----------------------------------------------
+
+    def kv_stats(self) -> KVStats:
+        """Every replica's pool added up (its block size is theirs)."""
+        stats = [r.kv_stats() for r in self.replicas]
+        sums = {
+            f.name: sum(getattr(s, f.name) for s in stats)
+            for f in dataclasses.fields(KVStats) if f.name != "block_size"
+        }
+        return KVStats(block_size=stats[0].block_size, **sums)
+
+    @property
+    def counters(self) -> SchedulerCounters:
+        total = SchedulerCounters()
+        for replica in self.replicas:
+            for f in dataclasses.fields(SchedulerCounters):
+                setattr(total, f.name, getattr(total, f.name) + getattr(replica.counters, f.name))
+        return total
+
+    @property
+    def num_swap_fallbacks(self) -> int:
+        return sum(r.num_swap_fallbacks for r in self.replicas)
+
+    @property
+    def executor(self) -> Executor:
+        """The first replica's executor: every replica runs the same config."""
+        return self.replicas[0].executor
+
+    @property
+    def caches_prefixes(self) -> bool:
+        return self.replicas[0].caches_prefixes
+
+    def plugin_classes(self) -> dict[str, str]:
+        return self.replicas[0].plugin_classes() | {"router": f"{type(self.router).__module__}."
+                                                              f"{type(self.router).__qualname__}"}
+
+    def replica_rows(self) -> list[dict[str, Any]]:
+        return [r.row() for r in self.replicas]

@@ -1,0 +1,223 @@
+"""One replica of the engine, as a fleet drives it and as a router sees it.
+
+`ReplicaView` is the router's whole view of a replica: its load now and how much of a prompt its
+prefix cache already holds. `Replica` adds what the fleet does with it: submit, step, finish.
+`LocalReplica` is an engine in this process.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+from paged.clock import Clock
+from paged.engine import Engine
+from paged.executor.base import Executor
+from paged.request import Request
+from paged.scheduler.core import SchedulerCounters
+from paged.step import KVStats
+
+# the load numbers every replica reports: what a `least-loaded` router may balance
+LOAD_METRICS = ("outstanding_tokens", "num_requests", "num_waiting", "kv_usage")
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """A replica's load now. `outstanding_tokens`: prompt tokens plus `max_tokens` of the requests
+    it holds (work assigned and not finished); `num_requests`: those requests; `num_waiting`: those
+    not yet admitted; `kv_usage`: allocated KV blocks / total."""
+
+    outstanding_tokens: int
+    num_requests: int
+    num_waiting: int
+    kv_usage: float
+
+    def metric(self, name: str) -> float:
+        return float(getattr(self, name))
+
+
+class ReplicaView(ABC):
+    """What a router sees of one replica."""
+
+    index: int
+    block_size: int  # tokens per KV block: the granularity of its prefix cache
+
+    @abstractmethod
+    def load(self) -> ReplicaLoad: ...
+
+    @abstractmethod
+    def cached_prefix_blocks(self, chain: list[bytes]) -> int:
+        """Blocks from the start of `chain` (a prompt's `paged.memory.hashing.prompt_block_hashes`)
+        that the replica's prefix cache holds now (0 when it reports none)."""
+
+
+class Replica(ReplicaView):
+    """A replica the fleet submits to and steps. Tracks the requests it holds, so that its load is
+    known without asking the engine, and what it served (`num_routed`, `kv_usage_sum` per step)."""
+
+    def __init__(self, index: int, block_size: int) -> None:
+        self.index = index
+        self.block_size = block_size
+        self.alive = True
+        self.held: dict[Request, int] = {}  # unfinished requests -> their outstanding-token cost
+        self.outstanding_tokens = 0
+        self.num_routed = 0
+        self.num_finished = 0
+        self.num_aborted = 0
+        self.num_steps = 0
+        self.kv_usage_sum = 0.0
+        self.kv_usage_max = 0.0
+
+    @property
+    @abstractmethod
+    def clock(self) -> Clock: ...
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.held)
+
+    def add_request(self, request: Request) -> None:
+        cost = request.num_prompt_tokens + (request.params.max_tokens or 0)
+        self.held[request] = cost
+        self.outstanding_tokens += cost
+        self.num_routed += 1
+        self._submit(request)
+
+    def step(self) -> list[Request]:
+        """Run one step; returns the requests it finished or aborted."""
+        finished = self._step()
+        self._record(finished)
+        return finished
+
+    def abort_all(self, reason: str) -> list[Request]:
+        """Abort every request it holds, with `reason`; returns them."""
+        aborted = self._abort_all(reason)
+        self._release(aborted)
+        return aborted
+
+    def _release(self, done: list[Request]) -> None:
+        for request in done:
+            self.outstanding_tokens -= self.held.pop(request, 0)
+            if request.abort_reason is None:
+                self.num_finished += 1
+            else:
+                self.num_aborted += 1
+
+    def _record(self, finished: list[Request]) -> None:
+        self._release(finished)
+        usage = self.load().kv_usage
+        self.num_steps += 1
+        self.kv_usage_sum += usage
+        self.kv_usage_max = max(self.kv_usage_max, usage)
+
+    @abstractmethod
+    def _submit(self, request: Request) -> None: ...
+
+    @abstractmethod
+    def _step(self) -> list[Request]: ...
+
+    @abstractmethod
+    def _abort_all(self, reason: str) -> list[Request]: ...
+
+    # -- what the fleet's summary asks (paged.summary) ------------------------------------------
+
+    @abstractmethod
+    def kv_stats(self) -> KVStats: ...
+
+    @property
+    @abstractmethod
+    def counters(self) -> SchedulerCounters: ...
+
+    @property
+    @abstractmethod
+    def num_swap_fallbacks(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def executor(self) -> Executor:
+        """The executor, or what stands for it in this process (a Ray replica's description)."""
+
+    @property
+    @abstractmethod
+    def caches_prefixes(self) -> bool: ...
+
+    @abstractmethod
+    def plugin_classes(self) -> dict[str, str]: ...
+
+    def row(self) -> dict[str, Any]:
+        """summary.json's per-replica row."""
+        kv = self.kv_stats()
+        hit_rate = kv.num_hit_tokens / kv.num_queried_tokens if self.caches_prefixes and kv.num_queried_tokens else None
+        return {
+            "replica": self.index,
+            "alive": self.alive,
+            "num_requests": self.num_routed,
+            "num_finished": self.num_finished,
+            "num_aborted": self.num_aborted,
+            "num_steps": self.num_steps,
+            "prefix_cache_hit_rate": hit_rate,
+            "kv_usage_mean": self.kv_usage_sum / self.num_steps if self.num_steps else 0.0,
+            "kv_usage_max": self.kv_usage_max,
+            "num_preemptions": self.counters.num_preemptions,
+        }
+
+
+class LocalReplica(Replica):
+    """An engine in this process. An idle replica's clock catches up with an arrival before it
+    takes the request (simulated time: the replicas of a fleet share one timeline)."""
+
+    def __init__(self, index: int, engine: Engine) -> None:
+        super().__init__(index, engine.scheduler.block_manager.block_size)
+        self.engine = engine
+
+    @property
+    def clock(self) -> Clock:
+        return self.engine.clock
+
+    def _submit(self, request: Request) -> None:
+        clock = self.engine.clock
+        if clock.simulated and not self.engine.has_unfinished:
+            clock.wait_until(request.arrival_time)
+        self.engine.add_request(request)
+
+    def _step(self) -> list[Request]:
+        return self.engine.step()
+
+    def _abort_all(self, reason: str) -> list[Request]:
+        return self.engine.abort_all(reason)
+
+    def kv_stats(self) -> KVStats:
+        return self.engine.kv_stats()
+
+    @property
+    def counters(self) -> SchedulerCounters:
+        return self.engine.counters
+
+    @property
+    def num_swap_fallbacks(self) -> int:
+        return self.engine.num_swap_fallbacks
+
+    @property
+    def executor(self) -> Executor:
+        return self.engine.executor
+
+    @property
+    def caches_prefixes(self) -> bool:
+        return self.engine.caches_prefixes
+
+    def plugin_classes(self) -> dict[str, str]:
+        return self.engine.plugin_classes()
+
+    def load(self) -> ReplicaLoad:
+        s = self.engine.scheduler
+        allocator = s.block_manager.allocator
+        return ReplicaLoad(
+            outstanding_tokens=self.outstanding_tokens,
+            num_requests=len(self.held),
+            num_waiting=len(s.waiting),
+            kv_usage=1.0 - allocator.num_free_blocks / allocator.num_blocks,
+        )
+
+    def cached_prefix_blocks(self, chain: list[bytes]) -> int:
+        return self.engine.cached_prefix_blocks(chain)
