@@ -179,3 +179,16 @@ def test_bad_cluster_settings_are_one_line_before_anything_is_built(override, me
     with pytest.raises(ConfigError, match=message) as info:
         build_fleet(cfg)
     assert "\n" not in str(info.value)
+
+
+def test_tenant_prefixes_give_each_client_its_own_prefix():
+    cfg = compose_config([*SIM, "workload.num_requests=60", "workload.shared_prefix_len=32",
+                          "workload.num_prefixes=4", "workload.num_clients=4", "workload.tenant_prefixes=true"])
+    items = load_workload(cfg.workload, None, vocab_size=128256, max_model_len=2048)
+    prefix_of: dict[str, set[tuple[int, ...]]] = {}
+    for item in items:
+        prefix_of.setdefault(item.client_id, set()).add(tuple(item.prompt_token_ids[:32]))
+    assert len(prefix_of) == 4 and all(len(p) == 1 for p in prefix_of.values())
+    assert len(set().union(*prefix_of.values())) == 4
+    with pytest.raises(ConfigError, match="tenant_prefixes=true .* needs workload.num_clients > 0"):
+        build_fleet(compose_config([*SIM, "cluster.num_replicas=2", "workload.tenant_prefixes=true"]))

@@ -147,6 +147,9 @@ class WorkloadConfig:
     # drawn in proportion to client_weights (None: equal shares); 0: requests name no client
     num_clients: int = 0
     client_weights: list[float] | None = None
+    # true: clients are tenants with their own system prompt, client k's prefix is k mod num_prefixes
+    # (else each request's prefix is drawn at random, whatever its client)
+    tenant_prefixes: bool = False
     # > 0: each request's priority is uniform in [0, num_priorities); 0: every request's is 0
     num_priorities: int = 0
     # vLLM's sampling keys, for every request (prompt files: each line's default, its own keys win).

@@ -234,6 +234,11 @@ def check_lengths(w: Any, max_model_len: int) -> None:
 def _check_clients(w: Any) -> None:
     if w.num_clients < 0:
         raise ConfigError(f"workload.num_clients={w.num_clients!r} must be >= 0 (0: requests name no client)")
+    if w.tenant_prefixes and (w.num_clients == 0 or w.num_prefixes < 2):
+        raise ConfigError(
+            f"workload.tenant_prefixes=true gives each client its own prefix: it needs workload.num_clients > 0 and "
+            f"workload.num_prefixes > 1, got {w.num_clients} and {w.num_prefixes}"
+        )
     if w.client_weights is None:
         return
     weights = list(w.client_weights)

@@ -97,6 +97,10 @@ class LengthSource:
         prefix_rng = np.random.default_rng([cfg.seed, PREFIX_CHOICE_STREAM])
         prefix_of = prefix_rng.integers(len(prefixes), size=len(bodies)).tolist()
         clients, priorities = request_mix(cfg, len(bodies))
+        if cfg.tenant_prefixes:
+            # a tenant's requests share its system prompt: client k's prefix is prefix k mod num_prefixes
+            tenant = {f"client-{k}": k % len(prefixes) for k in range(cfg.num_clients)}
+            prefix_of = [tenant[c] for c in clients]
         # read once: a DictConfig attribute costs microseconds, too much per request at paper scale
         sampling["ignore_eos"] = cfg.ignore_eos
         items = []
