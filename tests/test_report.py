@@ -249,7 +249,7 @@ def test_an_unknown_experiment_lists_the_available_ones(tmp_path: Path) -> None:
     assert "fig12-opt13b" in proc.stderr and "table1" in proc.stderr and len(proc.stderr.splitlines()) == 1
 
 
-@pytest.mark.parametrize("launcher", ["basic", "joblib", "submitit_local"])
+@pytest.mark.parametrize("launcher", ["basic", "joblib", "submitit_local", "ray"])
 def test_a_sweep_reports_itself_at_the_end_and_lists_failed_jobs(tmp_path: Path, launcher: str) -> None:
     """Every launcher: the jobs run (one fails on a bad value), the callback writes results.csv with
     the others, table.md lists the failed one, and the sweep exits non-zero."""
@@ -257,6 +257,8 @@ def test_a_sweep_reports_itself_at_the_end_and_lists_failed_jobs(tmp_path: Path,
     extra = [] if launcher == "basic" else [f"hydra/launcher={launcher}"]
     if launcher == "submitit_local":
         extra += ["hydra.launcher.timeout_min=5"]
+    if launcher == "ray":  # a local Ray instance, its jobs in Ray worker processes
+        extra += ["+hydra.launcher.ray.init.include_dashboard=false"]
     proc = run_cli(sweep, *SIM, "workload.arrival_rate=1,4", "allocator.num_blocks=0,300", *extra, multirun=True,
                    timeout=300)
     log = proc.stdout + proc.stderr
