@@ -27,8 +27,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "interrupt", "threads",
     ),
     ("memory", "kernels", "model"),
-    ("scheduler", "executor", "sim", "metrics", "workload"),
-    ("engine", "builder"),
+    ("scheduler", "executor", "sim", "metrics", "slo", "workload"),
+    ("engine", "builder", "cluster"),
     (
         "llm", "llm_inputs", "llm_options", "runner", "report", "summary", "experiment", "outputs", "wandb_logger",
         "__init__",

@@ -1,4 +1,7 @@
-"""Per-step and per-request metrics, and the flat summary that `summary.json` carries (DESIGN.md)."""
+"""Per-step and per-request metrics, and the flat summary that `summary.json` carries (DESIGN.md).
+
+A disaggregated fleet's KV transfers are records of their own (`TransferRecord`): they overlap the
+steps of both replicas rather than take part in one."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from paged.request import FinishReason, Request, Sequence
+from paged.slo import goodput
 from paged.step import ExecutorOutput, KVStats, SchedulerOutput, SchedulerStats
 
 
@@ -61,6 +65,8 @@ class RequestMetrics:
     e2e_latency_s: float | None
     normalized_latency_s_per_token: float | None
     num_preemptions: int
+    # seconds its KV took from a prefill replica to a decode replica (None: it was not moved)
+    kv_transfer_s: float | None = None
 
     @classmethod
     def of(cls, request: Request) -> RequestMetrics:
@@ -86,7 +92,34 @@ class RequestMetrics:
             e2e_latency_s=e2e,
             normalized_latency_s_per_token=norm,
             num_preemptions=request.num_preemptions,
+            kv_transfer_s=request.kv_transfer_s,
         )
+
+
+@dataclass(frozen=True)
+class TransferRecord:
+    """One request's KV moved from a prefill replica to a decode replica (disaggregated prefill):
+    ready when its prefill sampled the first token, started once the decode replica held blocks
+    for it and the prefill replica's link was free, ended when the last byte landed."""
+
+    request_id: str
+    prefill_replica: int
+    decode_replica: int
+    link: str  # "nvlink" (one node) or "network" (across nodes)
+    num_blocks: int
+    num_bytes: int
+    ready_s: float
+    start_s: float
+    end_s: float
+
+    @property
+    def transfer_s(self) -> float:
+        return self.end_s - self.start_s
+
+    @property
+    def wait_s(self) -> float:
+        """Held on the prefill replica before the copy began (decode memory or seats, a busy link)."""
+        return self.start_s - self.ready_s
 
 
 # a list of values, or an array where there may be millions (the pooled inter-token latencies)
@@ -143,6 +176,7 @@ class MetricsRecorder:
         self.steps: list[StepRecord] = []
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         self.client_service: dict[str, float] = {}
+        self.transfers: list[TransferRecord] = []
 
     def on_add(self, request: Request) -> None:
         self.requests.append(request)
@@ -207,6 +241,10 @@ class MetricsRecorder:
         for listener in self.step_listeners:
             listener(record)
 
+    def on_transfer(self, record: TransferRecord) -> None:
+        """A request's KV reached its decode replica."""
+        self.transfers.append(record)
+
     def client_service_ratio(self) -> float | None:
         """Most over least service between clients while all were backlogged; None with fewer than
         two clients or no such step."""
@@ -218,8 +256,12 @@ class MetricsRecorder:
     def request_metrics(self) -> list[RequestMetrics]:
         return [RequestMetrics.of(r) for r in self.requests]
 
-    def summary(self, *, kv_end: KVStats, caches_prefixes: bool) -> dict[str, Any]:
-        """The flat summary.json metrics; `kv_end` is the cache after the run."""
+    def summary(
+        self, *, kv_end: KVStats, caches_prefixes: bool, slo_ttft_s: float | None = None,
+        slo_tpot_s: float | None = None,
+    ) -> dict[str, Any]:
+        """The flat summary.json metrics; `kv_end` is the cache after the run. `goodput` counts the
+        finished requests that meet both SLOs (one not given is met), per second of the run."""
         per_request = self.request_metrics()
         finished = [
             (r, m) for r, m in zip(self.requests, per_request)
@@ -292,6 +334,8 @@ class MetricsRecorder:
             "decode_steps_v2": sum(s.attention_version == "v2" for s in steps),
             "decode_steps_v3": sum(s.attention_version == "v3" for s in steps),
             "client_service_ratio": self.client_service_ratio(),
+            **goodput(((m.ttft_s, m.tpot_s) for m in done), len(self.requests), wall, slo_ttft_s, slo_tpot_s),
+            **_transfer_summary(self.transfers),
             "kv_blocks_in_use_end": kv_end.num_allocated_blocks,
             "num_total_blocks": kv_end.num_total_blocks,
             # vLLM benchmark_serving's names and definitions: finished requests only, milliseconds
@@ -307,3 +351,16 @@ class MetricsRecorder:
             **_benchmark_latencies("itl", itls),
             **_benchmark_latencies("e2el", e2els),
         }
+
+
+def _transfer_summary(transfers: list[TransferRecord]) -> dict[str, Any]:
+    """The KV moved between a disaggregated fleet's pools: count, bytes, copy time, and the time KV
+    waited on its prefill replica for decode memory or the link (zeros without disaggregation)."""
+    seconds = [t.transfer_s for t in transfers]
+    return {
+        "num_kv_transfers": len(transfers),
+        "kv_transfer_bytes": sum(t.num_bytes for t in transfers),
+        "kv_transfer_total_s": float(sum(seconds)),
+        **_latencies("kv_transfer", seconds),
+        "kv_transfer_wait_mean_s": _mean([t.wait_s for t in transfers]),
+    }

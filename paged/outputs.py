@@ -73,6 +73,8 @@ def request_record(request: Request, metrics: RequestMetrics, decode: Decode | N
         record["output_text"] = best["output_text"]
     if request.abort_reason is not None:
         record["abort_reason"] = request.abort_reason
+    if metrics.kv_transfer_s is not None:  # disaggregated: its KV's copy from prefill to decode replica
+        record["kv_transfer_s"] = metrics.kv_transfer_s
     record["outputs"] = completions
     return record
 

@@ -263,6 +263,8 @@ class Request:
         self.abort_reason: str | None = None
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
+        # seconds its KV took from a prefill to a decode replica (a disaggregated fleet); None: not moved
+        self.kv_transfer_s: float | None = None
         # set by the request's sequence group when it finishes (best_of ranking, beam hypotheses)
         self.completions: list[Completion] | None = None
         # per prompt token (None for the first), when the request asks for prompt_logprobs

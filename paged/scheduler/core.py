@@ -17,7 +17,8 @@ requests that its best waiting one outranks (they are recomputed). A request's s
 beams) are gang scheduled, as the paper's sequence groups: admitted, preempted and swapped in all
 together, and never chunked (`budget`: a step's tokens and seats, gangs, chunks). A request that
 can never run is aborted with the reason (`rejection`). `update_from_output` (`update`) applies what
-the executor computed and sampled.
+the executor computed and sampled; `handoff` moves a request between the prefill and decode pools
+of a disaggregated fleet.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from paged.config import SchedulerConfig
 from paged.memory import AllocStatus, BlockManager
 from paged.request import FinishReason, Request, SeqStatus, Sequence
 from paged.scheduler.budget import StepBudget, gang_of, grow, running_gangs, seats, seats_in_use
+from paged.scheduler.handoff import HandoffMixin
 from paged.scheduler.policy import SchedulingPolicy
 from paged.scheduler.preemption import PreemptionMode, RecomputePreemption
 from paged.scheduler.rejection import allocation_rejection, intake_rejection, swap_in_rejection
@@ -49,7 +51,7 @@ class SchedulerCounters:
     num_swapped_blocks: int = 0  # blocks moved either way
 
 
-class Scheduler(UpdateMixin):
+class Scheduler(UpdateMixin, HandoffMixin):
     def __init__(
         self,
         cfg: SchedulerConfig,
@@ -92,6 +94,10 @@ class Scheduler(UpdateMixin):
         self._blocked_blocks = 0
         self._groups: dict[Request, SequenceGroup] = {}
         self._pending_aborts: list[Request] = []
+        # disaggregated prefill/decode (`handoff`): off unless a fleet's prefill pool turns it on
+        self.hands_off = False
+        self.handed_off: list[Request] = []
+        self.receiving: list[Sequence] = []
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -121,6 +127,8 @@ class Scheduler(UpdateMixin):
                 self.running.remove(seq)
             if seq in self.swapped:
                 self.swapped.remove(seq)
+            if seq in self.receiving:
+                self.receiving.remove(seq)
             seq.status = SeqStatus.FINISHED
             seq.finish_reason = FinishReason.ABORTED
         if self._groups.pop(request, None) is not None:  # it was queued: the policy knows it

@@ -5,7 +5,8 @@ to the prefix cache; a sequence that sampled takes its token. A lone sequence ta
 per-token hot path); the sequences of a request with samples or beams hand their tokens to the
 request's sequence group, whose update the scheduler applies: fork children off parents' blocks,
 append, prune beams, finish the group. Each appended token goes through the stop rules (`stop`),
-and a finished sequence's blocks are freed at once.
+and a finished sequence's blocks are freed at once. In a disaggregated fleet's prefill pool
+(`hands_off`) a sequence that its first token does not end is handed off instead (`handoff`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class UpdateMixin:
     max_model_len: int
     _groups: dict[Request, SequenceGroup]
     _now: float
+    hands_off: bool
 
     def update_from_output(self, sched: SchedulerOutput, output: ExecutorOutput, now: float) -> list[Request]:
         """Apply one executed step; returns the requests that finished (or were aborted) in it."""
@@ -36,6 +38,7 @@ class UpdateMixin:
         samples: dict[Request, list[tuple[Sequence, Samples]]] = {}
         mark_computed = self.block_manager.mark_computed
         eos_token_ids, max_model_len = self.eos_token_ids, self.max_model_len
+        hands_off = self.hands_off
         logprobs, tops = output.logprobs, output.top_logprobs
         for i, (item, tokens) in enumerate(zip(sched.scheduled, output.sampled, strict=True)):
             seq = item.seq
@@ -67,6 +70,8 @@ class UpdateMixin:
             if (stop := check_stop(seq, token_id, eos_token_ids, max_model_len)) is not None:
                 self._finish(seq, *stop)
                 finished.append(self._complete(request))
+            elif hands_off:  # a prefill pool's request decodes elsewhere from its first token on
+                self._hand_off(seq)
         for seq_id, prompt_logprobs in output.prompt_logprobs.items():
             # chunk after chunk; a recomputed prompt's are not kept twice
             request = next(item.seq.request for item in sched.scheduled if item.seq.seq_id == seq_id)
