@@ -50,7 +50,7 @@ class EngineArgs:
     enable_prefix_caching: bool | None = None  # allocator=prefix (True) / naive (False)
     enable_chunked_prefill: bool | None = None  # scheduler.chunked_prefill
     kv_cache_dtype: str | None = None  # kernel.kv_cache_dtype
-    tensor_parallel_size: int = 1  # executor=sim: hardware.num_gpus; the real model runs on one device
+    tensor_parallel_size: int = 1  # executor.tensor_parallel_size; executor=sim: hardware.num_gpus
     pipeline_parallel_size: int = 1
     tokenizer: str | None = None
     trust_remote_code: bool = False
@@ -115,10 +115,12 @@ class EngineArgs:
 
     def apply(self, cfg: Any) -> None:
         """What depends on the composed config: the executor it chose, the preemption mode."""
-        if self.tensor_parallel_size > 1 and cfg.executor.name != "sim":
+        if self.tensor_parallel_size > 1 and "tensor_parallel_size" in cfg.executor:
+            cfg.executor.tensor_parallel_size = self.tensor_parallel_size
+        elif self.tensor_parallel_size > 1 and cfg.executor.name != "sim":
             raise ConfigError(
                 f"tensor_parallel_size={self.tensor_parallel_size} is not supported by executor={cfg.executor.name}: "
-                "the model runs on one device; use tensor_parallel_size=1 (executor=sim simulates tensor parallelism)"
+                "it has no executor.tensor_parallel_size; use tensor_parallel_size=1"
             )
         if self.swap_space == 0 and cfg.scheduler.preemption_mode != "recompute":
             raise ConfigError(

@@ -14,7 +14,9 @@ loads it, so `paged/__init__.py` calls `set_wait_policy_env` before anything imp
 wait setting already in the environment (the user's) is left alone.
 
 The thread count is `model.num_threads`, else the user's OMP_NUM_THREADS, else the cores this process
-may run on (`os.sched_getaffinity`): torch's own defaults, now chosen in one place and logged.
+may run on (`os.sched_getaffinity`): torch's own defaults, now chosen in one place and logged. Under
+tensor parallelism every rank is a process with its own team, so by default each takes its share of
+the cores (`ranks`); `model.num_threads` and OMP_NUM_THREADS count per process.
 """
 
 from __future__ import annotations
@@ -70,13 +72,16 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def choose_num_threads(requested: int | None, cores: int, environ: Mapping[str, str] | None = None) -> int:
+def choose_num_threads(
+    requested: int | None, cores: int, environ: Mapping[str, str] | None = None, ranks: int = 1
+) -> int:
     """`model.num_threads` when set, else OMP_NUM_THREADS when it is a positive count (its first
-    entry: libgomp takes a list per nesting level), else one thread per available core."""
+    entry: libgomp takes a list per nesting level), else one thread per available core, shared out
+    among the `ranks` processes that compute side by side (at least one each)."""
     if requested is not None:
         return requested
     first = (os.environ if environ is None else environ).get("OMP_NUM_THREADS", "").split(",")[0].strip()
-    return int(first) if first.isdigit() and int(first) > 0 else max(1, cores)
+    return int(first) if first.isdigit() and int(first) > 0 else max(1, cores // ranks)
 
 
 @dataclass(frozen=True)
@@ -95,12 +100,13 @@ class ThreadChoice:
         return f"{self.count} ({self.wait_policy}; {self.cores} cores available)"
 
 
-def configure(requested: int | None) -> ThreadChoice:
-    """Sets torch's (and so the native kernels') thread count from `model.num_threads` and logs it."""
+def configure(requested: int | None, ranks: int = 1) -> ThreadChoice:
+    """Sets torch's (and so the native kernels') thread count from `model.num_threads` and logs it;
+    `ranks`: the tensor-parallel processes this one computes beside (itself included)."""
     import torch  # lazily: this module sits below the model layers and is imported before torch
 
     cores = available_cores()
-    choice = ThreadChoice(choose_num_threads(requested, cores), wait_policy(), cores)
+    choice = ThreadChoice(choose_num_threads(requested, cores, ranks=ranks), wait_policy(), cores)
     if torch.get_num_threads() != choice.num_threads:
         torch.set_num_threads(choice.num_threads)
     log.info("%s", choice)

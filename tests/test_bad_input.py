@@ -234,7 +234,7 @@ LLM_BUILDS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("unknown-model", {"model": "smollm3"}, ConfigError, "smollm3"),
     ("unknown-kwarg", {"max_model_length": 512}, TypeError, "did you mean 'max_model_len'"),
     ("dtype", {"dtype": "float8"}, ConfigError, "float8"),
-    ("tensor-parallel", {"tensor_parallel_size": 2}, ConfigError, "tensor_parallel_size=2"),
+    ("tensor-parallel", {"tensor_parallel_size": 3}, ConfigError, "tensor_parallel_size=3 does not divide"),
     ("gpu-util", {"gpu_memory_utilization": 1.5}, ConfigError, "gpu_memory_utilization"),
     ("override-typo", {"overrides": ["+scheduler.max_num_seq=4"]}, ConfigError, "did you mean"),
 ]

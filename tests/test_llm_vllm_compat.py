@@ -49,6 +49,7 @@ def config_for(model: str = "tiny-random", allocator: str | None = None, overrid
         ({"kv_cache_dtype": "fp8"}, "kernel.kv_cache_dtype", "fp8_e4m3"),
         ({"kv_cache_dtype": "fp8_e5m2"}, "kernel.kv_cache_dtype", "fp8_e5m2"),
         ({"enforce_eager": True}, "executor.cuda_graphs", False),
+        ({"tensor_parallel_size": 2}, "executor.tensor_parallel_size", 2),
         # accepted, changing nothing
         ({"tensor_parallel_size": 1, "trust_remote_code": True, "tokenizer": "tiny-random"}, "model.name",
          "tiny-random"),
@@ -77,7 +78,7 @@ def test_llm_keeps_its_own_options_and_builds_with_vllm_arguments() -> None:
         ({"max_modle_len": 5}, TypeError, "LLM() got an unexpected keyword argument 'max_modle_len'; did you mean "
          "'max_model_len'? (accepted: allocator, block_size"),
         ({"quantization": "awq"}, TypeError, "unexpected keyword argument 'quantization' (accepted: allocator,"),
-        ({"tensor_parallel_size": 2}, ConfigError, "tensor_parallel_size=2 is not supported by executor=model"),
+        ({"tensor_parallel_size": 3}, ConfigError, "executor.tensor_parallel_size=3 does not divide tiny-random's"),
         ({"pipeline_parallel_size": 2}, ConfigError, "pipeline_parallel_size=2 is not supported"),
         ({"dtype": "float64"}, ConfigError, "dtype='float64' is not supported; allowed: auto, float, half, float32"),
         ({"dtype": torch.float64}, ConfigError, "dtype='float64' is not supported"),

@@ -104,6 +104,10 @@ class Executor(ABC):
     def configure_kernel(self, kernel: KernelConfig) -> None:  # noqa: B027 - optional hook
         """Re-read the kernel settings when a new engine reuses this executor; no-op by default."""
 
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Stop what the executor started (tensor-parallel worker processes); it runs no step after.
+        No-op by default; a `ModelExecutor`'s workers also stop when it is collected."""
+
     @cached_property
     def clock(self) -> Clock:
         """The time the engine runs on: the wall clock, unless the executor simulates time."""

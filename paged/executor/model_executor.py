@@ -1,10 +1,16 @@
-"""The real executor: a Llama-family model whose attention runs through the paged KV cache."""
+"""The real executor: a Llama-family model whose attention runs through the paged KV cache.
+
+With `tensor_parallel_size` > 1 this executor is rank 0 of a tensor-parallel group: it plans each
+step and samples, and every rank (this one and the worker processes of
+`paged.executor.tp_workers`) runs the step's swaps, copies and forward over its shard of the heads
+(`paged.model.tensor_parallel`), each KV cache holding its ranks' heads under the same block ids.
+"""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -15,17 +21,20 @@ from paged.executor.attention import PagedAttention
 from paged.executor.base import Executor, KVCacheSpec
 from paged.executor.cuda_graphs import DecodeGraphs
 from paged.executor.kv_scales import KVScales
+from paged.executor.sample_inputs import prompt_logprobs, sample_rows
 from paged.executor.step_plan import BatchInput, HostBatch, InputBuffers, plan_batch
+from paged.executor.tp_workers import RankStep, WorkerGroup, on_every_rank
 from paged.kernels.features import AttentionFeatures, BlockSparse, cache_dtype, is_fp8
 from paged.kernels.planned import AttentionSettings
 from paged.model.factory import build_model
 from paged.model.layer_ops import layer_ops_for
 from paged.model.linear import resolve_gemm
 from paged.model.llama import LlamaModel
-from paged.model.sampler import SampleRow, sample, top_logprobs
+from paged.model.sampler import sample
+from paged.model.tensor_parallel import check_tensor_parallel_size, shard_model
 from paged.model.tokenizer import load_tokenizer
-from paged.model.weights import load_weights
-from paged.step import ExecutorOutput, ScheduledSeq, SchedulerOutput, TokenLogprobs
+from paged.model.weights import load_arch, load_weights
+from paged.step import ExecutorOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -35,20 +44,41 @@ DEFAULT_MAX_NUM_SEQS = 64
 class ModelExecutor(Executor):
     """A Llama-family model on CPU or CUDA. Public state besides the `Executor` contract: `arch`,
     `model`, `device`, `dtype`, `kernel_description`, `threads` (the CPU threads `paged.threads`
-    chose), `sliding_window` (the attention window in
+    chose, per rank), `sliding_window` (the attention window in
     tokens, `None` for the whole context), the per-layer `key_caches` / `value_caches` and their
     host-memory swap space `cpu_key_caches` / `cpu_value_caches`, and the counters
     `num_prefill_tokens_computed` / `num_decode_tokens_computed` (tokens run through the model for
-    prompts / for generated tokens, so a prefix-cache hit shows up as tokens never computed)."""
+    prompts / for generated tokens, so a prefix-cache hit shows up as tokens never computed).
+    Under tensor parallelism `rank` is this process's rank, `num_devices` the number of ranks,
+    `shard` the architecture of this rank's shard (`arch` at size 1), whose heads the caches hold,
+    and `workers` the other ranks (None at size 1 and in a worker)."""
 
     supports_swap = True
 
     def __init__(
-        self, model: ModelConfig, kernel: KernelConfig, seed: int = 0, cuda_graphs: bool | None = None
+        self, model: ModelConfig, kernel: KernelConfig, seed: int = 0, cuda_graphs: bool | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         """`cuda_graphs`: replay decode steps from CUDA graphs (`paged.executor.cuda_graphs`); `None`
-        is on for a CUDA model and off elsewhere."""
-        model_cfg, kernel_cfg = model, kernel
+        is on for a CUDA model and off elsewhere. `tensor_parallel_size`: ranks to split the model's
+        heads and MLP over, this process and `tensor_parallel_size - 1` workers (1: no split)."""
+        self._setup(model, kernel, seed, cuda_graphs, tensor_parallel_size, rank=0, group=None)
+
+    @classmethod
+    def rank_shard(
+        cls, rank: int, group: Any, model: ModelConfig, kernel: KernelConfig, seed: int, size: int
+    ) -> ModelExecutor:
+        """Rank `rank`'s executor in a tensor-parallel worker, reducing over `group`."""
+        executor = cls.__new__(cls)
+        executor._setup(model, kernel, seed, False, size, rank=rank, group=group)
+        return executor
+
+    def _setup(
+        self, model_cfg: ModelConfig, kernel_cfg: KernelConfig, seed: int, cuda_graphs: bool | None, size: int,
+        rank: int, group: Any,
+    ) -> None:
+        self.rank, self.num_devices = rank, size
+        self.workers: WorkerGroup | None = None
         if model_cfg.device == "auto":
             self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         else:
@@ -58,18 +88,43 @@ class ModelExecutor(Executor):
                 f"executor.cuda_graphs=true needs a CUDA device, but the model runs on {self.device} "
                 f"(model.device={model_cfg.device}); use executor.cuda_graphs=false or null"
             )
-        self.use_cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        if size != 1 and rank == 0:
+            # before any weights load: the model's metadata says whether the size splits it
+            check_tensor_parallel_size(size, load_arch(model_cfg)[0], model_cfg.name, self.device)
+            if cuda_graphs:
+                raise ConfigError(f"executor.cuda_graphs=true does not run with executor.tensor_parallel_size={size}: "
+                                  "a graph would not capture the all-reduces; use executor.cuda_graphs=false or null")
+        if size > 1 and self.device.type == "cuda":
+            self.device = torch.device("cuda", rank)
+        self.use_cuda_graphs = self.device.type == "cuda" and size == 1 if cuda_graphs is None else cuda_graphs
         # before the weights load, which runs on these threads too
-        self.threads = threads.configure(model_cfg.num_threads)
+        self.threads = threads.configure(model_cfg.num_threads, ranks=size)
         self.dtype: torch.dtype = getattr(torch, resolve_dtype(model_cfg.dtype, self.device.type))
         self.seed = seed
         # checked before the weights load, so a bad value fails at once
         self.gemm = resolve_gemm(model_cfg.gemm, self.dtype, self.device)
+        workers = None
+        if size > 1 and rank == 0:  # they load their shards while this process loads its own
+            workers = WorkerGroup(size, self.device.type, type(self).rank_shard, (model_cfg, kernel_cfg, seed, size))
+            group = workers.group
+        try:
+            self._load(model_cfg, kernel_cfg, group)
+        except BaseException:
+            if workers is not None:
+                workers.close(wait_s=0.0)
+            raise
+        if workers is not None:
+            workers.replies()  # each worker built its shard
+            self.workers = workers
+
+    def _load(self, model_cfg: ModelConfig, kernel_cfg: KernelConfig, group: Any) -> None:
         arch, state, tokenizer_source = load_weights(model_cfg)
         self.arch = arch
         # the embedding's rows: a prompt's token ids must be below it (the LLM API checks them)
         self.vocab_size = arch.vocab_size
-        self.model = build_model(arch, state, self.dtype, self.device, self.gemm)
+        self.model = build_model(arch, state, self.dtype, self.device, self.gemm) if self.num_devices == 1 else (
+            shard_model(arch, state, self.rank, self.num_devices, group, self.dtype, self.device, self.gemm))
+        self.shard = self.model.arch
         self.tokenizer = load_tokenizer(tokenizer_source, chat_template=model_cfg.chat_template)
         eos = self.tokenizer.eos_token_id
         self.eos_token_ids = frozenset([eos] if eos is not None else arch.eos_token_ids[:1])
@@ -96,6 +151,10 @@ class ModelExecutor(Executor):
         self.num_prefill_tokens_computed = 0
         self.num_decode_tokens_computed = 0
 
+    def shutdown(self) -> None:
+        if self.workers is not None:
+            self.workers.close()
+
     @property
     def description(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
@@ -104,14 +163,16 @@ class ModelExecutor(Executor):
         layers = f"; gemm {self.gemm}, {self.model.ops.name} norms/RoPE/SwiGLU" if isinstance(
             self.model, LlamaModel) else ""
         graphs = "; decode from CUDA graphs" if self.graphs is not None else ""
-        cpu = f"; {self.threads.count}" if self.device.type == "cpu" else ""
+        cpu = f"; {self.threads.count}" + " per rank" * (self.num_devices > 1) if self.device.type == "cpu" else ""
+        tp = f"; tensor parallel over {self.num_devices} ranks" if self.num_devices > 1 else ""
         return (f"{self.model_name} on {self.device} ({dtype}{kv}); attention {self.kernel_description}{layers}"
-                f"{graphs}{cpu}")
+                f"{graphs}{tp}{cpu}")
 
+    @on_every_rank()
     def configure_kernel(self, kernel_cfg: KernelConfig) -> None:
         """Pick the decode algorithm, the KV cache's dtype and the attention features, and the
         backend once for this model's device, dtype and head size; an engine reusing this executor
-        calls it again (before `init_kv_cache`)."""
+        calls it again (before `init_kv_cache`), and every rank with it."""
         self.version = kernel_cfg.version
         self.partition_size = kernel_cfg.partition_size
         self.requested_backend = kernel_cfg.backend
@@ -148,18 +209,24 @@ class ModelExecutor(Executor):
         return AttentionFeatures(self.alibi_slopes, self.blocksparse)
 
     def kv_cache_spec(self, block_size: int) -> KVCacheSpec:
-        a = self.arch
+        """A block's bytes over all ranks: each holds its KV heads' share (a replicated KV head counts
+        on every rank holding it), and the swap space is `allocator.swap_space` per rank."""
+        a = self.shard
+        ranks = f" on each of {self.num_devices} ranks" if self.num_devices > 1 else ""
         return KVCacheSpec(
             block_size,
-            2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * self.cache_dtype.itemsize,
-            f"vLLM's per layer: key [blocks, {a.num_kv_heads}, {a.head_dim}/x, {block_size}, x], "
+            self.num_devices * 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * self.cache_dtype.itemsize,
+            f"vLLM's per layer{ranks}: key [blocks, {a.num_kv_heads}, {a.head_dim}/x, {block_size}, x], "
             f"value [blocks, {a.num_kv_heads}, {a.head_dim}, {block_size}], {self.cache_dtype}",
         )
 
+    @on_every_rank(lambda executor, mine, theirs: None if mine is None else min(mine, *theirs) * executor.num_devices)
     def kv_cache_budget(self, utilization: float, max_num_batched_tokens: int, max_num_seqs: int) -> int | None:
         """On CUDA: `utilization` of the device's memory, less what is in use with the weights loaded
         and the activation peak of a dummy largest step (`paged.executor.memory_profile`). None on a
-        CPU: the cache there takes host memory, which has no share to size it from."""
+        CPU: the cache there takes host memory, which has no share to size it from. Under tensor
+        parallelism, the smallest rank's budget times the ranks (a block's bytes count all ranks); a
+        worker answers for its own device."""
         if self.device.type != "cuda":
             return None
         # an engine reusing this executor replaces the cache next: free it (and the graphs that read
@@ -174,12 +241,13 @@ class ModelExecutor(Executor):
         log.info("memory: %s", memory.describe(utilization, budget))
         return budget
 
+    @on_every_rank()
     def init_kv_cache(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
         """vLLM's layout per layer; the device cache is zeroed so padding slots a kernel may read
         hold no NaNs. The swap space is left uninitialised: a host block is only ever read after a
         whole device block was swapped into it. It is pinned for a CUDA model, so swaps are DMA
-        copies."""
-        a = self.arch
+        copies. Every rank allocates its KV heads' share of each block."""
+        a = self.shard
         x = 16 // self.cache_dtype.itemsize
         if a.head_dim % x:
             raise ValueError(f"head_dim={a.head_dim} is not a multiple of the key cache's x={x}")
@@ -247,7 +315,7 @@ class ModelExecutor(Executor):
             return self.version
         # a windowed row reads at most the window: that is the length the kernels' work scales with
         attended = min(rows.max_seq_len, self.sliding_window or rows.max_seq_len)
-        return kernels.choose_version(attended, rows.seq_lens.shape[0], self.arch.num_heads, self.partition_size,
+        return kernels.choose_version(attended, rows.seq_lens.shape[0], self.shard.num_heads, self.partition_size,
                                       backend=self.backend.name)
 
     def _announce(self, what: str) -> None:
@@ -255,63 +323,14 @@ class ModelExecutor(Executor):
             self._announced.add(what)
             log.info("running %s", what)
 
-    def _request_seed(self, item: ScheduledSeq) -> int:
-        seed = item.seq.request.params.seed
-        if seed is not None:
-            return seed
-        # Unseeded requests still sample reproducibly under the experiment seed.
-        key = f"{self.seed}:{item.seq.request.request_id}".encode()
-        return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
-
-    def _sample_rows(self, sched: SchedulerOutput) -> list[SampleRow]:
-        return [
-            SampleRow(
-                params=it.seq.request.params,
-                seed=0 if it.seq.request.params.greedy else self._request_seed(it),
-                seq_index=it.seq.index,
-                num_output_tokens=it.seq.num_output_tokens,
-                num_samples=it.num_samples,
-                token_ids=it.seq.token_ids,
-                num_prompt_tokens=it.seq.num_prompt_tokens,
-            )
-            for it in sched.scheduled
-            if it.num_samples > 0
-        ]
-
-    def _prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor) -> dict[int, list[TokenLogprobs | None]]:
-        """Per sequence whose request asks for prompt_logprobs and whose prompt this step computes
-        further (a whole prompt, or the next chunk of one): each newly covered prompt token's
-        log-probability given the ones before it (None for the first); the scheduler joins chunks."""
-        out: dict[int, list[TokenLogprobs | None]] = {}
-        if not sched.is_prefill:
-            return out
-        offset = 0
-        for it in sched.scheduled:
-            request = it.seq.request
-            k = request.params.prompt_logprobs
-            start = it.num_computed
-            # entries so far: None for token 0, then one per prompt token up to `start` (the row
-            # before a token predicts it); a recomputed prompt's were all collected already
-            collected = len(request.prompt_logprobs or ())
-            if k is not None and collected == (start + 1 if start else 0) and collected < request.num_prompt_tokens:
-                prompt = request.prompt_token_ids
-                stop = min(start + it.num_new_tokens, len(prompt) - 1)  # rows j < stop predict token j + 1
-                rows = hidden[offset : offset + stop - start]
-                logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
-                out[it.seq.seq_id] = [None] * (start == 0) + [
-                    top_logprobs(logprobs[j - start], [prompt[j + 1]], k)[0] for j in range(start, stop)
-                ]
-            offset += it.num_new_tokens
-        return out
-
-    def _swap(self, sched: SchedulerOutput) -> None:
+    def _swap(self, step: RankStep) -> None:
         """Out before in, so a swap-in may land in a device block that a swap-out just vacated."""
         device = [*self.key_caches, *self.value_caches]
         host = [*self.cpu_key_caches, *self.cpu_value_caches]
-        if sched.blocks_to_swap_out:
-            kernels.swap_blocks(device, host, sched.blocks_to_swap_out, backend=self.backend)
-        if sched.blocks_to_swap_in:
-            kernels.swap_blocks(host, device, sched.blocks_to_swap_in, backend=self.backend)
+        if step.blocks_to_swap_out:
+            kernels.swap_blocks(device, host, step.blocks_to_swap_out, backend=self.backend)
+        if step.blocks_to_swap_in:
+            kernels.swap_blocks(host, device, step.blocks_to_swap_in, backend=self.backend)
 
     def _forward(self, batch: BatchInput, version: str | None) -> torch.Tensor:
         """The hidden states of a step's rows: attention planned once, then the model's layers."""
@@ -320,7 +339,7 @@ class ModelExecutor(Executor):
         if batch.prefill:
             self._announce(f"prefill rows: prefill_attention on backend {self.backend.name}")
         attn = PagedAttention(batch, self.key_caches, self.value_caches, self.attention, decode_version=version,
-                              num_heads=self.arch.num_heads, kv_scales=self.kv_scales)
+                              num_heads=self.shard.num_heads, kv_scales=self.kv_scales)
         return self.model.forward(batch.input_ids, batch.positions, attn)
 
     def _run(self, host: HostBatch, version: str | None) -> tuple[torch.Tensor, BatchInput]:
@@ -333,25 +352,35 @@ class ModelExecutor(Executor):
         self.eager_decode_steps += host.prefill is None
         return self._forward(batch, version), batch
 
+    @on_every_rank(wait=False)
+    def run_rank_step(self, step: RankStep) -> tuple[torch.Tensor, BatchInput] | None:
+        """This rank's part of a step: swaps, copies, then the forward over its heads; the hidden
+        states and inputs of the batch (None for a step of swaps only)."""
+        with torch.inference_mode():
+            self._swap(step)
+            if step.blocks_to_copy:
+                kernels.copy_blocks(self.key_caches, self.value_caches, step.blocks_to_copy, backend=self.backend)
+            return None if step.batch is None else self._run(step.batch, step.decode_version)
+
     def execute(self, sched: SchedulerOutput) -> ExecutorOutput:
         assert self.block_size, "init_kv_cache must run before execute"
         start = time.perf_counter()
-        with torch.inference_mode():
-            self._swap(sched)
-            if sched.is_empty:
-                return ExecutorOutput([], model_time_s=time.perf_counter() - start)
-            if sched.blocks_to_copy:
-                kernels.copy_blocks(self.key_caches, self.value_caches, sched.blocks_to_copy, backend=self.backend)
-            prep_start = time.perf_counter()
+        host, version = None, None
+        if not sched.is_empty:
             host = plan_batch(sched, self.block_size)
             self._check_positions(host)
-            prep_time = time.perf_counter() - prep_start
             version = self._choose_version(host)
-            hidden, batch = self._run(host, version)
-            rows = self._sample_rows(sched)
+        prep_time = time.perf_counter() - start
+        ran = self.run_rank_step(RankStep(
+            sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy, host, version))
+        if ran is None or host is None:
+            return ExecutorOutput([], model_time_s=time.perf_counter() - start)
+        hidden, batch = ran
+        with torch.inference_mode():
+            rows = sample_rows(sched, self.seed)
             logits = self.model.compute_logits(hidden[batch.sample_rows]) if rows else None
             drawn = iter(sample(logits, rows, self.eos_token_ids) if logits is not None else [])
-            prompt_logprobs = self._prompt_logprobs(sched, hidden)
+            logprobs = prompt_logprobs(sched, hidden, self.model.compute_logits)
         per_seq = [next(drawn) if s.num_samples > 0 else None for s in sched.scheduled]
         sampled = [d.token_ids if d else [] for d in per_seq]
         # a decode token extends a generation; everything else computes a prompt (or recomputes one)
@@ -363,5 +392,5 @@ class ModelExecutor(Executor):
             sampled, host.num_tokens, model_time, prep_time, version,
             logprobs=[d.logprobs if d else [] for d in per_seq],
             top_logprobs=[d.top_logprobs if d else None for d in per_seq],
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=logprobs,
         )

@@ -4,7 +4,9 @@ The model knows nothing about the KV cache: each layer hands its rotated q, k an
 `AttentionFn`, which is where the executor writes the paged cache and reads it back. Weights are
 fused (q/k/v into one matmul, gate/up into another) because on a few CPU cores the per-op overhead
 of a small model is a large share of a decode step. The linear layers' kernel is chosen at load
-(`paged.model.linear`), the elementwise ops per executor (`paged.model.layer_ops`).
+(`paged.model.linear`), the elementwise ops per executor (`paged.model.layer_ops`). Under tensor
+parallelism a model is one rank's shard (`paged.model.tensor_parallel`), and `all_reduce` sums the
+partial outputs of its row-parallel layers (o_proj, down_proj).
 """
 
 from __future__ import annotations
@@ -50,9 +52,12 @@ class LlamaModel:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         gemm: str = "torch",
+        all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
-        """`gemm`: the linear layers' kernel as `paged.model.linear.resolve_gemm` returns it."""
+        """`gemm`: the linear layers' kernel as `paged.model.linear.resolve_gemm` returns it;
+        `all_reduce`: the sum over tensor-parallel ranks, in place (None: the model is whole)."""
         self.arch = arch
+        self.all_reduce = all_reduce
         self.dtype = dtype
         self.device = torch.device(device)
 
@@ -97,12 +102,16 @@ class LlamaModel:
             qkv = layer.qkv(x)
             q, k = ops.rope(qkv, rotation, n_q + n_kv, d).split((n_q, n_kv), dim=1)
             v = qkv[:, (n_q + n_kv) * d :].view(num_tokens, n_kv, d)
-            x = ops.add_rms_norm(layer.o(attn(i, q, k, v).reshape(num_tokens, n_q * d)), residual, layer.mlp_norm, eps)
-            x = layer.down(ops.silu_and_mul(layer.gate_up(x)))
+            x = self._reduce(layer.o(attn(i, q, k, v).reshape(num_tokens, n_q * d)))
+            x = ops.add_rms_norm(x, residual, layer.mlp_norm, eps)
+            x = self._reduce(layer.down(ops.silu_and_mul(layer.gate_up(x))))
             # the residual add of this layer's MLP is fused into the next norm
             following = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.final_norm
             x = ops.add_rms_norm(x, residual, following, eps)
         return x
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.all_reduce is None else self.all_reduce(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits `[N, vocab]` for the N hidden rows that will be sampled."""
