@@ -53,14 +53,18 @@ def run_experiment(
     )
     engine.metrics.step_listeners.append(wb.log_step)
     log.info("running %d request(s)%s", len(items), "; Ctrl-C stops and writes what finished" if interrupt else "")
-    with interrupt.catching() if interrupt is not None else nullcontext():
-        requests, summary = _run(cfg, engine, items, load_time, progress=cfg.progress, stop=interrupt)
-        # in item order; a stopped run's never-submitted requests are only counted (num_not_started)
-        submitted = set(engine.metrics.requests)
-        requests = [r for r in requests if r in submitted]
-        decode = executor.tokenizer.decode if executor.tokenizer is not None else None
-        write_outputs(run_dir, summary, requests, [RequestMetrics.of(r) for r in requests], decode)
-        wb.finish(summary, engine.metrics.request_metrics(), run_dir)
+    try:
+        with interrupt.catching() if interrupt is not None else nullcontext():
+            requests, summary = _run(cfg, engine, items, load_time, progress=cfg.progress, stop=interrupt)
+            # in item order; a stopped run's never-submitted requests are only counted (num_not_started)
+            submitted = set(engine.metrics.requests)
+            requests = [r for r in requests if r in submitted]
+            decode = executor.tokenizer.decode if executor.tokenizer is not None else None
+            write_outputs(run_dir, summary, requests, [RequestMetrics.of(r) for r in requests], decode)
+            wb.finish(summary, engine.metrics.request_metrics(), run_dir)
+    finally:
+        if isinstance(engine, Engine):  # this run built it: stop its tensor-parallel workers now (a fleet's: _run)
+            executor.shutdown()
     title = f"paged: {cfg.allocator.name} | {cfg.scheduler.name} | {executor.description}"
     print_summary(summary, title)
     log.info("wrote %s", run_dir)

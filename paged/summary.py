@@ -54,6 +54,8 @@ def summarize(
         "attention_kernel": executor.kernel_description,
         # the host threads the model ran on (null: no model ran, executor=sim)
         "num_threads": executor.threads.num_threads if executor.threads is not None else None,
+        # the devices one engine's model and KV cache are split over (executor=sim: hardware.num_gpus)
+        "tensor_parallel_size": executor.num_devices,
         "block_size": block_size,
         "host_time_s": host_time_s,
         "load_time_s": load_time_s,  # building the engine (weights, KV cache): not part of any latency

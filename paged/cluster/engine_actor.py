@@ -70,6 +70,7 @@ class EngineActor:
             description=executor.description,
             kernel_description=executor.kernel_description,
             threads=executor.threads,
+            num_devices=executor.num_devices,
             kv_cache_spec=executor.kv_cache_spec(block_size),
             tokenizer=executor.tokenizer,
             vocab_size=executor.vocab_size,

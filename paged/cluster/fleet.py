@@ -113,8 +113,10 @@ class Fleet:
         return [request for replica in self.live for request in replica.abort_all(reason)]
 
     def shutdown(self) -> None:
-        """Release what the replicas hold outside this process (a Ray fleet's actors); nothing for
-        replicas in it. Their rows and stats stay readable."""
+        """Release what the replicas hold outside this process (tensor-parallel workers; a Ray
+        fleet's actors). Their rows and stats stay readable."""
+        for replica in self.replicas:
+            replica.shutdown()
 
     # -- what the summary asks, over the whole fleet ----------------------------------------------
 

@@ -56,6 +56,7 @@ class ExecutorView:
         self.description = info.description
         self.kernel_description = info.kernel_description
         self.threads = info.threads
+        self.num_devices = info.num_devices
         self.tokenizer = info.tokenizer
         self.vocab_size = info.vocab_size
         self.eos_token_ids = info.eos_token_ids

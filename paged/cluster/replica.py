@@ -145,6 +145,9 @@ class Replica(ReplicaView):
     @abstractmethod
     def plugin_classes(self) -> dict[str, str]: ...
 
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Stop what the replica started outside this process; no-op by default."""
+
     def row(self) -> dict[str, Any]:
         """summary.json's per-replica row."""
         kv = self.kv_stats()
@@ -208,6 +211,9 @@ class LocalReplica(Replica):
 
     def plugin_classes(self) -> dict[str, str]:
         return self.engine.plugin_classes()
+
+    def shutdown(self) -> None:
+        self.engine.executor.shutdown()
 
     def load(self) -> ReplicaLoad:
         s = self.engine.scheduler

@@ -113,6 +113,7 @@ class ReplicaInfo:
     description: str
     kernel_description: str | None
     threads: ThreadChoice | None
+    num_devices: int  # the devices one replica's KV cache is split over (its tensor-parallel ranks)
     kv_cache_spec: KVCacheSpec
     tokenizer: Tokenizer | None
     vocab_size: int | None
