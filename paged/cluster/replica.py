@@ -106,10 +106,14 @@ class Replica(ReplicaView):
 
     def _record(self, finished: list[Request]) -> None:
         self._release(finished)
-        usage = self.load().kv_usage
+        usage = self.kv_usage()
         self.num_steps += 1
         self.kv_usage_sum += usage
         self.kv_usage_max = max(self.kv_usage_max, usage)
+
+    def kv_usage(self) -> float:
+        """`load().kv_usage`: what each step records."""
+        return self.load().kv_usage
 
     @abstractmethod
     def _submit(self, request: Request) -> None: ...
@@ -217,13 +221,17 @@ class LocalReplica(Replica):
 
     def load(self) -> ReplicaLoad:
         s = self.engine.scheduler
-        allocator = s.block_manager.allocator
         return ReplicaLoad(
             outstanding_tokens=self.outstanding_tokens,
             num_requests=len(self.held),
             num_waiting=len(s.waiting),
-            kv_usage=1.0 - allocator.num_free_blocks / allocator.num_blocks,
+            kv_usage=self.kv_usage(),
         )
+
+    def kv_usage(self) -> float:
+        # asked after every step: read off the allocator without building the whole load
+        allocator = self.engine.scheduler.block_manager.allocator
+        return 1.0 - allocator.num_free_blocks / allocator.num_blocks
 
     def cached_prefix_blocks(self, chain: list[bytes]) -> int:
         return self.engine.cached_prefix_blocks(chain)

@@ -85,6 +85,9 @@ class BlockManager:
         self.cpu_allocator = self.swap_space.allocator  # None without a CPU pool
         self.ledger = SlotLedger(self.num_total_blocks, self.block_size)
         self._seqs: dict[int, _SeqBlocks] = {}
+        # live table entries over all sequences (`KVStats.num_logical_blocks`), kept as tables change
+        # rather than summed over every sequence at each step's stats
+        self._num_logical_blocks = 0
 
     # -- admission -------------------------------------------------------------------------------
 
@@ -148,6 +151,7 @@ class BlockManager:
             table.extend(alloc.allocate_blocks(required - len(hits)))
         self.ledger.account_table(table, range(len(hits), required), num_tokens, final)
         state = self._seqs[seq.seq_id] = _SeqBlocks(table, num_tokens, final, len(hits))
+        self._num_logical_blocks += len(table)
         num_hit_tokens = len(hits) * bs
         if index.enabled:
             state.num_announced = index.announce(seq, state.num_published)
@@ -215,6 +219,7 @@ class BlockManager:
         first_new = len(table)
         if num_new:
             table.extend(alloc.allocate_blocks(num_new))
+            self._num_logical_blocks += num_new
         # Only the old last block and those after it gain filled slots; new blocks start their books.
         grown = range(max(max(state.num_slots - 1, 0) // bs, state.num_dropped), min(self._cdiv(num_tokens), first_new))
         self.ledger.account_table(table, (*grown, *range(first_new, len(table))), num_tokens, state.final)
@@ -245,7 +250,9 @@ class BlockManager:
         dead = min((seq.num_computed_tokens - self.sliding_window + 1) // self.block_size, len(state.table))
         for i in range(state.num_dropped, dead):
             self._release(state.table[i])
-        state.num_dropped = max(state.num_dropped, dead)
+        if dead > state.num_dropped:
+            self._num_logical_blocks -= dead - state.num_dropped
+            state.num_dropped = dead
 
     def _final(self, seq: Sequence) -> int:
         """Slots `seq` fills before it ends: its last token is sampled but never written."""
@@ -291,6 +298,7 @@ class BlockManager:
         self._seqs[child.seq_id] = _SeqBlocks(
             list(state.table), state.num_slots, state.final, state.num_published, state.num_dropped
         )
+        self._num_logical_blocks += len(state.table) - state.num_dropped
         self.prefix_index.fork(parent, child)
 
     def free(self, seq: Sequence) -> None:
@@ -301,6 +309,7 @@ class BlockManager:
         state = self._seqs.pop(seq.seq_id, None)
         if state is None:
             raise KeyError(f"sequence {seq.seq_id} has no blocks to free")
+        self._num_logical_blocks -= len(state.table) - state.num_dropped
         if state.num_announced > state.num_published:
             self.prefix_index.withdraw(seq, state.num_published, state.num_announced)
         for block_id in reversed(state.table[state.num_dropped :]):
@@ -349,6 +358,7 @@ class BlockManager:
             # Swapped-in blocks are published again on the next mark_computed (a duplicate of a
             # block still cached stays unpublished).
             self._seqs[seq.seq_id] = _SeqBlocks(table, seq.num_tokens, final, start, start)
+            self._num_logical_blocks += len(table) - start
         return pairs
 
     def is_swapped(self, seq: Sequence) -> bool:
@@ -379,7 +389,7 @@ class BlockManager:
             num_stranded_free_blocks=self.allocator.num_stranded_free_blocks(blocked_blocks) if blocked_blocks else 0,
             num_cpu_blocks=cpu.num_blocks if cpu else 0,
             num_free_cpu_blocks=cpu.num_free_blocks if cpu else 0,
-            num_logical_blocks=sum(len(s.table) - s.num_dropped for s in self._seqs.values()),
+            num_logical_blocks=self._num_logical_blocks,
         )
 
     def _cdiv(self, num_tokens: int) -> int:

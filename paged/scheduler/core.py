@@ -185,21 +185,24 @@ class Scheduler(UpdateMixin, HandoffMixin):
         """Schedule running requests in order: a chunk of each prompt in progress, a token for each
         decoding sequence. A decode that finds no free block preempts the policy's victim among the
         requests not yet scheduled this step (possibly itself)."""
+        # once per running sequence per step: lookups hoisted, a lone sequence handled without a generator
         queue = deque(gangs)
+        bm, scheduled = self.block_manager, out.scheduled
         while queue:
             gang = queue.popleft()
             seq = gang[0]
-            remaining = seq.num_tokens - seq.num_computed_tokens
-            if len(gang) == 1 and remaining > 1:  # a prompt in progress: its blocks exist already
+            size = len(gang)
+            remaining = len(seq.token_ids) - seq.num_computed_tokens
+            if size == 1 and remaining > 1:  # a prompt in progress: its blocks exist already
                 n = budget.chunk(remaining)
                 if n:
-                    out.scheduled.append(self._scheduled(seq, n))
+                    scheduled.append(self._scheduled(seq, n))
                     budget.tokens -= n
                 budget.num_partial += n < remaining
                 continue
-            if budget.tokens < len(gang):  # waits for a step with room
+            if budget.tokens < size:  # waits for a step with room
                 continue
-            while (copies := grow(self.block_manager, gang)) is None:
+            while (copies := grow(bm, gang)) is None:
                 victim = self.policy.choose_victim([*(s for g in queue for s in g), *gang], now)
                 victim_gang = next(g for g in (*queue, gang) if g[0].request is victim.request)
                 self._preempt(victim_gang, out)
@@ -207,11 +210,16 @@ class Scheduler(UpdateMixin, HandoffMixin):
                     break
                 queue.remove(victim_gang)
             else:
-                out.blocks_to_copy.extend(copies)
-                out.scheduled.extend(self._scheduled(s, 1) for s in gang)
-                budget.tokens -= len(gang)
-                # a lone sequence's last prompt token is not a decode
-                out.num_decode_rows += len(gang) if len(gang) > 1 or seq.num_output_tokens else 0
+                if copies:
+                    out.blocks_to_copy.extend(copies)
+                if size == 1:
+                    scheduled.append(self._scheduled(seq, 1))
+                    # a lone sequence's last prompt token is not a decode
+                    out.num_decode_rows += len(seq.token_ids) > seq.num_prompt_tokens
+                else:
+                    scheduled.extend(self._scheduled(s, 1) for s in gang)
+                    out.num_decode_rows += size
+                budget.tokens -= size
 
     def _admit(self, out: SchedulerOutput, budget: StepBudget, now: float) -> None:
         """Admit waiting requests in the policy's order while seats, tokens and blocks allow."""

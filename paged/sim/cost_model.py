@@ -91,27 +91,26 @@ def _attended_pairs(num_positions: int, window: int | None) -> int:
 def step_shape(sched: SchedulerOutput, block_size: int = 16, sliding_window: int | None = None) -> StepShape:
     """The cost-relevant shape of a scheduled step; a row with one new token is a decode row, as
     in the real executor. With a `sliding_window` each query attends to at most that many keys."""
-    shape = StepShape(
-        num_seqs=len(sched.scheduled), decode_contexts=[], block_size=block_size,
-        num_swap_blocks=len(sched.blocks_to_swap_out) + len(sched.blocks_to_swap_in),
-    )
-    decode = shape.decode_contexts
+    # summed in locals, the record built once: this runs every step of every simulated replica
+    num_tokens = num_sampled = prefill_pairs = prefill_queries = prefill_context = num_prefill_rows = 0
+    decode: list[int] = []
     for item in sched.scheduled:
         new = item.num_new_tokens
         context = item.seq.num_computed_tokens + new
-        shape.num_tokens += new
-        shape.num_sampled += item.num_samples
+        num_tokens += new
+        num_sampled += item.num_samples
         if new == 1:
             decode.append(context if sliding_window is None else min(context, sliding_window))
         else:
-            shape.num_prefill_rows += 1
-            shape.prefill_queries += new
-            shape.prefill_context += context if sliding_window is None else min(context, sliding_window + new - 1)
+            num_prefill_rows += 1
+            prefill_queries += new
+            prefill_context += context if sliding_window is None else min(context, sliding_window + new - 1)
             # causal: each new token attends to the cached prefix and the new tokens up to itself
-            shape.prefill_pairs += _attended_pairs(context, sliding_window) - _attended_pairs(
-                context - new, sliding_window
-            )
-    return shape
+            prefill_pairs += _attended_pairs(context, sliding_window) - _attended_pairs(context - new, sliding_window)
+    return StepShape(
+        num_tokens, num_sampled, len(sched.scheduled), prefill_pairs, prefill_queries, prefill_context,
+        num_prefill_rows, decode, len(sched.blocks_to_swap_out) + len(sched.blocks_to_swap_in), block_size,
+    )
 
 
 # kernels per layer: qkv, rotary, cache write, attention, o_proj, 2 norms, 2 residual adds,
@@ -167,6 +166,8 @@ class CostModel:
             (up_out, h * up_out), (h, inter * h),
         ]
         self._efficiency: dict[int, float] = {}
+        # the decode kernels' shape per cache block size (one in practice): built once, not every step
+        self._attention_shapes: dict[int, AttentionShape] = {}
         self.kernel_table: dict[tuple[str, str], Entry] = decode_table(hardware)
 
     def _matmul_efficiency(self, tokens: int) -> float:
@@ -266,7 +267,12 @@ class CostModel:
         version = self.version
         if version == "auto":
             version = choose_version(longest, num, self.heads, self.partition_size, backend=self.backend)
-        attention = AttentionShape(self.heads, self.kv_heads, d, b, kv_b, shape.block_size, self.partition_size)
-        work = decode_bytes(version, contexts, sum(map(self._read, contexts)), attention, hw.num_sms)
+        attention = self._attention_shapes.get(shape.block_size)
+        if attention is None:
+            attention = AttentionShape(self.heads, self.kv_heads, d, b, kv_b, shape.block_size, self.partition_size)
+            self._attention_shapes[shape.block_size] = attention
+        # dense attention reads every context token (`_read` is the identity then)
+        read = sum(contexts) if self.blocksparse is None else sum(map(self._read, contexts))
+        work = decode_bytes(version, contexts, read, attention, hw.num_sms)
         efficiency = self.kernel_table[version, shape_class(num, longest)].efficiency
         return time + work / (hw.memory_bandwidth * efficiency), version

@@ -189,9 +189,15 @@ class SimExecutor(Executor):
                 logprobs.append([])
                 continue
             seq = item.seq
-            last, length = seq.token_ids[-1], len(seq.token_ids)
+            token_ids = seq.token_ids
+            last, length = token_ids[-1], len(token_ids)
             base = last * 1103515245 + length * 12345
             params = seq.request.params
+            if n == 1 and params.best_of == 1 and not params.use_beam_search:
+                # a plain request's row, nearly every row: the general case below with n = 1
+                sampled.append([base % vocab if params.greedy else (base + 7919 * (seq.index + 1)) % vocab])
+                logprobs.append([0.0])
+                continue
             if params.use_beam_search or params.greedy:
                 # distinct candidates, most likely first (a greedy row repeats its first)
                 tokens = [(base + 7919 * j) % vocab for j in range(n)] if params.use_beam_search else [base % vocab] * n
