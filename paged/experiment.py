@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from contextlib import nullcontext
@@ -110,9 +111,13 @@ def _run(
     start = time.perf_counter()
     requests = [to_request(item) for item in items]
     engine.clock.reset()  # the items' arrival times are seconds from the start
+    # The engine and the requests live for the whole run: frozen, the collector stops re-scanning
+    # them (at paper or fleet scale millions of objects, 5-15% of a simulated run's host time).
+    gc.freeze()
     try:
         stopped = drive(engine, requests, progress=progress, stop=stop)
     finally:
+        gc.unfreeze()
         if isinstance(engine, Fleet):
             engine.shutdown()
     host_time = time.perf_counter() - start
