@@ -24,7 +24,7 @@ PACKAGE = ROOT / "paged"
 LAYERS: tuple[tuple[str, ...], ...] = (
     (
         "step", "config", "request", "clock", "assets", "plugins", "detokenizer", "data", "atomic_file",
-        "interrupt", "threads",
+        "interrupt", "threads", "kv_layout",
     ),
     ("memory", "kernels", "model"),
     ("scheduler", "executor", "sim", "metrics", "slo", "workload"),

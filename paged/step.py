@@ -60,6 +60,9 @@ class ScheduledSeq:
     num_new_tokens: int
     block_table: list[int]
     num_samples: int = 1
+    # With KV groups per layer type (`paged.kv_layout`), every group's table in group order (the
+    # first is `block_table`); None with one group.
+    group_tables: list[list[int]] | None = None
 
     @property
     def num_computed(self) -> int:
