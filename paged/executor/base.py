@@ -18,6 +18,7 @@ from typing import Protocol
 from paged.clock import Clock, WallClock
 from paged.config import KernelConfig
 from paged.kernels.limits import BLOCK_SIZES
+from paged.kv_layout import KVLayout
 from paged.step import ExecutorOutput, SchedulerOutput
 from paged.threads import ThreadChoice
 
@@ -79,6 +80,16 @@ class Executor(ABC):
     sliding_window: int | None = None
     # The host threads it computes on (paged.threads); None: it runs no model (a simulator)
     threads: ThreadChoice | None = None
+    # Per layer, its attention window in tokens (None: full attention); the builder groups layers by
+    # it (`allocator.kv_groups`) and hands the layout back through `set_kv_layout`.
+    layer_windows: tuple[int | None, ...] = ()
+    # How layers share block tables and KV tensors; None until the builder sets it (one group then)
+    kv_layout: KVLayout | None = None
+
+    def set_kv_layout(self, layout: KVLayout) -> None:
+        """The KV layout the block manager keeps tables for, given before `kv_cache_spec` and
+        `init_kv_cache`: a block then holds `layout.num_slots` layers."""
+        self.kv_layout = layout
 
     def host_memory_bytes(self) -> int | None:
         """Host memory the swap pool must fit in: this machine's RAM; None where the pool is only
