@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ),
     ("memory", "kernels", "model"),
     ("scheduler", "executor", "sim", "metrics", "slo", "workload"),
-    ("engine", "builder", "cluster"),
+    ("engine", "builder", "cluster", "offload"),
     (
         "llm", "llm_inputs", "llm_options", "runner", "report", "summary", "experiment", "outputs", "wandb_logger",
         "__init__",

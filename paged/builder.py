@@ -17,7 +17,11 @@ import torch
 from paged.config import AllocatorConfig, ByteSizes, ConfigError, ExecutorConfig, validate
 from paged.engine import Engine
 from paged.executor.base import Executor
+from paged.kv_layout import KVLayout
 from paged.memory import BlockAllocator, BlockManager, Reservation
+from paged.memory.eviction import POLICIES, EvictionPolicy, LRUPolicy
+from paged.memory.kv_groups import KVGroupManager
+from paged.offload import OffloadPlan, build_kv_tiers, check_offload, num_tier_blocks
 from paged.plugins import Plugin, check_plugin
 from paged.scheduler.core import Scheduler
 from paged.scheduler.policy import SchedulingPolicy
@@ -47,6 +51,8 @@ class Plugins:
     policy: Plugin
     preemption: Plugin
     executor: Plugin
+    offload: OffloadPlan | None = None  # allocator.offload's tiers (None: off)
+    eviction: Plugin | None = None  # the prefix cache's eviction policy (None: the allocator caches no prefixes)
 
 
 def check_config(cfg: Any, executor_cls: type[Executor] | None = None) -> Plugins:
@@ -82,6 +88,8 @@ def check_config(cfg: Any, executor_cls: type[Executor] | None = None) -> Plugin
             "run it; use executor=sim"
         )
     _check_swap(cfg, plugins, runs_on)
+    plugins = dataclasses.replace(plugins, eviction=_check_eviction(cfg, plugins.allocator))
+    plugins = dataclasses.replace(plugins, offload=check_offload(cfg, plugins.allocator.cls, runs_on))
     if plugins.reservation.cls.needs_output_lengths and not cfg.workload.ignore_eos:
         raise ConfigError(
             f"allocator={cfg.allocator.name} reserves each request's true output length, which the workload "
@@ -101,6 +109,27 @@ def _check_preemption(s: Any) -> Plugin:
             f"{s.preemption._target_!r} both choose the preemption mode; set one of them"
         )
     return check_plugin(s.preemption, "scheduler.preemption", PreemptionMode)
+
+
+def _check_eviction(cfg: Any, allocator: Plugin) -> Plugin | None:
+    """`allocator.eviction`, for an allocator with a prefix cache; one without may only leave it at
+    the default (LRU), as every allocator YAML inherits `allocator/eviction: lru`."""
+    builtin = f"the built-in policies: allocator/eviction={'|'.join(POLICIES)}"
+    try:
+        eviction = check_plugin(cfg.allocator.eviction, "allocator.eviction", EvictionPolicy)
+    except ConfigError as e:
+        if "_target_" not in str(e):
+            raise
+        raise ConfigError(f"{e}; {builtin}") from None
+    if allocator.cls.caches_prefixes:
+        return eviction
+    if eviction.cls is not LRUPolicy or eviction.settings:
+        name = getattr(eviction.cls, "name", eviction.path)
+        raise ConfigError(
+            f"allocator/eviction={name} chooses what a prefix cache evicts, but allocator={cfg.allocator.name} "
+            "caches no prefixes; use allocator=prefix, or leave allocator/eviction at lru"
+        )
+    return None
 
 
 def _check_swap(cfg: Any, plugins: Plugins, executor_cls: type[Executor]) -> None:
@@ -171,6 +200,27 @@ def num_blocks_for(cfg: Any, sizes: ByteSizes, executor: Executor) -> int:
     return num_blocks
 
 
+def kv_layout_for(cfg: Any, plugins: Plugins, executor: Executor) -> KVLayout:
+    """How the model's layers share block tables (`allocator.kv_groups`); an executor that gives no
+    per-layer windows is one group with its `sliding_window`. Several groups cannot swap or use an
+    allocator of contiguous extents."""
+    layout = KVLayout.build(executor.layer_windows or (executor.sliding_window,), cfg.allocator.kv_groups)
+    if not layout.is_hybrid:
+        return layout
+    groups = f"allocator.kv_groups={cfg.allocator.kv_groups} gives this model {layout.num_groups} KV groups"
+    if plugins.preemption.cls.swaps:
+        raise ConfigError(
+            f"scheduler.preemption_mode={cfg.scheduler.preemption_mode} cannot swap: {groups}; use "
+            "scheduler.preemption_mode=recompute or allocator.kv_groups=single"
+        )
+    if plugins.allocator.cls.contiguous:
+        raise ConfigError(
+            f"allocator={cfg.allocator.name} hands out contiguous extents: {groups}, which need a paged "
+            "allocator (naive, prefix); or use allocator.kv_groups=single"
+        )
+    return layout
+
+
 def _measured_hardware(cfg: Any, plugins: Plugins) -> dict[str, Any]:
     """A simulator of this machine (`hardware.calibrated`: cpu-local) gets its hardware with the
     nulls measured by driving a real engine built from the same config; the builder builds that
@@ -196,21 +246,34 @@ def build_engine(cfg: Any, executor: Executor | None = None) -> Engine:
     policy = plugins.policy.build()
     preemption = plugins.preemption.build()
     reservation = plugins.reservation.build()
+    eviction = {"eviction": plugins.eviction.build()} if plugins.eviction is not None else {}
     if executor is None:
         executor = _build_executor(cfg, plugins)
     else:
         executor.configure_kernel(cfg.kernel)
     block_size = cfg.allocator.block_size
+    layout = kv_layout_for(cfg, plugins, executor)
+    # before the cache is sized: a block then holds `layout.num_slots` layers
+    executor.set_kv_layout(layout)
     num_blocks = num_blocks_for(cfg, plugins.sizes, executor)
     num_cpu_blocks = num_cpu_blocks_for(cfg, plugins.sizes, executor, preemption)
     executor.set_batch_limits(cfg.scheduler.max_num_seqs, cfg.scheduler.max_model_len)
-    executor.init_kv_cache(num_blocks, block_size, num_cpu_blocks)
-    allocator = plugins.allocator.build(num_blocks=num_blocks, block_size=block_size)
-    block_manager = BlockManager(
-        allocator, watermark=cfg.allocator.watermark, reservation=reservation,
-        max_model_len=cfg.scheduler.max_model_len, num_cpu_blocks=num_cpu_blocks,
-        sliding_window=executor.sliding_window, share_blocks=cfg.allocator.share_blocks,
-    )
+    # the host pool holds the swap pool's blocks, then the CPU tier's (allocator.offload)
+    executor.init_kv_cache(num_blocks, block_size, num_cpu_blocks + num_tier_blocks(cfg, plugins.offload, executor)[0])
+    tiers = build_kv_tiers(cfg, plugins.offload, executor, num_cpu_blocks)
+    allocator = plugins.allocator.build(num_blocks=num_blocks, block_size=block_size, **eviction)
+    block_manager: BlockManager | KVGroupManager
+    if layout.is_hybrid:
+        block_manager = KVGroupManager(
+            allocator, layout, watermark=cfg.allocator.watermark, reservation=reservation,
+            max_model_len=cfg.scheduler.max_model_len, share_blocks=cfg.allocator.share_blocks,
+        )
+    else:
+        block_manager = BlockManager(
+            allocator, watermark=cfg.allocator.watermark, reservation=reservation,
+            max_model_len=cfg.scheduler.max_model_len, num_cpu_blocks=num_cpu_blocks,
+            sliding_window=layout.groups[0].window, share_blocks=cfg.allocator.share_blocks, tiers=tiers,
+        )
     scheduler = Scheduler(
         cfg.scheduler, block_manager, policy, preemption=preemption, eos_token_ids=executor.eos_token_ids,
         tokenizer=executor.tokenizer, vocab_size=executor.vocab_size,

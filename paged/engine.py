@@ -72,8 +72,8 @@ class Engine:
         start = self.clock.now()
         sched = self.scheduler.schedule(start)
         self.metrics.on_scheduled(sched, self.scheduler.waiting)
-        # a step whose only sequence was swapped out still moves its blocks
-        busy = sched.scheduled or sched.blocks_to_swap_out or sched.blocks_to_swap_in
+        # a step whose only sequence was swapped out still moves its blocks (and the tiers' evictions)
+        busy = sched.scheduled or sched.blocks_to_swap_out or sched.blocks_to_swap_in or sched.blocks_to_offload
         output = self.executor.execute(sched) if busy else ExecutorOutput([])
         finished = self.scheduler.update_from_output(sched, output, self.clock.now())
         if sched.scheduled:
@@ -85,7 +85,8 @@ class Engine:
     def kv_stats(self) -> KVStats:
         """The KV cache now: pool size, blocks in use, and the prefix-cache counters (cumulative
         since the engine was built)."""
-        return self.scheduler.block_manager.stats()
+        manager = self.scheduler.block_manager
+        return dataclasses.replace(manager.stats(), num_evictions=getattr(manager.allocator, "num_evictions", 0))
 
     @property
     def caches_prefixes(self) -> bool:

@@ -49,6 +49,7 @@ class StepRecord:
     prefix_queried_tokens: int
     prefix_hit_tokens: int
     attention_version: str | None  # decode kernel that ran (v1/v2/v3); None in a step without decode rows
+    kv_tokens_held: int = 0  # tokens whose KV the sequences hold, each once (stats.KVStats.tokens_held)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -239,6 +240,7 @@ class MetricsRecorder:
             prefix_queried_tokens=kv.num_queried_tokens,
             prefix_hit_tokens=kv.num_hit_tokens,
             attention_version=output.attention_version,
+            kv_tokens_held=kv.tokens_held,
         )
         self.steps.append(record)
         for listener in self.step_listeners:
@@ -261,10 +263,11 @@ class MetricsRecorder:
 
     def summary(
         self, *, kv_end: KVStats, caches_prefixes: bool, slo_ttft_s: float | None = None,
-        slo_tpot_s: float | None = None,
+        slo_tpot_s: float | None = None, bytes_per_block: int | None = None,
     ) -> dict[str, Any]:
         """The flat summary.json metrics; `kv_end` is the cache after the run. `goodput` counts the
-        finished requests that meet both SLOs (one not given is met), per second of the run."""
+        finished requests that meet both SLOs (one not given is met), per second of the run.
+        `bytes_per_block` (one KV block's) prices `kv_bytes_per_token_mean`: None leaves it None."""
         per_request = self.request_metrics()
         finished = [
             (r, m) for r, m in zip(self.requests, per_request)
@@ -300,6 +303,12 @@ class MetricsRecorder:
         # the best completion's tokens, as vLLM's client counts one output per request
         output_tokens = sum(m.output_len for m in done)
         requests_per_s = len(done) / wall if wall > 0 else 0.0
+        # allocated KV bytes per token held, over the steps that hold any (KV groups lower it: a
+        # sliding-window group frees what leaves its window)
+        held = [s for s in steps if s.kv_tokens_held]
+        bytes_per_token = None
+        if bytes_per_block is not None and held:
+            bytes_per_token = _mean([s.num_allocated_blocks * bytes_per_block / s.kv_tokens_held for s in held])
         hit_rate = None
         if caches_prefixes and kv_end.num_queried_tokens > 0:
             hit_rate = kv_end.num_hit_tokens / kv_end.num_queried_tokens
@@ -327,6 +336,11 @@ class MetricsRecorder:
             "kv_token_state_of_used_mean": _mean(token_state_of_used),
             # over the steps in which sequences hold blocks, as the paper averages it
             "kv_sharing_saving_mean": _mean([s.kv_sharing_saving for s in steps if s.num_logical_blocks]) or 0.0,
+            # how much the cache holds and batches: running sequences and tokens held per step
+            "num_running_mean": _mean([s.num_running for s in steps]),
+            "kv_tokens_held_mean": _mean([s.kv_tokens_held for s in steps]),
+            "kv_tokens_held_max": max((s.kv_tokens_held for s in steps), default=0),
+            "kv_bytes_per_token_mean": bytes_per_token,
             "prefix_cache_hit_rate": hit_rate,
             "wall_time_s": wall,
             "num_engine_steps": len(steps),

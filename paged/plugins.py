@@ -100,7 +100,8 @@ def _check_settings(key: str, cls: type, settings: dict[str, Any], core: set[str
     params = inspect.signature(cls).parameters
     named = {n: p for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    own = {n: p for n, p in named.items() if n not in provided}
+    # a parameter named like a core key is the framework's to pass (the allocator's eviction policy), not a setting
+    own = {n: p for n, p in named.items() if n not in provided and n not in core}
     missing_provided = sorted(provided - set(named)) if not takes_any else []
     if missing_provided:
         raise ConfigError(

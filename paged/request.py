@@ -167,6 +167,17 @@ class Completion:
     text: str | None = None
 
 
+@dataclass(frozen=True)
+class FollowUp:
+    """What a follow-up request continues (a chat's next turn, an agent's next step): it is sent
+    `think_time_s` after request `parent` finishes, and its prompt is then the parent's prompt and
+    reply followed by its own tokens (`Request.follow`). It is closed-loop: the prompt cannot be built
+    before the parent's reply exists. `paged.runner.drive` holds such requests until then."""
+
+    parent: str  # the request id of the request it follows
+    think_time_s: float = 0.0
+
+
 _seq_ids = itertools.count()
 
 
@@ -244,6 +255,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         client_id: str | None = None,
+        follows: FollowUp | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -254,6 +266,8 @@ class Request:
         self.cache_salt = cache_salt
         # who sent it, for per-client fair sharing (None: the workload names no clients)
         self.client_id = client_id
+        # a follow-up: its prompt_token_ids are only its own new tokens until `follow` prepends the parent's
+        self.follows = follows
         self.seqs: list[Sequence] = [Sequence(self, list(prompt_token_ids))]
         self.first_token_time: float | None = None
         # engine time of each step that gave the request tokens (any of its sequences): the chunks a
@@ -279,6 +293,16 @@ class Request:
         if self.completions is not None:
             return self.completions
         return [s.completion() for s in sorted(self.seqs, key=lambda s: s.index)]
+
+    def follow(self, parent: Request) -> None:
+        """Continue `parent`, which finished: this request's prompt becomes the parent's prompt, the
+        parent's reply (its first completion: the best one with n or beam search) and this request's
+        own tokens, and it arrives `follows.think_time_s` after the parent finished."""
+        if self.follows is None or parent.request_id != self.follows.parent or parent.finish_time is None:
+            raise ValueError(f"{self!r} does not follow {parent!r}, or that request has not finished")
+        self.prompt_token_ids = parent.prompt_token_ids + parent.outputs()[0].token_ids + self.prompt_token_ids
+        self.seqs = [Sequence(self, list(self.prompt_token_ids))]
+        self.arrival_time = parent.finish_time + self.follows.think_time_s
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,10 +1,17 @@
 """Drive an engine: submit requests when its clock reaches their arrival times, step until all are
 done, show progress. `drive` is the one loop behind `LLM.generate`, `run.py` (through
-paged/experiment.py) and the experiments; `to_request` is the one way a prompt becomes a `Request`."""
+paged/experiment.py) and the experiments; `to_request` is the one way a prompt becomes a `Request`.
+
+Follow-ups (`Request.follows`: a chat's next turn, an agent's next step) are closed-loop: they are
+held until the request they follow finishes, then sent at its finish time plus their think time,
+its prompt and reply before their own tokens (`FollowUps`). The same loop drives one engine or a
+`Fleet` of them."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import heapq
+import math
+from collections.abc import Iterable, Sequence
 
 from tqdm import tqdm
 
@@ -25,7 +32,7 @@ def to_request(item: WorkloadItem) -> Request:
     to load) becomes a request that the scheduler aborts with that reason when it is submitted."""
     request = Request(
         item.request_id, item.prompt_token_ids, item.params or SamplingParams(), arrival_time=item.arrival_time,
-        prompt=item.prompt, priority=item.priority, client_id=item.client_id,
+        prompt=item.prompt, priority=item.priority, client_id=item.client_id, follows=item.follows,
     )
     request.abort_reason = item.error
     return request
@@ -41,31 +48,114 @@ def drive(
 ) -> bool:
     """Submit each of `requests` once the engine's clock reaches its arrival time, idling until the
     next arrival while nothing runs, and step until every request is done: these and any submitted
-    before. The clock is not reset here, so arrival times are read on it as it stands.
+    before. The clock is not reset here, so arrival times are read on it as it stands. A follow-up
+    is held until the request it follows (earlier in `requests`) finishes, then sent as `FollowUps`
+    says; one whose parent was aborted is aborted too, with a reason naming the parent.
 
     `stop` is checked between steps, never inside one: once it is requested, no more requests are
     submitted and every unfinished one is aborted with reason "interrupted" (those already finished
-    keep their outputs). Returns True when it stopped so, with work left; False when all was done."""
-    pending = sorted(requests, key=lambda r: r.arrival_time)
+    keep their outputs), and so are the follow-ups of those. Returns True when it stopped so, with
+    work left; False when all was done."""
+    follow_ups = FollowUps(requests)
+    pending = sorted((r for r in requests if r.follows is None), key=lambda r: r.arrival_time)
     clock = engine.clock
     # a wall-clock idle wait in slices, so that a stop is seen while waiting for a far arrival
     # (a signal does not cut a sleep short); simulated time waits at no cost
     slice_s = STOP_POLL_S if stop is not None and not clock.simulated else float("inf")
     i = 0
-    with tqdm(total=len(pending), desc=label, unit="req", disable=not progress, leave=False) as bar:
-        while i < len(pending) or engine.has_unfinished:
+    with tqdm(total=len(requests), desc=label, unit="req", disable=not progress, leave=False) as bar:
+        while i < len(pending) or follow_ups.has_due or engine.has_unfinished:
             if stop is not None and stop.requested:
-                bar.update(len(engine.abort_all(INTERRUPTED)))
+                bar.update(_abort_all(engine, follow_ups))
                 return True
             now = clock.now()
             while i < len(pending) and pending[i].arrival_time <= now:
                 engine.add_request(pending[i])
                 i += 1
+            for request in follow_ups.due(now):
+                engine.add_request(request)
             if not engine.has_unfinished:
-                clock.wait_until(min(pending[i].arrival_time, now + slice_s))
+                next_arrival = min(pending[i].arrival_time if i < len(pending) else math.inf, follow_ups.next_due)
+                clock.wait_until(min(next_arrival, now + slice_s))
                 continue
-            bar.update(len(engine.step()))
+            finished = engine.step()
+            bar.update(len(finished))
+            for request in follow_ups.release(finished):
+                engine.add_request(request)
     return False
+
+
+def _abort_all(engine: Engine, follow_ups: FollowUps) -> int:
+    """Abort everything unfinished, then the follow-ups of what was aborted, theirs in turn, and so
+    on; returns how many requests ended so."""
+    ended = engine.abort_all(INTERRUPTED)
+    count = len(ended)
+    # with the follow-ups aborted before: one submitted just before the stop ended inside abort_all
+    ended += follow_ups.aborted
+    while orphans := follow_ups.release(ended):
+        for request in orphans:
+            engine.add_request(request)
+        ended = []
+        while engine.has_unfinished:
+            ended += engine.step()
+        count += len(ended)
+    return count
+
+
+class FollowUps:
+    """The follow-ups of a run: held until their parent finishes, then due at its finish time plus
+    their think time, the parent's prompt and reply before their own tokens (`Request.follow`). A
+    follow-up of an aborted parent is released at once, aborted with a reason naming the parent, so
+    that it is recorded (requests.jsonl) rather than lost; its own follow-ups follow it so."""
+
+    def __init__(self, requests: Sequence[Request]) -> None:
+        self._waiting: dict[str, list[Request]] = {}  # parent id -> its follow-ups, in request order
+        self._due: list[tuple[float, int, Request]] = []  # (arrival, order, request): a heap
+        self._order = 0
+        self.aborted: list[Request] = []  # the follow-ups released aborted so far
+        seen: set[str] = set()
+        for request in requests:
+            if request.follows is not None:
+                if request.follows.parent not in seen:
+                    raise ValueError(
+                        f"request {request.request_id!r} follows {request.follows.parent!r}, which is not among "
+                        "the requests before it"
+                    )
+                self._waiting.setdefault(request.follows.parent, []).append(request)
+            seen.add(request.request_id)
+
+    @property
+    def has_due(self) -> bool:
+        """Whether a released follow-up waits for its arrival time."""
+        return bool(self._due)
+
+    @property
+    def next_due(self) -> float:
+        """The arrival time of the next released follow-up; inf when none waits."""
+        return self._due[0][0] if self._due else math.inf
+
+    def due(self, now: float) -> list[Request]:
+        """The released follow-ups whose arrival time `now` reached, in arrival order."""
+        ready = []
+        while self._due and self._due[0][0] <= now:
+            ready.append(heapq.heappop(self._due)[2])
+        return ready
+
+    def release(self, finished: Iterable[Request]) -> list[Request]:
+        """Release the follow-ups of the `finished` requests: those of a finished parent become due
+        later; those of an aborted one are returned, aborted, to be submitted now."""
+        aborted = []
+        for parent in finished:
+            for request in self._waiting.pop(parent.request_id, ()):
+                if parent.abort_reason is not None:
+                    request.abort_reason = f"follows {parent.request_id}, which was aborted ({parent.abort_reason})"
+                    aborted.append(request)
+                    continue
+                request.follow(parent)
+                heapq.heappush(self._due, (request.arrival_time, self._order, request))
+                self._order += 1
+        self.aborted += aborted
+        return aborted
 
 
 def run_workload(engine: Engine, items: list[WorkloadItem], *, progress: bool = True) -> list[Request]:

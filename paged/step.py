@@ -91,6 +91,11 @@ class SchedulerOutput:
     # a step never does both (swap-ins are only scheduled when nothing was preempted)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # tiers for evicted prefixes (`paged.memory.kv_tiers`): (device block, host block) copies of cached
+    # blocks the device evicted, (host block, device block) copies of prefix hits found in a tier;
+    # offloads run first (with the swap-outs), onloads last (with the swap-ins), before any KV is written
+    blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_onload: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     aborted: list[Request] = field(default_factory=list)
 
@@ -150,6 +155,25 @@ class KVStats:
     num_free_cpu_blocks: int = 0
     # block-table entries over all sequences: the blocks they would hold if nothing were shared
     num_logical_blocks: int = 0
+    # tiers for evicted prefixes, cumulative: prompt tokens served by the CPU / disk tier (they are in
+    # num_hit_tokens too), blocks copied device -> CPU and back, written to and read from disk, and
+    # disk blocks found missing or corrupt (misses)
+    num_hit_tokens_cpu: int = 0
+    num_hit_tokens_disk: int = 0
+    num_offload_blocks: int = 0
+    num_onload_blocks: int = 0
+    num_disk_write_blocks: int = 0
+    num_disk_read_blocks: int = 0
+    num_disk_bad_blocks: int = 0
+    # cached blocks the prefix cache evicted so far (cumulative; 0 without a prefix cache)
+    num_evictions: int = 0
+    # tokens whose KV the sequences hold, each counted once (with KV groups a token fills a slot in
+    # every group that keeps it); None: `num_token_slots_used`, as with one group
+    num_tokens_held: int | None = None
+
+    @property
+    def tokens_held(self) -> int:
+        return self.num_token_slots_used if self.num_tokens_held is None else self.num_tokens_held
 
     @property
     def sharing_saving(self) -> float:

@@ -9,6 +9,8 @@ from typing import Any
 
 from paged.cluster.fleet import Fleet
 from paged.engine import Engine
+from paged.memory.eviction import POLICIES
+from paged.step import KVStats
 
 
 def summarize(
@@ -34,6 +36,7 @@ def summarize(
     counters = engine.counters
     metrics = engine.metrics.summary(
         kv_end=kv, caches_prefixes=engine.caches_prefixes, slo_ttft_s=cfg.slo.ttft_s, slo_tpot_s=cfg.slo.tpot_s,
+        bytes_per_block=bytes_per_block,
     )
     # every run has `interrupted` and `num_not_started`, so that a sweep's summaries share one schema
     summary = {
@@ -62,6 +65,9 @@ def summarize(
         # the KV pool's size: token slots (Table 1's "max. # KV cache slots") and bytes
         "kv_token_slots": kv.num_total_blocks * block_size,
         "kv_cache_bytes": kv.num_total_blocks * bytes_per_block,
+        # KV groups per layer type: the mode asked for, and the groups the model's layers made
+        "kv_groups": cfg.allocator.kv_groups,
+        "num_kv_groups": executor.kv_layout.num_groups if executor.kv_layout is not None else 1,
         # swap preemption's counters; `swap_bytes` counts both directions
         "preemption_mode": cfg.scheduler.preemption_mode if cfg.scheduler.preemption.get("_target_") is None
         else classes["preemption"],
@@ -69,6 +75,10 @@ def summarize(
         "num_swaps_in": counters.num_swaps_in,
         "swap_bytes": counters.num_swapped_blocks * bytes_per_block,
         "num_swap_fallbacks": engine.num_swap_fallbacks,
+        # the prefix cache's eviction policy (allocator/eviction; null without a prefix cache) and its evictions
+        "eviction_policy": _eviction_policy(cfg) if engine.caches_prefixes else None,
+        "num_evictions": kv.num_evictions,
+        **_tier_summary(kv, bytes_per_block),
         **executor.decode_step_counts(),
         "num_replicas": len(engine.replicas) if isinstance(engine, Fleet) else 1,
         "router": cfg.router.name if isinstance(engine, Fleet) else None,
@@ -84,3 +94,28 @@ def summarize(
             "num_gpus": cfg.hardware.num_gpus,
         }
     return summary
+
+
+def _eviction_policy(cfg: Any) -> str:
+    """The config name of the built-in policy `allocator.eviction._target_` names, else that path."""
+    target = cfg.allocator.eviction._target_
+    return next((name for name, cls in POLICIES.items() if f"{cls.__module__}.{cls.__qualname__}" == target), target)
+
+
+def _tier_summary(kv_end: KVStats, bytes_per_block: int) -> dict[str, Any]:
+    """The tiers for evicted prefixes (`allocator.offload`; zeros when off): prompt tokens each tier
+    served as prefix hits (device + cpu + disk = the hits of `prefix_cache_hit_rate`), tokens served
+    from a lower tier instead of recomputed, and the bytes moved between the device and host memory
+    and to and from disk, with the disk blocks found missing or corrupt (each a miss)."""
+    lower = kv_end.num_hit_tokens_cpu + kv_end.num_hit_tokens_disk
+    return {
+        "prefix_hit_tokens_device": kv_end.num_hit_tokens - lower,
+        "prefix_hit_tokens_cpu": kv_end.num_hit_tokens_cpu,
+        "prefix_hit_tokens_disk": kv_end.num_hit_tokens_disk,
+        "recompute_avoided_tokens": lower,
+        "kv_offload_bytes": kv_end.num_offload_blocks * bytes_per_block,
+        "kv_onload_bytes": kv_end.num_onload_blocks * bytes_per_block,
+        "kv_disk_write_bytes": kv_end.num_disk_write_blocks * bytes_per_block,
+        "kv_disk_read_bytes": kv_end.num_disk_read_blocks * bytes_per_block,
+        "kv_disk_bad_blocks": kv_end.num_disk_bad_blocks,
+    }

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from paged import kernels
-from paged.kernels.backends import torch_ref
+from paged.kernels.backends import torch_prefill_plan
 from paged.kernels.backends.interface import DTYPES
 from paged.kernels.limits import BLOCK_SIZES
 from paged.kernels.testing import AttentionCase, PrefillInputs, prefill_inputs, prefill_reference, tolerance
@@ -77,7 +77,7 @@ def test_query_may_be_a_view_of_fused_qkv(backend: str) -> None:
 def test_torch_prefill_splits_a_group_past_its_memory_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     case = AttentionCase(torch.float32, 64, 8, 2, 2, 512, (30, 31, 29, 100))
     x = prefill_inputs(case, (30, 1, 12, 50))
-    monkeypatch.setattr(torch_ref, "PREFILL_GROUP_ELEMENTS", 1)  # one sequence per SDPA call
+    monkeypatch.setattr(torch_prefill_plan, "PREFILL_GROUP_ELEMENTS", 1)  # one sequence per SDPA call
     _check(x, "torch", torch.float32)
 
 

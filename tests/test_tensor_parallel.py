@@ -177,7 +177,7 @@ def no_weights(monkeypatch: pytest.MonkeyPatch) -> None:
         (["executor.tensor_parallel_size=3"], "executor.tensor_parallel_size=3 does not divide tiny-random's 2 "
          "attention heads (1 KV head); allowed: 1, 2"),
         (["executor.tensor_parallel_size=0"], "executor.tensor_parallel_size=0 must be a positive integer"),
-        (["model=tiny-bloom", "executor.tensor_parallel_size=2"], "tiny-bloom is a BLOOM model"),
+        (["model=tiny-bloom", "executor.tensor_parallel_size=2"], "tiny-bloom is a bloom model"),
     ],
 )
 def test_a_size_that_cannot_split_the_model_is_one_line_before_weights_load(no_weights, overrides, message) -> None:

@@ -28,7 +28,7 @@ MODEL_DEVICES = ("auto", "cpu", "cuda")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 BATCH_ORDERS = ("decode-first", "prefill-first")
 # workload.kind
-WORKLOAD_KINDS = ("synthetic", "fixed", "prompts", "trace")
+WORKLOAD_KINDS = ("synthetic", "fixed", "prompts", "trace", "multiturn", "agent")
 # workload.num_requests at most: every request's ids are built before a run (fig16's 3,000 take seconds)
 MAX_NUM_REQUESTS = 1_000_000
 LOGGER_BACKENDS = ("wandb", "none")

@@ -16,8 +16,11 @@ CONF_DIR = asset_dir("conf")
 
 
 def config_groups() -> list[str]:
-    """The config groups of `conf/` (`allocator`, `experiment`, ...): an override naming one chooses an option."""
-    return sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir()) if CONF_DIR.is_dir() else []
+    """The config groups of `conf/` (`allocator`, `experiment`, ..., nested ones as `allocator/eviction`):
+    an override naming one chooses an option."""
+    if not CONF_DIR.is_dir():
+        return []
+    return sorted(p.relative_to(CONF_DIR).as_posix() for p in CONF_DIR.rglob("*") if p.is_dir())
 
 
 def config_options() -> dict[str, list[str]]:

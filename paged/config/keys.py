@@ -88,7 +88,8 @@ def check_overrides(overrides: Sequence[str], groups: Collection[str] | Mapping[
         return
     for override in parsed:
         key = override.key_or_group
-        if override.is_delete() or override.package is not None or "/" in key or key.split(".")[0] == "hydra":
+        nested = "/" in key and key not in groups  # a config path Hydra resolves (`+experiment/x=y`)
+        if override.is_delete() or override.package is not None or nested or key.split(".")[0] == "hydra":
             continue
         if key in groups:
             if isinstance(groups, Mapping):

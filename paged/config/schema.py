@@ -35,6 +35,20 @@ class OptionalPluginConfig:
 
 
 @dataclass
+class OffloadConfig:
+    """Tiers for evicted prefix blocks (paged.memory.kv_tiers): a cached block the device evicts is
+    copied to `cpu_bytes` of host memory (0: off), and what that tier evicts to files of at most
+    `disk_bytes` under `disk_path` (null: no disk tier); a later prefix hit there comes back by copy
+    instead of being recomputed. Each tier evicts by its own policy (a conf/allocator/eviction name)."""
+
+    cpu_bytes: str = "0"
+    disk_path: str | None = None
+    disk_bytes: str | None = None
+    cpu_eviction: str = "lru"
+    disk_eviction: str = "lru"
+
+
+@dataclass
 class AllocatorConfig:
     """Core keys; the YAML's other keys are settings of the `_target_` allocator class."""
 
@@ -53,7 +67,14 @@ class AllocatorConfig:
     # whether forked samples and beams share their parent's blocks (copy-on-write); false is the
     # paper's no-sharing baseline: every block a sequence shares is copied before its next step
     share_blocks: bool = True
+    # KV groups per layer type (paged.kv_layout): auto gives each attention type (window) its own block
+    # tables from the shared pool, so a sliding-window group frees what leaves its window while a full
+    # one keeps its blocks; single is one table for every layer (the layout before KV groups)
+    kv_groups: str = "auto"
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
     reservation: PluginConfig = _plugin("paged.memory.reservation.ExactReservation")
+    # which unreferenced cached block a full pool evicts (conf/allocator/eviction); only a prefix cache has any
+    eviction: PluginConfig = _plugin("paged.memory.eviction.lru.LRUPolicy")
 
 
 @dataclass
@@ -143,6 +164,17 @@ class WorkloadConfig:
     # > 1 (with shared_prefix_len > 0): that many distinct prefixes, each request's drawn at random,
     # so requests sharing a prefix interleave in arrival order (longest-prefix-match studies)
     num_prefixes: int = 1
+    # how requests (multiturn, agent: sessions) pick among num_prefixes: uniform, or zipf (prefix k with
+    # weight 1/(k+1)^prefix_zipf_s, s > 0): a few hot prefixes and a cold tail (eviction studies)
+    prefix_popularity: str = "uniform"
+    prefix_zipf_s: float = 1.0
+    # multiturn, agent (closed-loop: a turn is sent once the previous one's reply exists): num_sessions
+    # sessions arriving at arrival_rate/s, each of turns_per_session turns (fewer when the conversation
+    # would outgrow scheduler.max_model_len), the next turn sent an exponential think time (mean
+    # think_time_s) after the reply; num_requests, when set, caps the turns over all sessions
+    num_sessions: int = 8
+    turns_per_session: int = 4
+    think_time_s: float = 1.0
     # > 0: each request names one of client-0 .. client-{num_clients - 1} (per-client fair sharing),
     # drawn in proportion to client_weights (None: equal shares); 0: requests name no client
     num_clients: int = 0
@@ -187,6 +219,8 @@ class HardwareConfig:
     kernel_launch_s: float | None = None
     allreduce_latency_s: float = 0.0
     pcie_latency_s: float = 0.0  # per host<->device copy: swap moves every block of every layer apart
+    # B/s of the host's disk, read and write (a prefix tier's files, `allocator.offload.disk_path`)
+    disk_bandwidth: float | None = None
     # Where GPUs sit, for disaggregated prefill/decode's KV transfers (paged.cluster.kv_link): GPUs per
     # node (NVLink between them: interconnect_bandwidth), the latency of one copy over NVLink, and the
     # network across nodes: B/s per GPU one way (its NIC) and one copy's latency. Null: not given.
@@ -290,7 +324,8 @@ class Config:
 
 # Nodes whose keys beyond the schema's are a plugin's own settings (checked against its class).
 PLUGIN_NODES = (
-    "allocator", "allocator.reservation", "scheduler.policy", "scheduler.preemption", "executor", "router",
+    "allocator", "allocator.reservation", "allocator.eviction", "scheduler.policy", "scheduler.preemption", "executor",
+    "router",
 )
 
 

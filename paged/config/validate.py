@@ -30,6 +30,7 @@ from paged.config.kernel_options import BlockSparseSpec, check_scale
 from paged.config.keys import check_keys
 from paged.config.schema import ConfigError
 from paged.config.units import parse_bytes
+from paged.kv_layout import KV_GROUP_MODES
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ def check_allocator(a: Any, block_sizes: tuple[int, ...] = BLOCK_SIZES) -> ByteS
         raise ConfigError(f"allocator.gpu_memory_utilization={a.gpu_memory_utilization!r} must be in (0, 1]")
     if not 0.0 <= a.watermark < 1.0:
         raise ConfigError(f"allocator.watermark={a.watermark!r} must be in [0, 1)")
+    _choice("allocator.kv_groups", a.kv_groups, KV_GROUP_MODES)
     return ByteSizes(kv_cache_memory, parse_bytes(a.swap_space, key="allocator.swap_space"))
 
 
@@ -165,10 +167,10 @@ def check_model(m: Any) -> None:
 
 def check_workload(w: Any) -> None:
     _choice("workload.kind", w.kind, WORKLOAD_KINDS)
-    if w.num_requests is None and w.kind != "trace":
+    if w.num_requests is None and w.kind not in ("trace", "multiturn", "agent"):
         raise ConfigError(
-            "workload.num_requests=null (the whole trace) is only allowed for workload=trace; "
-            f"workload={w.kind} needs a count > 0"
+            "workload.num_requests=null (the whole trace; multiturn, agent: no cap on the turns) is only allowed "
+            f"for workload=trace, multiturn or agent; workload={w.kind} needs a count > 0"
         )
     _positive("workload.num_requests", w.num_requests, allow_none=True)
     if w.num_requests is not None and w.num_requests > MAX_NUM_REQUESTS:

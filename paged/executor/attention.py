@@ -8,58 +8,101 @@ possibly after cached ones): decode rows run the `paged_attention` kernel (v1 or
 `prefill_attention`, one call each, so tokens a prefix-cache hit already holds are never
 recomputed. With a sliding window both ops attend only the last `sliding_window` positions, and
 never read the blocks wholly before them (the block manager may have freed those).
+
+Layers may differ (Gemma's sliding and global layers): each layer has a route (`LayerRoute`) to
+its attention type's settings (window, scale, soft-cap), to its KV group's block tables and cache
+slots (`paged.kv_layout`), and to the KV tensor it writes and reads. The ops are planned once per
+(group, type) pair the layers use, so a model with one type and one group plans what it always did.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from paged.executor.kv_scales import KVScales
 from paged.executor.step_plan import BatchInput
 from paged.kernels.planned import AttentionSettings, CacheWrite, DecodeAttention, PrefillAttention
+from paged.kv_layout import KVLayout
+
+
+@dataclass(frozen=True)
+class LayerRoute:
+    """Where one layer's attention goes: its KV group (whose block tables it reads), its attention
+    type (an index into the settings) and its KV tensor (`KVLayout.slot_of_layer`)."""
+
+    group: int
+    kind: int
+    slot: int
+
+
+def layer_routes(layout: KVLayout, kinds: Sequence[int]) -> tuple[LayerRoute, ...]:
+    """Every layer's route, from the layout and each layer's attention type."""
+    return tuple(LayerRoute(group, kind, slot)
+                 for group, kind, slot in zip(layout.group_of_layer, kinds, layout.slot_of_layer, strict=True))
 
 
 class PagedAttention:
     """The model's attention callback for one step: `(layer, q, k, v) -> out`, rows in batch order.
-    `decode_version` (v1/v2/v3) is the kernel the decode rows run, `None` when the step has none;
-    `kv_scales` the fp8 cache's scales (`None` for a cache in the model's dtype)."""
+    `settings` is one attention type's, or each type's that `routes` names (None: every layer is
+    type 0 in group 0 and writes KV tensor `layer`); `decode_version` (v1/v2/v3) is the kernel the
+    decode rows run, `None` when the step has none; `kv_scales` the fp8 cache's scales (`None` for a
+    cache in the model's dtype)."""
 
     def __init__(
         self,
         batch: BatchInput,
         key_caches: list[torch.Tensor],
         value_caches: list[torch.Tensor],
-        settings: AttentionSettings,
+        settings: AttentionSettings | Sequence[AttentionSettings],
         *,
         decode_version: str | None,
         num_heads: int,
         kv_scales: KVScales | None = None,
+        routes: Sequence[LayerRoute] | None = None,
     ) -> None:
         assert (decode_version is None) == (batch.decode is None), "decode rows need a version, and only they"
+        kinds = [settings] if isinstance(settings, AttentionSettings) else list(settings)
+        if routes is None:
+            routes = [LayerRoute(0, 0, layer) for layer in range(len(key_caches))]
         self.batch = batch
         self.key_caches = key_caches
         self.value_caches = value_caches
         self.kv_scales = kv_scales
         num_blocks, num_kv_heads, head_size, block_size = value_caches[0].shape
-        self.write = CacheWrite(batch.slot_mapping, batch.host.slot_mapping, settings.backend, num_blocks * block_size)
-        self.decode = None if batch.decode is None or decode_version is None else DecodeAttention(
-            batch.decode, settings, decode_version, num_heads, num_kv_heads, head_size, num_blocks, block_size)
-        self.prefill = None if batch.prefill is None else PrefillAttention(
-            batch.prefill, settings, num_kv_heads, head_size, num_blocks, block_size)
+        writes: dict[int, CacheWrite] = {}
+        ops: dict[tuple[int, int], tuple[DecodeAttention | None, PrefillAttention | None]] = {}
+        for route in routes:
+            rows = batch.group(route.group)
+            if route.group not in writes:
+                writes[route.group] = CacheWrite(rows.slot_mapping, rows.host_slot_mapping, kinds[0].backend,
+                                                 num_blocks * block_size)
+            if (route.group, route.kind) not in ops:
+                s = kinds[route.kind]
+                decode = None if rows.decode is None or decode_version is None else DecodeAttention(
+                    rows.decode, s, decode_version, num_heads, num_kv_heads, head_size, num_blocks, block_size)
+                prefill = None if rows.prefill is None else PrefillAttention(
+                    rows.prefill, s, num_kv_heads, head_size, num_blocks, block_size)
+                ops[route.group, route.kind] = decode, prefill
+        # per layer: its cache write, its decode and prefill ops, its KV tensor
+        self.layers = [(writes[r.group], *ops[r.group, r.kind], r.slot) for r in routes]
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b = self.batch
-        caches = self.key_caches[layer], self.value_caches[layer]
+        write, decode, prefill, slot = self.layers[layer]
+        caches = self.key_caches[slot], self.value_caches[slot]
         scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         if self.kv_scales is not None:
             scales = self.kv_scales.for_layer(layer, k, v)
-        self.write(k, v, *caches, *scales)
-        if self.prefill is None:
-            assert self.decode is not None
-            return self.decode(q, *caches, *scales)
-        if self.decode is None:
-            return self.prefill(q, *caches, *scales)
+        write(k, v, *caches, *scales)
+        if prefill is None:
+            assert decode is not None
+            return decode(q, *caches, *scales)
+        if decode is None:
+            return prefill(q, *caches, *scales)
         out = torch.empty_like(q)
-        out[b.decode_tokens] = self.decode(q[b.decode_tokens], *caches, *scales)
-        out[b.prefill_tokens] = self.prefill(q[b.prefill_tokens], *caches, *scales)
+        out[b.decode_tokens] = decode(q[b.decode_tokens], *caches, *scales)
+        out[b.prefill_tokens] = prefill(q[b.prefill_tokens], *caches, *scales)
         return out

@@ -19,6 +19,7 @@ from paged.clock import Clock, WallClock
 from paged.config import KernelConfig
 from paged.kernels.limits import BLOCK_SIZES
 from paged.kv_layout import KVLayout
+from paged.memory.kv_tiers import TierStore
 from paged.step import ExecutorOutput, SchedulerOutput
 from paged.threads import ThreadChoice
 
@@ -73,6 +74,9 @@ class Executor(ABC):
     block_sizes: tuple[int, ...] = BLOCK_SIZES
     # Whether `execute` moves `blocks_to_swap_out` / `blocks_to_swap_in` (swap preemption needs it).
     supports_swap: bool = False
+    # Whether `execute` moves the prefix tiers' `blocks_to_offload` / `blocks_to_onload` (their host
+    # blocks follow the swap pool's) and `kv_tier_store` gives a disk tier: `allocator.offload` needs it.
+    supports_kv_tiers: bool = False
     # Devices the KV cache is split over: the CPU swap pool is `allocator.swap_space` per device.
     num_devices: int = 1
     # The model's attention window in tokens (None: full attention); the block manager frees blocks
@@ -90,6 +94,10 @@ class Executor(ABC):
         """The KV layout the block manager keeps tables for, given before `kv_cache_spec` and
         `init_kv_cache`: a block then holds `layout.num_slots` layers."""
         self.kv_layout = layout
+
+    def kv_tier_store(self, directory: str) -> TierStore:
+        """The disk tier's store for evicted prefix blocks (`paged.memory.kv_tiers`), under `directory`."""
+        raise NotImplementedError(f"{type(self).__qualname__} keeps no tiers for evicted prefixes")
 
     def host_memory_bytes(self) -> int | None:
         """Host memory the swap pool must fit in: this machine's RAM; None where the pool is only

@@ -18,6 +18,7 @@ torch SDPA would add score or workspace memory they never take (its math path ma
 from __future__ import annotations
 
 import gc
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,6 +26,8 @@ import torch
 
 from paged.config import ConfigError
 from paged.model.llama import AttentionFn
+
+log = logging.getLogger(__name__)
 
 GiB = 2**30
 
@@ -90,6 +93,15 @@ def measure(
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     return DeviceMemory(total=total, used_after_load=total - free, activation_peak=activation_peak)
+
+
+def kv_budget(model: ForwardModel, device: torch.device, utilization: float, max_num_batched_tokens: int,
+              max_num_seqs: int, max_positions: int) -> int:
+    """The KV cache's bytes on a CUDA device: `measure`, then `kv_cache_bytes`, logged."""
+    memory = measure(model, device, max_num_batched_tokens, max_num_seqs, max_positions)
+    budget = kv_cache_bytes(memory.total, utilization, memory.used_after_load, memory.activation_peak)
+    log.info("memory: %s", memory.describe(utilization, budget))
+    return budget
 
 
 def _dummy_step(model: ForwardModel, device: torch.device, num_tokens: int, num_seqs: int, max_positions: int) -> None:

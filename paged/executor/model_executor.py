@@ -17,15 +17,19 @@ import torch
 from paged import kernels, threads
 from paged.config import ConfigError, KernelConfig, ModelConfig, resolve_dtype
 from paged.executor import memory_profile
-from paged.executor.attention import PagedAttention
+from paged.executor.attention import PagedAttention, layer_routes
 from paged.executor.base import Executor, KVCacheSpec
 from paged.executor.cuda_graphs import DecodeGraphs
 from paged.executor.kv_scales import KVScales
+from paged.executor.kv_tensors import allocate_kv, kv_block_spec
+from paged.executor.layer_types import LayerTypes, check_backend_serves, check_kv_layout
 from paged.executor.sample_inputs import prompt_logprobs, sample_rows
 from paged.executor.step_plan import BatchInput, HostBatch, InputBuffers, plan_batch
+from paged.executor.tier_files import TieredHostPool
 from paged.executor.tp_workers import RankStep, WorkerGroup, on_every_rank
 from paged.kernels.features import AttentionFeatures, BlockSparse, cache_dtype, is_fp8
 from paged.kernels.planned import AttentionSettings
+from paged.kv_layout import KVLayout
 from paged.model.factory import build_model
 from paged.model.layer_ops import layer_ops_for
 from paged.model.linear import resolve_gemm
@@ -41,7 +45,7 @@ log = logging.getLogger(__name__)
 # Graphs are planned for the scheduler's limits (`set_batch_limits`); this when none are given.
 DEFAULT_MAX_NUM_SEQS = 64
 
-class ModelExecutor(Executor):
+class ModelExecutor(TieredHostPool, Executor):
     """A Llama-family model on CPU or CUDA. Public state besides the `Executor` contract: `arch`,
     `model`, `device`, `dtype`, `kernel_description`, `threads` (the CPU threads `paged.threads`
     chose, per rank), `sliding_window` (the attention window in
@@ -88,15 +92,19 @@ class ModelExecutor(Executor):
                 f"executor.cuda_graphs=true needs a CUDA device, but the model runs on {self.device} "
                 f"(model.device={model_cfg.device}); use executor.cuda_graphs=false or null"
             )
-        if size != 1 and rank == 0:
-            # before any weights load: the model's metadata says whether the size splits it
-            check_tensor_parallel_size(size, load_arch(model_cfg)[0], model_cfg.name, self.device)
+        if rank == 0 and (size != 1 or model_cfg.source in ("hf", "random")):
+            # before any weights load: whether the size splits the model, whether the kernels serve its
+            # layers (a GGUF's llama / qwen2 layers they always do, and its metadata takes seconds to read)
+            arch = load_arch(model_cfg)[0]
+            check_tensor_parallel_size(size, arch, model_cfg.name, self.device)
+            check_backend_serves(kernel_cfg.backend, arch, model_cfg.name)
             if cuda_graphs:
                 raise ConfigError(f"executor.cuda_graphs=true does not run with executor.tensor_parallel_size={size}: "
                                   "a graph would not capture the all-reduces; use executor.cuda_graphs=false or null")
         if size > 1 and self.device.type == "cuda":
             self.device = torch.device("cuda", rank)
         self.use_cuda_graphs = self.device.type == "cuda" and size == 1 if cuda_graphs is None else cuda_graphs
+        self.cuda_graphs_requested = cuda_graphs
         # before the weights load, which runs on these threads too
         self.threads = threads.configure(model_cfg.num_threads, ranks=size)
         self.dtype: torch.dtype = getattr(torch, resolve_dtype(model_cfg.dtype, self.device.type))
@@ -129,8 +137,12 @@ class ModelExecutor(Executor):
         eos = self.tokenizer.eos_token_id
         self.eos_token_ids = frozenset([eos] if eos is not None else arch.eos_token_ids[:1])
         self.model_name = model_cfg.name
-        self.scale = arch.head_dim**-0.5
-        self.sliding_window = arch.sliding_window
+        self.scale = arch.softmax_scale
+        self.sliding_window = arch.sliding_window  # None where layers' windows differ (LlamaArch.layer_windows)
+        self.layer_windows = arch.windows
+        self.layer_types = LayerTypes.of(self.layer_windows)
+        self.kv_layout = KVLayout.build(self.layer_windows, "single")
+        self.routes = layer_routes(self.kv_layout, self.layer_types.kind_of_layer)
         # ALiBi models (BLOOM) carry their slopes; RoPE models have none
         self.alibi_slopes: torch.Tensor | None = getattr(self.model, "alibi_slopes", None)
         self.kv_scales: KVScales | None = None
@@ -201,24 +213,30 @@ class ModelExecutor(Executor):
         self.kernel_description = f"{version}/{reason}"
         if isinstance(self.model, LlamaModel):
             self.model.ops = layer_ops_for(self.backend)
-        self.attention = AttentionSettings(
-            self.backend, self.scale, self.partition_size, self.sliding_window, self.alibi_slopes, self.blocksparse)
+        self.attention = [
+            AttentionSettings(self.backend, self.scale, self.partition_size, window, self.alibi_slopes,
+                              self.blocksparse, self.arch.attn_logit_softcapping)
+            for window in self.layer_types.windows
+        ]
 
     @property
     def _features(self) -> AttentionFeatures:
-        return AttentionFeatures(self.alibi_slopes, self.blocksparse)
+        return AttentionFeatures(self.alibi_slopes, self.blocksparse, self.arch.attn_logit_softcapping)
+
+    def set_kv_layout(self, layout: KVLayout) -> None:
+        """Route each layer to its group's tables and KV tensor (`check_kv_layout` refuses what cannot
+        run; with `cuda_graphs` unset, KV groups turn the graphs off)."""
+        check_kv_layout(layout, self.layer_windows, self.num_devices, self.cuda_graphs_requested)
+        if layout.is_hybrid and self.use_cuda_graphs:
+            log.info("executor.cuda_graphs: off with %d KV groups (decode steps run eagerly)", layout.num_groups)
+            self.use_cuda_graphs = False
+        self.kv_layout = layout
+        self.routes = layer_routes(layout, self.layer_types.kind_of_layer)
 
     def kv_cache_spec(self, block_size: int) -> KVCacheSpec:
-        """A block's bytes over all ranks: each holds its KV heads' share (a replicated KV head counts
-        on every rank holding it), and the swap space is `allocator.swap_space` per rank."""
-        a = self.shard
-        ranks = f" on each of {self.num_devices} ranks" if self.num_devices > 1 else ""
-        return KVCacheSpec(
-            block_size,
-            self.num_devices * 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * self.cache_dtype.itemsize,
-            f"vLLM's per layer{ranks}: key [blocks, {a.num_kv_heads}, {a.head_dim}/x, {block_size}, x], "
-            f"value [blocks, {a.num_kv_heads}, {a.head_dim}, {block_size}], {self.cache_dtype}",
-        )
+        """A block's bytes over all ranks (`paged.executor.kv_tensors`); the swap space is
+        `allocator.swap_space` per rank."""
+        return kv_block_spec(self.shard, self.kv_layout, self.num_devices, block_size, self.cache_dtype)
 
     @on_every_rank(lambda executor, mine, theirs: None if mine is None else min(mine, *theirs) * executor.num_devices)
     def kv_cache_budget(self, utilization: float, max_num_batched_tokens: int, max_num_seqs: int) -> int | None:
@@ -232,39 +250,18 @@ class ModelExecutor(Executor):
         # an engine reusing this executor replaces the cache next: free it (and the graphs that read
         # it) now, so it neither counts as in use nor lives beside its replacement
         self.key_caches, self.value_caches, self.graphs = [], [], None
-        memory = memory_profile.measure(
-            self.model, self.device, max_num_batched_tokens, max_num_seqs, self.arch.max_position_embeddings
-        )
-        budget = memory_profile.kv_cache_bytes(
-            memory.total, utilization, memory.used_after_load, memory.activation_peak
-        )
-        log.info("memory: %s", memory.describe(utilization, budget))
-        return budget
+        return memory_profile.kv_budget(self.model, self.device, utilization, max_num_batched_tokens, max_num_seqs,
+                                        self.arch.max_position_embeddings)
 
     @on_every_rank()
     def init_kv_cache(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
-        """vLLM's layout per layer; the device cache is zeroed so padding slots a kernel may read
-        hold no NaNs. The swap space is left uninitialised: a host block is only ever read after a
-        whole device block was swapped into it. It is pinned for a CUDA model, so swaps are DMA
-        copies. Every rank allocates its KV heads' share of each block."""
+        """vLLM's layout per KV slot (a layer, with one KV group; `paged.executor.kv_tensors`). Every
+        rank allocates its KV heads' share of each block."""
         a = self.shard
-        x = 16 // self.cache_dtype.itemsize
-        if a.head_dim % x:
-            raise ValueError(f"head_dim={a.head_dim} is not a multiple of the key cache's x={x}")
-
-        def shapes(n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-            return (n, a.num_kv_heads, a.head_dim // x, block_size, x), (n, a.num_kv_heads, a.head_dim, block_size)
-
         if self.blocksparse is not None:
             self.blocksparse.check(block_size)
-        key_shape, value_shape = shapes(num_blocks)
-        kw = {"dtype": self.cache_dtype, "device": self.device}
-        self.key_caches = [torch.zeros(key_shape, **kw) for _ in range(a.num_layers)]
-        self.value_caches = [torch.zeros(value_shape, **kw) for _ in range(a.num_layers)]
-        cpu_key_shape, cpu_value_shape = shapes(num_cpu_blocks)
-        cpu_kw = {"dtype": self.cache_dtype, "device": "cpu", "pin_memory": self.device.type == "cuda"}
-        self.cpu_key_caches = [torch.empty(cpu_key_shape, **cpu_kw) for _ in range(a.num_layers)]
-        self.cpu_value_caches = [torch.empty(cpu_value_shape, **cpu_kw) for _ in range(a.num_layers)]
+        (self.key_caches, self.value_caches), (self.cpu_key_caches, self.cpu_value_caches) = allocate_kv(
+            a, self.kv_layout.num_slots, num_blocks, num_cpu_blocks, block_size, self.cache_dtype, self.device)
         self.block_size = block_size
         self.kv_scales = (
             KVScales(a.num_layers, a.num_kv_heads, self.cache_dtype, self.device, self.k_scale, self.v_scale)
@@ -283,7 +280,7 @@ class ModelExecutor(Executor):
     def _check_positions(self, host: HostBatch) -> None:
         """Positions have RoPE rows only up to the model's table: the torch formulas would raise
         an IndexError past it, the fused kernels (which look rows up on the device) read past it."""
-        if isinstance(self.model, LlamaModel) and host.num_tokens:
+        if self.arch.architecture != "bloom" and host.num_tokens:
             last = int(host.positions.max())
             if last >= self.arch.max_position_embeddings:
                 raise ValueError(f"position {last} is past the model's max_position_embeddings="
@@ -314,7 +311,7 @@ class ModelExecutor(Executor):
         if self.version != "auto":
             return self.version
         # a windowed row reads at most the window: that is the length the kernels' work scales with
-        attended = min(rows.max_seq_len, self.sliding_window or rows.max_seq_len)
+        attended = min(rows.max_seq_len, self.layer_types.widest_window or rows.max_seq_len)
         return kernels.choose_version(attended, rows.seq_lens.shape[0], self.shard.num_heads, self.partition_size,
                                       backend=self.backend.name)
 
@@ -339,7 +336,7 @@ class ModelExecutor(Executor):
         if batch.prefill:
             self._announce(f"prefill rows: prefill_attention on backend {self.backend.name}")
         attn = PagedAttention(batch, self.key_caches, self.value_caches, self.attention, decode_version=version,
-                              num_heads=self.shard.num_heads, kv_scales=self.kv_scales)
+                              num_heads=self.shard.num_heads, kv_scales=self.kv_scales, routes=self.routes)
         return self.model.forward(batch.input_ids, batch.positions, attn)
 
     def _run(self, host: HostBatch, version: str | None) -> tuple[torch.Tensor, BatchInput]:
@@ -367,12 +364,14 @@ class ModelExecutor(Executor):
         start = time.perf_counter()
         host, version = None, None
         if not sched.is_empty:
-            host = plan_batch(sched, self.block_size)
+            host = plan_batch(sched, self.block_size, self.kv_layout.num_groups)
             self._check_positions(host)
             version = self._choose_version(host)
         prep_time = time.perf_counter() - start
+        # the prefix tiers' host blocks follow the swap pool's: their copies go out and in with the swaps
         ran = self.run_rank_step(RankStep(
-            sched.blocks_to_swap_out, sched.blocks_to_swap_in, sched.blocks_to_copy, host, version))
+            sched.blocks_to_offload + sched.blocks_to_swap_out, sched.blocks_to_swap_in + sched.blocks_to_onload,
+            sched.blocks_to_copy, host, version))
         if ran is None or host is None:
             return ExecutorOutput([], model_time_s=time.perf_counter() - start)
         hidden, batch = ran

@@ -7,6 +7,11 @@ known on the host so no kernel has to ask the device for them. `InputBuffers.upl
 into one int64 and one int32 buffer of page-locked host memory and copies each to the device with
 one non-blocking copy (vLLM's persistent input batch); on a CPU the arrays are used as they are.
 `pad_decode` widens a decode batch to a CUDA graph's shape.
+
+With KV groups per layer type (`paged.kv_layout`) each group has its own block tables
+(`ScheduledSeq.group_tables`), so each has its own cache slots and attention rows; the rows'
+lengths and offsets are the same in every group. Group 0's are the batch's own fields, the others'
+are `groups` (empty with one group, so a one-group step builds and uploads what it always did).
 """
 
 from __future__ import annotations
@@ -35,6 +40,15 @@ class HostRows:
 
 
 @dataclass(frozen=True)
+class HostGroup:
+    """A KV group's cache slots and attention rows, beyond group 0's (which are `HostBatch`'s own)."""
+
+    slot_mapping: np.ndarray
+    decode: HostRows | None
+    prefill: HostRows | None
+
+
+@dataclass(frozen=True)
 class HostBatch:
     input_ids: np.ndarray  # int64 [T], all scheduled tokens, sequence after sequence
     positions: np.ndarray  # int64 [T]
@@ -42,6 +56,7 @@ class HostBatch:
     sample_rows: np.ndarray  # int64 [R], flat index of the last token of each sequence that samples
     decode: HostRows | None
     prefill: HostRows | None
+    groups: tuple[HostGroup, ...] = ()  # KV groups 1.. (`paged.kv_layout`); empty with one group
 
     @property
     def num_tokens(self) -> int:
@@ -62,7 +77,9 @@ def _host_rows(picked: np.ndarray, num_new: np.ndarray, context: np.ndarray, tab
     )
 
 
-def plan_batch(sched: SchedulerOutput, block_size: int) -> HostBatch:
+def plan_batch(sched: SchedulerOutput, block_size: int, num_groups: int = 1) -> HostBatch:
+    """The step's inputs; with `num_groups` > 1 KV groups, every scheduled row carries its
+    `group_tables` and each group gets its slots and rows."""
     items = sched.scheduled
     num_seqs = len(items)
     computed = np.fromiter((it.seq.num_computed_tokens for it in items), dtype=np.int64, count=num_seqs)
@@ -82,21 +99,33 @@ def plan_batch(sched: SchedulerOutput, block_size: int) -> HostBatch:
         )
         owner = np.repeat(np.arange(num_seqs), num_new)
         positions = np.arange(int(ends[-1])) - starts[owner] + computed[owner]
-    table_lens = np.fromiter((len(it.block_table) for it in items), dtype=np.int64, count=num_seqs)
-    assert (table_lens * block_size >= context).all(), "a block table is shorter than its context"
-    tables = np.zeros((num_seqs, int(table_lens.max())), dtype=np.int32)
-    for row, it in zip(tables, items, strict=True):
-        row[: len(it.block_table)] = it.block_table
-    slots = tables[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    samples = [i for i, it in enumerate(items) if it.num_samples > 0]
     decode = num_new == 1
+
+    def group(block_tables: list[list[int]]) -> HostGroup:
+        table_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=num_seqs)
+        assert (table_lens * block_size >= context).all(), "a block table is shorter than its context"
+        tables = np.zeros((num_seqs, int(table_lens.max())), dtype=np.int32)
+        for row, table in zip(tables, block_tables, strict=True):
+            row[: len(table)] = table
+        slots = tables[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        return HostGroup(slots, _host_rows(decode, num_new, context, tables),
+                         _host_rows(~decode, num_new, context, tables))
+
+    first = group([it.block_table for it in items])
+    others: tuple[HostGroup, ...] = ()
+    if num_groups > 1:
+        missing = [it.seq.seq_id for it in items if it.group_tables is None or len(it.group_tables) != num_groups]
+        assert not missing, f"sequences {missing} lack a block table for each of the {num_groups} KV groups"
+        others = tuple(group([it.group_tables[g] for it in items]) for g in range(1, num_groups))
+    samples = [i for i, it in enumerate(items) if it.num_samples > 0]
     return HostBatch(
         input_ids=np.array(token_ids, dtype=np.int64),
         positions=positions,
-        slot_mapping=slots,
+        slot_mapping=first.slot_mapping,
         sample_rows=ends[samples] - 1,
-        decode=_host_rows(decode, num_new, context, tables),
-        prefill=_host_rows(~decode, num_new, context, tables),
+        decode=first.decode,
+        prefill=first.prefill,
+        groups=others,
     )
 
 
@@ -123,6 +152,17 @@ def pad_decode(batch: HostBatch, size: int, width: int, max_seq_len: int) -> Hos
 
 
 @dataclass(frozen=True)
+class GroupInput:
+    """One KV group's side of a step on the device: where its new K/V go and the rows its attention
+    ops read, with their host copies."""
+
+    slot_mapping: torch.Tensor
+    host_slot_mapping: np.ndarray
+    decode: Rows | None
+    prefill: Rows | None
+
+
+@dataclass(frozen=True)
 class BatchInput:
     """A `HostBatch` on the device; `decode` / `prefill` carry their host arrays too."""
 
@@ -135,10 +175,17 @@ class BatchInput:
     decode_tokens: torch.Tensor | None
     prefill: Rows | None
     prefill_tokens: torch.Tensor | None
+    other_groups: tuple[GroupInput, ...] = ()  # KV groups 1..
 
     @property
     def num_tokens(self) -> int:
         return self.host.num_tokens
+
+    def group(self, index: int) -> GroupInput:
+        """KV group `index`'s slots and rows (group 0's are the batch's own)."""
+        if index == 0:
+            return GroupInput(self.slot_mapping, self.host.slot_mapping, self.decode, self.prefill)
+        return self.other_groups[index - 1]
 
 
 class _Staging:
@@ -213,6 +260,10 @@ def _arrays(batch: HostBatch) -> list[np.ndarray]:
             arrays += [rows.block_tables, rows.seq_lens, rows.query_start_loc]
             if rows.tokens is not None:
                 arrays.append(rows.tokens)
+    for group in batch.groups:
+        arrays.append(group.slot_mapping)
+        arrays += [a for rows in (group.decode, group.prefill) if rows is not None
+                   for a in (rows.block_tables, rows.seq_lens, rows.query_start_loc)]
     arrays.append(batch.sample_rows)
     for a in arrays:
         assert a.dtype in (np.int64, np.int32), a.dtype
@@ -229,7 +280,9 @@ def _wrap(batch: HostBatch, put: Callable[[np.ndarray], torch.Tensor]) -> BatchI
     def tokens(host: HostRows | None) -> torch.Tensor | None:
         return None if host is None or host.tokens is None else put(host.tokens)
 
+    others = tuple(GroupInput(put(g.slot_mapping), g.slot_mapping, rows(g.decode), rows(g.prefill))
+                   for g in batch.groups)
     return BatchInput(
         batch, put(batch.input_ids), put(batch.positions), put(batch.slot_mapping), put(batch.sample_rows),
-        rows(batch.decode), tokens(batch.decode), rows(batch.prefill), tokens(batch.prefill),
+        rows(batch.decode), tokens(batch.decode), rows(batch.prefill), tokens(batch.prefill), others,
     )

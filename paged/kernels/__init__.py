@@ -22,12 +22,13 @@ from paged.kernels.ops import (
     reshape_and_cache,
     swap_blocks,
 )
-from paged.kernels.registry import BACKENDS, get_backend, resolve_backend
+from paged.kernels.registry import BACKENDS, backends_serving, get_backend, resolve_backend
 
 __all__ = [
     "BACKENDS",
     "V3_BACKENDS",
     "KernelBackend",
+    "backends_serving",
     "choose_version",
     "copy_blocks",
     "get_backend",

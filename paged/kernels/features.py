@@ -1,5 +1,6 @@
 """The kernel options beyond plain attention, vLLM's names and meanings: an fp8 KV cache with
-per-head scales, ALiBi slopes, and block-sparse attention. Checked here once, for every backend.
+per-head scales, ALiBi slopes, block-sparse attention, and Gemma-2's attention logit soft-capping.
+Checked here once, for every backend.
 
 fp8 (`kv_cache_dtype` fp8_e4m3 / fp8_e5m2): the cache tensors have torch's `float8_e4m3fn` /
 `float8_e5m2` dtype. `reshape_and_cache` stores `fp8(clamp(x / scale, -max, max))`, rounding to
@@ -11,6 +12,9 @@ Block-sparse (`BlockSparse`): positions are grouped in sparse blocks of `block_s
 query in sparse block q attends to sparse block k (k <= q) when it is one of the `local_blocks`
 last ones (k > q - local_blocks) or a "vertical" one, (k + offset) % vert_stride == 0, where the
 offset slides with the head: head * head_sliding_step + 1 (a negative step slides per KV head).
+
+Soft-capping (`soft_cap` c, Gemma-2's `attn_logit_softcapping`): each scaled logit s becomes
+c * tanh(s / c) before masking and the softmax, so no logit's magnitude exceeds c.
 """
 
 from __future__ import annotations
@@ -75,15 +79,23 @@ class BlockSparse(BlockSparseSpec):
 
 @dataclass(frozen=True)
 class AttentionFeatures:
-    """What attention adds to q·k: ALiBi slopes (fp32 `[num_heads]`, bias slope * (k - q)) and a
-    block-sparse pattern. `NONE` is plain attention."""
+    """What attention adds to q·k: ALiBi slopes (fp32 `[num_heads]`, bias slope * (k - q)), a
+    block-sparse pattern and a logit soft-cap. `NONE` is plain attention."""
 
     alibi_slopes: torch.Tensor | None = None
     blocksparse: BlockSparse | None = None
+    soft_cap: float | None = None
 
     @property
     def plain(self) -> bool:
-        return self.alibi_slopes is None and self.blocksparse is None
+        return self.alibi_slopes is None and self.blocksparse is None and self.soft_cap is None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The features in use, as backends declare them (`KernelBackend.features`)."""
+        used = (("alibi", self.alibi_slopes is not None), ("blocksparse", self.blocksparse is not None),
+                ("softcap", self.soft_cap is not None))
+        return tuple(name for name, on in used if on)
 
 
 NONE = AttentionFeatures()

@@ -361,10 +361,14 @@ def cache_scales(
 
 
 def check_features(
-    query: torch.Tensor, block_size: int, alibi_slopes: torch.Tensor | None, blocksparse: BlockSparse | None
+    query: torch.Tensor, block_size: int, alibi_slopes: torch.Tensor | None, blocksparse: BlockSparse | None,
+    soft_cap: float | None = None,
 ) -> AttentionFeatures:
-    """ALiBi slopes as fp32 `[num_heads]` on the query's device, and a block-sparse pattern whose
-    sparse blocks hold whole cache blocks."""
+    """ALiBi slopes as fp32 `[num_heads]` on the query's device, a block-sparse pattern whose
+    sparse blocks hold whole cache blocks, and a positive finite soft-cap."""
+    if soft_cap is not None and (isinstance(soft_cap, bool) or not isinstance(soft_cap, int | float)
+                                 or not 0 < soft_cap < float("inf")):
+        raise ValueError(f"soft_cap={soft_cap!r} must be a positive finite number or None")
     if alibi_slopes is not None:
         num_heads = query.shape[1]
         if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dim() != 1 or alibi_slopes.numel() != num_heads:
@@ -375,4 +379,4 @@ def check_features(
         alibi_slopes = alibi_slopes.float().contiguous()
     if blocksparse is not None:
         blocksparse.check(block_size)
-    return AttentionFeatures(alibi_slopes, blocksparse)
+    return AttentionFeatures(alibi_slopes, blocksparse, None if soft_cap is None else float(soft_cap))

@@ -109,6 +109,7 @@ def paged_attention(
     sliding_window: int | None = None,
     alibi_slopes: torch.Tensor | None = None,
     blocksparse: BlockSparse | None = None,
+    soft_cap: float | None = None,
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -119,13 +120,13 @@ def paged_attention(
     caller knows it, which saves a device-to-host sync. `sliding_window` W limits each query to
     its last W positions, itself included (Mistral's window); table entries of blocks wholly
     before the window are never read, so they may be stale. `alibi_slopes` (`[num_heads]`),
-    `blocksparse`, and the fp8 cache's `k_scale` / `v_scale` (a number or `[num_kv_heads]`; 1 when
+    `blocksparse`, `soft_cap`, and the fp8 cache's `k_scale` / `v_scale` (a number or `[num_kv_heads]`; 1 when
     not given) are described in `paged.kernels.features`.
     """
     cache = _view(key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale)
     check_paged_attention(query, cache, version, partition_size)
     sliding_window = check_sliding_window(sliding_window)
-    features = check_features(query, cache.block_size, alibi_slopes, blocksparse)
+    features = check_features(query, cache.block_size, alibi_slopes, blocksparse, soft_cap)
     impl, max_seq_len = _serving_attention(
         backend, query, cache, partition_size if version == "v2" else None, max_seq_len, features
     )
@@ -150,6 +151,7 @@ def prefill_attention(
     sliding_window: int | None = None,
     alibi_slopes: torch.Tensor | None = None,
     blocksparse: BlockSparse | None = None,
+    soft_cap: float | None = None,
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -168,7 +170,7 @@ def prefill_attention(
     check_prefill_attention(query, cache, query_start_loc)
     check_query_offsets(query, cache, query_start_loc)
     sliding_window = check_sliding_window(sliding_window)
-    features = check_features(query, cache.block_size, alibi_slopes, blocksparse)
+    features = check_features(query, cache.block_size, alibi_slopes, blocksparse, soft_cap)
     impl, max_seq_len = _serving_attention(backend, query, cache, None, max_seq_len, features)
     max_query_len = check_max_len("max_query_len", query_start_loc.diff(), max_query_len, sizes_memory=False)
     if query.shape[0] == 0:

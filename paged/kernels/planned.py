@@ -52,8 +52,9 @@ class Rows:
 
 @dataclass(frozen=True)
 class AttentionSettings:
-    """What a model's attention is, whatever the step: the backend, the decode kernel's partition
-    size, the window, the features (`paged.kernels.features`) and the softmax scale."""
+    """What one attention type of a model is, whatever the step: the backend, the decode kernel's
+    partition size, the window, the features (`paged.kernels.features`) and the softmax scale. A
+    model whose layers differ (Gemma's sliding and global layers) has one per layer type."""
 
     backend: KernelBackend
     scale: float
@@ -61,6 +62,7 @@ class AttentionSettings:
     sliding_window: int | None = None
     alibi_slopes: torch.Tensor | None = None
     blocksparse: BlockSparse | None = None
+    soft_cap: float | None = None
 
 
 def check_planned_scales(key_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
@@ -97,7 +99,8 @@ class _Planned:
     def _check_first(self, query: torch.Tensor, cache: CacheView, partition_size: int | None) -> AttentionFeatures:
         s = self.settings
         check_planned_scales(cache.key_cache, cache.k_scale, cache.v_scale)
-        features = input_checks.check_features(query, cache.block_size, s.alibi_slopes, s.blocksparse)
+        features = input_checks.check_features(query, cache.block_size, s.alibi_slopes, s.blocksparse,
+                                                   s.soft_cap)
         self.backend = serving_backend(s.backend, query, cache.head_size, cache.block_size, partition_size,
                                        cache.key_cache.dtype, features)
         return features

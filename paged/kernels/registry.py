@@ -35,6 +35,12 @@ def get_backend(backend: str | KernelBackend) -> KernelBackend:
     return importlib.import_module(_MODULES[backend]).BACKEND
 
 
+def backends_serving(features: AttentionFeatures) -> tuple[str, ...]:
+    """The backends that implement every feature in `features` (whatever else they need): what a
+    model whose layers need them may name as `kernel.backend`."""
+    return tuple(name for name in BACKENDS if set(features.names) <= set(get_backend(name).features))
+
+
 def resolve_backend(
     requested: str,
     *,

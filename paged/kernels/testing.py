@@ -171,10 +171,12 @@ def gather_kv(
 
 
 def causal_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, sliding_window: int | None = None
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Attention of the last `T` of `L` positions to positions up to their own, in fp32:
-    q `[T, H, D]`, k/v `[L, Hk, D]`. With `sliding_window` W, the query at p sees only p - W < k."""
+    q `[T, H, D]`, k/v `[L, Hk, D]`. With `sliding_window` W, the query at p sees only p - W < k;
+    `soft_cap` c caps the scaled scores to c * tanh(s / c)."""
     num_new, num_heads, _ = query.shape
     context_len, num_kv_heads, _ = key.shape
     group = num_heads // num_kv_heads
@@ -182,6 +184,8 @@ def causal_attention(
     k = key.float().transpose(0, 1).repeat_interleave(group, dim=0)
     v = value.float().transpose(0, 1).repeat_interleave(group, dim=0)
     scores = q @ k.transpose(1, 2) * scale
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
     positions = torch.arange(context_len - num_new, context_len)
     keys = torch.arange(context_len)[None, :]
     hidden = keys > positions[:, None]

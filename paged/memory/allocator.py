@@ -93,8 +93,9 @@ class BlockAllocator(ABC):
         """Like `match` but touches nothing: admission control asks before it commits."""
         return None
 
-    def insert(self, block_id: int, block_hash: bytes) -> None:
-        """Publish a full, computed block under its content hash; allocators without a cache ignore it."""
+    def insert(self, block_id: int, block_hash: bytes, position: int = 0) -> None:
+        """Publish a full, computed block under its content hash, `position` blocks deep in its hash
+        chain (what an eviction policy ranks by); allocators without a cache ignore it."""
         return None
 
     def reset_prefix_cache(self) -> bool:

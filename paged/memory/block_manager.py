@@ -8,6 +8,7 @@ import enum
 from dataclasses import dataclass
 
 from paged.memory.allocator import BlockAllocator, NoFreeBlocksError
+from paged.memory.kv_tiers import KVTiers
 from paged.memory.prefix_index import PrefixIndex
 from paged.memory.reservation import ExactReservation, Reservation, final_length
 from paged.memory.slot_ledger import SlotLedger
@@ -50,7 +51,8 @@ class BlockManager:
     pairs the executor moves). With a `sliding_window`, blocks wholly before every future query's
     window are freed as the sequence grows. `max_model_len` caps the length a reservation counts on.
     `share_blocks=False` is the no-sharing baseline of the paper's sharing study: a forked sequence
-    (or a prefix-cache hit) copies every block it shares before its next step.
+    (or a prefix-cache hit) copies every block it shares before its next step. With `tiers`, evicted
+    prefix blocks go to a CPU (and disk) tier and come back as hits by copy (`paged.memory.kv_tiers`).
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class BlockManager:
         num_cpu_blocks: int = 0,
         sliding_window: int | None = None,
         share_blocks: bool = True,
+        tiers: KVTiers | None = None,
     ) -> None:
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
@@ -80,7 +83,7 @@ class BlockManager:
         self.watermark_blocks = int(watermark * self.num_total_blocks)
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
-        self.prefix_index = PrefixIndex(allocator)
+        self.prefix_index = PrefixIndex(allocator, tiers)
         self.swap_space = SwapSpace(allocator, num_cpu_blocks)
         self.cpu_allocator = self.swap_space.allocator  # None without a CPU pool
         self.ledger = SlotLedger(self.num_total_blocks, self.block_size)
@@ -141,7 +144,7 @@ class BlockManager:
             raise NoFreeBlocksError(
                 f"sequence {seq.seq_id} needs {needed} new blocks, {alloc.num_free_blocks} are free"
             )
-        index.match(seq, hits)
+        num_held = index.match(seq, hits)  # and the tier hits after them, kept through the evictions below
         for block_id in hits:
             if alloc.refcount(block_id) == 1:  # revived from the free pool: its slots count again
                 self.ledger.account(block_id, bs, 0)
@@ -149,10 +152,11 @@ class BlockManager:
         final = self._final(seq)
         if required > len(hits):
             table.extend(alloc.allocate_blocks(required - len(hits)))
+        num_hits = len(hits) + index.onload(seq, table, len(hits), num_held)
         self.ledger.account_table(table, range(len(hits), required), num_tokens, final)
-        state = self._seqs[seq.seq_id] = _SeqBlocks(table, num_tokens, final, len(hits))
+        state = self._seqs[seq.seq_id] = _SeqBlocks(table, num_tokens, final, num_hits)
         self._num_logical_blocks += len(table)
-        num_hit_tokens = len(hits) * bs
+        num_hit_tokens = num_hits * bs
         if index.enabled:
             state.num_announced = index.announce(seq, state.num_published)
             self.num_queried_tokens += num_tokens
@@ -284,8 +288,8 @@ class BlockManager:
         return self.prefix_index.awaits(seq)
 
     def num_cached_tokens(self, seq: Sequence) -> int:
-        """Tokens of `seq`'s prompt the prefix cache holds now (what admitting it would skip)."""
-        return len(self.prefix_index.lookup(seq)) * self.block_size
+        """Tokens of `seq`'s prompt the prefix cache and its tiers hold now (what admitting it would skip)."""
+        return self.prefix_index.num_hit_blocks(seq) * self.block_size
 
     # -- lifetime --------------------------------------------------------------------------------
 
@@ -389,7 +393,7 @@ class BlockManager:
             num_stranded_free_blocks=self.allocator.num_stranded_free_blocks(blocked_blocks) if blocked_blocks else 0,
             num_cpu_blocks=cpu.num_blocks if cpu else 0,
             num_free_cpu_blocks=cpu.num_free_blocks if cpu else 0,
-            num_logical_blocks=self._num_logical_blocks,
+            num_logical_blocks=self._num_logical_blocks, **self.prefix_index.tier_counts(),
         )
 
     def _cdiv(self, num_tokens: int) -> int:

@@ -6,6 +6,9 @@ hashes a sequence's tokens block by block and walks the cache along that chain (
 `KVCacheManager.get_computed_blocks` and `BlockPool.cache_full_blocks`). The computing registry is
 what the scheduler's prefix de-duplication asks: a waiting request whose next block another request
 is computing this step can wait one step and hit it instead of computing it again.
+
+With tiers for evicted prefixes (`KVTiers`), a lookup continues along the chain into the tiers where
+the device misses (`lower_hits`), and admission brings those blocks back by copy (`hold`, `onload`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections import Counter
 
 from paged.memory.allocator import BlockAllocator
 from paged.memory.hashing import block_hash
+from paged.memory.kv_tiers import BlockPairs, KVTiers
 from paged.request import Sequence
 
 
@@ -25,10 +29,13 @@ class PrefixIndex:
     nothing; the block manager then announces nothing either.
     """
 
-    def __init__(self, allocator: BlockAllocator) -> None:
+    def __init__(self, allocator: BlockAllocator, tiers: KVTiers | None = None) -> None:
         self.allocator = allocator
         self.block_size = allocator.block_size
         self.enabled = allocator.caches_prefixes
+        self.tiers = tiers if self.enabled else None
+        if self.tiers is not None:
+            allocator.on_evict = self._evicted  # type: ignore[attr-defined]  # a PrefixCachingAllocator's hook
         # Cached per Sequence object (weakly, so aborted waiting sequences don't leak): admission
         # re-asks every step while a sequence waits, and a chain survives preemption.
         self._chains: weakref.WeakKeyDictionary[Sequence, list[bytes]] = weakref.WeakKeyDictionary()
@@ -39,10 +46,7 @@ class PrefixIndex:
         """Block ids of `seq`'s cached prefix, taking no reference (admission asks before it commits).
         The block holding the last token is never one: its logits must be computed, so a shared
         cached block is never written."""
-        # prompt log-probabilities need every prompt position computed
-        if not self.enabled or seq.request.params.prompt_logprobs is not None:
-            return []
-        max_blocks = max(seq.num_tokens - 1, 0) // self.block_size
+        max_blocks = self._max_hit_blocks(seq)
         if max_blocks == 0:
             return []
         chain = self._chain(seq, max_blocks)
@@ -54,9 +58,72 @@ class PrefixIndex:
             hits.append(block_id)
         return hits
 
+    def _max_hit_blocks(self, seq: Sequence) -> int:
+        """Blocks of `seq` a prefix hit may cover: none for prompt log-probabilities (every prompt
+        position is computed), else every full block before the one holding the last token."""
+        if not self.enabled or seq.request.params.prompt_logprobs is not None:
+            return 0
+        return max(seq.num_tokens - 1, 0) // self.block_size
+
+    def lower_hits(self, seq: Sequence, start: int) -> int:
+        """How many blocks of `seq`'s chain from `start` (its device hits) the tiers below the device
+        hold: a lookup that goes on where the device missed, taking nothing."""
+        if self.tiers is None:
+            return 0
+        max_blocks = self._max_hit_blocks(seq)
+        chain = self._chain(seq, max_blocks)
+        hits = 0
+        for i in range(start, max_blocks):
+            if not self.tiers.holds(chain[i]):
+                break
+            hits += 1
+        return hits
+
+    def num_hit_blocks(self, seq: Sequence) -> int:
+        """Blocks of `seq`'s prompt the cache and the tiers below it hold now: what admission skips."""
+        num_hits = len(self.lookup(seq))
+        return num_hits + self.lower_hits(seq, num_hits)
+
+    def hold(self, seq: Sequence, start: int) -> int:
+        """Pin the blocks `lower_hits(seq, start)` finds in their tiers, so that the evictions of the
+        allocation that follows keep them (a full tier evicts none of them); returns how many."""
+        if self.tiers is None:
+            return 0
+        max_blocks = self._max_hit_blocks(seq)
+        return self.tiers.hold(self._chain(seq, max_blocks)[start:])
+
+    def onload(self, seq: Sequence, table: list[int], start: int, num_held: int) -> int:
+        """Bring the `num_held` blocks `hold` pinned back into the fresh blocks `table[start:]` and
+        cache them there under their hashes; returns how many came back (a missing or corrupt disk
+        file ends the run of hits there)."""
+        if not num_held:
+            return 0
+        assert self.tiers is not None
+        chain = self._chain(seq, start + num_held)
+        for i in range(start, start + num_held):
+            if self.tiers.onload(chain[i], table[i]) is None:
+                return i - start
+            self.allocator.insert(table[i], chain[i], i)
+        return num_held
+
+    def take_tier_moves(self) -> tuple[BlockPairs, BlockPairs]:
+        """The step's copies for the tiers below the device (`KVTiers.take_moves`), which the
+        scheduler hands the executor; none without tiers."""
+        return self.tiers.take_moves() if self.tiers is not None else ([], [])
+
+    def tier_counts(self) -> dict[str, int]:
+        """The tiers' counters as `KVStats` fields; none without tiers."""
+        return self.tiers.counts(self.block_size) if self.tiers is not None else {}
+
+    def _evicted(self, block_id: int, block_hash: bytes) -> None:
+        """The allocator's eviction hook: the tiers keep the block."""
+        assert self.tiers is not None
+        self.tiers.offload(block_id, block_hash, self.allocator.position(block_id))  # type: ignore[attr-defined]
+
     def cached_blocks(self, chain: list[bytes]) -> int:
         """How many blocks from the start of `chain` (a prompt's `prompt_block_hashes`) the cache
-        holds now: what a router asks of a replica, without a sequence and taking no reference."""
+        (and the tiers below it) hold now: what a router asks of a replica, without a sequence and
+        taking no reference."""
         if not self.enabled:
             return 0
         hits = 0
@@ -64,20 +131,24 @@ class PrefixIndex:
             if self.allocator.peek(h) is None:
                 break
             hits += 1
+        while self.tiers is not None and hits < len(chain) and self.tiers.holds(chain[hits]):
+            hits += 1
         return hits
 
-    def match(self, seq: Sequence, hits: list[int]) -> None:
-        """Take a reference on each of `hits`, what `lookup(seq)` just returned."""
+    def match(self, seq: Sequence, hits: list[int]) -> int:
+        """Take a reference on each of `hits`, what `lookup(seq)` just returned, and pin the blocks
+        the tiers hold after them (`hold`); returns how many `onload` may then bring back."""
         chain = self._chains.get(seq, ())
         for i, expected in enumerate(hits):
             block_id = self.allocator.match(chain[i])
             assert block_id == expected, "prefix cache changed between lookup and match"
+        return self.hold(seq, len(hits))
 
     def publish(self, seq: Sequence, table: list[int], start: int, stop: int) -> None:
         """Insert `table[start:stop]`, full blocks `seq` has computed, into the cache."""
         chain = self._chain(seq, stop)
         for i in range(start, stop):
-            self.allocator.insert(table[i], chain[i])
+            self.allocator.insert(table[i], chain[i], i)
 
     def announce(self, seq: Sequence, start: int) -> int:
         """Register the full blocks of `seq` from `start` on as being computed, so `awaits` sees

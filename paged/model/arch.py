@@ -5,13 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from paged.model.hf_layer_types import GEMMA_MODEL_TYPES, gemma_keys, implied_layer_types, layer_windows
+
 # Llama, Mistral and Qwen2 are the Llama decoder (Qwen2 adds a bias to q/k/v, Mistral a sliding
-# window); BLOOM is a decoder of its own.
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "bloom")
+# window); Gemma-2 and Gemma-3 (text) the Llama decoder with Gemma's changes; BLOOM is a decoder
+# of its own.
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", *GEMMA_MODEL_TYPES, "bloom")
 # The decoder's math, `LlamaArch.architecture`: llama is RoPE, RMSNorm and a gated SiLU MLP
-# (paged.model.llama); bloom is ALiBi, LayerNorm, a GELU MLP and a bias on every linear layer
-# (paged.model.bloom), its intermediate_size 4 * hidden_size.
-ARCHITECTURES = ("llama", "bloom")
+# (paged.model.llama); gemma adds a scaled embedding, (1 + weight) RMSNorms around both attention
+# and MLP, GeGLU, and Gemma's attention options (paged.model.gemma); bloom is ALiBi, LayerNorm, a
+# GELU MLP and a bias on every linear layer (paged.model.bloom), its intermediate_size 4 * hidden_size.
+ARCHITECTURES = ("llama", "gemma", "bloom")
 
 
 @dataclass
@@ -33,11 +37,29 @@ class LlamaArch:
     # Mistral's local attention: a query at position p sees keys p - W < k <= p; None: all of them.
     sliding_window: int | None = None
     architecture: str = "llama"
+    # Per layer, its window (None: full attention), for models whose layers differ (Gemma-2/3,
+    # Qwen2's max_window_layers); None: every layer has `sliding_window`. It decides
+    # `sliding_window`: equal entries fold into it, mixed ones leave it None, so code that reads
+    # only `sliding_window` treats a mixed model as full attention and never frees a block that a
+    # full layer still reads (`windows` is each layer's).
+    layer_windows: list[int | None] | None = None
+    # Gemma's: the softmax scale is query_pre_attn_scalar ** -0.5 (None: head_dim's), attention
+    # and final logits are soft-capped to c * tanh(x / c) (None: not), Gemma-3 RMS-normalises q and
+    # k per head (`qk_norm`), its sliding layers rotate with `rope_local_theta` (None:
+    # `rope_theta`) and its full layers divide positions by `rope_linear_factor`.
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    qk_norm: bool = False
+    rope_local_theta: float | None = None
+    rope_linear_factor: float = 1.0
 
     def __post_init__(self) -> None:
         window = self.sliding_window
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
             raise ValueError(f"sliding_window={window!r} must be a positive integer or None")
+        if self.layer_windows is not None:
+            self._fold_layer_windows()
         if self.architecture not in ARCHITECTURES:
             allowed = ", ".join(ARCHITECTURES)
             raise ValueError(f"architecture={self.architecture!r} is not supported; allowed: {allowed}")
@@ -46,8 +68,41 @@ class LlamaArch:
         if self.architecture == "bloom" and self.num_kv_heads != self.num_heads:
             raise ValueError(f"bloom has one KV head per query head: num_kv_heads={self.num_kv_heads} must be "
                              f"num_heads={self.num_heads}")
-        if self.architecture == "llama" and self.head_dim % 2:
+        if self.architecture != "bloom" and self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        gemma_only = [name for name in ("query_pre_attn_scalar", "final_logit_softcapping", "rope_local_theta")
+                      if getattr(self, name) is not None] + ["qk_norm"] * self.qk_norm
+        gemma_only += ["rope_linear_factor"] * (self.rope_linear_factor != 1.0)
+        if self.architecture != "gemma" and gemma_only:
+            raise ValueError(f"{', '.join(gemma_only)} apply to architecture=gemma only, not {self.architecture!r}")
+        positive = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "rope_linear_factor")
+        for name in positive:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value <= 0):
+                raise ValueError(f"{name}={value!r} must be a positive number")
+
+    def _fold_layer_windows(self) -> None:
+        windows = self.layer_windows
+        if not isinstance(windows, list | tuple) or len(windows) != self.num_layers:
+            raise ValueError(f"layer_windows={windows!r} must list one window per layer ({self.num_layers})")
+        for w in windows:
+            if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
+                raise ValueError(f"layer_windows entry {w!r} must be a positive integer or None (full attention)")
+        if len(set(windows)) == 1:
+            self.sliding_window, self.layer_windows = windows[0], None
+        else:
+            self.sliding_window, self.layer_windows = None, list(windows)
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Each layer's attention window in tokens; None: full attention."""
+        if self.layer_windows is not None:
+            return tuple(self.layer_windows)
+        return (self.sliding_window,) * self.num_layers
+
+    @property
+    def softmax_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LlamaArch:
@@ -59,12 +114,17 @@ class LlamaArch:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> LlamaArch:
-        """From a parsed HF config.json (Llama, SmolLM, Mistral, Qwen2 or BLOOM)."""
+        """From a parsed HF config.json (Llama, SmolLM, Mistral, Qwen2, Gemma-2, Gemma-3 text or BLOOM)."""
         model_type = cfg.get("model_type")
+        if model_type == "gemma3":
+            raise ValueError("model_type='gemma3' is Gemma-3's image-text checkpoint; only its text model is "
+                             "supported (model_type gemma3_text, as Gemma3ForCausalLM saves it)")
         if model_type not in HF_MODEL_TYPES:
             raise ValueError(f"model_type={model_type!r} is not supported; supported: {', '.join(HF_MODEL_TYPES)}")
         if model_type == "bloom":
             return cls._from_bloom_config(cfg)
+        if model_type in GEMMA_MODEL_TYPES:
+            return cls(**gemma_keys(cfg))
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
@@ -86,7 +146,7 @@ class LlamaArch:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[] if eos is None else list(eos) if isinstance(eos, list) else [eos],
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            sliding_window=_hf_sliding_window(cfg),
+            layer_windows=_hf_layer_windows(cfg),
         )
 
     @classmethod
@@ -149,31 +209,18 @@ class LlamaArch:
         )
 
 
-def _hf_sliding_window(cfg: dict[str, Any]) -> int | None:
-    """The window every layer uses, as transformers reads the config.
+def _hf_layer_windows(cfg: dict[str, Any]) -> list[int | None]:
+    """Each layer's window, as transformers reads the config.
 
     Llama has none. Mistral's `sliding_window` applies to all layers (null: none). Qwen2 ignores
     it unless `use_sliding_window`, and then windows only layers `>= max_window_layers` (or those
-    `layer_types` names): one window for all layers or none is all this decoder runs.
+    `layer_types` names).
     """
     window = cfg.get("sliding_window")
     model_type = cfg["model_type"]
-    if window is None or model_type == "llama":
-        return None
-    if model_type == "mistral":
-        return window
-    if not cfg.get("use_sliding_window", False):
-        return None
     num_layers = cfg["num_hidden_layers"]
-    layer_types = cfg.get("layer_types") or [
-        "sliding_attention" if i >= cfg.get("max_window_layers", 28) else "full_attention" for i in range(num_layers)
-    ]
-    kinds = set(layer_types)
-    if kinds == {"full_attention"}:
-        return None
-    if kinds == {"sliding_attention"}:
-        return window
-    raise NotImplementedError(
-        f"{model_type} with a sliding window on some layers only ({layer_types.count('sliding_attention')} of "
-        f"{num_layers}) is not implemented; only a window on every layer or on none is"
-    )
+    if window is None or model_type == "llama" or (model_type == "qwen2" and not cfg.get("use_sliding_window")):
+        return [None] * num_layers
+    if model_type == "mistral":
+        return [window] * num_layers
+    return layer_windows(implied_layer_types(cfg), window)

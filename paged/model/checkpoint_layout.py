@@ -1,5 +1,5 @@
-"""The tensors an HF checkpoint holds for a `LlamaArch`: their names as `LlamaModel` / `BloomModel`
-read them, and the shapes config.json implies.
+"""The tensors an HF checkpoint holds for a `LlamaArch`: their names as `LlamaModel` / `GemmaModel` /
+`BloomModel` read them, and the shapes config.json implies.
 
 tests/test_hf_checkpoint_checks.py pins this table against both decoders (the names they read) and
 against transformers' own modules (names and shapes), so it cannot drift from the loaders.
@@ -28,6 +28,15 @@ _CONFIG_KEYS: dict[str, dict[str, tuple[str, ...]]] = {
         "num_heads": ("num_attention_heads",),
         "num_kv_heads": ("num_key_value_heads", "num_attention_heads"),
         "head_dim": ("head_dim", "hidden_size"),
+    },
+    "gemma": {
+        "vocab_size": ("vocab_size",),
+        "hidden_size": ("hidden_size",),
+        "intermediate_size": ("intermediate_size",),
+        "num_layers": ("num_hidden_layers",),
+        "num_heads": ("num_attention_heads",),
+        "num_kv_heads": ("num_key_value_heads", "num_attention_heads"),
+        "head_dim": ("head_dim",),
     },
     "bloom": {
         "vocab_size": ("vocab_size",),
@@ -86,6 +95,8 @@ def expected_tensors(arch: LlamaArch, names: Collection[str]) -> dict[str, Expec
     """Every tensor the decoder for `arch` reads, with its shape; `names` (the checkpoint's) only
     decides BLOOM's prefix."""
     table = _bloom_tensors(arch, bloom_prefix(names)) if arch.architecture == "bloom" else _llama_tensors(arch)
+    if arch.architecture == "gemma":
+        table |= _gemma_extra_tensors(arch)
     if not arch.tie_word_embeddings:
         table["lm_head.weight"] = Expected((arch.vocab_size, arch.hidden_size), "vocab_size x hidden_size")
     return table
@@ -119,6 +130,19 @@ def _llama_tensors(arch: LlamaArch) -> dict[str, Expected]:
                 attn + "k_proj.bias": Expected((kv,), kv_dim),
                 attn + "v_proj.bias": Expected((kv,), kv_dim),
             }
+    return table
+
+
+def _gemma_extra_tensors(arch: LlamaArch) -> dict[str, Expected]:
+    """Gemma's norms beyond Llama's: after attention's output and around the MLP, and Gemma-3's
+    per-head q/k norms."""
+    h, d = (arch.hidden_size,), (arch.head_dim,)
+    table = {}
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        table |= {p + f"{n}_feedforward_layernorm.weight": Expected(h, "hidden_size") for n in ("pre", "post")}
+        if arch.qk_norm:
+            table |= {p + f"self_attn.{n}_norm.weight": Expected(d, "head_dim") for n in "qk"}
     return table
 
 

@@ -36,7 +36,17 @@ class LlamaLayer:
 
 def rope_table(arch: LlamaArch, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin `[max_positions, head_dim]` in HF's layout (the half-frequencies repeated twice)."""
-    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, arch.head_dim, 2, dtype=torch.int64).float() / arch.head_dim))
+    return rope_frequencies(arch.rope_theta, arch.head_dim, max_positions)
+
+
+def rope_frequencies(
+    theta: float, head_dim: int, max_positions: int, linear_factor: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_table` for a base `theta`, the frequencies divided by `linear_factor` (HF's linear
+    RoPE scaling), computed in HF's order so the tables match its to the bit."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if linear_factor != 1.0:
+        inv_freq /= linear_factor
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.int64).float(), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()

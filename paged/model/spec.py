@@ -20,6 +20,8 @@ from paged.model.weights import arch_overrides, load_arch
 MLP_KINDS = ("gated-silu", "relu", "gelu")
 POSITION_KINDS = ("rope", "learned", "alibi")
 NORM_KINDS = ("rmsnorm", "layernorm")
+# HF's `layer_types` entries: a layer attends within `sliding_window`, or to the whole context
+LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,12 @@ class ModelSpec:
     qkv_bias: bool = False  # a bias on q/k/v only (Qwen2)
     tie_word_embeddings: bool = False
     sliding_window: int | None = None  # attention window in tokens (Mistral); None: the whole context
+    # Models whose layers differ (Gemma-2/3), spelled as HF configs do: every `sliding_window_pattern`-th
+    # layer (the n-th, 2n-th, ...) attends to the whole context and the others within `sliding_window`
+    # (Gemma-3's key; Gemma-2 alternates, pattern 2), or `layer_types` names each layer's type. Neither:
+    # every layer has `sliding_window`.
+    sliding_window_pattern: int | None = None
+    layer_types: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         for key, value, allowed in (
@@ -57,6 +65,34 @@ class ModelSpec:
             raise ValueError(f"model.arch.sliding_window={window!r} must be a positive integer or null")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        self._check_layer_types()
+
+    def _check_layer_types(self) -> None:
+        pattern, types = self.sliding_window_pattern, self.layer_types
+        if pattern is not None and types is not None:
+            raise ValueError("model.arch.sliding_window_pattern and model.arch.layer_types both give the layer types; "
+                             "set one of them")
+        if pattern is not None and (isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 2):
+            raise ValueError(f"model.arch.sliding_window_pattern={pattern!r} must be an integer >= 2 "
+                             "(every n-th layer attends to the whole context)")
+        if types is not None:
+            object.__setattr__(self, "layer_types", tuple(types))  # a YAML list arrives as a list
+            if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+                raise ValueError(f"model.arch.layer_types must name one of {', '.join(LAYER_TYPES)} for each of "
+                                 f"the {self.num_layers} layers, got {list(types)!r}")
+        if (pattern is not None or types is not None) and self.sliding_window is None:
+            raise ValueError("model.arch.sliding_window must be set for the sliding layers that "
+                             "sliding_window_pattern / layer_types name")
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's attention window in tokens (None: the whole context)."""
+        window, n = self.sliding_window, self.num_layers
+        if self.sliding_window_pattern is not None:
+            return tuple(None if (i + 1) % self.sliding_window_pattern == 0 else window for i in range(n))
+        if self.layer_types is not None:
+            return tuple(window if t == "sliding_attention" else None for t in self.layer_types)
+        return (window,) * n
 
     @classmethod
     def from_dict(cls, name: str, d: dict[str, Any]) -> ModelSpec:
@@ -68,7 +104,13 @@ class ModelSpec:
 
     @classmethod
     def from_llama(cls, name: str, arch: LlamaArch) -> ModelSpec:
+        """Gemma's GeGLU MLP has a gated MLP's three matrices: costed as gated-silu."""
         bloom = arch.architecture == "bloom"
+        windows = arch.windows
+        sliding = {w for w in windows if w is not None}
+        if len(sliding) > 1:
+            raise ValueError(f"{name}: layers with windows {sorted(sliding)} cannot be simulated (one window size)")
+        types = tuple("full_attention" if w is None else "sliding_attention" for w in windows)
         return cls(
             name=name,
             vocab_size=arch.vocab_size,
@@ -85,7 +127,8 @@ class ModelSpec:
             linear_bias=bloom,
             qkv_bias=arch.qkv_bias,
             tie_word_embeddings=arch.tie_word_embeddings,
-            sliding_window=arch.sliding_window,
+            sliding_window=sliding.pop() if sliding else None,
+            layer_types=types if len(set(windows)) > 1 else None,
         )
 
     # -- per layer ---------------------------------------------------------------------------------

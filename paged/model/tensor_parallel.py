@@ -52,9 +52,9 @@ def check_tensor_parallel_size(size: int, arch: LlamaArch, model_name: str, devi
         return
     if device.type == "cuda" and (count := torch.cuda.device_count()) < size:
         raise ConfigError(f"{key} needs {size} CUDA devices, one per rank; this machine has {count}")
-    if arch.architecture == "bloom":
-        raise ConfigError(f"{key}: tensor parallelism runs Llama-family models, and {model_name} is a BLOOM "
-                          "model; use executor.tensor_parallel_size=1")
+    if arch.architecture != "llama":
+        raise ConfigError(f"{key}: tensor parallelism runs Llama-family models, and {model_name} is a "
+                          f"{arch.architecture} model; use executor.tensor_parallel_size=1")
     if _splits(size, arch):
         return
     allowed = ", ".join(map(str, tensor_parallel_sizes(arch)))

@@ -40,8 +40,10 @@ def arch_overrides(model_cfg: ModelConfig) -> dict[str, Any]:
 
 
 def _checkpoint_arch(arch: LlamaArch, model_cfg: ModelConfig) -> LlamaArch:
-    """A checkpoint's own architecture, its window replaced by `model.sliding_window` when set."""
-    return dataclasses.replace(arch, **_window_override(model_cfg))
+    """A checkpoint's own architecture, its window replaced by `model.sliding_window` when set: on
+    every layer, a model whose layers differ included."""
+    override = _window_override(model_cfg)
+    return dataclasses.replace(arch, **override, layer_windows=None) if override else arch
 
 
 def load_arch(model_cfg: ModelConfig) -> tuple[LlamaArch, Path]:
@@ -52,7 +54,7 @@ def load_arch(model_cfg: ModelConfig) -> tuple[LlamaArch, Path]:
         return _checkpoint_arch(read_arch(path), model_cfg), path
     if model_cfg.source == "hf":
         return _checkpoint_arch(read_hf_arch(model_cfg.path), model_cfg), Path(model_cfg.path)
-    return tiny_arch(arch_overrides(model_cfg)), locate_smollm2()
+    return _checkpoint_arch(tiny_arch(_arch_keys(model_cfg)), model_cfg), locate_smollm2()
 
 
 def _check_source(model_cfg: ModelConfig) -> None:
@@ -82,7 +84,7 @@ def load_weights(model_cfg: ModelConfig) -> tuple[LlamaArch, dict[str, torch.Ten
         arch, shards = open_hf(path)
         check_tokenizer_files(path)
         return _checkpoint_arch(arch, model_cfg), read_weights(shards), path
-    arch = tiny_arch(arch_overrides(model_cfg))
+    arch = _checkpoint_arch(tiny_arch(_arch_keys(model_cfg)), model_cfg)
     # A fixed weight seed: `tiny-random` is one model whatever the experiment's sampling seed.
     return arch, random_state(arch, seed=0), locate_smollm2()
 

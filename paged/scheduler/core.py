@@ -30,6 +30,7 @@ from typing import Any
 
 from paged.config import SchedulerConfig
 from paged.memory import AllocStatus, BlockManager
+from paged.memory.kv_groups import KVGroupManager
 from paged.request import FinishReason, Request, SeqStatus, Sequence
 from paged.scheduler.budget import StepBudget, gang_of, grow, running_gangs, seats, seats_in_use
 from paged.scheduler.handoff import HandoffMixin
@@ -55,7 +56,7 @@ class Scheduler(UpdateMixin, HandoffMixin):
     def __init__(
         self,
         cfg: SchedulerConfig,
-        block_manager: BlockManager,
+        block_manager: BlockManager | KVGroupManager,
         policy: SchedulingPolicy,
         *,
         preemption: PreemptionMode | None = None,
@@ -74,6 +75,8 @@ class Scheduler(UpdateMixin, HandoffMixin):
         self.long_prefill_token_threshold = int(cfg.long_prefill_token_threshold)
         self.prefix_dedup = bool(cfg.prefix_dedup)
         self.block_manager = block_manager
+        # with KV groups per layer type, every group's tables go to the executor; None: one group
+        self._group_tables = block_manager.group_tables if isinstance(block_manager, KVGroupManager) else None
         self.policy = policy
         self.preemption = preemption or RecomputePreemption()
         # what a preemptive policy's preemptions use: the displaced request simply waits again
@@ -176,6 +179,8 @@ class Scheduler(UpdateMixin, HandoffMixin):
                 self._admit(out, budget, now)
         out.is_prefill = out.num_decode_rows < len(out.scheduled)
         self.counters.num_swapped_blocks += len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
+        # the tiers for evicted prefixes: copies this step's evictions and tier hits recorded
+        out.blocks_to_offload, out.blocks_to_onload = self.block_manager.prefix_index.take_tier_moves()
         out.aborted, self._pending_aborts = self._pending_aborts, []
         if out.scheduled:
             self.policy.on_scheduled(out, now)
@@ -326,7 +331,10 @@ class Scheduler(UpdateMixin, HandoffMixin):
         # a chunk that leaves part of the prompt uncomputed samples nothing
         done = seq.num_computed_tokens + num_new_tokens == len(seq.token_ids)
         num_samples = self._groups[seq.request].num_samples(seq) if done else 0
-        return ScheduledSeq(seq, num_new_tokens, self.block_manager.block_table(seq), num_samples)
+        item = ScheduledSeq(seq, num_new_tokens, self.block_manager.block_table(seq), num_samples)
+        if self._group_tables is not None:
+            item.group_tables = self._group_tables(seq)
+        return item
 
     def _preempt(self, gang: list[Sequence], out: SchedulerOutput, mode: PreemptionMode | None = None) -> None:
         """Take the blocks of one request's running sequences, all of them (gang preemption), by

@@ -7,6 +7,8 @@ Per layer (all layers are alike, so one layer is costed and multiplied):
 - linear layers: 2 x tokens x weights FLOPs, against weight bytes plus activations in and out; the
   matmul efficiency depends on the number of tokens (a measured table, and on a GPU the share of
   SMs a GEMM's output tiles keep busy), so a small batch is bandwidth-bound;
+- attention per layer type: a model whose layers attend within different windows (Gemma-2/3) has
+  each window's layers costed with that window's reads, and their layers summed;
 - prefill attention: 4 x head_dim x heads FLOPs for every (query, key) pair a causal prefill of
   the uncached tokens computes against the sequence's full context (cached prefix included);
 - decode attention: each sequence reads its K and V for its real context length, and the step
@@ -28,6 +30,7 @@ host's per-step and per-sequence overhead (scheduling, input preparation, output
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from paged.config.choices import VERSIONS
@@ -55,7 +58,7 @@ class StepShape:
     num_prefill_rows: int = 0
     # decode rows: one new token each, attending to `context` tokens
     decode_contexts: list[int] | None = None
-    # blocks moved between the device and the CPU swap pool before the step
+    # blocks moved between the device and host memory before the step (swaps, prefix tiers' copies)
     num_swap_blocks: int = 0
     block_size: int = 16
 
@@ -71,12 +74,13 @@ class StepCost:
     overhead_s: float
     decode_version: str | None
     swap_s: float = 0.0
+    disk_s: float = 0.0  # waiting on the disk tier's reads (`paged.sim.tier_disk`)
 
     @property
     def total_s(self) -> float:
         return (
             self.linear_s + self.attention_s + self.elementwise_s + self.launch_bound_s + self.communication_s
-            + self.head_s + self.overhead_s + self.swap_s
+            + self.head_s + self.overhead_s + self.swap_s + self.disk_s
         )
 
 
@@ -109,7 +113,10 @@ def step_shape(sched: SchedulerOutput, block_size: int = 16, sliding_window: int
             prefill_pairs += _attended_pairs(context, sliding_window) - _attended_pairs(context - new, sliding_window)
     return StepShape(
         num_tokens, num_sampled, len(sched.scheduled), prefill_pairs, prefill_queries, prefill_context,
-        num_prefill_rows, decode, len(sched.blocks_to_swap_out) + len(sched.blocks_to_swap_in), block_size,
+        num_prefill_rows, decode,
+        # a prefix tier's copies between the device and host memory move blocks as swaps do
+        len(sched.blocks_to_swap_out) + len(sched.blocks_to_swap_in) + len(sched.blocks_to_offload)
+        + len(sched.blocks_to_onload), block_size,
     )
 
 
@@ -195,18 +202,29 @@ class CostModel:
 
     # -- per step ----------------------------------------------------------------------------------
 
-    def step(self, shape: StepShape) -> StepCost:
+    def step(self, shape: StepShape, layer_shapes: Sequence[tuple[StepShape, int]] = ()) -> StepCost:
+        """The step's cost. `layer_shapes`: for layers of several attention windows, each window's
+        shape of the same step (`step_shape` with that window) and its number of layers; the first
+        one's decode kernel is the one reported. Empty: every layer attends as `shape`."""
         hw, b, s, L = self.hw, self.b, self.spec, self.spec.num_layers
         t = shape.num_tokens
         linear = max(
             2 * t * self.linear_weights / (self.flops * self._matmul_efficiency(t)),
             (self.linear_weights + t * self.linear_act) * b / self.bw,
         )
-        attention, version = self._attention(shape)
         elementwise = t * (self.elementwise * b + self.cache_write_bytes) / self.bw
-        # v2's reduce is a kernel of its own; v3 merges its splits in the same pass
-        kernels = _KERNELS_PER_LAYER + (version == "v2") + (shape.num_prefill_rows > 0 and version is not None)
-        layer = max(linear + attention + elementwise, kernels * hw.kernel_launch_s)
+        attention_s = launch_bound = 0.0
+        version = None
+        for part, num_layers in layer_shapes or ((shape, L),):
+            attention, part_version = self._attention(part)
+            version = version or part_version
+            # v2's reduce is a kernel of its own; v3 merges its splits in the same pass
+            kernels = _KERNELS_PER_LAYER + (part_version == "v2") + (
+                part.num_prefill_rows > 0 and part_version is not None
+            )
+            layer = max(linear + attention + elementwise, kernels * hw.kernel_launch_s)
+            attention_s += num_layers * attention
+            launch_bound += num_layers * (layer - linear - attention - elementwise)
         communication = 0.0
         if hw.num_gpus > 1:
             ring = 2 * (hw.num_gpus - 1) / hw.num_gpus
@@ -220,9 +238,8 @@ class CostModel:
             )
             head += 2 * n * s.vocab_size * 4 / self.bw  # softmax / argmax over fp32 logits
         overhead = hw.step_overhead_s + hw.seq_overhead_s * shape.num_seqs
-        launch_bound = L * (layer - linear - attention - elementwise)
         return StepCost(
-            L * linear, L * attention, L * elementwise, launch_bound, communication, head, overhead, version,
+            L * linear, attention_s, L * elementwise, launch_bound, communication, head, overhead, version,
             self._swap(shape),
         )
 

@@ -20,6 +20,7 @@ paper's Alpaca beam savings (a geometric tail, tried first, let width 6 coalesce
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from functools import cached_property
@@ -28,13 +29,14 @@ import torch
 from omegaconf import OmegaConf
 
 from paged.clock import Clock, VirtualClock
-from paged.config import HardwareConfig, KernelConfig, ModelConfig, resolve_dtype
+from paged.config import ConfigError, HardwareConfig, KernelConfig, ModelConfig, resolve_dtype
 from paged.executor.base import Executor, KVCacheSpec, Tokenizer
 from paged.kernels.features import BlockSparse, cache_dtype
 from paged.model.spec import model_spec
 from paged.sim.cost_model import CostModel, StepCost, step_shape
 from paged.sim.hardware import Hardware, resolve_hardware
 from paged.sim.memory import check_parallelism, plan_memory
+from paged.sim.tier_disk import SimTierDisk
 from paged.step import ExecutorOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,7 @@ class SimExecutor(Executor):
 
     runs_spec_models = True
     supports_swap = True
+    supports_kv_tiers = True
     # the paper's block-size sweeps (Fig. 18, 19) go from 1 to 256 tokens
     block_sizes = tuple(1 << i for i in range(9))
 
@@ -89,10 +92,18 @@ class SimExecutor(Executor):
         self._tokenizer_source = tokenizer_source
         self.seed = seed
         self.num_devices = self.hardware.num_gpus
-        self.sliding_window = self.spec.sliding_window
+        self.layer_windows = self.spec.layer_windows
+        windows = set(self.layer_windows)
+        self.sliding_window = windows.pop() if len(windows) == 1 else None
+        # (window, layers with it) per attention type, widest first (its decode kernel is the one
+        # reported); one type: the plain path, costed for one window
+        counts = {w: self.layer_windows.count(w) for w in self.layer_windows}
+        self._window_layers = sorted(counts.items(), key=lambda wn: float("inf") if wn[0] is None else wn[0],
+                                     reverse=True) if len(counts) > 1 else []
         self.block_size = 16
         self.configure_kernel(kernel)
         self.last_cost: StepCost | None = None
+        self.tier_disk: SimTierDisk | None = None
 
     def host_memory_bytes(self) -> None:
         """The swap pool is bookkeeping here: no host memory to fit it in."""
@@ -143,13 +154,15 @@ class SimExecutor(Executor):
         return VirtualClock()
 
     def kv_cache_spec(self, block_size: int) -> KVCacheSpec:
-        """A block across all GPUs: with more GPUs than KV heads each GPU keeps a replica of one."""
+        """A block across all GPUs: with more GPUs than KV heads each GPU keeps a replica of one. A
+        block holds the layers of one KV group (`kv_layout.num_slots`), every layer without a layout."""
         gpus, kv_heads = self.hardware.num_gpus, self.cost_model.kv_heads
-        per_token = 2 * self.spec.num_layers * kv_heads * gpus * self.spec.head_dim * self.kv_dtype_bytes
+        layers = self.spec.num_layers if self.kv_layout is None else self.kv_layout.num_slots
+        per_token = 2 * layers * kv_heads * gpus * self.spec.head_dim * self.kv_dtype_bytes
         return KVCacheSpec(
             block_size,
             per_token * block_size,
-            f"simulated: {self.spec.num_layers} layers x K/V x {kv_heads} heads x {self.spec.head_dim} x "
+            f"simulated: {layers} layers x K/V x {kv_heads} heads x {self.spec.head_dim} x "
             f"{self.kv_cache_label} on each of {gpus} GPU(s)",
         )
 
@@ -161,14 +174,30 @@ class SimExecutor(Executor):
         log.info("memory: %s", plan.describe(self.hardware, utilization, self.kv_cache_label))
         return plan.kv_cache_bytes
 
+    def kv_tier_store(self, directory: str) -> SimTierDisk:
+        """The disk tier's time at `hardware.disk_bandwidth`; no files (`directory` is not used)."""
+        if self.hardware.disk_bandwidth is None:
+            raise ConfigError(f"allocator.offload.disk_path needs hardware.disk_bandwidth; hardware="
+                              f"{self.hardware.name} leaves it unset")
+        self.tier_disk = SimTierDisk(self.kv_cache_spec(self.block_size).bytes_per_block, self.hardware.disk_bandwidth)
+        return self.tier_disk
+
     def init_kv_cache(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
         """Nothing to allocate: the blocks exist only in the block manager's accounting."""
         self.block_size = block_size
         self.num_cpu_blocks = num_cpu_blocks
+        self.tier_disk = None  # a new engine's cache: its own disk tier, if any, is made after
 
     def execute(self, sched: SchedulerOutput) -> ExecutorOutput:
-        shape = step_shape(sched, self.block_size, self.sliding_window)
-        cost = self.cost_model.step(shape)
+        if self._window_layers:  # layers of several windows: each window's attention costed apart
+            parts = [(step_shape(sched, self.block_size, w), n) for w, n in self._window_layers]
+            shape = parts[0][0]
+            cost = self.cost_model.step(shape, parts)
+        else:
+            shape = step_shape(sched, self.block_size, self.sliding_window)
+            cost = self.cost_model.step(shape)
+        if self.tier_disk is not None:  # a disk tier's reads hold the step up
+            cost = dataclasses.replace(cost, disk_s=self.tier_disk.stall_s(cost.total_s))
         self.last_cost = cost
         self.clock.advance(cost.total_s)  # type: ignore[attr-defined]
         sampled, logprobs = self._placeholders(sched)

@@ -36,6 +36,8 @@ class Hardware:
     pcie_latency_s: float
     step_overhead_s: float
     seq_overhead_s: float
+    # B/s of the disk under a prefix tier (`allocator.offload.disk_path`); None: not given (no disk tier)
+    disk_bandwidth: float | None = None
 
     def peak_flops(self, dtype_bytes: int) -> float:
         return self.flops_fp32 if dtype_bytes == 4 else self.flops_fp16
@@ -54,13 +56,17 @@ class Hardware:
         return e0 + w * (e1 - e0)
 
 
+# values a hardware may leave unset: only a feature that needs one asks for it
+_OPTIONAL = ("disk_bandwidth",)
+
+
 def resolve_hardware(cfg: HardwareConfig | Any, measured: dict[str, Any] | None = None) -> Hardware:
     """`cfg`'s values, nulls filled from `measured` (the calibration); every value checked."""
     values = {f.name: getattr(cfg, f.name) for f in fields(Hardware)}
     for key, value in (measured or {}).items():
         if values.get(key) is None:
             values[key] = value
-    missing = sorted(k for k, v in values.items() if v is None)
+    missing = sorted(k for k, v in values.items() if v is None and k not in _OPTIONAL)
     if missing and cfg.calibrated:
         raise ConfigError(
             f"hardware={cfg.name} leaves {', '.join(missing)} unset: they are measured on this machine; build "
@@ -81,8 +87,8 @@ def resolve_hardware(cfg: HardwareConfig | Any, measured: dict[str, Any] | None 
         if not 0 < values[key] <= 1:
             raise ConfigError(f"hardware.{key}={values[key]!r} must be in (0, 1]")
     for key in ("flops_fp16", "flops_fp32", "memory_bandwidth", "interconnect_bandwidth", "pcie_bandwidth",
-                "num_sms", "num_gpus"):
-        if values[key] <= 0:
+                "num_sms", "num_gpus", "disk_bandwidth"):
+        if values[key] is not None and values[key] <= 0:
             raise ConfigError(f"hardware.{key}={values[key]!r} must be > 0")
     for key in ("matmul_tile", "kernel_launch_s", "allreduce_latency_s", "pcie_latency_s", "step_overhead_s",
                 "seq_overhead_s"):

@@ -10,8 +10,11 @@ from __future__ import annotations
 from typing import Protocol
 
 from paged.config import ConfigError, WorkloadConfig
+from paged.workload.agent import agent_source, check_agent
 from paged.workload.fixed import fixed_lengths
 from paged.workload.lengths import LengthSource
+from paged.workload.multiturn import check_conversations, multiturn_source
+from paged.workload.popularity import check_popularity
 from paged.workload.prompts import check_prompt_file, prompt_source
 from paged.workload.records import Tokenizer, WorkloadItem, workload_sampling
 from paged.workload.synthetic import synthetic_lengths
@@ -34,14 +37,18 @@ SOURCES: dict[str, WorkloadSource] = {
     "fixed": LengthSource(fixed_lengths),
     "trace": LengthSource(trace_lengths, whole=True),
     "prompts": prompt_source,
+    "multiturn": multiturn_source,
+    "agent": agent_source,
 }
 
 
 def check_inputs(cfg: WorkloadConfig, *, has_tokenizer: bool, model_name: str = "this model") -> None:
     """What can be checked of `cfg` without a model, so that it fails before any weights load: the
-    sampling keys, a tokenizer for prompt files (`has_tokenizer`: the model has one), and the
-    prompt or trace file. Raises ConfigError (FileNotFoundError for a missing file)."""
+    sampling keys, the prefix popularity, a tokenizer for prompt files (`has_tokenizer`: the model
+    has one), the prompt or trace file, and the session keys of multiturn and agent. Raises
+    ConfigError (FileNotFoundError for a missing file)."""
     workload_sampling(cfg)
+    check_popularity(cfg)
     if cfg.kind == "prompts":
         if not has_tokenizer:
             raise ConfigError(
@@ -51,6 +58,10 @@ def check_inputs(cfg: WorkloadConfig, *, has_tokenizer: bool, model_name: str = 
         check_prompt_file(cfg)
     elif cfg.kind == "trace":
         check_trace(cfg)
+    elif cfg.kind == "multiturn":
+        check_conversations(cfg)
+    elif cfg.kind == "agent":
+        check_agent(cfg)
 
 
 def load_workload(

@@ -6,9 +6,9 @@ same for every such source, so that the sources differ only in what they model:
 
 Shared prefixes: `shared_prefix_len` tokens, the same in every request, are prepended to each
 sampled (synthetic, trace) prompt; for `fixed` they are part of `prompt_len`. With `num_prefixes`
-k > 1 there are k distinct prefixes of that length and each request gets one at random, so requests
-sharing a prefix interleave in arrival order (a shuffled shared-prefix workload, for
-longest-prefix-match studies).
+k > 1 there are k distinct prefixes of that length and each request gets one at random (equally
+likely, or Zipf-skewed: `prefix_popularity`, popularity.py), so requests sharing a prefix interleave
+in arrival order (a shuffled shared-prefix workload, for longest-prefix-match studies).
 
 Clipping: the synthetic and trace sources clip their sampled lengths to the config's [`*_len_min`,
 `*_len_max`] (a None max means no such limit). Then, when the caller passes the scheduler's
@@ -39,14 +39,8 @@ import numpy as np
 
 from paged.config import WorkloadConfig
 from paged.request import SamplingParams
-from paged.workload.records import (
-    PREFIX_CHOICE_STREAM,
-    PREFIX_STREAM,
-    Tokenizer,
-    WorkloadItem,
-    request_mix,
-    workload_sampling,
-)
+from paged.workload.popularity import choose_prefixes
+from paged.workload.records import PREFIX_STREAM, Tokenizer, WorkloadItem, request_mix, workload_sampling
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +87,8 @@ class LengthSource:
         body, output = lengths.body, lengths.output
         if max_model_len is not None:
             body, output = _fit(cfg, body, output, max_model_len)
-        prefixes, bodies = _token_ids(cfg, tokenizer, vocab_size, body, rng)
-        prefix_rng = np.random.default_rng([cfg.seed, PREFIX_CHOICE_STREAM])
-        prefix_of = prefix_rng.integers(len(prefixes), size=len(bodies)).tolist()
+        prefixes, bodies = token_ids(cfg, tokenizer, vocab_size, body, rng)
+        prefix_of = choose_prefixes(cfg, len(prefixes), len(bodies))
         clients, priorities = request_mix(cfg, len(bodies))
         if cfg.tenant_prefixes:
             # a tenant's requests share its system prompt: client k's prefix is prefix k mod num_prefixes
@@ -129,10 +122,11 @@ def _fit(
     return fitted_body, fitted_output
 
 
-def _token_ids(
+def token_ids(
     cfg: WorkloadConfig, tokenizer: Tokenizer | None, vocab_size: int | None, body: np.ndarray, rng: np.random.Generator
 ) -> tuple[list[list[int]], list[list[int]]]:
-    """The `num_prefixes` prefixes (all distinct) and per request its ids after the prefix."""
+    """The `num_prefixes` prefixes (all distinct) and, per length in `body`, that many ids after a
+    prefix (corpus windows with a tokenizer, else seeded ids below `vocab_size`)."""
     if tokenizer is not None:
         prefixes, bodies = _corpus_ids(tokenizer, cfg.shared_prefix_len, cfg.num_prefixes, body, rng)
     elif vocab_size is not None:

@@ -29,13 +29,14 @@ from typing import Any, Protocol
 import numpy as np
 
 from paged.config import ConfigError, WorkloadConfig
-from paged.request import SamplingParams
+from paged.request import FollowUp, SamplingParams
 
 # The seeded streams besides the request stream `default_rng(seed)`, each `default_rng([seed, k])`.
 PREFIX_STREAM = 1  # the synthetic prefix ids: they do not change with the request count or lengths
 CLIENT_STREAM = 2
 PRIORITY_STREAM = 3
 PREFIX_CHOICE_STREAM = 4  # which of `num_prefixes` prefixes each request gets
+THINK_STREAM = 5  # multi-turn and agent workloads: the think time before each follow-up
 # The workload keys that set every request's sampling (for prompt files: the defaults of each line)
 WORKLOAD_SAMPLING_KEYS = ("temperature", "n", "best_of", "use_beam_search", "length_penalty")
 
@@ -55,6 +56,9 @@ class WorkloadItem:
     client_id: str | None = None  # None: the workload names no clients
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # a follow-up (multi-turn, agent): `prompt_token_ids` are its new message only; the runner sends it
+    # once the request it follows finished, with that request's prompt and reply before the message
+    follows: FollowUp | None = None
 
 
 def arrivals(rng: np.random.Generator, rate: float, n: int) -> np.ndarray:

@@ -25,16 +25,7 @@ from paged.workload.lengths import Lengths
 def trace_lengths(cfg: WorkloadConfig, rng: np.random.Generator) -> Lengths:
     """A contiguous window of an Azure trace (all of it when num_requests is None): arrival gaps ×
     time_scale, lengths × length_scale."""
-    path = _trace_path(str(cfg.path))
-    with path.open() as f:
-        header = next(csv.reader(f), [])
-        required = ("arrived_at", "num_prefill_tokens", "num_decode_tokens")
-        if not set(required) <= set(header):
-            raise ValueError(f"trace {path} must have columns {sorted(required)}")
-        columns = [header.index(key) for key in required]
-        table = np.loadtxt(f, delimiter=",", usecols=columns, ndmin=2)
-    if not len(table):
-        raise ValueError(f"trace {path} has no rows")
+    table = read_trace(str(cfg.path))
     n = len(table) if cfg.num_requests is None else min(cfg.num_requests, len(table))
     start = int(rng.integers(0, len(table) - n + 1))
     arrived, prefill, decode = table[start : start + n].T
@@ -47,6 +38,22 @@ def trace_lengths(cfg: WorkloadConfig, rng: np.random.Generator) -> Lengths:
         scaled(decode, cfg.output_len_min, cfg.output_len_max),
         (arrived - arrived[0]) * cfg.time_scale,
     )
+
+
+def read_trace(name: str) -> np.ndarray:
+    """The trace's rows as (arrived_at, num_prefill_tokens, num_decode_tokens); `name` is a file path
+    or the name of a shipped trace."""
+    path = _trace_path(name)
+    with path.open() as f:
+        header = next(csv.reader(f), [])
+        required = ("arrived_at", "num_prefill_tokens", "num_decode_tokens")
+        if not set(required) <= set(header):
+            raise ValueError(f"trace {path} must have columns {sorted(required)}")
+        columns = [header.index(key) for key in required]
+        table = np.loadtxt(f, delimiter=",", usecols=columns, ndmin=2)
+    if not len(table):
+        raise ValueError(f"trace {path} has no rows")
+    return table
 
 
 def check_trace(cfg: WorkloadConfig) -> None:

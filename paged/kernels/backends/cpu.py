@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from paged.kernels.backends.interface import CACHE_DTYPES, FEATURES, CacheView, require_contiguous
+from paged.kernels.backends.interface import CACHE_DTYPES, KERNEL_FEATURES, CacheView, require_contiguous
 from paged.kernels.backends.torch_ref import TorchBackend
 from paged.kernels.features import FP8_DTYPES, NONE, AttentionFeatures
 from paged.kernels.limits import BLOCK_SIZES
@@ -200,7 +200,7 @@ class CpuBackend(TorchBackend):
     device_type = "cpu"
     block_sizes = BLOCK_SIZES
     cache_dtypes = CACHE_DTYPES
-    features = FEATURES
+    features = KERNEL_FEATURES
 
     def unavailable_reason(self) -> str | None:
         return _load_failure()

@@ -21,7 +21,9 @@ from paged.kernels.limits import DTYPE_NAMES
 DTYPES: tuple[torch.dtype, ...] = tuple(getattr(torch, name) for name in DTYPE_NAMES)
 # What a KV cache may hold: a model dtype, or fp8 with scales.
 CACHE_DTYPES: tuple[torch.dtype, ...] = DTYPES + FP8_DTYPES
-FEATURES = ("alibi", "blocksparse")
+FEATURES = ("alibi", "blocksparse", "softcap")
+# What the native kernels (cpu, cuda, emu) implement: soft-capping runs on the torch backend only.
+KERNEL_FEATURES = ("alibi", "blocksparse")
 
 
 def _text(value: object) -> str:
@@ -120,15 +122,13 @@ class KernelBackend(ABC):
         """Why this backend cannot serve the configuration, naming the value and what it supports;
         `None` when it can. A `None` value is not checked: a block size not known yet, a partition
         size where v2 never runs, the cache dtype of an op that reads no cache."""
-        wanted = [name for name, on in (("alibi", features.alibi_slopes is not None),
-                                        ("blocksparse", features.blocksparse is not None)) if on]
         declared = (
             ("dtype", dtype, self.dtypes),
             ("kv cache dtype", cache_dtype, self.cache_dtypes),
             ("head_size", head_size, self.head_sizes),
             ("block_size", block_size, self.block_sizes),
             ("partition_size", partition_size, self.partition_sizes),
-            *(("attention feature", name, self.features) for name in wanted),
+            *(("attention feature", name, self.features) for name in features.names),
         )
         for what, value, supported in declared:
             if value is not None and supported is not None and value not in supported:

@@ -14,7 +14,7 @@ import torch
 
 from paged.kernels.backends.interface import (
     CACHE_DTYPES,
-    FEATURES,
+    KERNEL_FEATURES,
     CacheView,
     device_side,
     require_contiguous,
@@ -134,7 +134,7 @@ class RunnerBackend(FusedLayerOpsMixin, TorchBackend):
     block_sizes = BLOCK_SIZES
     partition_sizes = NATIVE_PARTITION_SIZES
     cache_dtypes = CACHE_DTYPES
-    features = FEATURES
+    features = KERNEL_FEATURES
 
     @abstractmethod
     def runner(self, tensor: torch.Tensor) -> Runner:

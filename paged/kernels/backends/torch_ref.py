@@ -6,23 +6,21 @@ keeps per-partition max logit, exp-sum and normalised partial output, then resca
 Prefill attention is one padded `scaled_dot_product_attention` over the whole batch. With a
 sliding window, both gather only the blocks the window reaches, as the kernels do. An fp8 cache is
 dequantised as it is gathered (value * its head's scale); ALiBi adds slope * (key - query position)
-to the logits and block-sparse attention masks what its pattern leaves out (`paged.kernels.features`).
+to the logits, block-sparse attention masks what its pattern leaves out, and a soft-cap c bounds the
+scaled logits to c * tanh(s / c) (`paged.kernels.features`). Only this backend soft-caps: SDPA cannot,
+so a soft-capped prefill computes its scores and softmax itself, as transformers' eager attention does.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from paged.kernels.backends.interface import CACHE_DTYPES, FEATURES, CacheView, KernelBackend, window_span
+from paged.kernels.backends.torch_prefill_plan import PrefillGroup, PrefillPlan, plan_prefill
 from paged.kernels.features import FP8_DTYPES, NONE, AttentionFeatures, quantize
-from paged.kernels.transfer import to_device
 
 _NEG_INF = float("-inf")
-# Bounds one prefill SDPA call's padded K (V alike) and mask, in elements.
-PREFILL_GROUP_ELEMENTS = 1 << 25
 
 
 def reshape_and_cache(
@@ -124,7 +122,7 @@ def _logits(
     num_kv_heads = k.shape[0]
     group = num_heads // num_kv_heads
     q = query.float().view(num_seqs, num_kv_heads, group, head_size).transpose(0, 1)
-    logits = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    logits = _soft_capped(torch.matmul(q, k.transpose(-1, -2)).mul_(scale), features.soft_cap)
     query_pos = (seq_lens.long() - 1)[:, None]  # [S, 1]
     if features.alibi_slopes is not None:
         slopes = features.alibi_slopes.view(num_kv_heads, 1, group, 1)
@@ -135,6 +133,13 @@ def _logits(
         masked = masked | ~features.blocksparse.allowed(query_pos[None, :, None, :], positions[None, :, None, :],
                                                         offsets)
     return logits.masked_fill_(masked, _NEG_INF)
+
+
+def _soft_capped(logits: torch.Tensor, soft_cap: float | None) -> torch.Tensor:
+    """Gemma-2's cap on scaled logits, `c * tanh(s / c)`, in place; unchanged without one."""
+    if soft_cap is None:
+        return logits
+    return logits.div_(soft_cap).tanh_().mul_(soft_cap)
 
 
 def _weighted_values(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -207,89 +212,6 @@ def paged_attention_v2(
     return _finish((tmp_out * weights[..., None]).sum(dim=-2), query)
 
 
-@dataclass(frozen=True)
-class PrefillGroup:
-    """One padded SDPA call of a prefill: its sequences' query rows, the cache blocks it gathers and
-    the causal (and window) mask. They depend on the batch, not the layer, so a step builds them
-    once from the host copies of its metadata and every layer reuses them."""
-
-    tokens: torch.Tensor  # int64 [num_tokens] the group's query rows in the batch
-    owner: torch.Tensor  # int64 [num_tokens] each row's sequence within the group
-    rows: torch.Tensor  # int64 [num_tokens] each row's place among its sequence's queries
-    blocks: torch.Tensor  # int64 [n, num_blocks] blocks gathered, from the one holding the window start
-    outside: torch.Tensor  # bool [n, 1, num_blocks * bs, 1] gathered slots outside [window start, seq_len)
-    positions: torch.Tensor  # int64 [n, max_query_len, 1] each padded query row's position
-    key_positions: torch.Tensor  # int64 [n, 1, max_span]
-    mask: torch.Tensor  # bool [n, 1, max_query_len, max_span]: causality and the window
-
-
-@dataclass(frozen=True)
-class PrefillPlan:
-    """A prefill's SDPA calls, over groups of sequences whose gathered spans (their contexts, or
-    less with a window) lie within a factor of two, so padding at most doubles a group's span; a
-    group larger than `PREFILL_GROUP_ELEMENTS` of padded K, or of mask, is split."""
-
-    groups: list[PrefillGroup]
-
-
-def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    return to_device(np.ascontiguousarray(array), device)
-
-
-def _group(
-    part: np.ndarray, starts: np.ndarray, q_lens: np.ndarray, lens: np.ndarray, window_start: np.ndarray,
-    block_tables: np.ndarray, block_size: int, sliding_window: int | None, device: torch.device,
-) -> PrefillGroup:
-    """Padding rows attend like their sequence's last token (no row is fully masked, so none is
-    NaN) and are dropped."""
-    q, lens, window_start = q_lens[part], lens[part], window_start[part]
-    owner = np.repeat(np.arange(len(part)), q)
-    rows = np.arange(int(q.sum())) - (np.cumsum(q) - q)[owner]
-    first_block = window_start // block_size
-    max_query_len, max_span = int(q.max()), int((lens - first_block * block_size).max())
-    num_blocks = -(-max_span // block_size)
-    # table columns from the window's first block, clamped into the sequence's live columns (one
-    # outside them may lie past the table's end or name a block freed with the window's tail)
-    cols = first_block[:, None] + np.arange(num_blocks)
-    cols = np.maximum(np.minimum(cols, (np.maximum(lens, 1) - 1)[:, None] // block_size), first_block[:, None])
-    slots = (first_block * block_size)[:, None] + np.arange(num_blocks * block_size)
-    outside = (slots < window_start[:, None]) | (slots >= lens[:, None])
-    positions = np.minimum((lens - q)[:, None] + np.arange(max_query_len), (lens - 1)[:, None])[:, :, None]
-    key_positions = (first_block * block_size)[:, None, None] + np.arange(max_span)
-    positions_t, key_positions_t = _to(positions, device), _to(key_positions, device)
-    mask = key_positions_t <= positions_t
-    if sliding_window is not None:
-        mask &= key_positions_t > positions_t - sliding_window
-    return PrefillGroup(
-        tokens=_to(starts[part][owner] + rows, device), owner=_to(owner, device), rows=_to(rows, device),
-        blocks=_to(block_tables[part[:, None], cols].astype(np.int64), device),
-        outside=_to(outside, device)[:, None, :, None], positions=positions_t, key_positions=key_positions_t,
-        mask=mask[:, None],
-    )
-
-
-def plan_prefill(
-    query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray, block_size: int,
-    num_kv_heads: int, head_size: int, sliding_window: int | None, device: torch.device,
-) -> PrefillPlan:
-    """The groups of a prefill from the host copies of its metadata: nothing here waits on the device."""
-    qsl, lens = query_start_loc.astype(np.int64), seq_lens.astype(np.int64)
-    starts, q_lens = qsl[:-1], np.diff(qsl)
-    # of each sequence's first query
-    window_start = np.zeros_like(lens) if sliding_window is None else np.maximum(lens - q_lens + 1 - sliding_window, 0)
-    spans = lens - window_start // block_size * block_size
-    length_class = np.ceil(np.log2(np.maximum(spans, 1))).astype(np.int64)
-    groups = []
-    for value in np.unique(length_class):
-        group = np.flatnonzero(length_class == value)
-        group_q, span = int(q_lens[group].max()), int(spans[group].max())
-        per_call = max(1, PREFILL_GROUP_ELEMENTS // max(span * num_kv_heads * head_size, group_q * span))
-        for first in range(0, len(group), per_call):
-            groups.append(_group(group[first : first + per_call], starts, q_lens, lens, window_start, block_tables,
-                                 block_size, sliding_window, device))
-    return PrefillPlan(groups)
-
-
 def _padded_context(cache: CacheView, group: PrefillGroup) -> tuple[torch.Tensor, torch.Tensor]:
     """Every sequence's K and V from the group's first gathered block as `[n, Hk, num_blocks * bs, D]`,
     zero outside `[window start, seq_len)` so that stale (even NaN) slots cannot leak through a
@@ -326,13 +248,27 @@ def _attend_group(
     if features.alibi_slopes is not None:
         bias = features.alibi_slopes.view(1, -1, 1, 1) * (key_positions - positions)[:, None].float()
         mask = bias.masked_fill_(~mask, _NEG_INF)
-    if cache.fp8 or features.alibi_slopes is not None:
+    if cache.fp8 or features.alibi_slopes is not None or features.soft_cap is not None:
         # fp32 throughout: the dequantised cache is fp32, and a float mask must match the query's dtype
         q, k, v = q.float(), k.float(), v.float()
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k[:, :, :max_span], v[:, :, :max_span], attn_mask=mask, scale=scale, enable_gqa=True,
-    )
+    q, k, v = q.transpose(1, 2), k[:, :, :max_span], v[:, :, :max_span]
+    if features.soft_cap is None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    else:
+        out = _soft_capped_attention(q, k, v, mask, scale, features.soft_cap)
     return out.transpose(1, 2)[group.owner, group.rows].to(query.dtype)
+
+
+def _soft_capped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, soft_cap: float
+) -> torch.Tensor:
+    """SDPA's math with the cap between the scaling and the mask: q `[n, H, Lq, D]`, k and v
+    `[n, Hk, Lk, D]`, `mask` bool (True: attend) or an additive float bias `[n, 1 or H, Lq, Lk]`."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    logits = _soft_capped(torch.matmul(q, k.transpose(-1, -2)).mul_(scale), soft_cap)
+    logits = logits.masked_fill_(~mask, _NEG_INF) if mask.dtype == torch.bool else logits.add_(mask)
+    return torch.matmul(torch.softmax(logits, dim=-1), v)
 
 
 def prefill_attention(
