@@ -113,6 +113,8 @@ class FollowUps:
         self._due: list[tuple[float, int, Request]] = []  # (arrival, order, request): a heap
         self._order = 0
         self.aborted: list[Request] = []  # the follow-ups released aborted so far
+        if all(request.follows is None for request in requests):
+            return  # no set of every request id for a run without follow-ups (millions at paper scale)
         seen: set[str] = set()
         for request in requests:
             if request.follows is not None:

@@ -183,8 +183,10 @@ def test_hf_configs_name_their_window_as_transformers_reads_them() -> None:
     assert window(Qwen2Config(**small_qwen, sliding_window=24)) is None  # use_sliding_window defaults to off
     assert window(Qwen2Config(**small_qwen, use_sliding_window=True, sliding_window=24, max_window_layers=0)) == 24
     assert window(Qwen2Config(**small_qwen, use_sliding_window=True, sliding_window=24, max_window_layers=2)) is None
-    with pytest.raises(NotImplementedError, match="sliding window on some layers"):
-        window(Qwen2Config(**small_qwen, use_sliding_window=True, sliding_window=24, max_window_layers=1))
+    # a window on some layers only: each layer's is in `windows`, and no window is every layer's
+    partial = LlamaArch.from_hf_config(
+        Qwen2Config(**small_qwen, use_sliding_window=True, sliding_window=24, max_window_layers=1).to_dict())
+    assert (partial.sliding_window, partial.windows) == (None, (None, 24))
 
 
 def test_gguf_metadata_window_is_read_where_present() -> None:

@@ -39,7 +39,9 @@ def _run(overrides: list[str]) -> tuple[list[WorkloadItem], list[Request]]:
 
 
 def _digest(items: list[WorkloadItem]) -> str:
-    rows = [[i.request_id, i.prompt_token_ids, i.params.max_tokens, round(i.arrival_time, 9), i.client_id] for i in items]
+    rows = [
+        [i.request_id, i.prompt_token_ids, i.params.max_tokens, round(i.arrival_time, 9), i.client_id] for i in items
+    ]
     return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
 
 
@@ -87,7 +89,8 @@ def test_zipf_popularity_skews_the_prefixes_by_its_exponent_and_is_seeded():
 
 
 @pytest.mark.parametrize(("override", "message"), [
-    ("workload.prefix_popularity=pareto", r"workload.prefix_popularity='pareto' is not supported; allowed: uniform, zipf"),
+    ("workload.prefix_popularity=pareto",
+     r"workload.prefix_popularity='pareto' is not supported; allowed: uniform, zipf"),
     ("workload.prefix_zipf_s=0", r"workload.prefix_zipf_s=0.0 must be a finite number > 0"),
     ("workload.prefix_zipf_s=-1.5", r"workload.prefix_zipf_s=-1.5 must be"),
 ])
@@ -199,10 +202,10 @@ def test_agent_runs_on_the_simulator_through_a_session_fleet():
 
 
 def test_multiturn_reuses_its_conversations_in_the_prefix_cache_best_on_one_replica_per_session():
-    one, _ = run_quietly([*SIM, "workload=multiturn", "allocator=prefix"])
-    sticky, _ = run_quietly([*SIM, "workload=multiturn", "allocator=prefix", "cluster.num_replicas=2", "router=session"])
-    spread, _ = run_quietly([*SIM, "workload=multiturn", "allocator=prefix", "cluster.num_replicas=2",
-                             "router=round-robin"])
+    multiturn = [*SIM, "workload=multiturn", "allocator=prefix"]
+    one, _ = run_quietly(multiturn)
+    sticky, _ = run_quietly([*multiturn, "cluster.num_replicas=2", "router=session"])
+    spread, _ = run_quietly([*multiturn, "cluster.num_replicas=2", "router=round-robin"])
     assert one["num_finished"] == sticky["num_finished"] == spread["num_finished"] == 32
     assert one["prefix_cache_hit_rate"] > 0.4
     assert sticky["prefix_cache_hit_rate"] == pytest.approx(one["prefix_cache_hit_rate"])

@@ -125,9 +125,10 @@ class Fleet:
         stats = [r.kv_stats() for r in self.replicas]
         sums = {
             f.name: sum(getattr(s, f.name) for s in stats)
-            for f in dataclasses.fields(KVStats) if f.name != "block_size"
+            for f in dataclasses.fields(KVStats) if f.name not in ("block_size", "num_tokens_held")
         }
-        return KVStats(block_size=stats[0].block_size, **sums)
+        # a replica without KV groups leaves `num_tokens_held` unset: its `tokens_held` is its slots
+        return KVStats(block_size=stats[0].block_size, num_tokens_held=sum(s.tokens_held for s in stats), **sums)
 
     @property
     def counters(self) -> SchedulerCounters:

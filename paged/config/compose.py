@@ -16,16 +16,15 @@ CONF_DIR = asset_dir("conf")
 
 
 def config_groups() -> list[str]:
-    """The config groups of `conf/` (`allocator`, `experiment`, ..., nested ones as `allocator/eviction`):
-    an override naming one chooses an option."""
-    if not CONF_DIR.is_dir():
-        return []
-    return sorted(p.relative_to(CONF_DIR).as_posix() for p in CONF_DIR.rglob("*") if p.is_dir())
+    """The config groups of `conf/` (`allocator`, `experiment`, ...): an override naming one chooses an option."""
+    return sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir()) if CONF_DIR.is_dir() else []
 
 
 def config_options() -> dict[str, list[str]]:
-    """Each config group of `conf/` and its options (the YAML files in it), sorted."""
-    return {group: sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")) for group in config_groups()}
+    """Each config group of `conf/`, nested ones too (`allocator/eviction`), and its options (the
+    YAML files in it), sorted."""
+    groups = sorted(p.relative_to(CONF_DIR).as_posix() for p in CONF_DIR.rglob("*") if p.is_dir())
+    return {group: sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")) for group in groups}
 
 
 def check_command_line(argv: Sequence[str]) -> None:

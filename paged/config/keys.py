@@ -95,7 +95,7 @@ def check_overrides(overrides: Sequence[str], groups: Collection[str] | Mapping[
             if isinstance(groups, Mapping):
                 _check_options(override, key, groups[key])
             continue
-        schema = _schema_of(key, groups)
+        schema = _schema_of(key, [g for g in groups if "/" not in g])  # a nested group is no top-level key
         if schema is not None:
             _check_values(override, key, schema)
 

@@ -146,6 +146,7 @@ class LlamaArch:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[] if eos is None else list(eos) if isinstance(eos, list) else [eos],
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            sliding_window=_hf_sliding_window(cfg),
             layer_windows=_hf_layer_windows(cfg),
         )
 
@@ -209,18 +210,19 @@ class LlamaArch:
         )
 
 
-def _hf_layer_windows(cfg: dict[str, Any]) -> list[int | None]:
-    """Each layer's window, as transformers reads the config.
+def _hf_sliding_window(cfg: dict[str, Any]) -> int | None:
+    """The window of every layer: Mistral's `sliding_window` (null: none); Llama has none; Qwen2's
+    is per layer (`_hf_layer_windows`)."""
+    return cfg.get("sliding_window") if cfg["model_type"] == "mistral" else None
 
-    Llama has none. Mistral's `sliding_window` applies to all layers (null: none). Qwen2 ignores
-    it unless `use_sliding_window`, and then windows only layers `>= max_window_layers` (or those
-    `layer_types` names).
-    """
+
+def _hf_layer_windows(cfg: dict[str, Any]) -> list[int | None] | None:
+    """Each layer's window where they may differ, as transformers reads the config: Qwen2 ignores
+    `sliding_window` unless `use_sliding_window`, and then windows only layers `>= max_window_layers`
+    (or those `layer_types` names). None: every layer has `_hf_sliding_window`'s."""
     window = cfg.get("sliding_window")
-    model_type = cfg["model_type"]
-    num_layers = cfg["num_hidden_layers"]
-    if window is None or model_type == "llama" or (model_type == "qwen2" and not cfg.get("use_sliding_window")):
-        return [None] * num_layers
-    if model_type == "mistral":
-        return [window] * num_layers
+    if cfg["model_type"] != "qwen2" or window is None or not cfg.get("use_sliding_window"):
+        return None
+    if not isinstance(cfg["num_hidden_layers"], int):
+        return None  # the shape checks name the bad value
     return layer_windows(implied_layer_types(cfg), window)
