@@ -146,6 +146,7 @@ def _write_files(
                 if data is not None and pending.get(disk_slot) is data:
                     del pending[disk_slot]
             jobs.task_done()
+    jobs.task_done()  # the stop job: a later `flush` returns at once
 
 
 def _shut(jobs: queue.Queue[Any], thread: threading.Thread, folder: Path) -> None:

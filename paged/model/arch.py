@@ -223,6 +223,4 @@ def _hf_layer_windows(cfg: dict[str, Any]) -> list[int | None] | None:
     window = cfg.get("sliding_window")
     if cfg["model_type"] != "qwen2" or window is None or not cfg.get("use_sliding_window"):
         return None
-    if not isinstance(cfg["num_hidden_layers"], int):
-        return None  # the shape checks name the bad value
     return layer_windows(implied_layer_types(cfg), window)

@@ -31,6 +31,8 @@ def layer_windows(layer_types: list[str], window: int | None) -> list[int | None
 def implied_layer_types(cfg: dict[str, Any]) -> list[str]:
     """`layer_types` as written, else as transformers derives it for the config's model type."""
     num_layers = cfg["num_hidden_layers"]
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers <= 0:
+        raise ValueError(f"num_hidden_layers={num_layers!r} must be a positive integer")
     given = cfg.get("layer_types")
     if given is not None:
         if len(given) != num_layers:
