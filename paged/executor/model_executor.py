@@ -227,9 +227,9 @@ class ModelExecutor(TieredHostPool, Executor):
         """Route each layer to its group's tables and KV tensor (`check_kv_layout` refuses what cannot
         run; with `cuda_graphs` unset, KV groups turn the graphs off)."""
         check_kv_layout(layout, self.layer_windows, self.num_devices, self.cuda_graphs_requested)
-        if layout.is_hybrid and self.use_cuda_graphs:
-            log.info("executor.cuda_graphs: off with %d KV groups (decode steps run eagerly)", layout.num_groups)
-            self.use_cuda_graphs = False
+        requested = self.cuda_graphs_requested
+        default = self.device.type == "cuda" and self.num_devices == 1
+        self.use_cuda_graphs = (default if requested is None else requested) and not layout.is_hybrid
         self.kv_layout = layout
         self.routes = layer_routes(layout, self.layer_types.kind_of_layer)
 
