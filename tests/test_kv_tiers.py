@@ -217,7 +217,7 @@ def test_bad_offload_settings_are_one_line_errors(tmp_path: Path, overrides: lis
 
 def test_the_simulator_prices_tier_copies_at_pcie_and_disk_reads_at_disk_bandwidth() -> None:
     shape = step_shape(SchedulerOutput(blocks_to_offload=[(0, 1), (2, 3)], blocks_to_onload=[(1, 4)]))
-    assert shape.num_swap_blocks == 3
+    assert (shape.num_swap_blocks, shape.num_offload_blocks, shape.num_onload_blocks) == (0, 2, 1)
     disk = SimTierDisk(bytes_per_block=7_000_000, disk_bandwidth=7e9)  # a millisecond a block
     disk.spill(0, b"", 0)
     disk.spill(1, b"", 1)

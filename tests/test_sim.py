@@ -376,3 +376,23 @@ def test_wandb_steps_of_a_simulated_run_are_keyed_by_sim_time(tmp_path):
     drive(engine)
     times = [row["sim_time_s"] for row in logger.run.logged]
     assert len(times) == 3 and times == sorted(times) and times[-1] == pytest.approx(engine.clock.now())
+
+
+def test_tier_copies_are_one_batched_transfer_and_offloads_overlap_the_step():
+    cost = _cost_model()
+    decode = _decode([512] * 8)
+    base = cost.step(decode)
+    hw, spec = cost.hw, cost.spec
+    block_bytes = 2 * spec.num_layers * 16 * cost.kv_size * cost.kv_b
+    onload = cost.step(StepShape(**{**decode.__dict__, "num_onload_blocks": 10}))
+    expected = hw.pcie_latency_s + 10 * block_bytes / (hw.pcie_bandwidth * hw.memory_efficiency)
+    assert onload.total_s - base.total_s == pytest.approx(expected)
+    # a few blocks written out hide behind the step's compute; many outlast it
+    few = cost.step(StepShape(**{**decode.__dict__, "num_offload_blocks": 1}))
+    many = cost.step(StepShape(**{**decode.__dict__, "num_offload_blocks": 1000}))
+    assert few.total_s == pytest.approx(base.total_s)
+    assert many.total_s - base.total_s == pytest.approx(
+        hw.pcie_latency_s + 1000 * block_bytes / (hw.pcie_bandwidth * hw.memory_efficiency) - base.total_s)
+    # a swap still pays vLLM's copy per block and layer: dearer than the tier's batched copy
+    swap = cost.step(StepShape(**{**decode.__dict__, "num_swap_blocks": 10}))
+    assert swap.total_s - base.total_s > expected

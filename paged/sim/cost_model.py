@@ -30,6 +30,7 @@ host's per-step and per-sequence overhead (scheduling, input preparation, output
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -58,9 +59,13 @@ class StepShape:
     num_prefill_rows: int = 0
     # decode rows: one new token each, attending to `context` tokens
     decode_contexts: list[int] | None = None
-    # blocks moved between the device and host memory before the step (swaps, prefix tiers' copies)
+    # blocks swapped between the device and the CPU pool before the step
     num_swap_blocks: int = 0
     block_size: int = 16
+    # a prefix tier's copies (`paged.memory.kv_tiers`): evicted blocks written to host memory, and
+    # blocks a prefix hit brings back from it
+    num_offload_blocks: int = 0
+    num_onload_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -113,10 +118,8 @@ def step_shape(sched: SchedulerOutput, block_size: int = 16, sliding_window: int
             prefill_pairs += _attended_pairs(context, sliding_window) - _attended_pairs(context - new, sliding_window)
     return StepShape(
         num_tokens, num_sampled, len(sched.scheduled), prefill_pairs, prefill_queries, prefill_context,
-        num_prefill_rows, decode,
-        # a prefix tier's copies between the device and host memory move blocks as swaps do
-        len(sched.blocks_to_swap_out) + len(sched.blocks_to_swap_in) + len(sched.blocks_to_offload)
-        + len(sched.blocks_to_onload), block_size,
+        num_prefill_rows, decode, len(sched.blocks_to_swap_out) + len(sched.blocks_to_swap_in), block_size,
+        len(sched.blocks_to_offload), len(sched.blocks_to_onload),
     )
 
 
@@ -238,10 +241,28 @@ class CostModel:
             )
             head += 2 * n * s.vocab_size * 4 / self.bw  # softmax / argmax over fp32 logits
         overhead = hw.step_overhead_s + hw.seq_overhead_s * shape.num_seqs
-        return StepCost(
+        cost = StepCost(
             L * linear, attention_s, L * elementwise, launch_bound, communication, head, overhead, version,
             self._swap(shape),
         )
+        return self._with_tier_copies(cost, shape) if shape.num_offload_blocks or shape.num_onload_blocks else cost
+
+    def _with_tier_copies(self, cost: StepCost, shape: StepShape) -> StepCost:
+        """A prefix tier's copies, priced as tiered KV caches move them (LMCache, vLLM's offloading
+        connector): per direction one batched gather of every block and layer, not vLLM V0's copy per
+        block per layer that `_swap` prices. Blocks brought back are waited for before the step
+        computes; blocks written out run on the copy engine while it computes and add only what
+        outlasts the step."""
+        hw = self.hw
+        block_bytes = 2 * self.spec.num_layers * shape.block_size * self.kv_size * self.kv_b
+        rate = hw.pcie_bandwidth * hw.memory_efficiency
+
+        def transfer(num_blocks: int) -> float:
+            return hw.pcie_latency_s + num_blocks * block_bytes / rate if num_blocks else 0.0
+
+        onload = transfer(shape.num_onload_blocks)
+        offload = max(0.0, transfer(shape.num_offload_blocks) - cost.total_s)
+        return dataclasses.replace(cost, swap_s=cost.swap_s + onload + offload)
 
     def _swap(self, shape: StepShape) -> float:
         """vLLM's swap_blocks: one PCIe copy per block, per layer, for K and for V, on each GPU in
