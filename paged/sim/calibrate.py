@@ -140,15 +140,18 @@ def resolve_execution(cfg: Any, arch: LlamaArch) -> Execution:
     """What the real executor would run for `cfg` on this CPU (`Execution`)."""
     dtype, kernel = getattr(torch, dtype_name(cfg)), cfg.kernel
     llama = takes_gemm_and_layer_ops(arch)
+    bloom = arch.architecture == "bloom"
     sparse = BlockSparse.from_config(dict(kernel.blocksparse)) if kernel.blocksparse else None
     backend, _ = kernels.resolve_backend(
         kernel.backend, device=_CPU, dtype=dtype, head_size=arch.head_dim, block_size=_BLOCK_SIZE,
         partition_size=None if kernel.version == "v1" else kernel.partition_size,
         cache_dtype=cache_dtype(kernel.kv_cache_dtype, dtype),
-        features=AttentionFeatures(None if llama else alibi_slopes(arch.num_heads), sparse),
+        features=AttentionFeatures(alibi_slopes(arch.num_heads) if bloom else None, sparse,
+                                   arch.attn_logit_softcapping),
     )
     return Execution(
-        gemm=resolve_gemm(cfg.model.gemm, dtype, _CPU) if llama else "torch",
+        # BLOOM keeps F.linear; Llama and Gemma take the gemm kernel (paged.model.factory)
+        gemm="torch" if bloom else resolve_gemm(cfg.model.gemm, dtype, _CPU),
         layer_ops=layer_ops_for(backend).name if llama else "torch",
         backend=backend, version=kernel.version, partition_size=kernel.partition_size,
         kv_cache_dtype=kernel.kv_cache_dtype, blocksparse=sparse,
