@@ -652,7 +652,8 @@ class MemoryBreakdownMachine(RuleBasedStateMachine):
             free_ids = [b for start, size in free_chunks(self.alloc) for b in range(start, start + size)]
             assert len(unreferenced) == self.alloc.num_free_blocks + self.alloc.num_unassigned_blocks
         else:
-            free_ids = list(self.alloc._free if isinstance(self.alloc, NaiveAllocator) else self.alloc._queue)
+            free_ids = list(self.alloc._free) if isinstance(self.alloc, NaiveAllocator) else [
+                *self.alloc._hashless, *(b for b in range(self.alloc.num_blocks) if b in self.alloc.eviction)]
             assert self.alloc.num_unassigned_blocks == 0 and set(free_ids) == unreferenced
         assert len(free_ids) == len(set(free_ids)) == self.alloc.num_free_blocks
         assert set(free_ids) <= unreferenced, "a block is both free and referenced"

@@ -69,13 +69,6 @@ class PrefixCachingAllocator(RefCountedAllocator):
     def num_cached_free_blocks(self) -> int:
         return len(self.eviction)
 
-    @property
-    def _queue(self) -> list[int]:
-        """Every free block id, hashless ones first: the free pool as vLLM's one free queue held it
-        (O(n); the name the block-manager invariant checks read)."""
-        evictable = [b for b in self._cached.values() if self._refcounts[b] == 0]
-        return [*self._hashless, *evictable]
-
     def match(self, block_hash: bytes) -> int | None:
         block_id = self._cached.get(block_hash)
         if block_id is None:
