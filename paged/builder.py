@@ -21,6 +21,7 @@ from paged.kv_layout import KVLayout
 from paged.memory import BlockAllocator, BlockManager, Reservation
 from paged.memory.eviction import POLICIES, EvictionPolicy, LRUPolicy
 from paged.memory.kv_groups import KVGroupManager
+from paged.model.spec import model_spec
 from paged.offload import OffloadPlan, build_kv_tiers, check_offload, num_tier_blocks
 from paged.plugins import Plugin, check_plugin
 from paged.scheduler.core import Scheduler
@@ -90,6 +91,7 @@ def check_config(cfg: Any, executor_cls: type[Executor] | None = None) -> Plugin
     _check_swap(cfg, plugins, runs_on)
     plugins = dataclasses.replace(plugins, eviction=_check_eviction(cfg, plugins.allocator))
     plugins = dataclasses.replace(plugins, offload=check_offload(cfg, plugins.allocator.cls, runs_on))
+    _precheck_kv_groups(cfg, plugins)
     if plugins.reservation.cls.needs_output_lengths and not cfg.workload.ignore_eos:
         raise ConfigError(
             f"allocator={cfg.allocator.name} reserves each request's true output length, which the workload "
@@ -202,12 +204,32 @@ def num_blocks_for(cfg: Any, sizes: ByteSizes, executor: Executor) -> int:
 
 def kv_layout_for(cfg: Any, plugins: Plugins, executor: Executor) -> KVLayout:
     """How the model's layers share block tables (`allocator.kv_groups`); an executor that gives no
-    per-layer windows is one group with its `sliding_window`. Several groups cannot swap or use an
-    allocator of contiguous extents."""
+    per-layer windows is one group with its `sliding_window`."""
     layout = KVLayout.build(executor.layer_windows or (executor.sliding_window,), cfg.allocator.kv_groups)
+    _check_kv_layout(cfg, plugins, layout)
+    return layout
+
+
+def _precheck_kv_groups(cfg: Any, plugins: Plugins) -> None:
+    """`_check_kv_layout` before any weights load, from the model's metadata (its config.json, GGUF
+    header or spec), only when the config asks for something several groups cannot do."""
+    if cfg.allocator.kv_groups == "single" or not (
+        plugins.preemption.cls.swaps or plugins.allocator.cls.contiguous or plugins.offload is not None
+    ):
+        return
+    _check_kv_layout(cfg, plugins, KVLayout.build(model_spec(cfg.model)[0].layer_windows, cfg.allocator.kv_groups))
+
+
+def _check_kv_layout(cfg: Any, plugins: Plugins, layout: KVLayout) -> None:
+    """Several groups cannot swap, use an allocator of contiguous extents or keep prefix tiers."""
     if not layout.is_hybrid:
-        return layout
+        return
     groups = f"allocator.kv_groups={cfg.allocator.kv_groups} gives this model {layout.num_groups} KV groups"
+    if plugins.offload is not None:
+        raise ConfigError(
+            f"allocator.offload is not supported with several KV groups: {groups}; use allocator.kv_groups=single "
+            "or allocator.offload.cpu_bytes=0"
+        )
     if plugins.preemption.cls.swaps:
         raise ConfigError(
             f"scheduler.preemption_mode={cfg.scheduler.preemption_mode} cannot swap: {groups}; use "
@@ -218,7 +240,6 @@ def kv_layout_for(cfg: Any, plugins: Plugins, executor: Executor) -> KVLayout:
             f"allocator={cfg.allocator.name} hands out contiguous extents: {groups}, which need a paged "
             "allocator (naive, prefix); or use allocator.kv_groups=single"
         )
-    return layout
 
 
 def _measured_hardware(cfg: Any, plugins: Plugins) -> dict[str, Any]:

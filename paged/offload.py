@@ -107,11 +107,6 @@ def build_kv_tiers(cfg: Any, plan: OffloadPlan | None, executor: Executor, num_c
     room for both (`num_tier_blocks`): the disk tier's store reads that host pool."""
     if plan is None:
         return None
-    layout = executor.kv_layout
-    if layout is not None and layout.is_hybrid:
-        raise ConfigError(f"allocator.offload is not supported with {layout.num_groups} KV groups (allocator."
-                          f"kv_groups={cfg.allocator.kv_groups}); use allocator.kv_groups=single or "
-                          "allocator.offload.cpu_bytes=0")
     o = cfg.allocator.offload
     num_cpu, num_disk = num_tier_blocks(cfg, plan, executor)
     cpu = TierPool("cpu", num_cpu, plan.cpu_policy.build())

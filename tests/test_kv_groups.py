@@ -303,3 +303,18 @@ def test_tiny_hybrid_greedy_outputs_are_the_same_with_groups_and_one_table(tmp_p
         lines = (tmp_path / mode / "requests.jsonl").read_text().splitlines()
         outputs[mode] = [json.loads(line)["output_token_ids"] for line in lines]
     assert outputs["auto"] == outputs["single"]
+
+
+@pytest.mark.parametrize(("overrides", "fragment"), [
+    (["scheduler.preemption_mode=swap"], "cannot swap"),
+    (["allocator=orca-max"], "hands out contiguous extents"),
+    (["allocator=prefix", "allocator.offload.cpu_bytes=1MiB"], "allocator.offload is not supported with several KV"),
+])
+def test_what_groups_cannot_do_is_refused_before_any_weights_load(monkeypatch, overrides, fragment):
+    def refuse(*_, **__):
+        raise AssertionError("weights were loaded before the config error")
+
+    monkeypatch.setattr("paged.executor.model_executor.load_weights", refuse)
+    with pytest.raises(ConfigError, match=fragment) as e:
+        build_engine(compose_config([*QUIET, "model=tiny-hybrid", *overrides]))
+    assert "\n" not in str(e.value)
