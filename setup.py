@@ -14,6 +14,6 @@ setup(
     package_data={
         "paged.data": ["*.txt", "traces/*.csv", "traces/*.md"],
         "paged._kernels_cu": ["*.cu", "*.cuh", "emu/*", "cpu/*"],
-        "paged._conf": ["*.yaml", "*/*.yaml"],
+        "paged._conf": ["*.yaml", "*/*.yaml", "*/*/*.yaml"],
     },
 )

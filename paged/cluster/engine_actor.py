@@ -72,6 +72,7 @@ class EngineActor:
             threads=executor.threads,
             num_devices=executor.num_devices,
             kv_cache_spec=executor.kv_cache_spec(block_size),
+            kv_layout=executor.kv_layout,
             tokenizer=executor.tokenizer,
             vocab_size=executor.vocab_size,
             eos_token_ids=frozenset(executor.eos_token_ids),

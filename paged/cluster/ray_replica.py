@@ -61,6 +61,7 @@ class ExecutorView:
         self.vocab_size = info.vocab_size
         self.eos_token_ids = info.eos_token_ids
         self._spec = info.kv_cache_spec
+        self.kv_layout = info.kv_layout
         self.step_counts = info.state.decode_step_counts
 
     def kv_cache_spec(self, block_size: int) -> KVCacheSpec:

@@ -14,6 +14,7 @@ from array import array
 from dataclasses import dataclass
 
 from paged.executor.base import KVCacheSpec, Tokenizer
+from paged.kv_layout import KVLayout
 from paged.metrics import StepRecord
 from paged.request import Completion, Request, SamplingParams
 from paged.scheduler.core import SchedulerCounters
@@ -115,6 +116,7 @@ class ReplicaInfo:
     threads: ThreadChoice | None
     num_devices: int  # the devices one replica's KV cache is split over (its tensor-parallel ranks)
     kv_cache_spec: KVCacheSpec
+    kv_layout: KVLayout | None  # how its model's layers share block tables (allocator.kv_groups)
     tokenizer: Tokenizer | None
     vocab_size: int | None
     eos_token_ids: frozenset[int]
