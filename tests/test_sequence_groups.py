@@ -633,7 +633,8 @@ class GroupMachine(RuleBasedStateMachine):
             for b in self.bm.block_table(seq):
                 refs[b] += 1
         assert [self.alloc.refcount(b) for b in range(self.n)] == refs
-        free_ids = list(self.alloc._free if isinstance(self.alloc, NaiveAllocator) else self.alloc._queue)
+        free_ids = list(self.alloc._free) if isinstance(self.alloc, NaiveAllocator) else [
+            *self.alloc._hashless, *(b for b in range(self.alloc.num_blocks) if b in self.alloc.eviction)]
         assert len(free_ids) == len(set(free_ids)) == self.alloc.num_free_blocks
         assert set(free_ids) == {b for b in range(self.n) if refs[b] == 0}, "a block is neither free nor held"
         assert self.alloc.num_free_blocks + sum(1 for r in refs if r) == self.n
