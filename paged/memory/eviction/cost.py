@@ -10,12 +10,12 @@ on a small one.
 
 from __future__ import annotations
 
-from paged.memory.eviction.keyed_heap import KeyedHeapPolicy
+from paged.memory.eviction.lfu import LFUPolicy
 
 
-class CostPolicy(KeyedHeapPolicy):
-    """Evicts the evictable block of least uses x recompute cost; ties go to the deeper block, then
-    the older release.
+class CostPolicy(LFUPolicy):
+    """LFU's use counts weighted by recompute cost: evicts the evictable block of least uses x recompute
+    cost; ties go to the deeper block, then the older release.
 
     insert, hit (in use), acquire, remove: O(1); release, hit (evictable), evict: O(log n) amortized.
     Chain order: a deep block's higher cost can rank it above its head, so the score alone does not
@@ -30,7 +30,6 @@ class CostPolicy(KeyedHeapPolicy):
             raise ValueError(f"depth_cost must be >= 0, got {depth_cost!r}")
         super().__init__()
         self.depth_cost = depth_cost
-        self._count: dict[int, int] = {}
 
     def recompute_cost(self, position: int) -> float:
         """What recomputing a block `position` blocks deep costs, in units of a chain's first block."""
@@ -38,12 +37,3 @@ class CostPolicy(KeyedHeapPolicy):
 
     def _score(self, block_id: int) -> float:
         return self._count[block_id] * self.recompute_cost(self._position[block_id])
-
-    def _inserted(self, block_id: int) -> None:
-        self._count[block_id] = 1
-
-    def _hit(self, block_id: int) -> None:
-        self._count[block_id] += 1
-
-    def _forgotten(self, block_id: int) -> None:
-        self._count.pop(block_id, None)
