@@ -19,25 +19,19 @@ _RECOMPUTED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 # The config.json keys a shape field is read from, in the order `LlamaArch.from_hf_config` tries
 # them: error messages name the key the user wrote.
+_LLAMA_KEYS: dict[str, tuple[str, ...]] = {
+    "vocab_size": ("vocab_size",),
+    "hidden_size": ("hidden_size",),
+    "intermediate_size": ("intermediate_size",),
+    "num_layers": ("num_hidden_layers",),
+    "num_heads": ("num_attention_heads",),
+    "num_kv_heads": ("num_key_value_heads", "num_attention_heads"),
+    "head_dim": ("head_dim", "hidden_size"),
+}
 _CONFIG_KEYS: dict[str, dict[str, tuple[str, ...]]] = {
-    "llama": {
-        "vocab_size": ("vocab_size",),
-        "hidden_size": ("hidden_size",),
-        "intermediate_size": ("intermediate_size",),
-        "num_layers": ("num_hidden_layers",),
-        "num_heads": ("num_attention_heads",),
-        "num_kv_heads": ("num_key_value_heads", "num_attention_heads"),
-        "head_dim": ("head_dim", "hidden_size"),
-    },
-    "gemma": {
-        "vocab_size": ("vocab_size",),
-        "hidden_size": ("hidden_size",),
-        "intermediate_size": ("intermediate_size",),
-        "num_layers": ("num_hidden_layers",),
-        "num_heads": ("num_attention_heads",),
-        "num_kv_heads": ("num_key_value_heads", "num_attention_heads"),
-        "head_dim": ("head_dim",),
-    },
+    "llama": _LLAMA_KEYS,
+    # Gemma's head_dim is its own key, never hidden_size / num_heads
+    "gemma": {**_LLAMA_KEYS, "head_dim": ("head_dim",)},
     "bloom": {
         "vocab_size": ("vocab_size",),
         "hidden_size": ("n_embed", "hidden_size"),
