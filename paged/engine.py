@@ -86,7 +86,7 @@ class Engine:
         """The KV cache now: pool size, blocks in use, and the prefix-cache counters (cumulative
         since the engine was built)."""
         manager = self.scheduler.block_manager
-        return dataclasses.replace(manager.stats(), num_evictions=getattr(manager.allocator, "num_evictions", 0))
+        return dataclasses.replace(manager.stats(), num_evictions=manager.allocator.num_evictions)
 
     @property
     def caches_prefixes(self) -> bool:

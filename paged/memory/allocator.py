@@ -19,6 +19,8 @@ class BlockAllocator(ABC):
     """
 
     caches_prefixes: ClassVar[bool] = False
+    # cached blocks evicted so far (an allocator with a prefix cache counts them; others evict none)
+    num_evictions: int = 0
     # A sequence's blocks are one contiguous extent handed out at admission (Orca-style): growth past
     # it, and sharing blocks between the samples of a request, are refused.
     contiguous: ClassVar[bool] = False
