@@ -107,7 +107,8 @@ def test_bad_engine_argument_is_refused_in_one_line(kwargs, error, message) -> N
     ("model", "message"),
     [
         ("tiny-randm", "model='tiny-randm' is not a config model name, a local Hugging Face checkpoint directory "
-         "(with config.json) or a .gguf file; did you mean 'tiny-random'? config names: gemma-2-27b, gemma-3-27b, hf, "),
+         "(with config.json) or a .gguf file; did you mean 'tiny-random'? config names: gemma-2-27b, "
+         "gemma-3-27b, hf, "),
         ("HuggingFaceTB/SmolLM2-135M-Instruct", "(a hub id is not downloaded)"),
         ("/no/such/model.gguf", "model='/no/such/model.gguf' is not a config model name"),
         (".", "model='.' is a directory without config.json: not a Hugging Face checkpoint"),
