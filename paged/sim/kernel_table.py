@@ -34,6 +34,8 @@ BENCH_SHAPE = AttentionShape(heads=64, kv_heads=8, head_dim=128, dtype_bytes=2, 
 
 _H100_SESSION = ("docs/gpu.md, 'NVIDIA H100 80GB HBM3 (issue 13's session, 2026-11-22)', kernel latency table "
                  "(python experiments/kernel_bench.py --repeats 7, CUDA graphs, inputs rotated past L2), fp16")
+_H100_V3_SESSION = ("experiments/results/gpu/2026-11-26-nvidia-h100-80gb-hbm3.md (issue 33's session), decode table "
+                    "(python experiments/kernel_bench.py --repeats 5, CUDA graphs, inputs rotated past L2), fp16")
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,9 @@ MEASURED: dict[tuple[str, str, str], Measurement] = {
     ("h100-sxm", "v2", "many"): Measurement(64, 4096, 1175.0, _H100_SESSION),
     ("h100-sxm", "v1", "many-long"): Measurement(256, 16384, 26730.0, _H100_SESSION),
     ("h100-sxm", "v2", "many-long"): Measurement(256, 16384, 18671.0, _H100_SESSION),
+    ("h100-sxm", "v3", "few"): Measurement(1, 16384, 54.9, _H100_V3_SESSION),
+    ("h100-sxm", "v3", "many"): Measurement(64, 4096, 397.7, _H100_V3_SESSION),
+    ("h100-sxm", "v3", "many-long"): Measurement(256, 16384, 5603.4, _H100_V3_SESSION),
 }
 
 
@@ -85,8 +90,8 @@ def _default_source(hw: Hardware, variant: str) -> str:
     value = f"hardware.decode_attention_efficiency={hw.decode_attention_efficiency:g}"
     if hw.name == "cpu-local":
         return f"calibrated: {value}, this machine's measurement of the version its executor resolves"
-    why = "v3 has not run on a GPU yet" if variant == "v3" else f"no kernel benchmark of {variant} on {hw.name}"
-    return f"unmeasured ({why}): {value}, the literature value in conf/hardware/{hw.name}.yaml"
+    return (f"unmeasured (no kernel benchmark of {variant} on {hw.name}): {value}, "
+            f"the literature value in conf/hardware/{hw.name}.yaml")
 
 
 def decode_table(hw: Hardware) -> dict[tuple[str, str], Entry]:

@@ -77,6 +77,9 @@ def _options(arch: str) -> Any:
         ptxas_options=["-v"],
         # Skips texture/surface and device-runtime declarations the kernels never use.
         minimal=True,
+        # NVRTC 13.0 (the H100 image's) takes a generic lambda in a kernel for a host function and refuses it
+        # (13.5 infers __device__); every function of a JIT unit is device code, so say it once here.
+        device_as_default_execution_space=True,
     )
 
 
