@@ -2,8 +2,9 @@
 
     python vllm_worker.py JOB.json
 
-JOB.json: {"model_dir", "prompts" (token id lists), "output_lens", "max_model_len", "result_dir"}.
-The worker builds one `vllm.LLM` (its start time is measured apart from serving), writes
+JOB.json: {"model_dir", "prompts" (token id lists), "output_lens", "dtype", "max_model_len", "result_dir"}.
+The worker builds one `vllm.LLM` in `dtype` (float32 or bfloat16; the KV cache takes the model's
+dtype, `kv_cache_dtype` is left at auto; its start time is measured apart from serving), writes
 `ready.json`, then serves one round per line "round K" read from stdin, each from a reset prefix
 cache, writing `round_K.json` (elapsed, per-request TTFT / TPOT, output token ids); "quit" or end
 of input stops it. Results travel as files because vLLM logs to stdout. The thread binding comes
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-# 64 requests of at most 768 tokens need 2.3 GB of SmolLM2's fp32 KV (46 KB a token): no preemption
+# 64 requests of at most 768 tokens need 2.3 GB of SmolLM2's fp32 KV (46 KB a token; bf16 half): no preemption
 KV_CACHE_BYTES = 3 * 2**30
 
 
@@ -57,7 +58,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     # An explicit KV cache size: the default reserves 92% of memory, which fails on a shared machine.
-    llm = LLM(model=job["model_dir"], dtype="float32", max_num_seqs=64, max_model_len=job["max_model_len"],
+    llm = LLM(model=job["model_dir"], dtype=job["dtype"], max_num_seqs=64, max_model_len=job["max_model_len"],
               kv_cache_memory_bytes=KV_CACHE_BYTES, disable_log_stats=False, seed=0)
     start_s = time.perf_counter() - start
     try:
