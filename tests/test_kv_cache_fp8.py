@@ -27,9 +27,10 @@ def _engine(*overrides: str):
     return build_engine(compose_config(["model=tiny-random", "logger=none", "progress=false", *overrides]))
 
 
-@pytest.mark.parametrize(("model_dtype", "factor"), [("float16", 2), ("bfloat16", 2), ("float32", 4)])
+@pytest.mark.parametrize(("model_dtype", "factor"), [("bfloat16", 2), ("float32", 4)])
 def test_an_fp8_cache_holds_more_blocks_in_the_same_bytes(model_dtype: str, factor: int) -> None:
-    """One byte per element: twice the blocks of a 16-bit cache (four times fp32's), exactly."""
+    """One byte per element: twice the blocks of a 16-bit cache (four times fp32's), exactly. (A CPU
+    refuses float16 models: bfloat16 is the 16-bit case here.)"""
     common = ("kernel.backend=torch", f"model.dtype={model_dtype}", "allocator.kv_cache_memory=3MiB",
               "allocator.num_blocks=null")
     auto = _engine(*common).kv_stats().num_total_blocks

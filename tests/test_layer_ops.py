@@ -274,8 +274,8 @@ _COS, _SIN = _rope_tables(8, 16)
 @pytest.mark.parametrize(
     ("call", "match"),
     [
-        (lambda: layer_ops.rms_norm(_X.double(), _W, 1e-5), "x must be float32, got torch.float64"),
-        (lambda: layer_ops.rms_norm(_X.bfloat16(), _W, 1e-5), "x must be float32, got torch.bfloat16"),
+        (lambda: layer_ops.rms_norm(_X.double(), _W, 1e-5), "x must be float32 or bfloat16, got torch.float64"),
+        (lambda: layer_ops.rms_norm(_X.bfloat16(), _W, 1e-5), "weight must be bfloat16 like x, got torch.float32"),
         (lambda: layer_ops.rms_norm(_X.to("meta"), _W, 1e-5), "x must be on the cpu, got meta"),
         (lambda: layer_ops.rms_norm(_X[0], _W, 1e-5), r"x must be 2-d \[T, H\], got shape \(8,\)"),
         (lambda: layer_ops.rms_norm(_X, _W[:7], 1e-5), r"weight must be \[8\], got shape \(7,\)"),

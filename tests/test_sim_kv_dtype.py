@@ -105,7 +105,7 @@ def test_swap_copies_move_half_the_bytes():
     ("override", "message"),
     [
         ("kernel.kv_cache_dtype=fp8",
-         "kernel.kv_cache_dtype='fp8' is not supported; allowed: auto, fp8_e4m3, fp8_e5m2"),
+         "kernel.kv_cache_dtype='fp8' is not supported; allowed: auto, float32, bfloat16, fp8_e4m3, fp8_e5m2"),
         ("kernel.kv_cache_dtype=float16", "kernel.kv_cache_dtype='float16' is not supported"),
         ("kernel.k_scale=0", "kernel.k_scale=0.0 must be a finite number > 0"),
         ("kernel.v_scale=-2", "kernel.v_scale=-2.0 must be a finite number > 0"),

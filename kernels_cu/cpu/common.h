@@ -8,9 +8,11 @@
 //   seq_lens    int32 [num_seqs]
 //   query       [rows, num_heads, head_size] with arbitrary strides (e.g. a view of fused qkv)
 //   out         [rows, num_heads, head_size], contiguous, query dtype
-// The cache holds the query's dtype, or fp8 (e4m3fn / e5m2, x = 16) read as value * its KV head's
-// scale. The kernels are templates over the cache's element type, which their inner loops read;
-// the query and output are converted a row at a time, so their dtype is a runtime switch.
+// The cache holds a float dtype (the query's, or another one: kernel.kv_cache_dtype, e.g. a bf16
+// query over an fp32 cache, x = 4) or fp8 (e4m3fn / e5m2, x = 16) read as value * its KV head's
+// scale; x is always the cache element's. The kernels are templates over the cache's element type,
+// which their inner loops read as fp32; the query and output are converted a row at a time, so
+// their dtype is a runtime switch independent of the cache's.
 #pragma once
 
 #include <algorithm>

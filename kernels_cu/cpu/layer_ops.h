@@ -1,4 +1,4 @@
-// Fused elementwise layer ops of the CPU model path (paged/kernels/layer_ops.py) and the native
+// Fused elementwise layer ops of the CPU model path (paged/kernels/fused_ops.py) and the native
 // reshape_and_cache of backend "cpu": RMSNorm, residual add + RMSNorm, SiLU-and-mul, RoPE.
 //
 // Every op runs over rows (tokens) in parallel with OpenMP (static schedule, the caller's thread
@@ -17,12 +17,30 @@
 //     expf over the rest, as ATen's vectorized_loop splits a row of L-lane vectors (silu does have
 //     an AVX512 build: L = 16 there, 8 on AVX2); exp_lanes 0 means libm for every element (torch's
 //     DEFAULT capability).
+//
+// bf16 (a `model.dtype=bfloat16` model): the same ops on bf16 rows, computed in fp32 and rounded to
+// bf16 (nearest even, as torch) wherever the torch formulas round in bf16, which is after every
+// elementwise op, so they are bit-identical to those formulas too:
+//   - RMSNorm is HF's `weight * F.rms_norm(x.float()).to(bf16)`: the fp32 norm above of the widened
+//     row, rounded, then times the bf16 weight, rounded (a product of two bf16 values is exact in
+//     fp32, so one rounding of it is torch's bf16 product); the residual add is the fp32 sum, rounded;
+//   - SiLU-and-mul rounds silu(g) before the product. silu(g) in bf16 is a function of g's 16 bits:
+//     a table of all 65536, filled once per process with Sleef's expf. Where torch takes libm's expf
+//     (its scalar tail), the two can differ in fp32's last place but round to the same bf16 silu for
+//     every bf16 input (tests/test_layer_ops_bf16.py checks all of them against F.silu);
+//   - RoPE rounds x * cos and rotate_half(x) * sin, then their sum; the tables are bf16 too.
+// The bf16 row kernels widen chunks of a row to fp32 on the stack, compute there, and narrow the
+// result: loops over one element width, which the compiler vectorises well (mixed 16/32-bit loops
+// it does not). The narrowing is integer round-to-nearest-even, not AVX512-BF16's VCVTNEPS2BF16:
+// that instruction flushes fp32 denormals to zero, torch's conversion keeps them.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#include "common.h"
 
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
@@ -33,6 +51,33 @@ namespace layer {
 // Below this many elements an op runs on the calling thread: waking the pool costs more.
 constexpr int64_t kParallelGrain = 16384;
 
+// ---- bf16 rows ---------------------------------------------------------------------------------
+
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t h) { return bf16_to_float(h); }
+
+// common.h's float_to_bf16, in the high half of an fp32 pattern and without a branch (so it
+// vectorises): round to nearest even, NaN kept quiet.
+inline uint32_t bf16_rounded_bits(float f) {
+  const uint32_t b = __builtin_bit_cast(uint32_t, f);
+  const uint32_t nearest = b + 0x7fffu + ((b >> 16) & 1u);
+  return (f != f ? b | 0x400000u : nearest) & 0xffff0000u;
+}
+
+// What a bf16 tensor keeps of an fp32 result, as fp32.
+inline float round_bf16(float f) { return __builtin_bit_cast(float, bf16_rounded_bits(f)); }
+
+// The bf16 row kernels work on rows in chunks of this many fp32 elements on the stack.
+constexpr int64_t kChunk = 128;
+
+inline void widen(const uint16_t* __restrict src, float* __restrict dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
+}
+
+inline void narrow(const float* __restrict src, uint16_t* __restrict dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<uint16_t>(bf16_rounded_bits(src[i]) >> 16);
+}
+
 // ---- RMSNorm -----------------------------------------------------------------------------------
 
 // ATen's utils::CeilLog2.
@@ -41,10 +86,10 @@ inline int64_t ceil_log2(int64_t x) {
   return 64 - __builtin_clzll(static_cast<uint64_t>(x - 1));
 }
 
-// sum(x[i] * x[i]) in the order of ATen's vectorized_inner_sum over L-lane vectors (L = 1: its
-// scalar_inner_sum, used when the row is shorter than one vector).
-template <int L>
-inline float sum_squares(const float* x, int64_t n) {
+// sum(x[i] * x[i]) of the row as fp32, in the order of ATen's vectorized_inner_sum over L-lane
+// vectors (L = 1: its scalar_inner_sum, used when the row is shorter than one vector).
+template <int L, typename T>
+inline float sum_squares(const T* x, int64_t n) {
   constexpr int kLevels = 4, kIlp = 4;
   const int64_t nvec = n / L, rows = nvec / kIlp;  // rows of kIlp vectors
   float acc[kLevels][kIlp][L];
@@ -52,10 +97,10 @@ inline float sum_squares(const float* x, int64_t n) {
   const int64_t level_power = std::max<int64_t>(4, ceil_log2(rows) / kLevels);
   const int64_t level_step = int64_t{1} << level_power, level_mask = level_step - 1;
   auto add_row = [&](int64_t r) {
-    const float* p = x + r * kIlp * L;
+    const T* p = x + r * kIlp * L;
     for (int k = 0; k < kIlp; ++k)
       for (int l = 0; l < L; ++l) {
-        const float v = p[k * L + l];
+        const float v = to_float(p[k * L + l]);
         acc[0][k][l] += v * v;
       }
   };
@@ -77,20 +122,24 @@ inline float sum_squares(const float* x, int64_t n) {
       for (int l = 0; l < L; ++l) acc[0][k][l] += acc[j][k][l];
   for (int64_t v = rows * kIlp; v < nvec; ++v)  // vectors left over from the ILP rows
     for (int l = 0; l < L; ++l) {
-      const float e = x[v * L + l];
+      const float e = to_float(x[v * L + l]);
       acc[0][0][l] += e * e;
     }
   for (int k = 1; k < kIlp; ++k)
     for (int l = 0; l < L; ++l) acc[0][0][l] += acc[0][k][l];
   float total = 0.f;
-  for (int64_t e = nvec * L; e < n; ++e) total += x[e] * x[e];
+  for (int64_t e = nvec * L; e < n; ++e) {
+    const float v = to_float(x[e]);
+    total += v * v;
+  }
   for (int l = 0; l < L; ++l) total += acc[0][0][l];
   return total;
 }
 
 constexpr int kSumLanes = 8;
 
-inline float rstd_of(const float* x, int64_t n, float eps) {
+template <typename T>
+inline float rstd_of(const T* x, int64_t n, float eps) {
   const float sum = n >= kSumLanes ? sum_squares<kSumLanes>(x, n) : sum_squares<1>(x, n);
   return 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
 }
@@ -99,24 +148,53 @@ inline void scale_row(float* out, const float* x, const float* w, int64_t n, flo
   for (int64_t i = 0; i < n; ++i) out[i] = (x[i] * rstd) * w[i];
 }
 
+// HF's order in bf16: normalise in fp32, round, times the weight, round.
+inline void scale_row(uint16_t* out, const uint16_t* x, const uint16_t* w, int64_t n, float rstd) {
+  float xs[kChunk], ws[kChunk];
+  for (int64_t c = 0; c < n; c += kChunk) {
+    const int64_t m = std::min(kChunk, n - c);
+    widen(x + c, xs, m);
+    widen(w + c, ws, m);
+    for (int64_t i = 0; i < m; ++i) xs[i] = round_bf16(xs[i] * rstd) * ws[i];
+    narrow(xs, out + c, m);
+  }
+}
+
+inline void add_row(float* residual, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) residual[i] = residual[i] + x[i];
+}
+
+inline void add_row(uint16_t* residual, const uint16_t* x, int64_t n) {
+  float rs[kChunk], xs[kChunk];
+  for (int64_t c = 0; c < n; c += kChunk) {
+    const int64_t m = std::min(kChunk, n - c);
+    widen(residual + c, rs, m);
+    widen(x + c, xs, m);
+    for (int64_t i = 0; i < m; ++i) rs[i] = rs[i] + xs[i];
+    narrow(rs, residual + c, m);
+  }
+}
+
 // out[t] = rms_norm(x[t]) * w; out may be x (each row is read before it is written).
-inline void rms_norm(float* out, int64_t out_stride, const float* x, int64_t x_stride, const float* w, int64_t T,
-              int64_t H, float eps, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * H >= kParallelGrain)
-  for (int64_t t = 0; t < T; ++t) {
-    const float* row = x + t * x_stride;
+template <typename T>
+inline void rms_norm(T* out, int64_t out_stride, const T* x, int64_t x_stride, const T* w, int64_t rows, int64_t H,
+                     float eps, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * H >= kParallelGrain)
+  for (int64_t t = 0; t < rows; ++t) {
+    const T* row = x + t * x_stride;
     scale_row(out + t * out_stride, row, w, H, rstd_of(row, H, eps));
   }
 }
 
 // residual[t] += x[t]; x[t] = rms_norm(residual[t]) * w.
-inline void add_rms_norm(float* x, int64_t x_stride, float* residual, int64_t r_stride, const float* w, int64_t T,
-                  int64_t H, float eps, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * H >= kParallelGrain)
-  for (int64_t t = 0; t < T; ++t) {
-    float* xr = x + t * x_stride;
-    float* rr = residual + t * r_stride;
-    for (int64_t i = 0; i < H; ++i) rr[i] = rr[i] + xr[i];
+template <typename T>
+inline void add_rms_norm(T* x, int64_t x_stride, T* residual, int64_t r_stride, const T* w, int64_t rows, int64_t H,
+                         float eps, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * H >= kParallelGrain)
+  for (int64_t t = 0; t < rows; ++t) {
+    T* xr = x + t * x_stride;
+    T* rr = residual + t * r_stride;
+    add_row(rr, xr, H);
     scale_row(xr, rr, w, H, rstd_of(rr, H, eps));
   }
 }
@@ -163,31 +241,96 @@ inline void silu_and_mul(float* out, int64_t out_stride, const float* x, int64_t
   }
 }
 
+// silu(g) rounded to bf16 for every bf16 g (its 16 bits index it), filled on first use (128 KiB,
+// static: the ops allocate nothing per call); silu_and_mul takes it before its parallel loop.
+inline const uint16_t* bf16_silu_table() {
+  static const uint16_t* const table = [] {
+    static uint16_t silu[1 << 16];
+    for (uint32_t h = 0; h < (1u << 16); ++h) {
+      const float g = bf16_to_float(static_cast<uint16_t>(h));
+      silu[h] = static_cast<uint16_t>(bf16_rounded_bits(g / (1.f + sleef_expf(-g))) >> 16);
+    }
+    return silu;
+  }();
+  return table;
+}
+
+// bf16: out[t] = silu(x[t, :I]) * x[t, I:], the silu looked up (rounded), the product rounded.
+inline void silu_and_mul(uint16_t* out, int64_t out_stride, const uint16_t* x, int64_t x_stride, int64_t T,
+                         int64_t I, int num_threads) {
+  const uint16_t* silu = bf16_silu_table();
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T * I >= kParallelGrain)
+  for (int64_t t = 0; t < T; ++t) {
+    const uint16_t* g = x + t * x_stride;
+    const uint16_t* u = g + I;
+    uint16_t* o = out + t * out_stride;
+    float ss[kChunk], us[kChunk];
+    for (int64_t c = 0; c < I; c += kChunk) {
+      const int64_t m = std::min(kChunk, I - c);
+      for (int64_t i = 0; i < m; ++i) ss[i] = bf16_to_float(silu[g[c + i]]);
+      widen(u + c, us, m);
+      for (int64_t i = 0; i < m; ++i) ss[i] = ss[i] * us[i];
+      narrow(ss, o + c, m);
+    }
+  }
+}
+
 // ---- RoPE --------------------------------------------------------------------------------------
+
+// The first num_heads heads of head_dim of one row, rotated in place by its cos / sin rows.
+inline void rotate_heads(float* row, const float* c, const float* s, int num_heads, int head_dim) {
+  const int half = head_dim / 2;
+  for (int h = 0; h < num_heads; ++h) {
+    float* x = row + static_cast<int64_t>(h) * head_dim;
+    for (int i = 0; i < half; ++i) {
+      const float x1 = x[i], x2 = x[i + half];
+      // -(x2) * s == -(x2 * s) exactly, and a + -b == a - b.
+      const float a = x1 * c[i], b = x2 * s[i];
+      const float e = x2 * c[i + half], f = x1 * s[i + half];
+      x[i] = a - b;
+      x[i + half] = e + f;
+    }
+  }
+}
+
+// bf16: every product rounded, then the sum (the rounding of -(x2 * s) is minus that of x2 * s).
+// The table rows are widened once per row for all its heads, a chunk of half at a time.
+inline void rotate_heads(uint16_t* row, const uint16_t* c, const uint16_t* s, int num_heads, int head_dim) {
+  const int64_t half = head_dim / 2;
+  float c1[kChunk], c2[kChunk], s1[kChunk], s2[kChunk], x1[kChunk], x2[kChunk];
+  for (int64_t k = 0; k < half; k += kChunk) {
+    const int64_t m = std::min(kChunk, half - k);
+    widen(c + k, c1, m);
+    widen(c + half + k, c2, m);
+    widen(s + k, s1, m);
+    widen(s + half + k, s2, m);
+    for (int h = 0; h < num_heads; ++h) {
+      uint16_t* x = row + static_cast<int64_t>(h) * head_dim;
+      widen(x + k, x1, m);
+      widen(x + half + k, x2, m);
+      for (int64_t i = 0; i < m; ++i) {
+        const float a = round_bf16(x1[i] * c1[i]), b = round_bf16(x2[i] * s1[i]);
+        const float e = round_bf16(x2[i] * c2[i]), f = round_bf16(x1[i] * s2[i]);
+        x1[i] = a - b;
+        x2[i] = e + f;
+      }
+      narrow(x1, x + k, m);
+      narrow(x2, x + half + k, m);
+    }
+  }
+}
 
 // Rotates num_heads heads of head_dim at the start of each row of qk in place, HF's rotate_half
 // layout (i pairs with i + head_dim / 2), as `x * cos + rotate_half(x) * sin` with cos / sin rows
 // [head_dim] from tables [P, head_dim] at the token's position (checked in range by the caller).
-inline void rotary_embedding(float* qk, int64_t row_stride, const int64_t* positions, const float* cos,
-                             const float* sin, int64_t T, int num_heads, int head_dim, int num_threads) {
-  const int half = head_dim / 2;
+template <typename T>
+inline void rotary_embedding(T* qk, int64_t row_stride, const int64_t* positions, const T* cos, const T* sin,
+                             int64_t rows, int num_heads, int head_dim, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) \
-    if (T * num_heads * head_dim >= kParallelGrain)
-  for (int64_t t = 0; t < T; ++t) {
-    const float* c = cos + positions[t] * head_dim;
-    const float* s = sin + positions[t] * head_dim;
-    for (int h = 0; h < num_heads; ++h) {
-      float* x = qk + t * row_stride + static_cast<int64_t>(h) * head_dim;
-      for (int i = 0; i < half; ++i) {
-        const float x1 = x[i], x2 = x[i + half];
-        // -(x2) * s == -(x2 * s) exactly, and a + -b == a - b.
-        const float a = x1 * c[i], b = x2 * s[i];
-        const float e = x2 * c[i + half], f = x1 * s[i + half];
-        x[i] = a - b;
-        x[i + half] = e + f;
-      }
-    }
-  }
+    if (rows * num_heads * head_dim >= kParallelGrain)
+  for (int64_t t = 0; t < rows; ++t)
+    rotate_heads(qk + t * row_stride, cos + positions[t] * head_dim, sin + positions[t] * head_dim, num_heads,
+                 head_dim);
 }
 
 // ---- reshape_and_cache -------------------------------------------------------------------------

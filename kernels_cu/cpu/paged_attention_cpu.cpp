@@ -1,6 +1,7 @@
 // Native CPU attention over vLLM's paged KV cache (backend "cpu"): decode (here) and prefill
 // (prefill.h), block swaps (swap.h), the model's fused layer ops and reshape_and_cache
-// (layer_ops.h), and the extern "C" entry points of all of them.
+// (layer_ops.h; into a cache of another float dtype: cache_convert.h), and the extern "C" entry
+// points of all of them.
 //
 // Plain C++17 + OpenMP, no torch headers: paged/kernels/backends/cpu.py builds this file with the
 // host compiler and calls the entry points through ctypes with raw data pointers. Layouts are in
@@ -29,6 +30,7 @@
 // (as vLLM's kernel does). A v2 partition may then hold nothing a head sees: its max logit stays
 // -inf and its weight 0.
 
+#include "cache_convert.h"
 #include "common.h"
 #include "decode_v3.h"
 #include "layer_ops.h"
@@ -347,9 +349,12 @@ int run(Op op, const Args& a, const SplitArgs& plan = {1, 1}) {
   if (a.block_size <= 0) return 1;
   if (a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads) return 2;
   if (a.dtype != kF32 && a.dtype != kF16 && a.dtype != kBF16) return 7;
+  // The cache may hold another float dtype than the query's (kernel.kv_cache_dtype): its tiles are read as
+  // fp32 either way, and x is the cache element's.
   const bool fp8 = a.cache_dtype == kE4M3 || a.cache_dtype == kE5M2;
-  if (fp8 ? !a.k_scale || !a.v_scale : a.cache_dtype != a.dtype) return 8;
-  const int x = fp8 ? 16 : a.dtype == kF32 ? 4 : 8;
+  const bool float_cache = a.cache_dtype == kF32 || a.cache_dtype == kF16 || a.cache_dtype == kBF16;
+  if (fp8 ? !a.k_scale || !a.v_scale : !float_cache) return 8;
+  const int x = fp8 ? 16 : a.cache_dtype == kF32 ? 4 : 8;
   if (a.head_size <= 0 || a.head_size % x) return 3;
   if (op == kDecodeV2 && (a.partition_size <= 0 || a.partition_size % a.block_size)) return 4;
   const BlockSparse& sp = a.sparse;
@@ -418,25 +423,93 @@ extern "C" int swap_blocks_cpu(int num_caches, const int64_t *src_caches, const 
   return 0;
 }
 
+// key / value [num_tokens, num_kv_heads, head_size] of DType `dtype` with element strides key_strides[3] /
+// value_strides[3], converted into caches of another float DType `cache_dtype` (cache_convert.h). 7 for a
+// code that is not kF32, kF16 or kBF16, 10 if a slot is >= num_slots; negative slots are skipped.
+extern "C" int convert_and_cache_cpu(int dtype, int cache_dtype, const void *key, const int64_t *key_strides,
+                                     const void *value, const int64_t *value_strides, void *key_cache,
+                                     void *value_cache, const int64_t *slot_mapping, int64_t num_tokens,
+                                     int64_t num_slots, int num_kv_heads, int head_size, int block_size,
+                                     int num_threads) {
+  const auto is_float = [](int code) { return code == paged_cpu::kF32 || code == paged_cpu::kF16 ||
+                                              code == paged_cpu::kBF16; };
+  if (num_threads <= 0) return 6;
+  if (!is_float(dtype) || !is_float(cache_dtype)) return 7;
+  if (block_size <= 0) return 1;
+  const int x = cache_dtype == paged_cpu::kF32 ? 4 : 8;
+  if (head_size <= 0 || head_size % x) return 3;
+  if (num_tokens < 0 || num_kv_heads <= 0) return 12;
+  for (int64_t t = 0; t < num_tokens; ++t)
+    if (slot_mapping[t] >= num_slots) return 10;
+  paged_cpu::convert_and_cache_any(dtype, cache_dtype, key, key_strides, value, value_strides, key_cache, value_cache,
+                                   slot_mapping, num_tokens, num_kv_heads, head_size, block_size, num_threads);
+  return 0;
+}
+
 // ---- layer ops (layer_ops.h) ---------------------------------------------------------------------
-// Rows are `*_stride` floats apart, columns contiguous. `exp_lanes` is the vector width (in floats)
-// of torch's exp, 8 or 16, or 0 where torch uses libm's expf.
+// Rows are `*_stride` elements apart, columns contiguous. The `*_cpu` entry points take fp32 tensors,
+// the `*_bf16_cpu` ones bf16 tensors (their 16-bit patterns) for every pointer but positions.
+// `exp_lanes` is the vector width (in floats) of torch's fp32 exp, 8 or 16, or 0 where torch uses
+// libm's expf; bf16 SiLU needs none (layer_ops.h).
+
+namespace paged_cpu {
+namespace layer {
+
+template <typename T>
+int rms_norm_entry(T *out, int64_t out_stride, const T *x, int64_t x_stride, const T *weight, int64_t num_rows,
+                   int64_t hidden, float eps, int num_threads) {
+  if (num_threads <= 0) return 6;
+  if (num_rows < 0 || hidden <= 0) return 12;
+  rms_norm(out, out_stride, x, x_stride, weight, num_rows, hidden, eps, num_threads);
+  return 0;
+}
+
+template <typename T>
+int add_rms_norm_entry(T *x, int64_t x_stride, T *residual, int64_t residual_stride, const T *weight,
+                       int64_t num_rows, int64_t hidden, float eps, int num_threads) {
+  if (num_threads <= 0) return 6;
+  if (num_rows < 0 || hidden <= 0) return 12;
+  add_rms_norm(x, x_stride, residual, residual_stride, weight, num_rows, hidden, eps, num_threads);
+  return 0;
+}
+
+// positions int64 [num_rows] into cos / sin [num_positions, head_dim]; 11 if one is out of range.
+template <typename T>
+int rotary_embedding_entry(T *qk, int64_t row_stride, const int64_t *positions, const T *cos, const T *sin,
+                           int64_t num_rows, int64_t num_positions, int num_heads, int head_dim, int num_threads) {
+  if (num_threads <= 0) return 6;
+  if (num_rows < 0 || num_heads <= 0 || head_dim <= 0 || head_dim % 2) return 12;
+  for (int64_t t = 0; t < num_rows; ++t)
+    if (positions[t] < 0 || positions[t] >= num_positions) return 11;
+  rotary_embedding(qk, row_stride, positions, cos, sin, num_rows, num_heads, head_dim, num_threads);
+  return 0;
+}
+
+}  // namespace layer
+}  // namespace paged_cpu
 
 extern "C" int rms_norm_cpu(float *out, int64_t out_stride, const float *x, int64_t x_stride, const float *weight,
                             int64_t num_rows, int64_t hidden, float eps, int num_threads) {
-  if (num_threads <= 0) return 6;
-  if (num_rows < 0 || hidden <= 0) return 12;
-  paged_cpu::layer::rms_norm(out, out_stride, x, x_stride, weight, num_rows, hidden, eps, num_threads);
-  return 0;
+  return paged_cpu::layer::rms_norm_entry(out, out_stride, x, x_stride, weight, num_rows, hidden, eps, num_threads);
+}
+
+extern "C" int rms_norm_bf16_cpu(uint16_t *out, int64_t out_stride, const uint16_t *x, int64_t x_stride,
+                                 const uint16_t *weight, int64_t num_rows, int64_t hidden, float eps,
+                                 int num_threads) {
+  return paged_cpu::layer::rms_norm_entry(out, out_stride, x, x_stride, weight, num_rows, hidden, eps, num_threads);
 }
 
 extern "C" int add_rms_norm_cpu(float *x, int64_t x_stride, float *residual, int64_t residual_stride,
                                 const float *weight, int64_t num_rows, int64_t hidden, float eps, int num_threads) {
-  if (num_threads <= 0) return 6;
-  if (num_rows < 0 || hidden <= 0) return 12;
-  paged_cpu::layer::add_rms_norm(x, x_stride, residual, residual_stride, weight, num_rows, hidden, eps,
-                                 num_threads);
-  return 0;
+  return paged_cpu::layer::add_rms_norm_entry(x, x_stride, residual, residual_stride, weight, num_rows, hidden, eps,
+                                              num_threads);
+}
+
+extern "C" int add_rms_norm_bf16_cpu(uint16_t *x, int64_t x_stride, uint16_t *residual, int64_t residual_stride,
+                                     const uint16_t *weight, int64_t num_rows, int64_t hidden, float eps,
+                                     int num_threads) {
+  return paged_cpu::layer::add_rms_norm_entry(x, x_stride, residual, residual_stride, weight, num_rows, hidden, eps,
+                                              num_threads);
 }
 
 extern "C" int silu_and_mul_cpu(float *out, int64_t out_stride, const float *x, int64_t x_stride, int64_t num_rows,
@@ -448,17 +521,26 @@ extern "C" int silu_and_mul_cpu(float *out, int64_t out_stride, const float *x, 
   return 0;
 }
 
-// positions int64 [num_rows] into cos / sin [num_positions, head_dim]; 11 if one is out of range.
+extern "C" int silu_and_mul_bf16_cpu(uint16_t *out, int64_t out_stride, const uint16_t *x, int64_t x_stride,
+                                     int64_t num_rows, int64_t inter, int num_threads) {
+  if (num_threads <= 0) return 6;
+  if (num_rows < 0 || inter <= 0) return 12;
+  paged_cpu::layer::silu_and_mul(out, out_stride, x, x_stride, num_rows, inter, num_threads);
+  return 0;
+}
+
 extern "C" int rotary_embedding_cpu(float *qk, int64_t row_stride, const int64_t *positions, const float *cos,
                                     const float *sin, int64_t num_rows, int64_t num_positions, int num_heads,
                                     int head_dim, int num_threads) {
-  if (num_threads <= 0) return 6;
-  if (num_rows < 0 || num_heads <= 0 || head_dim <= 0 || head_dim % 2) return 12;
-  for (int64_t t = 0; t < num_rows; ++t)
-    if (positions[t] < 0 || positions[t] >= num_positions) return 11;
-  paged_cpu::layer::rotary_embedding(qk, row_stride, positions, cos, sin, num_rows, num_heads, head_dim,
-                                     num_threads);
-  return 0;
+  return paged_cpu::layer::rotary_embedding_entry(qk, row_stride, positions, cos, sin, num_rows, num_positions,
+                                                  num_heads, head_dim, num_threads);
+}
+
+extern "C" int rotary_embedding_bf16_cpu(uint16_t *qk, int64_t row_stride, const int64_t *positions,
+                                         const uint16_t *cos, const uint16_t *sin, int64_t num_rows,
+                                         int64_t num_positions, int num_heads, int head_dim, int num_threads) {
+  return paged_cpu::layer::rotary_embedding_entry(qk, row_stride, positions, cos, sin, num_rows, num_positions,
+                                                  num_heads, head_dim, num_threads);
 }
 
 // key / value [num_tokens, num_kv_heads, head_size] with element strides key_strides[3] /

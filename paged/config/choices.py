@@ -17,8 +17,11 @@ BLOCK_SIZES = (8, 16, 32)
 DEFAULT_PARTITION_SIZE = 512
 # kernel.backend besides auto (paged.kernels.registry)
 BACKENDS = ("torch", "cpu", "cuda", "emu")
-# kernel.kv_cache_dtype besides auto: one-byte KV with per-head scales (paged.kernels.features)
-KV_CACHE_DTYPES = ("fp8_e4m3", "fp8_e5m2")
+# kernel.kv_cache_dtype besides auto (the model dtype): a float dtype of its own, K/V converted as they are
+# written (a bf16 model over an fp32 cache), or one-byte KV with per-head scales (paged.kernels.features)
+FLOAT_KV_CACHE_DTYPES = ("float32", "bfloat16")
+FP8_KV_CACHE_DTYPES = ("fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = (*FLOAT_KV_CACHE_DTYPES, *FP8_KV_CACHE_DTYPES)
 # model.gemm: auto, F.linear, or prepacked oneDNN (paged.model.linear)
 GEMMS = ("auto", "torch", "onednn")
 # model.source

@@ -20,6 +20,7 @@ from paged.executor import memory_profile
 from paged.executor.attention import PagedAttention, layer_routes
 from paged.executor.base import Executor, KVCacheSpec
 from paged.executor.cuda_graphs import DecodeGraphs
+from paged.executor.dtype_checks import check_dtypes
 from paged.executor.kv_scales import KVScales
 from paged.executor.kv_tensors import allocate_kv, kv_block_spec
 from paged.executor.layer_types import LayerTypes, check_backend_serves, check_kv_layout
@@ -109,7 +110,9 @@ class ModelExecutor(TieredHostPool, Executor):
         self.threads = threads.configure(model_cfg.num_threads, ranks=size)
         self.dtype: torch.dtype = getattr(torch, resolve_dtype(model_cfg.dtype, self.device.type))
         self.seed = seed
-        # checked before the weights load, so a bad value fails at once
+        # checked before the weights load, so a bad value fails at once (dtypes on rank 0: it warns once per run)
+        if rank == 0:
+            check_dtypes(self.dtype, kernel_cfg, self.device)
         self.gemm = resolve_gemm(model_cfg.gemm, self.dtype, self.device)
         workers = None
         if size > 1 and rank == 0:  # they load their shards while this process loads its own
@@ -170,7 +173,7 @@ class ModelExecutor(TieredHostPool, Executor):
     @property
     def description(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
-        kv = f", KV cache {self.kv_cache_dtype_name}" if is_fp8(self.cache_dtype) else ""
+        kv = f", KV cache {self.kv_cache_dtype_name}" if self.cache_dtype != self.dtype else ""
         # BLOOM keeps F.linear and its own norms: only a Llama model has these choices
         layers = f"; gemm {self.gemm}, {self.model.ops.name} norms/RoPE/SwiGLU" if isinstance(
             self.model, LlamaModel) else ""

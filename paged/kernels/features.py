@@ -13,6 +13,11 @@ query in sparse block q attends to sparse block k (k <= q) when it is one of the
 last ones (k > q - local_blocks) or a "vertical" one, (k + offset) % vert_stride == 0, where the
 offset slides with the head: head * head_sliding_step + 1 (a negative step slides per KV head).
 
+A float cache dtype other than the model's (`kv_cache_dtype` float32 / bfloat16 under a bfloat16 /
+float32 model) stores K/V converted as they are written (torch's `.to`, rounding to nearest even) and
+is read as fp32, like every cache; backends that cannot convert refuse the pair
+(`KernelBackend.converts_cache_dtype`).
+
 Soft-capping (`soft_cap` c, Gemma-2's `attn_logit_softcapping`): each scaled logit s becomes
 c * tanh(s / c) before masking and the softmax, so no logit's magnitude exceeds c.
 """
@@ -24,11 +29,15 @@ from dataclasses import dataclass
 
 import torch
 
-from paged.config.choices import KV_CACHE_DTYPES as KV_CACHE_DTYPE_NAMES
+from paged.config.choices import FLOAT_KV_CACHE_DTYPES, FP8_KV_CACHE_DTYPES
 from paged.config.kernel_options import BlockSparseSpec
 
-KV_CACHE_DTYPES = dict(zip(KV_CACHE_DTYPE_NAMES, (torch.float8_e4m3fn, torch.float8_e5m2), strict=True))
-FP8_DTYPES = tuple(KV_CACHE_DTYPES.values())
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# kernel.kv_cache_dtype -> the cache tensors' dtype (auto: the model's, `cache_dtype`)
+KV_CACHE_DTYPES = {
+    **{name: getattr(torch, name) for name in FLOAT_KV_CACHE_DTYPES},
+    **dict(zip(FP8_KV_CACHE_DTYPES, FP8_DTYPES, strict=True)),
+}
 # The largest finite value of each format: stored values are clamped to it.
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 

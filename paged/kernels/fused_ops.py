@@ -1,8 +1,8 @@
-"""Native fused layer ops for the fp32 CPU model path (kernels_cu/cpu/layer_ops.h).
+"""Native fused layer ops for the fp32 and bf16 CPU model paths (kernels_cu/cpu/layer_ops.h).
 
 Each op replaces a few torch elementwise ops of a Llama layer with one pass over its rows, in
-parallel over `torch.get_num_threads()` OpenMP threads, and reproduces torch's fp32 arithmetic on
-this CPU (see layer_ops.h), so a model that uses them stays bit-identical to its torch formulation:
+parallel over `torch.get_num_threads()` OpenMP threads, and reproduces torch's arithmetic on this
+CPU (see layer_ops.h), so a model that uses them stays bit-identical to its torch formulation:
 
 - `rms_norm(x, w, eps, out=None)` == `w * F.rms_norm(x, (H,), eps=eps)`
 - `add_rms_norm(x, residual, w, eps)`: `residual += x` in place, then `x = rms_norm(residual)` in
@@ -19,9 +19,15 @@ reproduces the summation order of ATen's x86 sum kernel and silu ATen's exp (Sle
 AVX2/AVX512, libm otherwise), so both are bit-exact with torch on x86 (checked on an AVX512 CPU;
 the AVX2 variant follows the same code with 8 lanes) and within a few ulp elsewhere.
 
-Tensors are fp32 on the CPU with contiguous columns; rows may be strided (e.g. views of a fused
-projection's output). Anything else raises `ValueError` naming the bad argument, so callers can
-fall back to the torch formulas; so does a native library that cannot be built (`unavailable_reason`).
+bf16 tensors compute in fp32 and round to bf16 where the torch formulas of a bf16 model do (the
+norm as HF's `weight * F.rms_norm(x.float()).to(bf16)`, silu before its product, each RoPE product
+and their sum), so they are bit-identical to those formulas too (NaN payloads aside).
+
+Tensors are float32 or bfloat16 on the CPU, all of one call in one dtype (a bf16 model's norm
+weights and RoPE tables are bf16), with contiguous columns; rows may be strided (e.g. views of a
+fused projection's output). Anything else raises `ValueError` naming the bad argument, so callers
+can fall back to the torch formulas; so does a native library that cannot be built
+(`unavailable_reason`).
 """
 
 from __future__ import annotations
@@ -33,7 +39,11 @@ import torch
 from paged.kernels.backends import cpu as _cpu
 from paged.kernels.input_checks import check_disjoint
 
-__all__ = ["add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul", "unavailable_reason"]
+__all__ = ["DTYPES", "add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul", "unavailable_reason"]
+
+# The entry points' name endings per dtype (paged_attention_cpu.cpp: `rms_norm_cpu`, `rms_norm_bf16_cpu`, ...).
+_SUFFIX = {torch.float32: "_cpu", torch.bfloat16: "_bf16_cpu"}
+DTYPES = tuple(_SUFFIX)
 
 
 @cache
@@ -55,19 +65,24 @@ def _lib():  # noqa: ANN202 - a ctypes.CDLL
     return _cpu.load()
 
 
-def _float_cpu(name: str, t: object) -> torch.Tensor:
+def _float_cpu(name: str, t: object, like: tuple[str, torch.dtype] | None = None) -> torch.Tensor:
+    """A cpu tensor in one of `DTYPES`, or, with `like` (the call's first tensor's name and dtype), in that dtype."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.float32:
-        raise ValueError(f"{name} must be float32, got {t.dtype}")
+    if like is None and t.dtype not in _SUFFIX:
+        raise ValueError(f"{name} must be float32 or bfloat16, got {t.dtype}")
+    if like is not None and t.dtype != like[1]:
+        raise ValueError(f"{name} must be {str(like[1]).removeprefix('torch.')} like {like[0]}, got {t.dtype}")
     if t.device.type != "cpu":
         raise ValueError(f"{name} must be on the cpu, got {t.device}")
     return t
 
 
-def _rows(name: str, t: object, cols: int | None = None, written: bool = False) -> torch.Tensor:
-    """A `[T, cols]` fp32 cpu tensor with contiguous columns; a written one's rows must not overlap."""
-    t = _float_cpu(name, t)
+def _rows(
+    name: str, t: object, cols: int | None = None, written: bool = False, like: tuple[str, torch.dtype] | None = None
+) -> torch.Tensor:
+    """A `[T, cols]` cpu tensor with contiguous columns; a written one's rows must not overlap."""
+    t = _float_cpu(name, t, like)
     if t.dim() != 2 or (cols is not None and t.shape[1] != cols):
         want = f"[T, {cols}]" if cols is not None else "2-d [T, H]"
         raise ValueError(f"{name} must be {want}, got shape {tuple(t.shape)}")
@@ -78,8 +93,8 @@ def _rows(name: str, t: object, cols: int | None = None, written: bool = False) 
     return t
 
 
-def _weight(weight: object, hidden: int) -> torch.Tensor:
-    weight = _float_cpu("weight", weight)
+def _weight(weight: object, hidden: int, x: torch.Tensor) -> torch.Tensor:
+    weight = _float_cpu("weight", weight, ("x", x.dtype))
     if weight.dim() != 1 or weight.shape[0] != hidden:
         raise ValueError(f"weight must be [{hidden}], got shape {tuple(weight.shape)}")
     return weight.contiguous()
@@ -91,7 +106,10 @@ def _eps(eps: object) -> float:
     return float(eps)
 
 
-def _check(entry: str, status: int) -> None:
+def _run(op: str, dtype: torch.dtype, *args: object) -> None:
+    """Calls the entry point of `op` for `dtype`; raises on a refusal."""
+    entry = op + _SUFFIX[dtype]
+    status = getattr(_lib(), entry)(*args)
     if status:
         raise ValueError(f"cpu {entry} refused its arguments: {_cpu._STATUS.get(status, status)}")
 
@@ -99,8 +117,8 @@ def _check(entry: str, status: int) -> None:
 def _out(out: torch.Tensor | None, num_rows: int, cols: int, x: torch.Tensor, may_be_x: bool) -> torch.Tensor:
     """`out`, checked, or a new contiguous `[num_rows, cols]` tensor."""
     if out is None:
-        return torch.empty(num_rows, cols, dtype=torch.float32)
-    out = _rows("out", out, cols, written=True)
+        return torch.empty(num_rows, cols, dtype=x.dtype)
+    out = _rows("out", out, cols, written=True, like=("x", x.dtype))
     if out.shape[0] != num_rows:
         raise ValueError(f"out must be [{num_rows}, {cols}], got shape {tuple(out.shape)}")
     if not (may_be_x and out.data_ptr() == x.data_ptr() and out.stride() == x.stride()):
@@ -114,14 +132,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     contiguous tensor; returns it."""
     x = _rows("x", x)
     eps = _eps(eps)
-    weight = _weight(weight, x.shape[1])
+    weight = _weight(weight, x.shape[1], x)
     out = _out(out, x.shape[0], x.shape[1], x, may_be_x=True)
     if x.numel() == 0:
         return out
-    _check("rms_norm_cpu", _lib().rms_norm_cpu(
-        out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), weight.data_ptr(), x.shape[0], x.shape[1],
-        eps, torch.get_num_threads(),
-    ))
+    _run("rms_norm", x.dtype, out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), weight.data_ptr(),
+         x.shape[0], x.shape[1], eps, torch.get_num_threads())
     return out
 
 
@@ -129,18 +145,16 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     """In one pass per row: `residual += x` in place, then `x = weight * rms_norm(residual)` in
     place; returns `x`. Equals `residual = residual + x; weight * F.rms_norm(residual, ...)`."""
     x = _rows("x", x, written=True)
-    residual = _rows("residual", residual, x.shape[1], written=True)
+    residual = _rows("residual", residual, x.shape[1], written=True, like=("x", x.dtype))
     if residual.shape[0] != x.shape[0]:
         raise ValueError(f"residual must be [{x.shape[0]}, {x.shape[1]}] like x, got shape {tuple(residual.shape)}")
     eps = _eps(eps)
-    weight = _weight(weight, x.shape[1])
+    weight = _weight(weight, x.shape[1], x)
     if x.numel() == 0:
         return x
     check_disjoint(("x", x), ("residual", residual), ("weight", weight))
-    _check("add_rms_norm_cpu", _lib().add_rms_norm_cpu(
-        x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), weight.data_ptr(), x.shape[0],
-        x.shape[1], eps, torch.get_num_threads(),
-    ))
+    _run("add_rms_norm", x.dtype, x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0),
+         weight.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
     return x
 
 
@@ -154,10 +168,10 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     out = _out(out, x.shape[0], inter, x, may_be_x=False)
     if x.shape[0] == 0:
         return out
-    _check("silu_and_mul_cpu", _lib().silu_and_mul_cpu(
-        out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), x.shape[0], inter, _exp_lanes(),
-        torch.get_num_threads(),
-    ))
+    # bf16 needs no exp_lanes: its silu comes from a table, which rounds as torch's for every input (layer_ops.h)
+    exp_lanes = (_exp_lanes(),) if x.dtype == torch.float32 else ()
+    _run("silu_and_mul", x.dtype, out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), x.shape[0], inter,
+         *exp_lanes, torch.get_num_threads())
     return out
 
 
@@ -196,7 +210,7 @@ def rotary_embedding(
     if positions.shape[0] != num_rows or positions.device.type != "cpu":
         raise ValueError(f"positions must be [{num_rows}] on the cpu, got {tuple(positions.shape)} on "
                          f"{positions.device}")
-    cos, sin = _float_cpu("cos", cos), _float_cpu("sin", sin)
+    cos, sin = _float_cpu("cos", cos, ("qk", qk.dtype)), _float_cpu("sin", sin, ("qk", qk.dtype))
     if cos.dim() != 2 or cos.shape[1] != head_dim:
         raise ValueError(f"cos must be [P, {head_dim}], got shape {tuple(cos.shape)}")
     if sin.shape != cos.shape:
@@ -206,7 +220,5 @@ def rotary_embedding(
     tables = cos.contiguous(), sin.contiguous()
     check_disjoint(("qk", qk), ("cos", tables[0]), ("sin", tables[1]), ("positions", positions))
     positions = positions.contiguous()
-    _check("rotary_embedding_cpu", _lib().rotary_embedding_cpu(
-        qk.data_ptr(), qk.stride(0), positions.data_ptr(), tables[0].data_ptr(), tables[1].data_ptr(), num_rows,
-        tables[0].shape[0], num_heads, head_dim, torch.get_num_threads(),
-    ))
+    _run("rotary_embedding", qk.dtype, qk.data_ptr(), qk.stride(0), positions.data_ptr(), tables[0].data_ptr(),
+         tables[1].data_ptr(), num_rows, tables[0].shape[0], num_heads, head_dim, torch.get_num_threads())

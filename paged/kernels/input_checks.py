@@ -1,10 +1,11 @@
 """Backend-agnostic argument checks, run before any backend so errors name the bad value.
 
 What a particular backend supports (head sizes, block sizes, devices) is its own declaration
-(`KernelBackend.unsupported_reason`); here is only what every backend needs: vLLM's cache layout,
-matching dtypes and shapes, one device, caches that do not overlap. Checks that read tensor values
-on an accelerator cost a device synchronisation, so they run only on CPU tensors, except the
-`max_seq_len` check, which guards shared memory and runs once per lengths tensor.
+(`KernelBackend.unsupported_reason`, the pair of activation and cache dtypes included); here is only
+what every backend needs: vLLM's cache layout, model dtypes, matching shapes, one device, caches that
+do not overlap. Checks that read tensor values on an accelerator cost a device synchronisation, so
+they run only on CPU tensors, except the `max_seq_len` check, which guards shared memory and runs
+once per lengths tensor.
 """
 
 from __future__ import annotations
@@ -25,13 +26,6 @@ from paged.kernels.limits import VERSIONS
 def _dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...] = DTYPES) -> None:
     if t.dtype not in allowed:
         raise TypeError(f"{name} has dtype {t.dtype}; supported: {listing(allowed)}")
-
-
-def _matches_cache(name: str, t: torch.Tensor, cache_dtype: torch.dtype) -> None:
-    """Activations are in the cache's dtype, or in any model dtype when the cache is fp8."""
-    _dtype(name, t)
-    if cache_dtype not in FP8_DTYPES and t.dtype != cache_dtype:
-        raise TypeError(f"{name} dtype {t.dtype} != cache dtype {cache_dtype}")
 
 
 def _index(name: str, t: torch.Tensor, dtype: torch.dtype, ndim: int) -> None:
@@ -91,7 +85,8 @@ def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tupl
 def _check_attention(query: torch.Tensor, cache: CacheView, rows: str) -> None:
     """What decode and prefill share; `rows` names query's first dimension."""
     _, num_kv_heads, head_size, _ = check_cache_pair(cache.key_cache, cache.value_cache)
-    _matches_cache("query", query, cache.key_cache.dtype)
+    # a model dtype; one other than the cache's is a pair the backend serves or refuses (unsupported_reason)
+    _dtype("query", query)
     if query.dim() != 3 or query.shape[2] != head_size:
         raise ValueError(f"query must be [{rows}, num_heads, {head_size}], got {tuple(query.shape)}")
     if query.shape[1] % num_kv_heads:
@@ -204,8 +199,9 @@ def check_reshape_and_cache(
             f"key/value must be [num_tokens, {num_kv_heads}, {head_size}], "
             f"got {tuple(key.shape)} and {tuple(value.shape)}"
         )
-    _matches_cache("key", key, key_cache.dtype)
-    _matches_cache("value", value, key_cache.dtype)
+    _dtype("key", key)
+    if value.dtype != key.dtype:
+        raise TypeError(f"value dtype {value.dtype} != key dtype {key.dtype}")
     _index("slot_mapping", slot_mapping, torch.int64, 1)
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")

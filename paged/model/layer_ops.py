@@ -5,7 +5,9 @@ A prefill step of a few thousand tokens spent a quarter of its time outside the 
 and the activations do not fit in cache. The native ops make one pass each, fuse the residual add
 into the norm and rotate q and k in place. They keep torch's fp32 arithmetic, to the bit on x86
 (RMSNorm copies the summation order of torch's sum kernel, SiLU its vector `exp`; RoPE is built
-without FMA contraction), so greedy outputs stay those of the torch formulas.
+without FMA contraction), so greedy outputs stay those of the torch formulas. A bf16 model
+(`model.dtype=bfloat16`) runs them too: they compute in fp32 and round to bf16 after each op as
+the torch formulas do in bf16, to the bit, in one pass where torch makes several.
 
 On the cuda and emu backends the same ops are the CUDA kernels of kernels_cu/layer_ops.cuh
 (`RunnerLayerOps`): one launch each where the torch formulas run 2 (SwiGLU) to 9 (fp16 add +
@@ -67,34 +69,35 @@ class TorchLayerOps:
 
 
 class NativeCpuLayerOps(TorchLayerOps):
-    """The cpu backend's fused kernels for fp32 CPU tensors; other dtypes take the torch formulas."""
+    """The cpu backend's fused kernels for fp32 and bf16 CPU tensors (`native.DTYPES`); other dtypes
+    take the torch formulas."""
 
     name = "native"
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if x.dtype != torch.float32:
+        if x.dtype not in native.DTYPES:
             return super().rms_norm(x, weight, eps)
         return native.rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if x.dtype != torch.float32:
+        if x.dtype not in native.DTYPES:
             return super().add_rms_norm(x, residual, weight, eps)
         return native.add_rms_norm(x, residual, weight, eps)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32:
+        if x.dtype not in native.DTYPES:
             return super().silu_and_mul(x)
         return native.silu_and_mul(x)
 
     def rotation(self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Rotation:
         """The positions and the whole tables: the kernel looks the rows up itself."""
-        if cos.dtype != torch.float32:
+        if cos.dtype not in native.DTYPES:
             return super().rotation(positions, cos, sin)
         return positions, cos, sin
 
     def rope(self, qkv: torch.Tensor, rotation: Rotation, num_heads: int, head_dim: int) -> torch.Tensor:
         """Rotates `qkv`'s first heads in place (no copy of q or k) and returns them as a view."""
-        if qkv.dtype != torch.float32:
+        if qkv.dtype not in native.DTYPES:
             return super().rope(qkv, rotation, num_heads, head_dim)
         native.rotary_embedding(qkv, *rotation, num_heads, head_dim)
         return qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)

@@ -7,8 +7,10 @@ of `paged.kernels.features`. Decode v3 splits each (sequence, KV head) into the 
 `paged.kernels.split_plan` plan, made once per step for the OpenMP threads (`decode_workspace`).
 The library is built with the host compiler (`$CXX`, else `g++`) into the on-disk kernel cache,
 keyed by the sources' hash, the compiler, the flags and the CPU, and loaded once per process
-through ctypes. `reshape_and_cache` is native for caches in the activations' dtype (fp8 caches use
-the torch reference's quantising writer), `copy_blocks` is the torch reference's. The same library
+through ctypes. Attention reads any float cache dtype under any query dtype (a bf16 model over an fp32
+cache, `kernel.kv_cache_dtype`). `reshape_and_cache` is native for float caches, a copy in the
+activations' dtype or a converting write into another (fp8 caches use the torch reference's
+quantising writer), `copy_blocks` is the torch reference's. The same library
 holds the model's fused layer ops, which `paged.kernels.layer_ops` calls.
 """
 
@@ -50,7 +52,7 @@ _STATUS = {
     4: "partition_size must be a positive multiple of block_size",
     6: "the thread count must be positive",
     7: "unsupported dtype",
-    8: "the kv cache dtype must be the query's, or fp8 with k_scale and v_scale",
+    8: "the kv cache dtype must be float32, float16 or bfloat16, or fp8 with k_scale and v_scale",
     9: "blocksparse needs local_blocks, vert_stride and block_size > 0, block_size a multiple of the cache's",
     10: "slot_mapping holds a slot >= num_blocks * block_size",
     11: "positions holds a position outside the cos/sin tables",
@@ -92,8 +94,22 @@ _SIGNATURES = {
     # qk, row stride, positions, cos, sin, rows, table positions, num_heads, head_dim, num_threads
     "rotary_embedding_cpu": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                              ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int],
+    # The same ops on bf16 tensors; silu_and_mul_bf16_cpu has no exp_lanes.
+    "rms_norm_bf16_cpu": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                          ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int],
+    "add_rms_norm_bf16_cpu": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                              ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int],
+    "silu_and_mul_bf16_cpu": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                              ctypes.c_int64, ctypes.c_int],
+    "rotary_embedding_bf16_cpu": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                  ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+                                  ctypes.c_int],
     # element size, key, key strides[3], value, value strides[3], key cache, value cache, slot_mapping,
     # num_tokens, num_blocks * block_size, num_kv_heads, head_size, block_size, num_threads
+    # dtypes (activations, cache), then reshape_and_cache_cpu's arguments from key on
+    "convert_and_cache_cpu": [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, _Int64s, ctypes.c_void_p, _Int64s,
+                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                              ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int],
     "reshape_and_cache_cpu": [ctypes.c_int, ctypes.c_void_p, _Int64s, ctypes.c_void_p, _Int64s, ctypes.c_void_p,
                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
                               ctypes.c_int, ctypes.c_int, ctypes.c_int],
@@ -200,6 +216,7 @@ class CpuBackend(TorchBackend):
     device_type = "cpu"
     block_sizes = BLOCK_SIZES
     cache_dtypes = CACHE_DTYPES
+    converts_cache_dtype = True
     features = KERNEL_FEATURES
 
     def unavailable_reason(self) -> str | None:
@@ -249,22 +266,26 @@ class CpuBackend(TorchBackend):
         slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
         has_padding: bool = True,
     ) -> None:
-        """A bit copy per element, in parallel over tokens; key/value may have any strides. Slots < 0
-        are skipped; of two tokens given one slot, which lands is unspecified (as with torch's
-        index_put). fp8 (quantising) and non-contiguous caches go to the torch reference."""
-        if (key_cache.dtype in FP8_DTYPES or key.dtype != key_cache.dtype or value.dtype != key_cache.dtype
-                or slot_mapping.dtype != torch.int64
+        """A bit copy per element (or, into a cache of another float dtype, a conversion rounding as
+        torch's `.to`), in parallel over tokens; key/value may have any strides. Slots < 0 are skipped;
+        of two tokens given one slot, which lands is unspecified (as with torch's index_put). fp8
+        (quantising) and non-contiguous caches go to the torch reference."""
+        if (key_cache.dtype in FP8_DTYPES or value.dtype != key.dtype or slot_mapping.dtype != torch.int64
                 or not (key_cache.is_contiguous() and value_cache.is_contiguous())):
             super().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, has_padding)
             return
         num_blocks, num_kv_heads, _, block_size, _ = key_cache.shape
         slots = slot_mapping.contiguous()
-        status = load().reshape_and_cache_cpu(
-            key.element_size(), key.data_ptr(), _addresses(list(key.stride())), value.data_ptr(),
-            _addresses(list(value.stride())), key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(),
-            key.shape[0], num_blocks * block_size, num_kv_heads, key.shape[2], block_size, torch.get_num_threads(),
-        )
-        _check_status("reshape_and_cache_cpu", status)
+        tail = (_addresses(list(key.stride())), value.data_ptr(), _addresses(list(value.stride())),
+                key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(), key.shape[0], num_blocks * block_size,
+                num_kv_heads, key.shape[2], block_size, torch.get_num_threads())
+        if key.dtype == key_cache.dtype:
+            entry, status = "reshape_and_cache_cpu", load().reshape_and_cache_cpu(
+                key.element_size(), key.data_ptr(), *tail)
+        else:
+            entry, status = "convert_and_cache_cpu", load().convert_and_cache_cpu(
+                _DTYPES[key.dtype], _DTYPES[key_cache.dtype], key.data_ptr(), *tail)
+        _check_status(entry, status)
 
     def swap_blocks(
         self, src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], block_mapping: torch.Tensor

@@ -19,7 +19,8 @@ from paged.kernels.features import FP8_DTYPES, NONE, AttentionFeatures
 from paged.kernels.limits import DTYPE_NAMES
 
 DTYPES: tuple[torch.dtype, ...] = tuple(getattr(torch, name) for name in DTYPE_NAMES)
-# What a KV cache may hold: a model dtype, or fp8 with scales.
+# What a KV cache may hold: a model dtype (the model's own, or another one it is converted to), or fp8 with
+# scales.
 CACHE_DTYPES: tuple[torch.dtype, ...] = DTYPES + FP8_DTYPES
 FEATURES = ("alibi", "blocksparse", "softcap")
 # What the native kernels (cpu, cuda, emu) implement: soft-capping runs on the torch backend only.
@@ -103,6 +104,9 @@ class KernelBackend(ABC):
     partition_sizes: ClassVar[tuple[int, ...] | None] = None
     # KV cache dtypes besides the model's own: a backend that declares none stores K/V as they come.
     cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = DTYPES
+    # Whether a cache of another float dtype than the activations' (a bfloat16 model over a float32
+    # cache) is served: written converted, read as fp32. A backend that cannot refuses such a pair.
+    converts_cache_dtype: ClassVar[bool] = False
     # The `AttentionFeatures` it implements, of FEATURES.
     features: ClassVar[tuple[str, ...]] = ()
     # Whether a CUDA graph can capture its decode step: its ops read nothing on the host, allocate
@@ -113,7 +117,7 @@ class KernelBackend(ABC):
         self,
         device: torch.device,
         dtype: torch.dtype,
-        head_size: int,
+        head_size: int | None,
         block_size: int | None,
         partition_size: int | None = None,
         cache_dtype: torch.dtype | None = None,
@@ -136,6 +140,12 @@ class KernelBackend(ABC):
                     f"{what}={_text(value)} is not supported by backend={self.name!r}; supported: "
                     f"{listing(supported) or 'none'}"
                 )
+        if not self.converts_cache_dtype and dtype is not None and cache_dtype is not None and (
+                cache_dtype not in FP8_DTYPES and cache_dtype != dtype):
+            allowed = (dtype, *(d for d in self.cache_dtypes if d in FP8_DTYPES))
+            return (f"kv cache dtype={_text(cache_dtype)} with dtype={_text(dtype)} is not supported by "
+                    f"backend={self.name!r}, which keeps a float cache in the activations' dtype; supported: "
+                    f"{listing(allowed)}")
         if self.device_type is not None and device.type != self.device_type:
             return f"backend={self.name!r} needs {self.device_type} tensors, got tensors on {device}"
         return None

@@ -134,6 +134,8 @@ class RunnerBackend(FusedLayerOpsMixin, TorchBackend):
     block_sizes = BLOCK_SIZES
     partition_sizes = NATIVE_PARTITION_SIZES
     cache_dtypes = CACHE_DTYPES
+    # kernels_cu/ instantiates a cache in the activations' dtype or fp8 only
+    converts_cache_dtype = False
     features = KERNEL_FEATURES
 
     @abstractmethod

@@ -5,7 +5,8 @@ just a label: v1 takes one softmax over the whole context; v2 splits the context
 keeps per-partition max logit, exp-sum and normalised partial output, then rescales and reduces.
 Prefill attention is one padded `scaled_dot_product_attention` over the whole batch. With a
 sliding window, both gather only the blocks the window reaches, as the kernels do. An fp8 cache is
-dequantised as it is gathered (value * its head's scale); ALiBi adds slope * (key - query position)
+dequantised as it is gathered (value * its head's scale), a cache of another float dtype than the
+query's is read as fp32 (and written converted); ALiBi adds slope * (key - query position)
 to the logits, block-sparse attention masks what its pattern leaves out, and a soft-cap c bounds the
 scaled logits to c * tanh(s / c) (`paged.kernels.features`). Only this backend soft-caps: SDPA cannot,
 so a soft-capped prefill computes its scores and softmax itself, as transformers' eager attention does.
@@ -248,8 +249,9 @@ def _attend_group(
     if features.alibi_slopes is not None:
         bias = features.alibi_slopes.view(1, -1, 1, 1) * (key_positions - positions)[:, None].float()
         mask = bias.masked_fill_(~mask, _NEG_INF)
-    if cache.fp8 or features.alibi_slopes is not None or features.soft_cap is not None:
-        # fp32 throughout: the dequantised cache is fp32, and a float mask must match the query's dtype
+    if cache.fp8 or k.dtype != q.dtype or features.alibi_slopes is not None or features.soft_cap is not None:
+        # fp32 throughout: the dequantised (or other-dtype) cache is read as fp32, and a float mask must
+        # match the query's dtype
         q, k, v = q.float(), k.float(), v.float()
     q, k, v = q.transpose(1, 2), k[:, :, :max_span], v[:, :, :max_span]
     if features.soft_cap is None:
@@ -294,10 +296,11 @@ class TorchBackend(KernelBackend):
     name = "torch"
     description = "torch reference"
     cache_dtypes = CACHE_DTYPES
+    converts_cache_dtype = True
     features = FEATURES
 
     def unsupported_reason(
-        self, device: torch.device, dtype: torch.dtype, head_size: int, block_size: int | None,
+        self, device: torch.device, dtype: torch.dtype, head_size: int | None, block_size: int | None,
         partition_size: int | None = None, cache_dtype: torch.dtype | None = None,
         features: AttentionFeatures = NONE,
     ) -> str | None:
