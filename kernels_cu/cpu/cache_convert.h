@@ -11,9 +11,6 @@
 
 namespace paged_cpu {
 
-// Below this many elements the write runs on the calling thread: waking the pool costs more.
-constexpr int64_t kConvertParallelGrain = 16384;
-
 // key / value [T, kv_heads, head_size] of element type S with any element strides, into caches of
 // element type D (layouts in common.h, x of D). Slots < 0 are skipped; the caller checked every
 // other slot is < num_blocks * block_size.
@@ -24,27 +21,16 @@ void convert_and_cache(const void* key, const int64_t* ks, const void* value, co
   using Src = typename S::storage;
   using Dst = typename D::storage;
   constexpr int x = x_of<D>();
-  const int64_t tile = static_cast<int64_t>(head_size) * block_size;  // one (block, head) tile
   const Src* keys = static_cast<const Src*>(key);
   const Src* values = static_cast<const Src*>(value);
-  Dst* kc = static_cast<Dst*>(key_cache);
-  Dst* vc = static_cast<Dst*>(value_cache);
-#pragma omp parallel for schedule(static) num_threads(num_threads) \
-    if (T * kv_heads * head_size >= kConvertParallelGrain)
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t slot = slots[t];
-    if (slot < 0) continue;
-    const int64_t block = slot / block_size, offset = slot % block_size;
-    for (int h = 0; h < kv_heads; ++h) {
-      const Src* k = keys + t * ks[0] + h * ks[1];
-      const Src* v = values + t * vs[0] + h * vs[1];
-      Dst* kd = kc + (block * kv_heads + h) * tile + offset * x;
-      Dst* vd = vc + (block * kv_heads + h) * tile + offset;
-      for (int d = 0; d < head_size; ++d)
-        kd[static_cast<int64_t>(d / x) * block_size * x + d % x] = D::store(S::load(k[d * ks[2]]));
-      for (int d = 0; d < head_size; ++d) vd[static_cast<int64_t>(d) * block_size] = D::store(S::load(v[d * vs[2]]));
-    }
-  }
+  for_each_cache_slot<x>(static_cast<Dst*>(key_cache), static_cast<Dst*>(value_cache), slots, T, kv_heads, head_size,
+                         block_size, num_threads, [&](int64_t t, int h, Dst* kd, Dst* vd) {
+    const Src* k = keys + t * ks[0] + h * ks[1];
+    const Src* v = values + t * vs[0] + h * vs[1];
+    for (int d = 0; d < head_size; ++d)
+      kd[static_cast<int64_t>(d / x) * block_size * x + d % x] = D::store(S::load(k[d * ks[2]]));
+    for (int d = 0; d < head_size; ++d) vd[static_cast<int64_t>(d) * block_size] = D::store(S::load(v[d * vs[2]]));
+  });
 }
 
 // f(T{}) for the float type of DType `code` (kF32, kF16 or kBF16; the caller checked).

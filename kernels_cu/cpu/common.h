@@ -139,6 +139,29 @@ struct Args {
 template <typename C>
 constexpr int x_of() { return 16 / static_cast<int>(sizeof(typename C::storage)); }
 
+// Below this many elements a cache write runs on the calling thread: waking the pool costs more.
+constexpr int64_t kCacheWriteParallelGrain = 16384;
+
+// The slot walk of reshape_and_cache (same dtype, layer_ops.h) and convert_and_cache (cache_convert.h):
+// for every token t whose slot is >= 0 (the caller checked the others are < num_blocks * block_size)
+// and every KV head h, `write(t, h, kd, vd)` with kd / vd the token's first K / V element in that
+// head's tile (K at offset * x, V at offset; layouts above). Parallel over tokens for large writes.
+template <int x, typename Dst, typename Write>
+inline void for_each_cache_slot(Dst* key_cache, Dst* value_cache, const int64_t* slots, int64_t T, int kv_heads,
+                                int head_size, int block_size, int num_threads, Write write) {
+  const int64_t tile = static_cast<int64_t>(head_size) * block_size;  // one (block, head) tile
+#pragma omp parallel for schedule(static) num_threads(num_threads) \
+    if (T * kv_heads * head_size >= kCacheWriteParallelGrain)
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;
+    const int64_t block = slot / block_size, offset = slot % block_size;
+    for (int h = 0; h < kv_heads; ++h)
+      write(t, h, key_cache + (block * kv_heads + h) * tile + offset * x,
+            value_cache + (block * kv_heads + h) * tile + offset);
+  }
+}
+
 // The dequantisation scale of KV head `kvh` in `scales` (1 for a cache that is not fp8).
 inline float kv_scale(const float* scales, int kvh) { return scales ? scales[kvh] : 1.f; }
 

@@ -344,27 +344,18 @@ void reshape_and_cache(const E* key, const int64_t* ks, const E* value, const in
                        int block_size, int num_threads) {
   constexpr int x = 16 / sizeof(E);
   const int chunks = head_size / x;
-  const int64_t tile = static_cast<int64_t>(head_size) * block_size;  // one (block, head) tile
-#pragma omp parallel for schedule(static) num_threads(num_threads) \
-    if (T * kv_heads * head_size >= kParallelGrain)
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t slot = slots[t];
-    if (slot < 0) continue;
-    const int64_t block = slot / block_size, offset = slot % block_size;
-    for (int h = 0; h < kv_heads; ++h) {
-      const E* k = key + t * ks[0] + h * ks[1];
-      const E* v = value + t * vs[0] + h * vs[1];
-      E* kd = key_cache + (block * kv_heads + h) * tile + offset * x;
-      E* vd = value_cache + (block * kv_heads + h) * tile + offset;
-      if (ks[2] == 1) {
-        for (int c = 0; c < chunks; ++c) std::memcpy(kd + c * block_size * x, k + c * x, sizeof(E) * x);
-      } else {
-        for (int c = 0; c < chunks; ++c)
-          for (int j = 0; j < x; ++j) kd[c * block_size * x + j] = k[(c * x + j) * ks[2]];
-      }
-      for (int d = 0; d < head_size; ++d) vd[static_cast<int64_t>(d) * block_size] = v[d * vs[2]];
+  for_each_cache_slot<x>(key_cache, value_cache, slots, T, kv_heads, head_size, block_size, num_threads,
+                         [&](int64_t t, int h, E* kd, E* vd) {
+    const E* k = key + t * ks[0] + h * ks[1];
+    const E* v = value + t * vs[0] + h * vs[1];
+    if (ks[2] == 1) {
+      for (int c = 0; c < chunks; ++c) std::memcpy(kd + c * block_size * x, k + c * x, sizeof(E) * x);
+    } else {
+      for (int c = 0; c < chunks; ++c)
+        for (int j = 0; j < x; ++j) kd[c * block_size * x + j] = k[(c * x + j) * ks[2]];
     }
-  }
+    for (int d = 0; d < head_size; ++d) vd[static_cast<int64_t>(d) * block_size] = v[d * vs[2]];
+  });
 }
 
 }  // namespace layer
