@@ -172,9 +172,10 @@ def test_rotary_embedding_takes_heads_view_and_leaves_other_heads() -> None:
     assert torch.equal(heads[0, 0], expected[0, 0])  # position 0: cos 1, sin 0
 
 
-def test_results_do_not_depend_on_the_thread_count() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_results_do_not_depend_on_the_thread_count(dtype: torch.dtype) -> None:
     torch.manual_seed(2)
-    x, weight = torch.randn(300, 576), torch.randn(576)
+    x, weight = torch.randn(300, 576).to(dtype), torch.randn(576).to(dtype)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
