@@ -23,10 +23,10 @@ from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from paged.atomic_file import OutputError, write_text
 from paged.config import ConfigError, check_command_line, register_configs
-from paged.interrupt import Interrupt
 from paged.report.sweep import group_name, parse_overrides, read_sweep, tags
+from paged.utils.atomic_file import OutputError, write_text
+from paged.utils.interrupt import Interrupt
 
 register_configs()
 log = logging.getLogger("paged")
@@ -42,7 +42,7 @@ def _run(cfg: DictConfig) -> float:
         )
     swept = read_sweep(Path(hc.sweep.dir)) if hc.mode.name == "MULTIRUN" else {}
     # imported here: it loads torch, which --help and a bad command line need not wait for
-    from paged.experiment import run_experiment
+    from paged.experiment.run import run_experiment
 
     interrupt = Interrupt()
     summary = run_experiment(

@@ -1,6 +1,6 @@
 """Packages `kernels_cu/` and `conf/` into the wheel as `paged._kernels_cu` and `paged._conf`.
 
-They stay top-level in the repository (the layout researchers edit); paged/assets.py finds them
+They stay top-level in the repository (the layout researchers edit); paged/utils/assets.py finds them
 in either place. Everything else about the project is in pyproject.toml.
 """
 

@@ -18,9 +18,9 @@ import statistics
 from rich.console import Console
 from rich.table import Table
 
-from paged.builder import build_executor
 from paged.config import compose_config
-from paged.experiment import run_quietly
+from paged.engine.builder import build_executor
+from paged.experiment.run import run_quietly
 
 BASE = ["logger=none", "progress=false", "workload=fixed", "workload.prompt_len=64", "workload.output_len=64",
         "scheduler.max_num_seqs=64", "scheduler.max_model_len=256", "scheduler.max_num_batched_tokens=4096",

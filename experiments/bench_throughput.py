@@ -21,8 +21,8 @@ from rich.table import Table
 from transformers import AutoModelForCausalLM
 
 from paged import LLM, SamplingParams
+from paged.experiment.summary import summarize
 from paged.model.locate import locate_smollm2
-from paged.summary import summarize
 
 
 def make_requests(n: int, seed: int, corpus_tokens: list[int]) -> tuple[list[list[int]], list[int]]:

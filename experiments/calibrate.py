@@ -17,8 +17,8 @@ from hydra.errors import HydraException
 from rich.console import Console
 from rich.table import Table
 
-from paged.builder import build_engine, check_config
 from paged.config import ConfigError, compose_config
+from paged.engine.builder import build_engine, check_config
 from paged.sim.calibrate import cache_path, dtype_name, measure
 
 

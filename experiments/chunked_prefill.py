@@ -24,7 +24,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from paged.experiment import run_quietly
+from paged.experiment.run import run_quietly
 
 BASE = ["model=smollm2-135m", "allocator.num_blocks=1024"]
 

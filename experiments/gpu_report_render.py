@@ -239,7 +239,7 @@ def render_bench(bench: BenchResult) -> list[str]:
     return lines
 
 
-# (label, summary.json key, scale, format); paged/metrics.py and paged/summary.py define the keys
+# (label, summary.json key, scale, format); paged/engine/metrics.py and paged/experiment/summary.py define the keys
 JOB_METRICS = [
     ("output tokens/s", "output_tokens_per_s", 1, "{:.1f}"),
     ("TPOT mean (ms)", "tpot_mean_s", 1000, "{:.2f}"),

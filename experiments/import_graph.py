@@ -22,17 +22,13 @@ PACKAGE = ROOT / "paged"
 
 # Bottom first. A unit: a folder of paged/ or a top-level module, by its name.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    (
-        "step", "config", "request", "clock", "assets", "plugins", "detokenizer", "data", "atomic_file",
-        "interrupt", "threads", "kv_layout",
-    ),
+    ("step", "request", "detokenizer", "kv_layout", "config", "data", "utils"),
     ("memory", "kernels", "model"),
-    ("scheduler", "executor", "sim", "metrics", "slo", "workload"),
-    ("engine", "builder", "cluster", "offload"),
-    (
-        "llm", "llm_inputs", "llm_options", "runner", "report", "summary", "experiment", "outputs", "wandb_logger",
-        "__init__",
-    ),
+    ("scheduler", "executor", "sim", "workload"),
+    ("engine",),
+    ("cluster",),
+    ("api",),
+    ("experiment", "report", "__init__"),
 )
 LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 

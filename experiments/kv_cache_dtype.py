@@ -41,8 +41,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from paged.experiment import run_quietly
-from paged.llm import LLM
+from paged.api.llm import LLM
+from paged.experiment.run import run_quietly
 from paged.request import SamplingParams
 
 BASE = [

@@ -24,8 +24,8 @@ from collections import defaultdict
 from rich.console import Console
 from rich.table import Table
 
-from paged.engine import Engine
-from paged.experiment import run_quietly
+from paged.engine.core import Engine
+from paged.experiment.run import run_quietly
 
 BLOCK_SIZE = 16
 

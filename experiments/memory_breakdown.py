@@ -21,7 +21,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from paged.experiment import run_quietly
+from paged.experiment.run import run_quietly
 
 ALLOCATORS = ["orca-max", "orca-pow2", "orca-oracle", "naive"]
 # Fig. 2 (token states, reservation, internal, external & others), % of KV memory

@@ -15,8 +15,8 @@ import time
 
 import numpy as np
 
-from paged.builder import build_executor
 from paged.config import compose_config
+from paged.engine.builder import build_executor
 from paged.executor.model_executor import ModelExecutor
 from paged.request import Request, SamplingParams
 from paged.step import ScheduledSeq, SchedulerOutput

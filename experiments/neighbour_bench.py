@@ -11,7 +11,7 @@ the run and killed after it:
 - `spin`: a pure-Python `while True: pass`, one core busy;
 - `matmul`: a torch matmul loop on 2 threads with libgomp's default spinning wait.
 
-Settings (`paged.threads`):
+Settings (`paged.utils.threads`):
 
 - `old`: the behaviour before issue 30: libgomp's spinning wait (GOMP_SPINCOUNT=300000, its
   default) and one thread per core (`model.num_threads=<cores>`);
@@ -46,7 +46,7 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_MODEL, TARGET_NEIGHBOUR, TARGET_RATIO = "smollm2-135m", "spin", 0.40
-# The variables paged.threads reads or sets: cleared from each run's environment, so a setting's own
+# The variables paged.utils.threads reads or sets: cleared from each run's environment, so a setting's own
 # values (and nothing inherited from this shell) choose how its threads wait.
 THREAD_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "OMP_NUM_THREADS")
 NEIGHBOURS = {

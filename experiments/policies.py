@@ -22,7 +22,7 @@ import logging
 from rich.console import Console
 from rich.table import Table
 
-from paged.experiment import run_quietly
+from paged.experiment.run import run_quietly
 
 SIM = ["executor=sim", "model=opt-13b", "hardware=a100-40g"]
 CPU = ["model=smollm2-135m", "allocator.num_blocks=512", "workload.length_scale=0.25"]

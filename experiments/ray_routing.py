@@ -19,7 +19,7 @@ import logging
 from rich.console import Console
 from rich.table import Table
 
-from paged.experiment import run_quietly
+from paged.experiment.run import run_quietly
 
 ROUTERS = ("prefix-aware", "round-robin")
 

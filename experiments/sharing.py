@@ -52,13 +52,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from paged.builder import build_executor
+from paged.api.llm import LLM
 from paged.config import compose_config
-from paged.experiment import run_quietly
-from paged.llm import LLM
-from paged.metrics import StepRecord
+from paged.engine.builder import build_executor
+from paged.engine.metrics import StepRecord
+from paged.experiment.run import run_quietly
+from paged.experiment.summary import summarize
 from paged.request import SamplingParams
-from paged.summary import summarize
 
 WIDTHS = [2, 4, 6]
 MODES = ["parallel", "beam"]

@@ -19,10 +19,10 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from paged.builder import build_engine
 from paged.config import compose_config
-from paged.experiment import workload_for
-from paged.runner import run_workload
+from paged.engine.builder import build_engine
+from paged.engine.runner import run_workload
+from paged.experiment.run import workload_for
 
 
 def main() -> None:

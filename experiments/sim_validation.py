@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from paged.config import compose_config
-from paged.experiment import run_experiment, run_quietly
+from paged.experiment.run import run_experiment, run_quietly
 
 KEYS = (("wall_time_s", "total time (s)"), ("ttft_mean_s", "mean TTFT (s)"), ("tpot_mean_s", "mean TPOT (s)"))
 

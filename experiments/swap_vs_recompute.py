@@ -17,9 +17,9 @@ import logging
 from rich.console import Console
 from rich.table import Table
 
-from paged.builder import build_engine
 from paged.config import compose_config
-from paged.experiment import run_quietly
+from paged.engine.builder import build_engine
+from paged.experiment.run import run_quietly
 from paged.sim.cost_model import StepShape
 
 BLOCK_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]

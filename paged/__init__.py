@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from paged import threads
+from paged.utils import threads
 
 # First, before anything imports torch: its OpenMP runtime reads the wait policy once, when it loads.
 threads.set_wait_policy_env()
@@ -17,7 +17,7 @@ __all__ = ["LLM", "BeamSearchParams", "SamplingParams"]
 def __getattr__(name: str) -> Any:
     # LLM pulls in Hydra and the model stack; keep `import paged.memory` and friends light.
     if name in ("LLM", "BeamSearchParams"):
-        from paged import llm
+        from paged.api import llm
 
         return getattr(llm, name)
     raise AttributeError(f"module 'paged' has no attribute {name!r}")

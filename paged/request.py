@@ -172,7 +172,7 @@ class FollowUp:
     """What a follow-up request continues (a chat's next turn, an agent's next step): it is sent
     `think_time_s` after request `parent` finishes, and its prompt is then the parent's prompt and
     reply followed by its own tokens (`Request.follow`). It is closed-loop: the prompt cannot be built
-    before the parent's reply exists. `paged.runner.drive` holds such requests until then."""
+    before the parent's reply exists. `paged.engine.runner.drive` holds such requests until then."""
 
     parent: str  # the request id of the request it follows
     think_time_s: float = 0.0

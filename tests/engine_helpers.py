@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from paged.builder import build_engine
 from paged.config import compose_config
-from paged.engine import Engine
+from paged.engine.builder import build_engine
+from paged.engine.core import Engine
+from paged.engine.runner import drive
 from paged.request import Request, SamplingParams
-from paged.runner import drive
 from tests.token_cache_executor import TokenCacheExecutor
 
 

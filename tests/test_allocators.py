@@ -7,10 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from paged.config.plugins import check_plugin
 from paged.memory import BlockAllocator, NaiveAllocator, NoFreeBlocksError, PrefixCachingAllocator
 from paged.memory.free_queue import FreeBlockQueue
 from paged.memory.hashing import block_hash
-from paged.plugins import check_plugin
 
 ALLOCATORS = [NaiveAllocator, PrefixCachingAllocator]
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from paged.atomic_file import OutputError, atomic_open, write_text
-from paged.metrics import RequestMetrics
-from paged.outputs import write_outputs
+from paged.api.outputs import write_outputs
+from paged.engine.metrics import RequestMetrics
 from paged.request import Request, SamplingParams
+from paged.utils.atomic_file import OutputError, atomic_open, write_text
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from paged import LLM, BeamSearchParams, SamplingParams
-from paged.builder import build_engine
 from paged.config import ConfigError, check_command_line, compose_config
-from paged.experiment import run_quietly
+from paged.engine.builder import build_engine
+from paged.experiment.run import run_quietly
 from tests.test_cli import TINY, run_cli, write_prompts
 
 # -- config and workload mistakes: one line, before any weights load ------------------------------

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from paged import LLM, SamplingParams
+from paged.api.llm import BeamSearchParams
 from paged.executor.model_executor import ModelExecutor
-from paged.llm import BeamSearchParams
 from tests.test_model_parity import QUESTIONS, reference, smollm  # noqa: F401 - module fixtures
 
 pytestmark = pytest.mark.slow

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paged.builder import build_engine
 from paged.config import ConfigError, compose_config, validate
-from paged.engine import Engine
+from paged.engine.builder import build_engine
+from paged.engine.core import Engine
+from paged.engine.runner import drive
 from paged.request import Request, SamplingParams, SeqStatus
-from paged.runner import drive
 from paged.step import SchedulerOutput
 from tests.engine_helpers import make_engine, outputs, run_requests
 
@@ -183,8 +183,8 @@ def test_sim_runs_mixed_steps_and_chunks_long_prompts() -> None:
         "workload.num_requests=16", "workload.prompt_len=1500", "workload.output_len=32",
         "workload.arrival_rate=4", "scheduler.max_num_batched_tokens=512",
     ])
-    from paged.experiment import workload_for
-    from paged.runner import run_workload
+    from paged.engine.runner import run_workload
+    from paged.experiment.run import workload_for
 
     engine = build_engine(cfg)
     run_workload(engine, workload_for(cfg, engine), progress=False)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paged.builder import DEFAULT_NUM_BLOCKS
+from paged.engine.builder import DEFAULT_NUM_BLOCKS
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ("model=tiny-random", "logger=none", "progress=false")

@@ -2,8 +2,8 @@
 
 import pytest
 
-from paged.builder import check_config
 from paged.config import ConfigError, compose_config, parse_bytes, validate
+from paged.engine.builder import check_config
 
 
 def test_default_config_is_valid_and_picks_documented_defaults():

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from omegaconf import open_dict
 
-from paged.builder import check_config
 from paged.config import ConfigError, check_keys, check_overrides, compose_config, config_groups, did_you_mean
+from paged.engine.builder import check_config
 from tests.test_cli import TINY, run_cli
 
 

@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 import torch
 
-from paged.builder import build_engine
 from paged.config import compose_config
-from paged.engine import Engine
+from paged.engine.builder import build_engine
+from paged.engine.core import Engine
+from paged.engine.runner import drive
 from paged.kernels.backends.cuda import BACKEND as CUDA
 from paged.request import Request, SamplingParams
-from paged.runner import drive
 
 _UNAVAILABLE = CUDA.unavailable_reason()
 pytestmark = pytest.mark.skipif(_UNAVAILABLE is not None, reason=f"needs a CUDA GPU: {_UNAVAILABLE}")

@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import pytest
 
-from paged.builder import build_engine
 from paged.cluster.disaggregated import DisaggregatedFleet
 from paged.cluster.fleet_builder import build_fleet, check_fleet
 from paged.cluster.kv_link import Placement
 from paged.cluster.pools import DecodeReplica, PrefillReplica
 from paged.cluster.round_robin import RoundRobinRouter
 from paged.config import ConfigError, compose_config
-from paged.experiment import run_quietly, workload_for
-from paged.metrics import MetricsRecorder
+from paged.engine.builder import build_engine
+from paged.engine.metrics import MetricsRecorder
+from paged.engine.runner import drive, to_request
+from paged.engine.slo import goodput
+from paged.experiment.run import run_quietly, workload_for
 from paged.request import Request, SeqStatus
-from paged.runner import drive, to_request
-from paged.slo import goodput
 
 SIM = ["executor=sim", "model=llama-3-8b", "hardware=h100-sxm", "logger=none", "progress=false"]
 # 256-token prompts (16 blocks of 2 MiB: Llama-3-8B's 128 KiB per token), 16 tokens out

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from paged import LLM, SamplingParams
-from paged.builder import build_executor
 from paged.config import compose_config
+from paged.engine.builder import build_executor
 from paged.executor.model_executor import ModelExecutor
 from tests.hf_reference import arch_kwargs, smollm2_reference
 

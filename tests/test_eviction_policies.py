@@ -7,9 +7,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from paged.builder import check_config
 from paged.config import ConfigError, compose_config
-from paged.experiment import run_quietly
+from paged.engine.builder import check_config
+from paged.experiment.run import run_quietly
 from paged.memory import NoFreeBlocksError, PrefixCachingAllocator
 from paged.memory.eviction import (
     POLICIES,

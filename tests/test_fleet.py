@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from paged.builder import build_engine
 from paged.cluster.fleet import Fleet
 from paged.cluster.fleet_builder import build_fleet, uses_fleet
 from paged.cluster.least_loaded import LeastLoadedRouter
@@ -16,9 +15,10 @@ from paged.cluster.replica import ReplicaLoad, ReplicaView
 from paged.cluster.round_robin import RoundRobinRouter
 from paged.cluster.sticky_session import SessionRouter
 from paged.config import ConfigError, compose_config
-from paged.experiment import run_experiment
+from paged.engine.builder import build_engine
+from paged.engine.runner import drive, to_request
+from paged.experiment.run import run_experiment
 from paged.request import Request, SamplingParams
-from paged.runner import drive, to_request
 from paged.workload import load_workload
 
 SIM = ["executor=sim", "model=llama-3-8b", "hardware=h100-sxm", "logger=none", "progress=false"]

@@ -76,7 +76,7 @@ def test_summary_lines_come_from_the_short_summary_only(report) -> None:
 
 
 def _write_requests(path: Path, outputs: dict[str, list[int]]) -> Path:
-    # the fields around output_token_ids as paged/outputs.py writes them, so the reader ignores the rest
+    # the fields around output_token_ids as paged/api/outputs.py writes them, so the reader ignores the rest
     lines = [json.dumps({"request_id": rid, "prompt_len": 5, "output_token_ids": ids, "finish_reason": "length",
                          "outputs": [{"index": 0, "output_token_ids": ids}]}) for rid, ids in outputs.items()]
     path.write_text("\n".join(lines) + "\n")

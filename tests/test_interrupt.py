@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from paged.builder import build_engine
+from paged.api.outputs import print_summary, write_outputs
 from paged.config import compose_config
-from paged.interrupt import Interrupt
-from paged.outputs import print_summary, write_outputs
+from paged.engine.builder import build_engine
+from paged.engine.runner import INTERRUPTED, drive
+from paged.experiment.summary import summarize
 from paged.request import FinishReason, Request, SamplingParams
-from paged.runner import INTERRUPTED, drive
-from paged.summary import summarize
+from paged.utils.interrupt import Interrupt
 from tests.engine_helpers import make_engine
 from tests.token_cache_executor import TokenCacheExecutor
 
@@ -135,7 +135,7 @@ def test_catching_outside_the_main_thread_installs_nothing() -> None:
 def test_a_second_signal_quits_at_once_without_going_on() -> None:
     code = (
         "import os, signal\n"
-        "from paged.interrupt import Interrupt\n"
+        "from paged.utils.interrupt import Interrupt\n"
         "with Interrupt().catching():\n"
         "    os.kill(os.getpid(), signal.SIGINT)\n"
         "    os.kill(os.getpid(), signal.SIGINT)\n"

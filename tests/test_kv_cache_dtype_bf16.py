@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from paged import kernels
-from paged.builder import build_engine
+from paged.api.llm import LLM
 from paged.config import ConfigError, compose_config, validate
+from paged.engine.builder import build_engine
 from paged.executor import dtype_checks, model_executor
 from paged.kernels.backends import torch_ref
 from paged.kernels.backends.torch_ref import TorchBackend
 from paged.kernels.testing import AttentionCase, attention_inputs, gather_kv, prefill_inputs, tolerance
-from paged.llm import LLM
 from paged.request import SamplingParams
 from tests.test_executor_swap import SWAP_PARAMS, SWAP_PROMPTS
 

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from paged import kernels
-from paged.builder import build_engine
+from paged.api.llm import LLM
 from paged.config import KernelConfig, ModelConfig, compose_config
+from paged.engine.builder import build_engine
 from paged.executor.kv_scales import CALIBRATION_HEADROOM
 from paged.executor.model_executor import ModelExecutor
 from paged.kernels.backends.torch_ref import TorchBackend
 from paged.kernels.features import FP8_MAX
-from paged.llm import LLM
 from paged.request import SamplingParams
 from tests.test_executor import generate
 from tests.test_executor_swap import SWAP_PARAMS, SWAP_PROMPTS

@@ -1,6 +1,6 @@
 """How big the KV cache is when the config does not say, and what `model.dtype=auto` runs in.
 
-The builder's rule (`paged.builder.num_blocks_for`): `allocator.num_blocks`, else
+The builder's rule (`paged.engine.builder.num_blocks_for`): `allocator.num_blocks`, else
 `allocator.kv_cache_memory`, else the executor's share of its device (`kv_cache_budget`), else
 `DEFAULT_NUM_BLOCKS` where the executor has none (the real model on a CPU). On CUDA the share is
 measured (`paged.executor.memory_profile`); its arithmetic is a pure function, tested here on any
@@ -14,8 +14,8 @@ import logging
 import pytest
 import torch
 
-from paged.builder import DEFAULT_NUM_BLOCKS, build_engine, num_blocks_for
 from paged.config import CONF_DIR, ConfigError, KernelConfig, ModelConfig, compose_config, resolve_dtype, validate
+from paged.engine.builder import DEFAULT_NUM_BLOCKS, build_engine, num_blocks_for
 from paged.executor.base import Executor, KVCacheSpec
 from paged.executor.memory_profile import kv_cache_bytes, measure
 from paged.executor.model_executor import ModelExecutor
@@ -88,14 +88,14 @@ def test_no_allocator_preset_fixes_the_number_of_blocks(allocator: str):
 
 def test_without_a_size_or_a_device_the_cache_gets_the_default_number_of_blocks(caplog):
     executor = Budgeted(None)
-    with caplog.at_level(logging.INFO, logger="paged.builder"):
+    with caplog.at_level(logging.INFO, logger="paged.engine.builder"):
         assert _num_blocks(executor, "scheduler.max_num_seqs=8") == DEFAULT_NUM_BLOCKS == 2048
     assert executor.asked == [(0.9, 4096, 8)]  # the executor was asked first, with the step's limits
     assert "sized by the default of 2048 blocks" in caplog.text
 
 
 def test_without_a_size_the_executors_device_share_sizes_the_cache(caplog):
-    with caplog.at_level(logging.INFO, logger="paged.builder"):
+    with caplog.at_level(logging.INFO, logger="paged.engine.builder"):
         assert _num_blocks(Budgeted(100 * 1024 + 1023), "allocator.gpu_memory_utilization=0.5") == 100
     assert "sized by allocator.gpu_memory_utilization=0.5" in caplog.text
     with pytest.raises(ConfigError, match="allocator.gpu_memory_utilization=0.9 leaves room for no block"):
@@ -105,7 +105,7 @@ def test_without_a_size_the_executors_device_share_sizes_the_cache(caplog):
 @pytest.mark.parametrize(("override", "blocks"), [("allocator.num_blocks=7", 7), ("allocator.kv_cache_memory=8KiB", 8)])
 def test_a_size_in_the_config_wins_over_the_device(override: str, blocks: int, caplog):
     executor = Budgeted(None)
-    with caplog.at_level(logging.INFO, logger="paged.builder"):
+    with caplog.at_level(logging.INFO, logger="paged.engine.builder"):
         assert _num_blocks(executor, override) == blocks
     assert executor.asked == []  # not measured at all
     assert f"sized by {override.split('=')[0]}" in caplog.text

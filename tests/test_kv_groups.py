@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged.builder import build_engine
 from paged.config import ConfigError, compose_config
-from paged.experiment import run_experiment
+from paged.engine.builder import build_engine
+from paged.experiment.run import run_experiment
 from paged.kv_layout import KVLayout
 from paged.memory import AllocStatus, BlockManager, NaiveAllocator, PrefixCachingAllocator
 from paged.memory.hashing import prompt_block_hashes

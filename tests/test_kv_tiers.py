@@ -14,18 +14,18 @@ import torch
 
 import paged.executor.tier_files as tier_files
 from paged import LLM, SamplingParams
-from paged.builder import build_engine
 from paged.config import ConfigError, compose_config
+from paged.engine.builder import build_engine
+from paged.engine.runner import drive
 from paged.executor.tier_files import TierFiles
+from paged.experiment.summary import summarize
 from paged.memory.eviction import LRUPolicy
 from paged.memory.kv_tiers import KVTiers
 from paged.memory.tier_pool import TierPool
 from paged.request import Request
-from paged.runner import drive
 from paged.sim.cost_model import step_shape
 from paged.sim.tier_disk import SimTierDisk
 from paged.step import SchedulerOutput
-from paged.summary import summarize
 
 BLOCK_BYTES = 16384  # one tiny-random block: 2 layers x K/V x 1 head x 64 x 16 tokens x fp32
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from paged.api.llm import LLM
 from paged.kernels import fused_ops
 from paged.kernels.toolchain import host_compiler
-from paged.llm import LLM
 from paged.model.layer_ops import NATIVE_CPU_OPS, TORCH_OPS
 from paged.model.llama import LlamaModel, rope_frequencies
 from paged.model.tiny import random_state, tiny_arch

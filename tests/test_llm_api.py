@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from paged import LLM, SamplingParams
-from paged.builder import build_executor
 from paged.config import compose_config
-from paged.experiment import run_experiment
+from paged.engine.builder import build_executor
+from paged.experiment.run import run_experiment
 
 PROMPTS = ["The capital of France is", "Hello", "Once upon a time, in a land far away,"]
 

@@ -13,9 +13,9 @@ import torch
 from omegaconf import OmegaConf
 
 from paged import LLM, SamplingParams
+from paged.api.options import EngineArgs, llm_config
 from paged.config import ConfigError, compose_config
-from paged.experiment import run_experiment
-from paged.llm_options import EngineArgs, llm_config
+from paged.experiment.run import run_experiment
 from paged.model.locate import locate_smollm2
 
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)

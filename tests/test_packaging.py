@@ -20,10 +20,10 @@ UNSHIPPED = (
 
 PROBE = """
 import json
-from paged.assets import asset_dir
+from paged.utils.assets import asset_dir
 from paged.kernels.toolchain.source import source_hash
 from paged.config import compose_config
-from paged.llm import LLM  # the offline API imports from the wheel
+from paged.api.llm import LLM  # the offline API imports from the wheel
 print(json.dumps({"kernels": str(asset_dir("kernels_cu")), "conf": str(asset_dir("conf")),
                   "hash": source_hash(), "allocator": compose_config(["allocator=naive"]).allocator.name}))
 """

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from paged.builder import check_config
 from paged.config import CONF_DIR, ConfigError, compose_config
+from paged.engine.builder import check_config
 from paged.memory import BlockManager, PrefixCachingAllocator
 from paged.request import Request, SamplingParams, SeqStatus, Sequence
 from paged.scheduler.fair import DEFAULT_CLIENT, VTCPolicy

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from paged.engine import Engine
-from paged.experiment import run_quietly
+from paged.engine.core import Engine
+from paged.experiment.run import run_quietly
 
 SIM = ["executor=sim", "model=opt-13b", "hardware=a100-40g"]
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from paged.builder import check_config
 from paged.config import ConfigError, compose_config
+from paged.engine.builder import check_config
 from paged.workload import load_workload, prompt_file
 from tests.test_cli import TINY, run_cli, write_prompts
 

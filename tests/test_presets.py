@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from paged.builder import check_config
 from paged.config import compose_config
+from paged.engine.builder import check_config
 from paged.report.callback import _publish_dir
 from paged.report.sweep import run_command
 

@@ -16,10 +16,10 @@ import ray
 
 from paged.cluster.fleet_builder import build_fleet
 from paged.config import ConfigError, compose_config
-from paged.experiment import run_quietly, workload_for
-from paged.runner import drive, to_request
-from paged.summary import summarize
-from paged.threads import available_cores
+from paged.engine.runner import drive, to_request
+from paged.experiment.run import run_quietly, workload_for
+from paged.experiment.summary import summarize
+from paged.utils.threads import available_cores
 
 # 16 requests at once over 4 prompt prefixes of 64 tokens (4 blocks), 8 greedy tokens each
 WORKLOAD = [

@@ -12,9 +12,8 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from paged.atomic_file import OutputError
-from paged.builder import check_config
 from paged.config import register_configs
+from paged.engine.builder import check_config
 from paged.report import ReportError, build_report
 from paged.report.__main__ import main as report_main
 from paged.report.compare import PaperPoint, compare
@@ -22,6 +21,7 @@ from paged.report.plots import PlotSpec
 from paged.report.ratio import Ratio, ratios
 from paged.report.sustainable import Sustainable, crossing, sustainable_rates
 from paged.report.sweep import group_name, num_jobs, sweep_choices, tags
+from paged.utils.atomic_file import OutputError
 from tests.test_cli import REPO, run_cli
 
 SIM = ("executor=sim", "model=opt-13b", "workload=sharegpt", "workload.num_requests=20", "logger=none",

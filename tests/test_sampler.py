@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from paged.engine.runner import drive
 from paged.model.sampler import SampleRow, apply_penalties, sample, sample_probs, top_logprobs
 from paged.request import Request, SamplingParams
-from paged.runner import drive
 from paged.step import Samples
 
 GREEDY = SamplingParams(temperature=0)
@@ -208,8 +208,8 @@ def test_host_sync_one_read_with_logprobs_and_unchanged_values() -> None:
 
 def test_cumulative_logprob_is_none_unless_the_sampler_computed_logprobs() -> None:
     from paged import LLM
-    from paged.metrics import RequestMetrics
-    from paged.outputs import request_record
+    from paged.api.outputs import request_record
+    from paged.engine.metrics import RequestMetrics
 
     llm = LLM("tiny-random")
     plain, asking, ranked = llm.generate(

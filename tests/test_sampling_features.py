@@ -17,9 +17,9 @@ import torch
 
 from paged import LLM, SamplingParams
 from paged.config import KernelConfig, ModelConfig
+from paged.engine.runner import drive
 from paged.model.sampler import SampleRow, apply_penalties, sample, sample_probs
 from paged.request import MAX_LOGPROBS, Request
-from paged.runner import drive
 from tests.hf_reference import smollm2_reference
 
 # ---------------------------------------------------------------------------------------------
@@ -319,8 +319,8 @@ def test_request_output_is_finished_with_ordered_metrics(tiny: LLM) -> None:
 
 
 def test_requests_jsonl_record_lists_every_completion(tiny: LLM) -> None:
-    from paged.metrics import RequestMetrics
-    from paged.outputs import request_record
+    from paged.api.outputs import request_record
+    from paged.engine.metrics import RequestMetrics
 
     tokenizer = tiny.executor.tokenizer
     request = Request("rec", tokenizer.encode(PROMPT),

@@ -20,12 +20,12 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from paged.builder import build_engine
 from paged.config import compose_config
-from paged.engine import Engine
+from paged.engine.builder import build_engine
+from paged.engine.core import Engine
+from paged.engine.runner import drive
 from paged.memory import AllocStatus, BlockManager, NaiveAllocator, NoFreeBlocksError, PrefixCachingAllocator
 from paged.request import FinishReason, Request, SamplingParams, Sequence
-from paged.runner import drive
 from paged.step import ExecutorOutput, SchedulerOutput
 from tests.token_cache_executor import TokenCacheExecutor
 

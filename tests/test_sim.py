@@ -12,18 +12,18 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from paged.builder import build_engine
-from paged.clock import VirtualClock
 from paged.config import ConfigError, compose_config
+from paged.engine.builder import build_engine
+from paged.engine.runner import drive, run_workload
 from paged.executor.base import Executor
 from paged.executor.model_executor import ModelExecutor
-from paged.experiment import run_experiment
+from paged.experiment.run import run_experiment
 from paged.request import Request, SamplingParams
-from paged.runner import drive, run_workload
 from paged.sim.cost_model import CostModel, StepCost, StepShape, step_shape
 from paged.sim.executor import SimExecutor
 from paged.sim.hardware import resolve_hardware
 from paged.sim.memory import plan_memory
+from paged.utils.clock import VirtualClock
 from paged.workload import load_workload
 
 QUIET = ["logger=none", "progress=false"]
@@ -328,7 +328,7 @@ def test_cpu_local_remeasures_when_what_the_executor_runs_changes():
 
 def test_cpu_local_calibration_times_the_real_engines_public_step(tmp_path, monkeypatch):
     import paged.sim.calibrate as calibrate
-    from paged.engine import Engine
+    from paged.engine.core import Engine
 
     monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path))
     # the microbenchmarks are beside the point here: fixed values, so only the engine probe runs
@@ -357,8 +357,8 @@ def test_a_sim_executor_built_without_the_calibration_says_how_to_get_it():
 
 def test_wandb_steps_of_a_simulated_run_are_keyed_by_sim_time(tmp_path):
     from paged.config import LoggerConfig
-    from paged.metrics import MetricsRecorder
-    from paged.wandb_logger import WandbLogger
+    from paged.engine.metrics import MetricsRecorder
+    from paged.experiment.wandb_logger import WandbLogger
 
     class Run:
         def __init__(self) -> None:

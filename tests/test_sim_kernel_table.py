@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from paged.builder import build_engine
 from paged.config import ConfigError, compose_config
 from paged.config.choices import VERSIONS
+from paged.engine.builder import build_engine
 from paged.sim.cost_model import CostModel, StepShape
 from paged.sim.executor import SimExecutor
 from paged.sim.hardware import Hardware, resolve_hardware

@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from paged.builder import build_engine
 from paged.config import ConfigError, compose_config, validate
+from paged.engine.builder import build_engine
 from paged.sim.cost_model import StepShape
 from paged.sim.executor import SimExecutor
 

@@ -14,17 +14,17 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from paged.builder import build_engine
 from paged.config import ConfigError, KernelConfig, ModelConfig, compose_config
+from paged.engine.builder import build_engine
+from paged.engine.runner import drive
 from paged.executor.cuda_graphs import capture_sizes, padded_size
 from paged.executor.model_executor import ModelExecutor
 from paged.executor.step_plan import InputBuffers, pad_decode, plan_batch
+from paged.experiment.summary import summarize
 from paged.kernels import input_checks, step_checks
 from paged.kernels.toolchain import host_compiler
 from paged.request import Request, SamplingParams
-from paged.runner import drive
 from paged.step import ScheduledSeq, SchedulerOutput
-from paged.summary import summarize
 
 BLOCK = 16
 # what reading a tensor's value on the host looks like from Python

@@ -9,8 +9,8 @@ import random
 import pytest
 
 from paged.config import ConfigError
+from paged.engine.runner import drive
 from paged.request import Request, SamplingParams
-from paged.runner import drive
 from tests.engine_helpers import make_engine, outputs, run_requests
 
 PAGED = ["naive", "prefix"]

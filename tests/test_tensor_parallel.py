@@ -23,9 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from paged import LLM, SamplingParams
-from paged.builder import build_engine
 from paged.config import ConfigError, KernelConfig, ModelConfig, compose_config
-from paged.engine import Engine
+from paged.engine.builder import build_engine
+from paged.engine.core import Engine
+from paged.engine.runner import drive
 from paged.executor.model_executor import ModelExecutor
 from paged.executor.tp_workers import TensorParallelError
 from paged.kernels.toolchain import host_compiler
@@ -35,7 +36,6 @@ from paged.model.locate import INSTALL_HINT, locate_smollm2
 from paged.model.tensor_parallel import shard_arch, shard_state, tensor_parallel_sizes
 from paged.model.tiny import random_state, tiny_arch
 from paged.request import FinishReason, Request
-from paged.runner import drive
 
 _NO_COMPILER = host_compiler.unavailable_reason()
 needs_compiler = pytest.mark.skipif(_NO_COMPILER is not None, reason=f"no host compiler: {_NO_COMPILER}")

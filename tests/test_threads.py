@@ -1,4 +1,4 @@
-"""paged.threads (issue 30): how many CPU threads a run uses and how its idle OpenMP threads wait."""
+"""paged.utils.threads (issue 30): how many CPU threads a run uses and how its idle OpenMP threads wait."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from paged import threads
 from paged.config import ConfigError, compose_config, validate
+from paged.utils import threads
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,7 +44,7 @@ def test_a_users_omp_num_threads_is_the_default_when_it_is_a_count(value, expect
 def test_configure_applies_the_choice_to_torch_and_logs_it(monkeypatch, caplog, torch_threads):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
-    with caplog.at_level(logging.INFO, logger="paged.threads"):
+    with caplog.at_level(logging.INFO, logger="paged.utils.threads"):
         choice = threads.configure(None)
     assert (choice.num_threads, choice.cores) == (1, 1)
     assert torch.get_num_threads() == 1
@@ -81,7 +81,7 @@ def test_run_py_sets_the_wait_policy_before_torch_loads():
         "import importlib.util, os, sys\n"
         "spec = importlib.util.spec_from_file_location('run_module', 'run.py')\n"
         "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
-        "from paged import threads\n"
+        "from paged.utils import threads\n"
         "print(os.environ.get('OMP_WAIT_POLICY'), threads._env_before_torch, threads.wait_policy())"
     )
     assert _python(code) == "PASSIVE True OMP_WAIT_POLICY=PASSIVE"
@@ -89,7 +89,7 @@ def test_run_py_sets_the_wait_policy_before_torch_loads():
 
 
 def test_torch_imported_first_is_reported_as_the_default_spin_unless_the_user_chose():
-    code = "import torch, paged\nfrom paged import threads\nprint(threads.wait_policy())"
+    code = "import torch, paged\nfrom paged.utils import threads\nprint(threads.wait_policy())"
     assert _python(code) == "libgomp's default spin (torch was imported before paged)"
     assert _python(code, GOMP_SPINCOUNT="1000") == "GOMP_SPINCOUNT=1000"
 

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from paged.config import LoggerConfig, compose_config
-from paged.experiment import run_experiment
-from paged.metrics import RequestMetrics
-from paged.wandb_logger import WandbLogger, log_report
+from paged.engine.metrics import RequestMetrics
+from paged.experiment.run import run_experiment
+from paged.experiment.wandb_logger import WandbLogger, log_report
 
 LATENCY_COLUMNS = ["ttft_s", "tpot_s", "e2e_latency_s", "normalized_latency_s_per_token"]
 
@@ -183,7 +183,7 @@ def test_log_report_logs_one_image_per_png_and_the_results_table(monkeypatch, tm
 @pytest.mark.parametrize("fail", ["init", "log"])
 def test_a_failing_wandb_only_warns_and_the_experiment_completes(monkeypatch, tmp_path, caplog, fail):
     calls = fake_wandb(monkeypatch, fail=fail)
-    with caplog.at_level(logging.WARNING, logger="paged.wandb_logger"):
+    with caplog.at_level(logging.WARNING, logger="paged.experiment.wandb_logger"):
         summary = run_experiment(sim_cfg(num_requests=2), tmp_path)
     assert summary["num_finished"] == 2 and (tmp_path / "summary.json").is_file()
     assert f"{fail} broke" in caplog.text
@@ -197,7 +197,7 @@ def test_a_failing_wandb_only_warns_and_the_experiment_completes(monkeypatch, tm
 def test_a_failing_report_only_warns_and_still_finishes(monkeypatch, tmp_path, caplog):
     calls = fake_wandb(monkeypatch, fail="log")
     cfg = {"backend": "wandb", "mode": "offline", "project": "paged", "entity": None, "tags": []}
-    with caplog.at_level(logging.WARNING, logger="paged.wandb_logger"):
+    with caplog.at_level(logging.WARNING, logger="paged.experiment.wandb_logger"):
         log_report(cfg, tmp_path, [], [{"a": 1}], group="sweep")
     assert "log broke" in caplog.text and calls.finished == 1
 
@@ -212,7 +212,7 @@ def test_disabled_wandb_is_never_imported(monkeypatch, tmp_path, caplog, env_mod
     if env_mode is not None:
         monkeypatch.setenv("WANDB_MODE", env_mode)
     monkeypatch.setitem(sys.modules, "wandb", None)  # importing it now raises, and the failure would warn
-    with caplog.at_level(logging.WARNING, logger="paged.wandb_logger"):
+    with caplog.at_level(logging.WARNING, logger="paged.experiment.wandb_logger"):
         logger = WandbLogger(cfg, tmp_path, {})
         logger.finish({"x": 1}, request_metrics(), tmp_path)
         log_report(dataclasses.asdict(cfg), tmp_path, [], [{"a": 1}], group="sweep")

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from paged.config import ConfigError, WorkloadConfig, compose_config, validate
+from paged.engine.runner import to_request
 from paged.request import SamplingParams
-from paged.runner import to_request
 from paged.workload import WorkloadItem, load_workload
 
 

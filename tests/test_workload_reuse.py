@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from paged.builder import build_engine, check_config
 from paged.cluster.fleet_builder import build_fleet, uses_fleet
 from paged.config import ConfigError, compose_config
-from paged.experiment import run_experiment, run_quietly, workload_for
-from paged.interrupt import Interrupt
+from paged.engine.builder import build_engine, check_config
+from paged.engine.runner import INTERRUPTED, drive, run_workload, to_request
+from paged.experiment.run import run_experiment, run_quietly, workload_for
 from paged.request import FinishReason, FollowUp, Request, SamplingParams
-from paged.runner import INTERRUPTED, drive, run_workload, to_request
+from paged.utils.interrupt import Interrupt
 from paged.workload import WorkloadItem, load_workload
 
 SIM = ["executor=sim", "model=llama-3-8b", "hardware=h100-sxm", "logger=none", "progress=false"]

@@ -25,14 +25,14 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from paged.builder import build_engine
 from paged.cluster.fleet import Fleet, FleetClock
 from paged.cluster.kv_link import Placement
 from paged.cluster.pools import DecodeReplica, PrefillReplica
 from paged.cluster.router import Router
 from paged.config import ConfigError
-from paged.metrics import MetricsRecorder, TransferRecord
-from paged.plugins import Plugin
+from paged.config.plugins import Plugin
+from paged.engine.builder import build_engine
+from paged.engine.metrics import MetricsRecorder, TransferRecord
 from paged.request import Request
 
 log = logging.getLogger(__name__)

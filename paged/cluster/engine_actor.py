@@ -1,7 +1,7 @@
 """The engine inside a Ray replica: the actor class that `paged.cluster.ray_fleet` starts per replica.
 
 It runs in a Ray worker process, maybe on another machine. It gets the driver's composed config as a
-plain container and builds a full engine from it with `paged.builder.build_engine`, as run.py would;
+plain container and builds a full engine from it with `paged.engine.builder.build_engine`, as run.py would;
 it composes nothing and routes nothing. Its clock reads the driver's time: the driver sends the
 moment it reset its clock (wall-clock seconds since the epoch, comparable across machines), so the
 step and request times the actor records are on the driver's origin.
@@ -16,11 +16,11 @@ from typing import Any
 import ray
 from omegaconf import OmegaConf
 
-from paged.builder import build_engine
-from paged.clock import Clock
 from paged.cluster.replica_messages import Outcome, ReplicaInfo, StepReport, Submission
 from paged.config import PLUGIN_NODES, Config
+from paged.engine.builder import build_engine
 from paged.request import Request
+from paged.utils.clock import Clock
 
 
 class EpochClock(Clock):
@@ -65,7 +65,7 @@ class EngineActor:
         self._keys: dict[Request, int] = {}
         self._steps_sent = 0
         executor = self.engine.executor
-        block_size = self.engine.scheduler.block_manager.block_size
+        block_size = self.engine.block_size
         return ReplicaInfo(
             description=executor.description,
             kernel_description=executor.kernel_description,
@@ -100,12 +100,11 @@ class EngineActor:
         metrics = self.engine.metrics
         steps = metrics.steps[self._steps_sent:]
         self._steps_sent = len(metrics.steps)
-        allocator = self.engine.scheduler.block_manager.allocator
         return StepReport(
             outcomes=[Outcome.of(self._keys.pop(r), r) for r in done],
             steps=steps,
             num_waiting=len(self.engine.scheduler.waiting),
-            kv_usage=1.0 - allocator.num_free_blocks / allocator.num_blocks,
+            kv_usage=self.engine.kv_usage(),
             kv=self.engine.kv_stats(),
             counters=copy.copy(self.engine.counters),
             num_swap_fallbacks=self.engine.num_swap_fallbacks,

@@ -1,6 +1,6 @@
 """A fleet of replicas behind a router, driven as one engine.
 
-`paged.runner.drive` submits a request once the fleet's clock reaches its arrival, steps while any
+`paged.engine.runner.drive` submits a request once the fleet's clock reaches its arrival, steps while any
 replica holds work and aborts all on a stop; the fleet routes each submitted request and decides
 which replica steps next. Simulated replicas share one timeline: the fleet's time is the earliest
 clock among the busy replicas, and that replica steps next, so events happen in time order as if
@@ -16,14 +16,14 @@ import dataclasses
 import heapq
 from typing import Any
 
-from paged.clock import Clock, WallClock
 from paged.cluster.replica import Replica
 from paged.cluster.router import Router
+from paged.engine.metrics import MetricsRecorder
 from paged.executor.base import Executor
-from paged.metrics import MetricsRecorder
 from paged.request import Request
 from paged.scheduler.core import SchedulerCounters
 from paged.step import KVStats
+from paged.utils.clock import Clock, WallClock
 
 
 class FleetClock(Clock):

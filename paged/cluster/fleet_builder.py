@@ -7,14 +7,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from paged.builder import build_engine, check_config
 from paged.cluster.disaggregated import build_disaggregated_fleet, check_disaggregation
 from paged.cluster.fleet import Fleet
 from paged.cluster.replica import LocalReplica
 from paged.cluster.router import Router
 from paged.config import ConfigError, RouterConfig
-from paged.metrics import MetricsRecorder
-from paged.plugins import Plugin, check_plugin
+from paged.config.plugins import Plugin, check_plugin
+from paged.engine.builder import build_engine, check_config
+from paged.engine.metrics import MetricsRecorder
 from paged.sim.executor import SimExecutor
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ def fleet_backend(cfg: Any, plugins_executor: type) -> str:
 
 
 def check_fleet(cfg: Any) -> tuple[Plugin, str]:
-    """The engine config (`paged.builder.check_config`), the router plugin and the backend; loads nothing."""
+    """The engine config (`paged.engine.builder.check_config`), the router plugin and the backend; loads nothing."""
     plugins = check_config(cfg)
     router = check_plugin(cfg.router, "router", Router, core=tuple(RouterConfig.__dataclass_fields__))
     backend = fleet_backend(cfg, plugins.executor.cls)

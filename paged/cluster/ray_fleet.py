@@ -1,7 +1,7 @@
 """`cluster.backend=ray`: each replica a Ray actor holding a full engine, the router in this process.
 
 The replicas step at the same time: `RayFleet.step` keeps one step in flight on every replica that
-holds work and returns what the first to finish ended, so the runner's loop (`paged.runner.drive`)
+holds work and returns what the first to finish ended, so the runner's loop (`paged.engine.runner.drive`)
 submits arrivals and collects steps while the others run.
 
 A replica whose actor dies (killed, its node lost, its process crashed) is marked dead and the
@@ -24,7 +24,7 @@ from paged.cluster.fleet import Fleet
 from paged.cluster.ray_replica import RayReplica
 from paged.cluster.ray_session import Placement, connect
 from paged.cluster.router import Router
-from paged.metrics import MetricsRecorder
+from paged.engine.metrics import MetricsRecorder
 from paged.request import Request
 
 log = logging.getLogger(__name__)

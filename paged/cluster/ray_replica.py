@@ -23,14 +23,14 @@ from typing import Any
 
 import ray
 
-from paged.clock import WallClock
 from paged.cluster.replica import Replica, ReplicaLoad
 from paged.cluster.replica_messages import ReplicaInfo, StepReport, Submission
+from paged.engine.metrics import MetricsRecorder
 from paged.executor.base import KVCacheSpec
-from paged.metrics import MetricsRecorder
 from paged.request import Request
 from paged.scheduler.core import SchedulerCounters
 from paged.step import KVStats
+from paged.utils.clock import WallClock
 
 
 class ReplicaClock(WallClock):

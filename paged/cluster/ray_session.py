@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import ray
 
 from paged.config import ConfigError
-from paged.threads import available_cores
+from paged.utils.threads import available_cores
 
 log = logging.getLogger(__name__)
 

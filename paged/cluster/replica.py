@@ -11,12 +11,12 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from paged.clock import Clock
-from paged.engine import Engine
+from paged.engine.core import Engine
 from paged.executor.base import Executor
 from paged.request import Request
 from paged.scheduler.core import SchedulerCounters
 from paged.step import KVStats
+from paged.utils.clock import Clock
 
 # the load numbers every replica reports: what a `least-loaded` router may balance
 LOAD_METRICS = ("outstanding_tokens", "num_requests", "num_waiting", "kv_usage")
@@ -124,7 +124,7 @@ class Replica(ReplicaView):
     @abstractmethod
     def _abort_all(self, reason: str) -> list[Request]: ...
 
-    # -- what the fleet's summary asks (paged.summary) ------------------------------------------
+    # -- what the fleet's summary asks (paged.experiment.summary) ------------------------------------------
 
     @abstractmethod
     def kv_stats(self) -> KVStats: ...
@@ -175,7 +175,7 @@ class LocalReplica(Replica):
     takes the request (simulated time: the replicas of a fleet share one timeline)."""
 
     def __init__(self, index: int, engine: Engine) -> None:
-        super().__init__(index, engine.scheduler.block_manager.block_size)
+        super().__init__(index, engine.block_size)
         self.engine = engine
 
     @property
@@ -230,8 +230,7 @@ class LocalReplica(Replica):
 
     def kv_usage(self) -> float:
         # asked after every step: read off the allocator without building the whole load
-        allocator = self.engine.scheduler.block_manager.allocator
-        return 1.0 - allocator.num_free_blocks / allocator.num_blocks
+        return self.engine.kv_usage()
 
     def cached_prefix_blocks(self, chain: list[bytes]) -> int:
         return self.engine.cached_prefix_blocks(chain)

@@ -13,13 +13,13 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass
 
+from paged.engine.metrics import StepRecord
 from paged.executor.base import KVCacheSpec, Tokenizer
 from paged.kv_layout import KVLayout
-from paged.metrics import StepRecord
 from paged.request import Completion, Request, SamplingParams
 from paged.scheduler.core import SchedulerCounters
 from paged.step import KVStats
-from paged.threads import ThreadChoice
+from paged.utils.threads import ThreadChoice
 
 
 @dataclass(frozen=True)

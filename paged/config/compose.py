@@ -8,9 +8,9 @@ from typing import Any
 
 from hydra import compose, initialize_config_dir
 
-from paged.assets import asset_dir
 from paged.config.keys import check_keys, check_overrides
 from paged.config.schema import register_configs
+from paged.utils.assets import asset_dir
 
 CONF_DIR = asset_dir("conf")
 

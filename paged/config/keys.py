@@ -5,7 +5,7 @@ One check for every group, against the schema (`paged.config.schema.Config`): `c
 composed config (which catches keys added with `+`, and keys a YAML adds), `check_overrides` the
 overrides before Hydra composes them (Hydra's own error for a plain typo suggests adding it with
 `+`, and for a mistyped value prints a multi-line message). Plugin nodes (`PLUGIN_NODES`) keep
-their extra keys: those are the plugin's constructor settings, which `paged.plugins` checks against
+their extra keys: those are the plugin's constructor settings, which `paged.config.plugins` checks against
 its class with the same `did_you_mean` wording. Keys under an untyped node (`model.arch`,
 `kernel.blocksparse`, the `report` entries) are not the schema's to know.
 """

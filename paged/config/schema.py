@@ -136,7 +136,7 @@ class ModelConfig:
     gemm: str = "auto"
     # source=gguf: reuse the dequantized weights cached on disk (keyed by the file's SHA-256); false: dequantize
     weight_cache: bool = True
-    # CPU threads for torch and the native kernels; None: the cores this process may use (paged.threads)
+    # CPU threads for torch and the native kernels; None: the cores this process may use (paged.utils.threads)
     num_threads: int | None = None
 
 
@@ -185,7 +185,8 @@ class WorkloadConfig:
     # > 0: each request's priority is uniform in [0, num_priorities); 0: every request's is 0
     num_priorities: int = 0
     # vLLM's sampling keys, for every request (prompt files: each line's default, its own keys win).
-    # A combination SamplingParams rejects fails before the model loads (paged.builder.check_config), naming these keys.
+    # A combination SamplingParams rejects fails before the model loads (paged.engine.builder.check_config),
+    # naming these keys.
     n: int = 1  # sequences returned per request (parallel sampling, or the beam width)
     best_of: int | None = None  # sequences sampled per request, the best n returned; None: n
     use_beam_search: bool = False  # beam width best_of (n by default, so n > 1); needs temperature 0
@@ -278,7 +279,7 @@ class ClusterConfig:
 
 @dataclass
 class SLOConfig:
-    """Service-level objectives the summary's `goodput` counts against (paged.slo); null: none."""
+    """Service-level objectives the summary's `goodput` counts against (paged.engine.slo); null: none."""
 
     ttft_s: float | None = None
     tpot_s: float | None = None

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Protocol
 
-from paged.clock import Clock, WallClock
 from paged.config import KernelConfig
 from paged.kernels.limits import BLOCK_SIZES
 from paged.kv_layout import KVLayout
 from paged.memory.kv_tiers import TierStore
 from paged.step import ExecutorOutput, SchedulerOutput
-from paged.threads import ThreadChoice
+from paged.utils.clock import Clock, WallClock
+from paged.utils.threads import ThreadChoice
 
 
 class Tokenizer(Protocol):
@@ -82,7 +82,7 @@ class Executor(ABC):
     # The model's attention window in tokens (None: full attention); the block manager frees blocks
     # that fall wholly outside it.
     sliding_window: int | None = None
-    # The host threads it computes on (paged.threads); None: it runs no model (a simulator)
+    # The host threads it computes on (paged.utils.threads); None: it runs no model (a simulator)
     threads: ThreadChoice | None = None
     # Per layer, its attention window in tokens (None: full attention); the builder groups layers by
     # it (`allocator.kv_groups`) and hands the layout back through `set_kv_layout`.

@@ -48,7 +48,7 @@ DEFAULT_MAX_NUM_SEQS = 64
 
 class ModelExecutor(TieredHostPool, Executor):
     """A Llama-family model on CPU or CUDA. Public state besides the `Executor` contract: `arch`,
-    `model`, `device`, `dtype`, `kernel_description`, `threads` (the CPU threads `paged.threads`
+    `model`, `device`, `dtype`, `kernel_description`, `threads` (the CPU threads `paged.utils.threads`
     chose, per rank), `sliding_window` (the attention window in
     tokens, `None` for the whole context), the per-layer `key_caches` / `value_caches` and their
     host-memory swap space `cpu_key_caches` / `cpu_value_caches`, and the counters

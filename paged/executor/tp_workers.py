@@ -14,7 +14,7 @@ pipe and exits; a worker that dies closes its sockets, so a collective waiting o
 naming the rank and its error. Workers exit with the driver: end-of-file on their pipe (the driver
 closed it in `WorkerGroup.close`, which also runs when the group is collected and at interpreter
 exit, or the driver died) ends their loop. They ignore Ctrl-C, which the driver handles between
-steps (`paged.interrupt`), and stop with it.
+steps (`paged.utils.interrupt`), and stop with it.
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from paged.atomic_file import OutputError
 from paged.report import ReportError, build_report
 from paged.report.report import preset_report
+from paged.utils.atomic_file import OutputError
 
 
 def main(argv: list[str] | None = None) -> int:

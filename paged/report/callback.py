@@ -19,10 +19,10 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
-from paged.atomic_file import OutputError, write_text
 from paged.report.collect import ReportError
 from paged.report.report import Report, build_report
 from paged.report.sweep import config_sweep, group_name, num_jobs
+from paged.utils.atomic_file import OutputError, write_text
 
 log = logging.getLogger("paged.report")
 PROGRESS_FILE = ".progress.json"
@@ -79,7 +79,7 @@ class ReportCallback(Callback):
             sys.exit(1)
 
     def _log_wandb(self, config: DictConfig, report: Report) -> None:
-        from paged.wandb_logger import log_report
+        from paged.experiment.wandb_logger import log_report
 
         swept = config_sweep(config)
         experiment = OmegaConf.select(config, "hydra.runtime.choices.experiment")

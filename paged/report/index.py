@@ -9,7 +9,7 @@ import re
 import sys
 from pathlib import Path
 
-from paged.atomic_file import OutputError, write_text
+from paged.utils.atomic_file import OutputError, write_text
 
 HEADER = """# Experiments: the PagedAttention paper, regenerated
 

@@ -12,9 +12,9 @@ import matplotlib
 matplotlib.use("Agg")  # files only: a sweep may run on a cluster node without a display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from paged.atomic_file import atomic_open  # noqa: E402
 from paged.report.collect import ReportError, reject_unknown  # noqa: E402
 from paged.report.table import is_number, select  # noqa: E402
+from paged.utils.atomic_file import atomic_open  # noqa: E402
 
 KINDS = ("line", "stacked")
 

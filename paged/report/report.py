@@ -14,7 +14,6 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from paged.atomic_file import OutputError, atomic_open, write_text
 from paged.report.collect import Collection, Job, ReportError, collect, reject_unknown
 from paged.report.compare import PaperPoint, compare
 from paged.report.plots import PlotSpec, plot
@@ -22,6 +21,7 @@ from paged.report.ratio import Ratio, ratios
 from paged.report.sustainable import Sustainable, sustainable_rates
 from paged.report.sweep import REPEAT_KEY, run_command
 from paged.report.table import aggregate, is_number, job_rows
+from paged.utils.atomic_file import OutputError, atomic_open, write_text
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def preset_report(experiment: str) -> dict[str, Any]:
     sweep with a changed table, plots or paper numbers, without re-running it)."""
     from omegaconf import OmegaConf
 
-    from paged.assets import asset_dir
+    from paged.utils.assets import asset_dir
 
     folder = asset_dir("conf") / "experiment"
     path = folder / f"{experiment}.yaml"

@@ -34,6 +34,7 @@ from paged.memory.kv_groups import KVGroupManager
 from paged.request import FinishReason, Request, SeqStatus, Sequence
 from paged.scheduler.budget import StepBudget, gang_of, grow, running_gangs, seats, seats_in_use
 from paged.scheduler.handoff import HandoffMixin
+from paged.scheduler.kv_queries import KVQueriesMixin
 from paged.scheduler.policy import SchedulingPolicy
 from paged.scheduler.preemption import PreemptionMode, RecomputePreemption
 from paged.scheduler.rejection import allocation_rejection, intake_rejection, swap_in_rejection
@@ -52,7 +53,7 @@ class SchedulerCounters:
     num_swapped_blocks: int = 0  # blocks moved either way
 
 
-class Scheduler(UpdateMixin, HandoffMixin):
+class Scheduler(UpdateMixin, HandoffMixin, KVQueriesMixin):
     def __init__(
         self,
         cfg: SchedulerConfig,

@@ -45,7 +45,6 @@ from typing import Any, Protocol
 import torch
 
 from paged import kernels
-from paged.clock import Clock
 from paged.config import (
     AllocatorConfig,
     ConfigError,
@@ -70,6 +69,7 @@ from paged.request import Request, SamplingParams
 from paged.scheduler.fcfs import FCFSPolicy
 from paged.sim.cost_model import CostModel, StepShape
 from paged.sim.hardware import resolve_hardware
+from paged.utils.clock import Clock
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ _CPU = torch.device("cpu")
 
 
 class CalibrationEngine(Protocol):
-    """What calibration uses of an engine: `paged.engine.Engine`'s public surface."""
+    """What calibration uses of an engine: `paged.engine.core.Engine`'s public surface."""
 
     executor: Executor
     clock: Clock

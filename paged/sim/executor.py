@@ -28,7 +28,6 @@ from functools import cached_property
 import torch
 from omegaconf import OmegaConf
 
-from paged.clock import Clock, VirtualClock
 from paged.config import ConfigError, HardwareConfig, KernelConfig, ModelConfig, resolve_dtype
 from paged.executor.base import Executor, KVCacheSpec, Tokenizer
 from paged.kernels.features import BlockSparse, cache_dtype
@@ -38,6 +37,7 @@ from paged.sim.hardware import Hardware, resolve_hardware
 from paged.sim.memory import check_parallelism, plan_memory
 from paged.sim.tier_disk import SimTierDisk
 from paged.step import ExecutorOutput, SchedulerOutput
+from paged.utils.clock import Clock, VirtualClock
 
 log = logging.getLogger(__name__)
 

@@ -70,7 +70,7 @@ def resolve_hardware(cfg: HardwareConfig | Any, measured: dict[str, Any] | None 
     if missing and cfg.calibrated:
         raise ConfigError(
             f"hardware={cfg.name} leaves {', '.join(missing)} unset: they are measured on this machine; build "
-            "the engine with paged.builder.build_engine (it measures them once and caches them) or run "
+            "the engine with paged.engine.builder.build_engine (it measures them once and caches them) or run "
             "python experiments/calibrate.py"
         )
     if missing:

@@ -5,7 +5,7 @@ replies, then the user's new message. So each turn's prompt starts with the prev
 and reply: the reuse a prefix cache (and a tier keeping evicted prefixes) exists for.
 
 Closed loop: turn k+1 cannot be built before turn k's reply exists, so it is a follow-up
-(`WorkloadItem.follows`): its item holds only the new message, and `paged.runner.drive` sends it a
+(`WorkloadItem.follows`): its item holds only the new message, and `paged.engine.runner.drive` sends it a
 think time after turn k finished, with turn k's prompt and actual reply (on the simulator its
 placeholder reply) before the message. Think times are exponential with mean `think_time_s`
 (0: none), from the seeded stream THINK_STREAM.

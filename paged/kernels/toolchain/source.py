@@ -7,7 +7,7 @@ import os
 from functools import cache
 from pathlib import Path
 
-from paged.assets import asset_dir
+from paged.utils.assets import asset_dir
 
 MAIN_FILE = "paged.cu"
 

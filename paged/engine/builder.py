@@ -15,15 +15,15 @@ from typing import Any
 import torch
 
 from paged.config import AllocatorConfig, ByteSizes, ConfigError, ExecutorConfig, validate
-from paged.engine import Engine
+from paged.config.plugins import Plugin, check_plugin
+from paged.engine.core import Engine
+from paged.engine.offload import OffloadPlan, build_kv_tiers, check_offload, num_tier_blocks
 from paged.executor.base import Executor
 from paged.kv_layout import KVLayout
 from paged.memory import BlockAllocator, BlockManager, Reservation
 from paged.memory.eviction import POLICIES, EvictionPolicy, LRUPolicy
 from paged.memory.kv_groups import KVGroupManager
 from paged.model.spec import model_spec
-from paged.offload import OffloadPlan, build_kv_tiers, check_offload, num_tier_blocks
-from paged.plugins import Plugin, check_plugin
 from paged.scheduler.core import Scheduler
 from paged.scheduler.policy import SchedulingPolicy
 from paged.scheduler.preemption import MODES, PreemptionMode

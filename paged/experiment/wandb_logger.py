@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from paged.config import LoggerConfig
-from paged.metrics import RequestMetrics, StepRecord
+from paged.engine.metrics import RequestMetrics, StepRecord
 
 log = logging.getLogger(__name__)
 

@@ -11,19 +11,19 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from paged.builder import build_engine
+from paged.api.outputs import print_summary, write_outputs
 from paged.cluster.fleet import Fleet
 from paged.cluster.fleet_builder import build_fleet, uses_fleet
 from paged.config import compose_config
-from paged.engine import Engine
+from paged.engine.builder import build_engine
+from paged.engine.core import Engine
+from paged.engine.metrics import RequestMetrics
+from paged.engine.runner import drive, to_request
 from paged.executor.base import Executor
-from paged.interrupt import Interrupt
-from paged.metrics import RequestMetrics
-from paged.outputs import print_summary, write_outputs
+from paged.experiment.summary import summarize
+from paged.experiment.wandb_logger import WandbLogger
 from paged.request import Request
-from paged.runner import drive, to_request
-from paged.summary import summarize
-from paged.wandb_logger import WandbLogger
+from paged.utils.interrupt import Interrupt
 from paged.workload import WorkloadItem, load_workload
 
 log = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from paged.engine.slo import goodput
 from paged.request import FinishReason, Request, Sequence
-from paged.slo import goodput
 from paged.step import ExecutorOutput, KVStats, SchedulerOutput, SchedulerStats
 
 

@@ -10,10 +10,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from paged.atomic_file import atomic_open, write_text
-from paged.metrics import RequestMetrics
+from paged.engine.metrics import RequestMetrics
 from paged.request import Completion, Request
 from paged.step import scores_tokens
+from paged.utils.atomic_file import atomic_open, write_text
 
 # a tokenizer's `decode(token_ids, skip_special_tokens=...)`
 Decode = Callable[..., str]

@@ -1,6 +1,6 @@
 """Drive an engine: submit requests when its clock reaches their arrival times, step until all are
 done, show progress. `drive` is the one loop behind `LLM.generate`, `run.py` (through
-paged/experiment.py) and the experiments; `to_request` is the one way a prompt becomes a `Request`.
+paged/experiment/run.py) and the experiments; `to_request` is the one way a prompt becomes a `Request`.
 
 Follow-ups (`Request.follows`: a chat's next turn, an agent's next step) are closed-loop: they are
 held until the request they follow finishes, then sent at its finish time plus their think time,
@@ -15,9 +15,9 @@ from collections.abc import Iterable, Sequence
 
 from tqdm import tqdm
 
-from paged.engine import Engine
-from paged.interrupt import Interrupt
+from paged.engine.core import Engine
 from paged.request import Request, SamplingParams
+from paged.utils.interrupt import Interrupt
 from paged.workload import WorkloadItem
 
 # the abort reason of the requests a stopped run leaves unfinished

@@ -18,4 +18,4 @@ def asset_dir(name: str) -> Path:
         spec = None
     if spec is not None and spec.submodule_search_locations:
         return Path(next(iter(spec.submodule_search_locations)))
-    return Path(__file__).resolve().parent.parent / name
+    return Path(__file__).resolve().parents[2] / name

@@ -1,6 +1,6 @@
 """`LLM(...).generate(prompts, sampling_params)`, `LLM.chat` and `LLM.beam_search`: vLLM's offline
 API and output records on the same engine `run.py` uses. What a call accepts is checked in
-`paged.llm_inputs`, what `LLM(...)` takes in `paged.llm_options`."""
+`paged.api.inputs`, what `LLM(...)` takes in `paged.api.options`."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from paged.builder import build_engine
-from paged.engine import Engine
+from paged.api.inputs import Prompt, check_conversations, check_params, check_prompts, render_chat, show, split_prompts
+from paged.api.options import EngineArgs, llm_config
+from paged.api.outputs import completion_text
+from paged.engine.builder import build_engine
+from paged.engine.core import Engine
+from paged.engine.runner import drive, to_request
 from paged.executor.base import Executor
-from paged.llm_inputs import Prompt, check_conversations, check_params, check_prompts, render_chat, show, split_prompts
-from paged.llm_options import EngineArgs, llm_config
-from paged.outputs import completion_text
 from paged.request import Request, SamplingParams
-from paged.runner import drive, to_request
 from paged.step import TokenLogprobs, scores_tokens
 from paged.workload import WorkloadItem
 
@@ -142,7 +142,7 @@ class LLM:
         directory or a .gguf file. `allocator`, `scheduler`, `kernel` choose config options (the
         allocator defaults to prefix, or naive with enable_prefix_caching=False), `overrides` are
         any further config overrides (applied last), `executor` an already built executor to
-        reuse. `engine_args` are vLLM's keyword arguments (`paged.llm_options.EngineArgs`:
+        reuse. `engine_args` are vLLM's keyword arguments (`paged.api.options.EngineArgs`:
         max_model_len, gpu_memory_utilization, dtype, seed, ...); an unknown one is a TypeError."""
         self.config = llm_config(
             model, allocator=allocator, scheduler=scheduler, kernel=kernel, overrides=overrides,

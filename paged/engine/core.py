@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from paged.engine.metrics import MetricsRecorder
 from paged.executor.base import Executor
-from paged.metrics import MetricsRecorder
 from paged.request import Request
 from paged.scheduler.core import Scheduler, SchedulerCounters
 from paged.step import ExecutorOutput, KVStats
@@ -85,21 +85,28 @@ class Engine:
     def kv_stats(self) -> KVStats:
         """The KV cache now: pool size, blocks in use, and the prefix-cache counters (cumulative
         since the engine was built)."""
-        manager = self.scheduler.block_manager
-        return dataclasses.replace(manager.stats(), num_evictions=manager.allocator.num_evictions)
+        return self.scheduler.kv_stats()
+
+    def kv_usage(self) -> float:
+        """The fraction of the KV pool's blocks in use (a router's load signal)."""
+        return self.scheduler.kv_usage()
+
+    @property
+    def block_size(self) -> int:
+        return self.scheduler.block_size
 
     @property
     def caches_prefixes(self) -> bool:
         """Whether the allocator keeps a prefix cache (without one, a hit rate means nothing)."""
-        return self.scheduler.block_manager.allocator.caches_prefixes
+        return self.scheduler.caches_prefixes
 
     def cached_prefix_blocks(self, chain: list[bytes]) -> int:
         """Blocks from the start of `chain` (a prompt's `prompt_block_hashes`) the prefix cache holds now."""
-        return self.scheduler.block_manager.prefix_index.cached_blocks(chain)
+        return self.scheduler.cached_prefix_blocks(chain)
 
     def reset_prefix_cache(self) -> bool:
         """Drop all cached prefix blocks; False (and nothing dropped) while requests hold blocks."""
-        return self.scheduler.block_manager.allocator.reset_prefix_cache()
+        return self.scheduler.reset_prefix_cache()
 
     @property
     def counters(self) -> SchedulerCounters:
@@ -113,10 +120,5 @@ class Engine:
 
     def plugin_classes(self) -> dict[str, str]:
         """The qualified class of each part a config can replace: allocator, policy, preemption, executor."""
-        parts = {
-            "allocator": self.scheduler.block_manager.allocator,
-            "policy": self.scheduler.policy,
-            "preemption": self.scheduler.preemption,
-            "executor": self.executor,
-        }
+        parts = {**self.scheduler.plugin_parts(), "executor": self.executor}
         return {role: f"{type(obj).__module__}.{type(obj).__qualname__}" for role, obj in parts.items()}

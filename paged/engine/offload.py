@@ -20,12 +20,12 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from paged.config import CONF_DIR, ConfigError, parse_bytes
+from paged.config.plugins import Plugin, check_plugin
 from paged.executor.base import Executor
 from paged.memory.eviction.eviction_policy import EvictionPolicy
 from paged.memory.kv_tiers import KVTiers
 from paged.memory.prefix import PrefixCachingAllocator
 from paged.memory.tier_pool import TierPool
-from paged.plugins import Plugin, check_plugin
 
 log = logging.getLogger(__name__)
 
