@@ -2,7 +2,7 @@
 # `make docs` builds docs/ into site/ (mkdocs, strict: a broken link or a missing API object fails).
 # `make gpu-report` (whoever has a GPU runs it first): CUDA tests, kernel and prefill benchmarks, the default job
 # with CUDA graphs off/on and with torch kernels, one markdown report under experiments/results/gpu/ to commit
-# (experiments/gpu_report.py).
+# (experiments/gpu/gpu_report.py).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -33,7 +33,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 gpu-report: $(STAMP)
-	$(PY) experiments/gpu_report.py $(ARGS)
+	$(PY) experiments/gpu/gpu_report.py $(ARGS)
 
 # The docs extra on top of the dev install; re-installed when pyproject.toml changes.
 $(DOCS_STAMP): $(STAMP) pyproject.toml

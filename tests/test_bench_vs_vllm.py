@@ -1,4 +1,4 @@
-"""experiments/bench_vs_vllm.py's parts that decide what its table says: greedy agreement (full and first 32
+"""experiments/cpu/bench_vs_vllm.py's parts that decide what its table says: greedy agreement (full and first 32
 tokens), the table's dtype and columns, the matmul peak over F.linear and the prepacked oneDNN path, and its
 bad input: vLLM that cannot be set up or whose worker dies fails its rows clearly, and the paged rows still
 run (the end-to-end check loads SmolLM2, so it is slow)."""
@@ -19,12 +19,12 @@ from rich.console import Console
 from paged.model.arch import LlamaArch
 from paged.model.linear import onednn_unsupported_reason
 
-EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments" / "cpu"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    """The benchmark's sibling modules, imported as the script imports them (experiments/ on sys.path)."""
+    """The benchmark's sibling modules, imported as the script imports them (experiments/cpu/ on sys.path)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(EXPERIMENTS))
         names = ("bench_vs_vllm_roofline", "bench_vs_vllm_report", "bench_vs_vllm_peer", "bench_vs_vllm")

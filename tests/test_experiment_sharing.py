@@ -1,4 +1,4 @@
-"""Smoke test of experiments/sharing.py (the memory-sharing study) on the simulator, at a few requests."""
+"""Smoke test of experiments/paper/sharing.py (the memory-sharing study) on the simulator, at a few requests."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-PATH = Path(__file__).resolve().parents[1] / "experiments" / "sharing.py"
+PATH = Path(__file__).resolve().parents[1] / "experiments" / "paper" / "sharing.py"
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""experiments/gpu_report.py without a GPU: its parsers, the outputs comparison, the budget, the benchmark
+"""experiments/gpu/gpu_report.py without a GPU: its parsers, the outputs comparison, the budget, the benchmark
 and job steps over faked or stand-in subprocesses, the markdown it renders (gpu_report_render.py) from
 fabricated step results, the TTFT ratio, and its refusal on a machine without CUDA."""
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-PATH = Path(__file__).resolve().parents[1] / "experiments" / "gpu_report.py"
+PATH = Path(__file__).resolve().parents[1] / "experiments" / "gpu" / "gpu_report.py"
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def report():
 
 @pytest.fixture(scope="module")
 def render(report):
-    """experiments/gpu_report_render.py, the records and the markdown, as gpu_report.py imported it."""
+    """experiments/gpu/gpu_report_render.py, the records and the markdown, as gpu_report.py imported it."""
     return sys.modules["gpu_report_render"]
 
 
@@ -145,9 +145,9 @@ def test_run_bench_runs_each_benchmark_whatever_became_of_the_one_before(report,
 
 def test_the_benchmarks_are_kernel_bench_then_prefill_bench_on_cuda(report) -> None:
     scripts = [script for _, script, _ in report.BENCHES]
-    assert scripts == [["experiments/kernel_bench.py", "--repeats", "5", "--shapes", *report.DECODE_SHAPES,
+    assert scripts == [["experiments/gpu/kernel_bench.py", "--repeats", "5", "--shapes", *report.DECODE_SHAPES,
                         "--peers", "sdpa-flash", "sdpa-cudnn", "flashinfer"],
-                       ["experiments/prefill_bench.py", "--device", "cuda", "--repeats", "5"]]
+                       ["experiments/gpu/prefill_bench.py", "--device", "cuda", "--repeats", "5"]]
     # the v3 targets' shapes come first, and every H100 table row of docs/gpu.md is there
     assert report.DECODE_SHAPES[:3] == ("64x4096", "256x1024", "1x16384")
     assert set(report.DECODE_SHAPES) == {"1x512", "1x4096", "1x16384", "16x1024", "16x16384", "64x4096", "256x1024",
@@ -222,10 +222,10 @@ cuda / sdpa-flash throughput, lowest: 67% (SmolLM2-135M, 16 seqs x 512); target 
 
 def _bench(report, prefill_code: int = 0, prefill_stderr: str = ""):
     return report.BenchResult([
-        report.BenchRun("decode attention", _run(report, ["experiments/kernel_bench.py", "--repeats", "5"], 0,
+        report.BenchRun("decode attention", _run(report, ["experiments/gpu/kernel_bench.py", "--repeats", "5"], 0,
                                                  stdout=BENCH_OUTPUT)),
         report.BenchRun("prefill attention", _run(
-            report, ["experiments/prefill_bench.py", "--device", "cuda", "--repeats", "5"], prefill_code,
+            report, ["experiments/gpu/prefill_bench.py", "--device", "cuda", "--repeats", "5"], prefill_code,
             stdout=PREFILL_OUTPUT, stderr=prefill_stderr)),
     ])
 
@@ -288,7 +288,8 @@ def test_render_report_from_fabricated_results(report) -> None:
     # each benchmark's output verbatim, in order under its heading
     assert "```\n" + BENCH_OUTPUT + "```" in text and "```\n" + PREFILL_OUTPUT + "```" in text
     assert lines.index("### Decode attention") < text.splitlines().index("### Prefill attention")
-    assert "`python experiments/prefill_bench.py --device cuda --repeats 5`: exit 0, 10.0 s (timeout 300 s)" in lines
+    assert ("`python experiments/gpu/prefill_bench.py --device cuda --repeats 5`: exit 0, 10.0 s (timeout 300 s)"
+            in lines)
     # the job: both runs side by side, the ratio, the new counters where present
     assert "| metric | graphs-off | graphs-on | graphs-on / graphs-off |" in lines
     assert "| output tokens/s | 900.0 | 1350.0 | 1.50 |" in lines

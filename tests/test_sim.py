@@ -351,7 +351,7 @@ def test_cpu_local_calibration_times_the_real_engines_public_step(tmp_path, monk
 
 def test_a_sim_executor_built_without_the_calibration_says_how_to_get_it():
     cfg = _sim_cfg("model=tiny-random", "hardware=cpu-local")
-    with pytest.raises(ConfigError, match=r"step_overhead_s.* measured on this machine.*experiments/calibrate.py"):
+    with pytest.raises(ConfigError, match=r"step_overhead_s.* measured on this machine.*experiments/sim/calibrate.py"):
         SimExecutor(cfg.model, cfg.kernel, hardware=cfg.hardware)
 
 

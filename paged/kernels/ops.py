@@ -36,7 +36,7 @@ V1_MIN_PARALLELISM = 512
 
 # The backends on which v3 was measured to beat v1 and v2 (docs/kernels.md, "Choosing a decode
 # kernel"): `auto` picks v3 there and keeps vLLM's rule elsewhere. cpu: 0.58-0.76x v2's time on
-# every shape of experiments/cpu_decode_bench.py. cuda joins once a GPU session measures it.
+# every shape of experiments/cpu/cpu_decode_bench.py. cuda joins once a GPU session measures it.
 V3_BACKENDS: frozenset[str] = frozenset({"cpu"})
 
 

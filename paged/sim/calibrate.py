@@ -1,7 +1,7 @@
 """`hardware=cpu-local`: measure this machine running one model's config, cache the numbers.
 
 The builder fills cpu-local's nulls from here for `executor=sim hardware=cpu-local`: measured on first
-use, read from the cache afterwards; `python experiments/calibrate.py [overrides]` re-measures and
+use, read from the cache afterwards; `python experiments/sim/calibrate.py [overrides]` re-measures and
 prints. Each measurement takes a few seconds and runs what the real executor runs for the config:
 
 - memory bandwidth: a 256 MiB tensor copy (bytes read + written per second);

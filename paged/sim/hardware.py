@@ -71,7 +71,7 @@ def resolve_hardware(cfg: HardwareConfig | Any, measured: dict[str, Any] | None 
         raise ConfigError(
             f"hardware={cfg.name} leaves {', '.join(missing)} unset: they are measured on this machine; build "
             "the engine with paged.engine.builder.build_engine (it measures them once and caches them) or run "
-            "python experiments/calibrate.py"
+            "python experiments/sim/calibrate.py"
         )
     if missing:
         raise ConfigError(f"hardware={cfg.name} leaves {', '.join(missing)} unset; give them in its YAML")

@@ -2,7 +2,7 @@
 kernel=v1|v2|v3` prices for the kernel it names.
 
 Every hardware gets a row for each (variant, shape class). A measured row holds one cell of a kernel
-benchmark table (`experiments/kernel_bench.py`: 64 query / 8 KV heads, head 128, block 16, fp16,
+benchmark table (`experiments/gpu/kernel_bench.py`: 64 query / 8 KV heads, head 128, block 16, fp16,
 v2's 512-token partitions) with the document and session it comes from; its efficiency is the one at
 which `decode_attention.decode_bytes` of that cell takes the measured time on the hardware's
 datasheet bandwidth, so the simulator reproduces that cell exactly and extrapolates from it to other
@@ -33,9 +33,9 @@ BENCH_SHAPE = AttentionShape(heads=64, kv_heads=8, head_dim=128, dtype_bytes=2, 
                              partition_size=512)
 
 _H100_SESSION = ("docs/gpu.md, 'NVIDIA H100 80GB HBM3 (issue 13's session, 2026-11-22)', kernel latency table "
-                 "(python experiments/kernel_bench.py --repeats 7, CUDA graphs, inputs rotated past L2), fp16")
+                 "(python experiments/gpu/kernel_bench.py --repeats 7, CUDA graphs, inputs rotated past L2), fp16")
 _H100_V3_SESSION = ("experiments/results/gpu/2026-11-26-nvidia-h100-80gb-hbm3.md (issue 33's session), decode table "
-                    "(python experiments/kernel_bench.py --repeats 5, CUDA graphs, inputs rotated past L2), fp16")
+                    "(python experiments/gpu/kernel_bench.py --repeats 5, CUDA graphs, inputs rotated past L2), fp16")
 
 
 @dataclass(frozen=True)
