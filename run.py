@@ -24,7 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from paged.config import ConfigError, check_command_line, register_configs
-from paged.report.sweep import group_name, parse_overrides, read_sweep, tags
+from paged.report.sweep import group_name, num_jobs, parse_overrides, read_sweep, tags
 from paged.utils.atomic_file import OutputError, write_text
 from paged.utils.interrupt import Interrupt
 
@@ -35,12 +35,13 @@ log = logging.getLogger("paged")
 def _run(cfg: DictConfig) -> float:
     hc = HydraConfig.get()
     experiment = hc.runtime.choices.get("experiment")
-    if experiment and hc.mode.name != "MULTIRUN" and hc.sweeper.get("params"):
+    multirun = hc.mode.name == "MULTIRUN"
+    if experiment and not multirun and hc.sweeper.get("params"):
         # run without -m, a sweep preset would run one job of the defaults, not the sweep it names
         raise ConfigError(
             f"experiment={experiment} is a sweep preset: run it with -m (python run.py -m +experiment={experiment})"
         )
-    swept = read_sweep(Path(hc.sweep.dir)) if hc.mode.name == "MULTIRUN" else {}
+    swept = read_sweep(Path(hc.sweep.dir)) if multirun else {}
     # imported here: it loads torch, which --help and a bad command line need not wait for
     from paged.experiment.run import run_experiment
 
@@ -52,9 +53,11 @@ def _run(cfg: DictConfig) -> float:
         name=hc.job.override_dirname or None,
         tags=tags(swept, parse_overrides(hc.overrides.task)),
         interrupt=interrupt,
+        # a sweep's job says which it is while it runs: the sweep's own count moves only between jobs
+        progress_label=f"job {hc.job.num + 1}/{num_jobs(swept) or '?'}" if multirun else "requests",
     )
     if interrupt.requested:
-        sweep_dir = Path(hc.sweep.dir) if hc.mode.name == "MULTIRUN" else None
+        sweep_dir = Path(hc.sweep.dir) if multirun else None
         _exit_interrupted(interrupt, Path(hc.runtime.output_dir), sweep_dir, partial=summary["interrupted"])
     return float(summary["output_tokens_per_s"])
 

@@ -104,6 +104,7 @@ class EngineActor:
             outcomes=[Outcome.of(self._keys.pop(r), r) for r in done],
             steps=steps,
             num_waiting=len(self.engine.scheduler.waiting),
+            num_running_requests=self.engine.request_counts()[0],
             kv_usage=self.engine.kv_usage(),
             kv=self.engine.kv_stats(),
             counters=copy.copy(self.engine.counters),

@@ -108,6 +108,11 @@ class Fleet:
         self._turn += 1
         return replica.step()
 
+    def request_counts(self) -> tuple[int, int]:
+        """Requests running and waiting over the live replicas (`Engine.request_counts`)."""
+        counts = [r.request_counts() for r in self.live]
+        return sum(running for running, _ in counts), sum(waiting for _, waiting in counts)
+
     def abort_all(self, reason: str) -> list[Request]:
         self._queue.clear()
         return [request for replica in self.live for request in replica.abort_all(reason)]

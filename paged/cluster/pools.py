@@ -109,6 +109,11 @@ class DecodeReplica(LocalReplica):
             self.engine.abort(request, reason)
         return in_flight + self.engine.abort_all(reason)
 
+    def request_counts(self) -> tuple[int, int]:
+        """Requests waiting for blocks here count as waiting."""
+        running, waiting = super().request_counts()
+        return running, waiting + len(self.incoming)
+
     def load(self) -> ReplicaLoad:
         """Requests waiting for blocks here count as waiting."""
         load = super().load()

@@ -159,6 +159,11 @@ class RayReplica(Replica):
             kv_usage=self._state.kv_usage,
         )
 
+    def request_counts(self) -> tuple[int, int]:
+        """Running as of the last report; every other request it holds waits (those sent since too)."""
+        running = min(self._state.num_running_requests, len(self.held))
+        return running, len(self.held) - running
+
     def cached_prefix_blocks(self, chain: list[bytes]) -> int:
         return 0  # not asked of the actor: see the module's docstring
 

@@ -116,6 +116,10 @@ class Replica(ReplicaView):
         return self.load().kv_usage
 
     @abstractmethod
+    def request_counts(self) -> tuple[int, int]:
+        """Requests it holds running and waiting (`Engine.request_counts`)."""
+
+    @abstractmethod
     def _submit(self, request: Request) -> None: ...
 
     @abstractmethod
@@ -227,6 +231,9 @@ class LocalReplica(Replica):
             num_waiting=len(s.waiting),
             kv_usage=self.kv_usage(),
         )
+
+    def request_counts(self) -> tuple[int, int]:
+        return self.engine.request_counts()
 
     def kv_usage(self) -> float:
         # asked after every step: read off the allocator without building the whole load

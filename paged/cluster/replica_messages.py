@@ -98,6 +98,7 @@ class StepReport:
     outcomes: list[Outcome]
     steps: list[StepRecord]
     num_waiting: int
+    num_running_requests: int  # `Engine.request_counts`' running
     kv_usage: float
     kv: KVStats
     counters: SchedulerCounters

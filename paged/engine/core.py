@@ -87,6 +87,10 @@ class Engine:
         since the engine was built)."""
         return self.scheduler.kv_stats()
 
+    def request_counts(self) -> tuple[int, int]:
+        """Requests running and waiting now (`Scheduler.request_counts`): what a progress bar shows."""
+        return self.scheduler.request_counts()
+
     def kv_usage(self) -> float:
         """The fraction of the KV pool's blocks in use (a router's load signal)."""
         return self.scheduler.kv_usage()

@@ -26,6 +26,7 @@ class StepRecord:
     num_decode_rows: int
     num_scheduled_tokens: int
     num_computed_tokens: int
+    num_sampled_tokens: int  # tokens generated: one per decode row, the first ones of each prompt completed
     step_time_s: float
     overhead_s: float
     num_running: int
@@ -219,6 +220,7 @@ class MetricsRecorder:
             num_decode_rows=sched.num_decode_rows,
             num_scheduled_tokens=sched.num_batched_tokens,
             num_computed_tokens=output.num_computed_tokens,
+            num_sampled_tokens=sum(len(tokens) for tokens in output.sampled),
             step_time_s=end - start,
             overhead_s=max(0.0, end - start - output.model_time_s),
             num_running=stats.num_running,

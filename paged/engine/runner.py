@@ -1,5 +1,5 @@
 """Drive an engine: submit requests when its clock reaches their arrival times, step until all are
-done, show progress. `drive` is the one loop behind `LLM.generate`, `run.py` (through
+done, show progress (`RunProgress`). `drive` is the one loop behind `LLM.generate`, `run.py` (through
 paged/experiment/run.py) and the experiments; `to_request` is the one way a prompt becomes a `Request`.
 
 Follow-ups (`Request.follows`: a chat's next turn, an agent's next step) are closed-loop: they are
@@ -13,9 +13,8 @@ import heapq
 import math
 from collections.abc import Iterable, Sequence
 
-from tqdm import tqdm
-
 from paged.engine.core import Engine
+from paged.engine.progress import RunProgress
 from paged.request import Request, SamplingParams
 from paged.utils.interrupt import Interrupt
 from paged.workload import WorkloadItem
@@ -55,7 +54,7 @@ def drive(
     `stop` is checked between steps, never inside one: once it is requested, no more requests are
     submitted and every unfinished one is aborted with reason "interrupted" (those already finished
     keep their outputs), and so are the follow-ups of those. Returns True when it stopped so, with
-    work left; False when all was done."""
+    work left; False when all was done. `progress` draws a bar labelled `label` (`RunProgress`)."""
     follow_ups = FollowUps(requests)
     pending = sorted((r for r in requests if r.follows is None), key=lambda r: r.arrival_time)
     clock = engine.clock
@@ -63,10 +62,10 @@ def drive(
     # (a signal does not cut a sleep short); simulated time waits at no cost
     slice_s = STOP_POLL_S if stop is not None and not clock.simulated else float("inf")
     i = 0
-    with tqdm(total=len(requests), desc=label, unit="req", disable=not progress, leave=False) as bar:
+    with RunProgress(engine, len(requests), label=label, enabled=progress) as bar:
         while i < len(pending) or follow_ups.has_due or engine.has_unfinished:
             if stop is not None and stop.requested:
-                bar.update(_abort_all(engine, follow_ups))
+                bar.step(_abort_all(engine, follow_ups))
                 return True
             now = clock.now()
             while i < len(pending) and pending[i].arrival_time <= now:
@@ -79,7 +78,7 @@ def drive(
                 clock.wait_until(min(next_arrival, now + slice_s))
                 continue
             finished = engine.step()
-            bar.update(len(finished))
+            bar.step(len(finished))
             for request in follow_ups.release(finished):
                 engine.add_request(request)
     return False

@@ -37,8 +37,10 @@ def run_experiment(
     name: str | None = None,
     tags: list[str] | None = None,
     interrupt: Interrupt | None = None,
+    progress_label: str = "requests",
 ) -> dict[str, Any]:
     """Build, run the workload, write summary.json and requests.jsonl into `run_dir`, log to W&B.
+    With `cfg.progress`, a bar labelled `progress_label` shows the run (paged/engine/progress.py).
 
     With `interrupt`, SIGINT and SIGTERM request it while the workload runs and the outputs are
     written (not while the engine builds): the run stops between steps, aborts what is unfinished,
@@ -56,7 +58,9 @@ def run_experiment(
     log.info("running %d request(s)%s", len(items), "; Ctrl-C stops and writes what finished" if interrupt else "")
     try:
         with interrupt.catching() if interrupt is not None else nullcontext():
-            requests, summary = _run(cfg, engine, items, load_time, progress=cfg.progress, stop=interrupt)
+            requests, summary = _run(
+                cfg, engine, items, load_time, progress=cfg.progress, label=progress_label, stop=interrupt
+            )
             # in item order; a stopped run's never-submitted requests are only counted (num_not_started)
             submitted = set(engine.metrics.requests)
             requests = [r for r in requests if r in submitted]
@@ -104,6 +108,7 @@ def _run(
     load_time: float,
     *,
     progress: bool,
+    label: str = "requests",
     stop: Interrupt | None = None,
 ) -> tuple[list[Request], dict[str, Any]]:
     """The workload's requests (in item order) and the run's summary. A fleet is shut down once its
@@ -115,7 +120,7 @@ def _run(
     # them (at paper or fleet scale millions of objects, 5-15% of a simulated run's host time).
     gc.freeze()
     try:
-        stopped = drive(engine, requests, progress=progress, stop=stop)
+        stopped = drive(engine, requests, progress=progress, label=label, stop=stop)
     finally:
         gc.unfreeze()
         if isinstance(engine, Fleet):

@@ -144,6 +144,14 @@ class Scheduler(UpdateMixin, HandoffMixin, KVQueriesMixin):
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped or self._pending_aborts)
 
+    def request_counts(self) -> tuple[int, int]:
+        """Requests running (a sequence in the batch) and waiting: every other unfinished one held
+        (not yet admitted, preempted, swapped out, or receiving its KV on a decode replica, which
+        joins `_groups` only when it arrives). O(running): the running sequences of one request
+        (n > 1, beams) count once."""
+        running = len({seq.request for seq in self.running})
+        return running, len(self._groups) - running + len(self.receiving)
+
     def stats(self) -> SchedulerStats:
         kv = self.block_manager.stats(self._blocked_blocks)
         return SchedulerStats(len(self.running), len(self.waiting), kv, len(self.swapped))
