@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from paged.config import compose_config
 from paged.engine.builder import build_engine
-from paged.engine.core import Engine
+from paged.engine.engine import Engine
 from paged.engine.runner import drive
 from paged.request import Request, SamplingParams
 from tests.token_cache_executor import TokenCacheExecutor

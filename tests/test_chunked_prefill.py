@@ -8,7 +8,7 @@ import pytest
 
 from paged.config import ConfigError, compose_config, validate
 from paged.engine.builder import build_engine
-from paged.engine.core import Engine
+from paged.engine.engine import Engine
 from paged.engine.runner import drive
 from paged.request import Request, SamplingParams, SeqStatus
 from paged.step import SchedulerOutput

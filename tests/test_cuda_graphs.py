@@ -12,7 +12,7 @@ import torch
 
 from paged.config import compose_config
 from paged.engine.builder import build_engine
-from paged.engine.core import Engine
+from paged.engine.engine import Engine
 from paged.engine.runner import drive
 from paged.kernels.backends.cuda import BACKEND as CUDA
 from paged.request import Request, SamplingParams

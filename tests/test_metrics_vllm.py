@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from paged.api.outputs import write_outputs
-from paged.engine.core import Engine
+from paged.engine.engine import Engine
 from paged.experiment.run import run_quietly
 from paged.request import FinishReason, Request, SamplingParams
 from tests.engine_helpers import make_engine, run_requests

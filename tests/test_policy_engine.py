@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from paged.engine.core import Engine
+from paged.engine.engine import Engine
 from paged.experiment.run import run_quietly
 
 SIM = ["executor=sim", "model=opt-13b", "hardware=a100-40g"]

@@ -22,7 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from paged.config import compose_config
 from paged.engine.builder import build_engine
-from paged.engine.core import Engine
+from paged.engine.engine import Engine
 from paged.engine.runner import drive
 from paged.memory import AllocStatus, BlockManager, NaiveAllocator, NoFreeBlocksError, PrefixCachingAllocator
 from paged.request import FinishReason, Request, SamplingParams, Sequence

@@ -328,7 +328,7 @@ def test_cpu_local_remeasures_when_what_the_executor_runs_changes():
 
 def test_cpu_local_calibration_times_the_real_engines_public_step(tmp_path, monkeypatch):
     import paged.sim.calibrate as calibrate
-    from paged.engine.core import Engine
+    from paged.engine.engine import Engine
 
     monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path))
     # the microbenchmarks are beside the point here: fixed values, so only the engine probe runs

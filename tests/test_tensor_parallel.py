@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from paged import LLM, SamplingParams
 from paged.config import ConfigError, KernelConfig, ModelConfig, compose_config
 from paged.engine.builder import build_engine
-from paged.engine.core import Engine
+from paged.engine.engine import Engine
 from paged.engine.runner import drive
 from paged.executor.model_executor import ModelExecutor
 from paged.executor.tp_workers import TensorParallelError

@@ -24,7 +24,7 @@ from collections import defaultdict
 from rich.console import Console
 from rich.table import Table
 
-from paged.engine.core import Engine
+from paged.engine.engine import Engine
 from paged.experiment.run import run_quietly
 
 BLOCK_SIZE = 16

@@ -13,7 +13,7 @@ from paged.api.inputs import Prompt, check_conversations, check_params, check_pr
 from paged.api.options import EngineArgs, llm_config
 from paged.api.outputs import completion_text
 from paged.engine.builder import build_engine
-from paged.engine.core import Engine
+from paged.engine.engine import Engine
 from paged.engine.runner import drive, to_request
 from paged.executor.base import Executor
 from paged.request import Request, SamplingParams

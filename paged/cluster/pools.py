@@ -14,7 +14,7 @@ from collections import deque
 from typing import Any
 
 from paged.cluster.replica import LocalReplica, ReplicaLoad
-from paged.engine.core import Engine
+from paged.engine.engine import Engine
 from paged.memory import AllocStatus
 from paged.request import Request
 from paged.scheduler.rejection import allocation_rejection

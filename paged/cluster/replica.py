@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from paged.engine.core import Engine
+from paged.engine.engine import Engine
 from paged.executor.base import Executor
 from paged.request import Request
 from paged.scheduler.core import SchedulerCounters

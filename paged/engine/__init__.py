@@ -1,3 +1,3 @@
-"""The engine loop and what builds and drives it: `Engine.step` (`core`), config to engine (`builder`, with
-the KV tiers' `offload` and the `_target_` plugins), the one drive loop over a workload (`runner`) and its bar
+"""The engine loop and what builds and drives it: `Engine.step` (`engine`), config to engine (`builder`, with
+the KV tiers' `offload`), the one drive loop over a workload (`runner`) and its bar
 (`progress`), and the metrics each step records (`metrics`, `slo`)."""

@@ -16,7 +16,7 @@ import torch
 
 from paged.config import AllocatorConfig, ByteSizes, ConfigError, ExecutorConfig, validate
 from paged.config.plugins import Plugin, check_plugin
-from paged.engine.core import Engine
+from paged.engine.engine import Engine
 from paged.engine.offload import OffloadPlan, build_kv_tiers, check_offload, num_tier_blocks
 from paged.executor.base import Executor
 from paged.kv_layout import KVLayout

@@ -13,7 +13,7 @@ import heapq
 import math
 from collections.abc import Iterable, Sequence
 
-from paged.engine.core import Engine
+from paged.engine.engine import Engine
 from paged.engine.progress import RunProgress
 from paged.request import Request, SamplingParams
 from paged.utils.interrupt import Interrupt

@@ -16,7 +16,7 @@ from paged.cluster.fleet import Fleet
 from paged.cluster.fleet_builder import build_fleet, uses_fleet
 from paged.config import compose_config
 from paged.engine.builder import build_engine
-from paged.engine.core import Engine
+from paged.engine.engine import Engine
 from paged.engine.metrics import RequestMetrics
 from paged.engine.runner import drive, to_request
 from paged.executor.base import Executor

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from paged.cluster.fleet import Fleet
-from paged.engine.core import Engine
+from paged.engine.engine import Engine
 from paged.memory.eviction import POLICIES
 from paged.step import KVStats
 

@@ -84,7 +84,7 @@ _CPU = torch.device("cpu")
 
 
 class CalibrationEngine(Protocol):
-    """What calibration uses of an engine: `paged.engine.core.Engine`'s public surface."""
+    """What calibration uses of an engine: `paged.engine.engine.Engine`'s public surface."""
 
     executor: Executor
     clock: Clock
