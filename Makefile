@@ -1,4 +1,5 @@
-# `make run` runs the default job, `make test` the test suite; both set up .venv on first use.
+# `make run` runs the default job, `make test` the test suite (`make test-fast`: the unit tests only); they set up
+# .venv on first use.
 # `make docs` builds docs/ into site/ (mkdocs, strict: a broken link or a missing API object fails).
 # `make gpu-report` (whoever has a GPU runs it first): CUDA tests, kernel and prefill benchmarks, the default job
 # with CUDA graphs off/on and with torch kernels, one markdown report under experiments/results/gpu/ to commit
@@ -8,7 +9,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.docs-installed
 
-.PHONY: run test lint bench docs gpu-report
+.PHONY: run test test-fast lint bench docs gpu-report
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -26,8 +27,25 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(PY) run.py $(ARGS)
 
+# The suite in two phases: all but the serial tests on every core (pytest-xdist, each file on one worker, so a
+# module's fixtures are built once), then the serial ones (they time things) alone. Exit 5 is "nothing collected"
+# (ARGS may select tests of one phase only): a failure only when both phases collected nothing.
+PYTEST := WANDB_MODE=disabled $(PY) -m pytest -q
+TEST_WORKERS ?= auto
+PARALLEL := -n $(TEST_WORKERS) --maxprocesses=4 --dist loadfile
+define two_phases
+	$(PYTEST) $(PARALLEL) --phase=parallel $(1) $(ARGS); p=$$?; \
+	$(PYTEST) --phase=serial $(1) $(ARGS); s=$$?; \
+	if [ $$p -eq 5 ] && [ $$s -eq 5 ]; then echo "no tests collected"; exit 0; fi; \
+	for rc in $$p $$s; do if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then exit $$rc; fi; done
+endef
+
 test: $(STAMP)
-	WANDB_MODE=disabled $(PY) -m pytest -q $(ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(call two_phases,)
+
+# The edit loop: the unit tests, without the real model, kernel builds or child processes (under 2 minutes).
+test-fast: $(STAMP)
+	$(call two_phases,-m "not slow and not compiles and not subprocess")
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

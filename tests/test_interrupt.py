@@ -39,6 +39,7 @@ def _request(request_id: str, max_tokens: int, arrival_time: float = 0.0) -> Req
 # -- drive's stop flag, in process -------------------------------------------------------------------
 
 
+@pytest.mark.serial("asserts the run stops within 10 s")
 def test_a_stop_between_steps_aborts_the_unfinished_keeps_the_finished_and_submits_no_more() -> None:
     engine, stop = make_engine(), Interrupt()
     quick = _request("quick", 2)
@@ -57,6 +58,7 @@ def test_a_stop_between_steps_aborts_the_unfinished_keeps_the_finished_and_submi
     assert not engine.has_unfinished and engine.kv_stats().num_allocated_blocks == 0
 
 
+@pytest.mark.serial("asserts the stop is seen within 2 s")
 def test_a_stop_while_idle_until_a_far_arrival_is_seen_at_once() -> None:
     engine, stop = make_engine(), Interrupt()
     timer = threading.Timer(0.2, stop.request)

@@ -62,6 +62,7 @@ def test_kv_cache_is_sized_from_gpu_memory_as_in_the_paper(caplog):
     assert explicit.kv_stats().num_total_blocks == 100
 
 
+@pytest.mark.serial("asserts a simulated run's wall time under 5 s")
 def test_idle_time_is_skipped_not_slept():
     cfg = _sim_cfg("model=llama-2-7b", "hardware=h100-sxm", "workload=fixed", "workload.num_requests=4",
                    "workload.prompt_len=32", "workload.output_len=4", "workload.arrival_rate=0.001")
@@ -291,6 +292,7 @@ def test_the_scheduler_makes_the_same_decisions_on_the_sim_and_the_real_executor
 # -- cpu-local ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.serial("calibrates on this CPU's measured speed and bounds its time: a busy neighbour skews both")
 def test_cpu_local_measures_once_then_reads_its_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path))
     cfg = _sim_cfg("model=tiny-random", "hardware=cpu-local", "allocator.num_blocks=64")

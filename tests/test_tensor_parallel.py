@@ -216,6 +216,7 @@ def test_rank_0_interrupted_mid_step_stops_the_workers(monkeypatch: pytest.Monke
         engine.step()
 
 
+@pytest.mark.serial("asserts the error within 30 s of a kill, with three processes of its own")
 def test_a_worker_killed_mid_run_is_one_error_not_a_hang() -> None:
     ex = tiny_executor(2)
     engine = engine_for(ex)

@@ -4,15 +4,21 @@ Each entry is a payload file plus a JSON sidecar holding the payload's SHA-256; 
 sidecar is missing, unreadable or does not match the payload is a miss, so a corrupt file gets
 rebuilt instead of loaded. Keys hash everything that changes the output (sources, options,
 compiler version, arch), so a stale entry is never looked up. Writes go through a temporary file
-and `os.replace`, which keeps concurrent processes from seeing half-written entries.
+and `os.replace`, which keeps concurrent processes from seeing half-written entries. A build holds
+the key's lock file (`building`), so processes that miss the same key at once (the test suite's
+workers, a sweep's jobs) build it once: the others wait, then find the entry. A build that fails
+stores nothing, so the next one to take the lock builds again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +65,23 @@ class ArtifactCache:
         except (OSError, ValueError, AttributeError):
             return None
         return payload, meta
+
+    @contextlib.contextmanager
+    def building(self, key: str) -> Iterator[None]:
+        """Holds `key`'s lock while the caller builds it; look the key up again inside (another
+        process may have built it meanwhile). An unwritable cache builds unlocked: the write fails
+        there anyway, and the caller's error says so."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.directory / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            yield
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock; the file stays, so a waiter never locks an unlinked one
 
     def temp_path(self, suffix: str | None = None) -> Path:
         """A fresh path inside the cache directory for a compiler to write into."""

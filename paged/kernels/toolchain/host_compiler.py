@@ -72,14 +72,18 @@ def build(
     hit = cache.get(key)
     if hit is not None:
         return hit[0]
-    unit = cache.temp_path(".cpp")
-    unit.write_text(source)
-    out = cache.temp_path()
-    cmd = [compiler.path, *flags, "-I", str(include_dir), str(unit), "-o", str(out)]
-    start = time.perf_counter()
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    unit.unlink()
-    if result.returncode != 0:
-        out.unlink(missing_ok=True)
-        raise HostBuildError(f"{' '.join(cmd)} failed:\n{result.stderr}")
-    return cache.put_file(key, out, {"compile_s": time.perf_counter() - start, "command": cmd})
+    with cache.building(key):
+        hit = cache.get(key)
+        if hit is not None:
+            return hit[0]
+        unit = cache.temp_path(".cpp")
+        unit.write_text(source)
+        out = cache.temp_path()
+        cmd = [compiler.path, *flags, "-I", str(include_dir), str(unit), "-o", str(out)]
+        start = time.perf_counter()
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        unit.unlink()
+        if result.returncode != 0:
+            out.unlink(missing_ok=True)
+            raise HostBuildError(f"{' '.join(cmd)} failed:\n{result.stderr}")
+        return cache.put_file(key, out, {"compile_s": time.perf_counter() - start, "command": cmd})

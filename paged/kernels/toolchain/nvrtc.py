@@ -132,11 +132,21 @@ def compile_unit(unit: Unit, arch: str, *, use_cache: bool = True) -> CompiledUn
     options = _options(arch)
     key = make_key("cubin", source_hash(), unit.kernels, options.as_bytes("nvrtc"), tc.version, arch)
     hit = _CACHE.get(key) if use_cache else None
-    if hit is not None:
-        path, meta = hit
-        mapping = {name: mangled.encode() for name, mangled in meta["symbol_mapping"].items()}
-        return CompiledUnit(unit, arch, path.read_bytes(), mapping, meta["log"], meta["compile_s"], True,
-                            parse_ptxas(meta["log"], mapping))
+    if hit is None:
+        if not use_cache:
+            return _compile(unit, arch, tc, options, key)
+        with _CACHE.building(key):
+            hit = _CACHE.get(key)  # another process may have compiled it while this one waited
+            if hit is None:
+                return _compile(unit, arch, tc, options, key)
+    path, meta = hit
+    mapping = {name: mangled.encode() for name, mangled in meta["symbol_mapping"].items()}
+    return CompiledUnit(unit, arch, path.read_bytes(), mapping, meta["log"], meta["compile_s"], True,
+                        parse_ptxas(meta["log"], mapping))
+
+
+def _compile(unit: Unit, arch: str, tc: Toolchain, options: Any, key: str) -> CompiledUnit:
+    """NVRTC's cubin of `unit`, stored under `key`."""
     log = io.StringIO()
     start = time.perf_counter()
     try:

@@ -1,0 +1,44 @@
+"""`make test`'s two phases (tests/conftest.py): the serial tests left out of the parallel phase and
+run alone in the serial one, and a serial marker without its reason refused at collection."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+CONFTEST = Path(__file__).with_name("conftest.py").read_text()
+PLANTED = """
+import pytest
+
+def test_free():
+    pass
+
+@pytest.mark.serial("times a sleep")
+def test_timed():
+    pass
+"""
+
+
+@pytest.fixture
+def planted(pytester: pytest.Pytester) -> pytest.Pytester:
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_planted=PLANTED)
+    pytester.makeini("[pytest]\nmarkers =\n    serial(reason): runs alone\n")
+    return pytester
+
+
+@pytest.mark.parametrize(("phase", "ran"), [("all", 2), ("parallel", 1), ("serial", 1)])
+def test_each_phase_runs_its_share_and_together_they_run_all(planted: pytest.Pytester, phase: str, ran: int) -> None:
+    result = planted.runpytest_inprocess(f"--phase={phase}", "-v")
+    result.assert_outcomes(passed=ran, deselected=2 - ran)
+    names = {"parallel": ["*test_free PASSED*"], "serial": ["*test_timed PASSED*"]}
+    if phase in names:
+        result.stdout.fnmatch_lines(names[phase])
+
+
+def test_a_serial_marker_without_a_reason_stops_the_collection(planted: pytest.Pytester) -> None:
+    planted.makepyfile(test_bare="import pytest\n\n@pytest.mark.serial\ndef test_bare():\n    pass\n")
+    result = planted.runpytest_inprocess("--phase=parallel")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*test_bare.py::test_bare: @pytest.mark.serial needs a reason*"])
