@@ -14,10 +14,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from paged.model.checkpoint_check import CheckpointError, check_tokenizer_files
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,9 @@ def _gguf_cache_key(gguf: Path) -> str:
 @functools.lru_cache(maxsize=8)
 def load_hf_tokenizer(source: str) -> PreTrainedTokenizerBase:
     """The transformers tokenizer of a `.gguf` file or an HF checkpoint directory."""
+    # imported here: a simulated run never tokenizes, and transformers costs ~1 s of start-up
+    from transformers import AutoTokenizer
+
     path = Path(source)
     if path.suffix != ".gguf":
         return _directory_tokenizer(path)
@@ -60,6 +65,8 @@ def load_hf_tokenizer(source: str) -> PreTrainedTokenizerBase:
 
 
 def _directory_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
     check_tokenizer_files(directory)
     try:
         return AutoTokenizer.from_pretrained(directory)

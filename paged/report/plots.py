@@ -7,14 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only: a sweep may run on a cluster node without a display
-import matplotlib.pyplot as plt  # noqa: E402
-
-from paged.report.collect import ReportError, reject_unknown  # noqa: E402
-from paged.report.table import is_number, select  # noqa: E402
-from paged.utils.atomic_file import atomic_open  # noqa: E402
+from paged.report.collect import ReportError, reject_unknown
+from paged.report.table import is_number, select
+from paged.utils.atomic_file import atomic_open
 
 KINDS = ("line", "stacked")
 
@@ -95,6 +90,13 @@ def plot(rows: list[dict[str, Any]], keys: list[str], spec: PlotSpec, out_dir: P
     if not any(is_number(r.get(m)) for r in rows for m in spec.y):
         return None
     facets = list(dict.fromkeys(r.get(spec.facet) for r in rows)) if spec.facet else [None]
+    # imported here: every run.py process imports the report package (a sweep's callback), and
+    # matplotlib costs ~0.8 s of start-up that only a report that draws needs
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: a sweep may run on a cluster node without a display
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, len(facets), figsize=(5 * len(facets), 4), squeeze=False)
     other = [k for k in keys if k not in (spec.x, spec.facet, "repeat") and k not in dict(spec.where)]
     for ax, value in zip(axes[0], facets):
