@@ -27,25 +27,23 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(PY) run.py $(ARGS)
 
-# The suite in two phases: all but the serial tests on every core (pytest-xdist, each file on one worker, so a
-# module's fixtures are built once), then the serial ones (they time things) alone. Exit 5 is "nothing collected"
-# (ARGS may select tests of one phase only): a failure only when both phases collected nothing.
+# The suite in two phases: all but the serial tests on every core (pytest-xdist; each worker on its own cores,
+# tests/conftest.py; idle workers steal queued tests), then the serial ones (they time things) alone. Exit 5 is
+# "nothing collected" (ARGS may select tests of one phase only): a failure only when both phases collected nothing.
 PYTEST := WANDB_MODE=disabled $(PY) -m pytest -q
 TEST_WORKERS ?= auto
-PARALLEL := -n $(TEST_WORKERS) --maxprocesses=4 --dist loadfile
-define two_phases
-	$(PYTEST) $(PARALLEL) --phase=parallel $(1) $(ARGS); p=$$?; \
-	$(PYTEST) --phase=serial $(1) $(ARGS); s=$$?; \
-	if [ $$p -eq 5 ] && [ $$s -eq 5 ]; then echo "no tests collected"; exit 0; fi; \
-	for rc in $$p $$s; do if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then exit $$rc; fi; done
-endef
+PARALLEL := -n $(TEST_WORKERS) --maxprocesses=4 --dist worksteal
 
 test: $(STAMP)
-	$(call two_phases,)
+	$(PYTEST) $(PARALLEL) --phase=parallel $(ARGS); p=$$?; \
+	$(PYTEST) --phase=serial $(ARGS); s=$$?; \
+	if [ $$p -eq 5 ] && [ $$s -eq 5 ]; then echo "no tests collected"; exit 0; fi; \
+	for rc in $$p $$s; do if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then exit $$rc; fi; done
 
-# The edit loop: the unit tests, without the real model, kernel builds or child processes (under 2 minutes).
+# The edit loop: the unit tests on every core, without the real model, kernel builds, child processes or the
+# serial tests (markers in pyproject.toml).
 test-fast: $(STAMP)
-	$(call two_phases,-m "not slow and not compiles and not subprocess")
+	$(PYTEST) $(PARALLEL) --phase=parallel -m "not slow and not compiles and not subprocess" $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

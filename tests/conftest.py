@@ -4,6 +4,11 @@
 `--phase=parallel`), then the serial ones alone (`--phase=serial`). A test is serial when a second
 test beside it would change its outcome: it times something against a bound, or measures the machine.
 Its marker says why, `@pytest.mark.serial("why")`; one without a reason stops the collection.
+
+Each worker of the parallel phase runs on its own share of the cores (`pin_worker`), so that its torch
+and OpenMP threads (one per core it may use, paged.utils.threads) never outnumber the cores: two
+workers of two threads each on two cores made every parallel loop wait for a descheduled thread, and
+the real-model tests ran 5-10x slower than alone.
 """
 
 import os
@@ -13,6 +18,28 @@ import pytest
 os.environ["WANDB_MODE"] = "disabled"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def worker_cores(worker: str | None, num_workers: int, cores: list[int]) -> set[int] | None:
+    """The cores pytest-xdist worker `worker` ("gw<i>") runs on: every `num_workers`-th of `cores` from
+    its i-th (workers beyond the cores share them round-robin); None outside a worker."""
+    if not worker or not worker.startswith("gw") or not worker[2:].isdigit():
+        return None
+    return set(cores[int(worker[2:]) % len(cores) :: max(num_workers, 1)])
+
+
+def pin_worker(worker: str | None, num_workers: int) -> set[int] | None:
+    """Restricts this process to `worker_cores`; runs when this file is imported, before any test
+    imports torch, whose OpenMP runtime counts the cores once, when it loads."""
+    if not hasattr(os, "sched_setaffinity"):  # macOS: no affinity to set
+        return None
+    share = worker_cores(worker, num_workers, sorted(os.sched_getaffinity(0)))
+    if share:
+        os.sched_setaffinity(0, share)
+    return share
+
+
+pin_worker(os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 pytest_plugins = ["pytester"]  # tests/test_suite_phases.py runs the phases on a planted suite
 

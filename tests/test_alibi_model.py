@@ -23,6 +23,8 @@ from paged.model.hf_loader import load_hf
 from paged.model.llama import AttentionFn
 from paged.model.tiny import random_state, tiny_arch
 
+pytestmark = pytest.mark.slow
+
 MAX_NEW = 24
 # Across the 16-token cache blocks: shorter than one, ending mid-block, spanning three.
 PROMPTS = [torch.randint(3, 49152, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (7, 21, 40)]

@@ -18,6 +18,8 @@ from paged.engine.metrics import RequestMetrics
 from paged.request import Request, SamplingParams
 from paged.utils.atomic_file import OutputError, atomic_open, write_text
 
+pytestmark = pytest.mark.subprocess
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -22,6 +22,8 @@ from paged.engine.builder import build_engine
 from paged.experiment.run import run_quietly
 from tests.test_cli import TINY, run_cli, write_prompts
 
+pytestmark = pytest.mark.subprocess
+
 # -- config and workload mistakes: one line, before any weights load ------------------------------
 
 CONFIG_CASES: list[tuple[str, list[str], str]] = [

@@ -19,6 +19,8 @@ from rich.console import Console
 from paged.model.arch import LlamaArch
 from paged.model.linear import onednn_unsupported_reason
 
+pytestmark = pytest.mark.subprocess
+
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments" / "cpu"
 
 

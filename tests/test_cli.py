@@ -20,6 +20,8 @@ import torch
 
 from paged.engine.builder import DEFAULT_NUM_BLOCKS
 
+pytestmark = pytest.mark.subprocess
+
 REPO = Path(__file__).resolve().parent.parent
 TINY = ("model=tiny-random", "logger=none", "progress=false")
 CONTRACT_SUMMARY_KEYS = {

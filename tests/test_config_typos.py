@@ -10,6 +10,8 @@ from paged.config import ConfigError, check_keys, check_overrides, compose_confi
 from paged.engine.builder import check_config
 from tests.test_cli import TINY, run_cli
 
+pytestmark = pytest.mark.subprocess
+
 
 @pytest.mark.parametrize(
     ("override", "message"),

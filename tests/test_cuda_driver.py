@@ -22,6 +22,8 @@ from paged.kernels.toolchain.specs import group_tile
 from tests import fake_driver
 from tests.fake_driver.scenario import PREFILL_CASES, SMEM_CASE, V3_CASES
 
+pytestmark = pytest.mark.compiles
+
 NUM_THREADS = 128
 # What fake_libcuda.c reports: an H100's SMs, shared memory, threads and registers per SM.
 FAKE_LIMITS = DeviceLimits(132, 228 * 1024, 2048, 65536)

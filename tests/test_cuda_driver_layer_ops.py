@@ -20,6 +20,8 @@ from tests import fake_driver
 from tests.fake_driver.layer_scenario import ARCH, PARTITION, SEQ_LENS
 from tests.test_cuda_driver import _check_common_launch, _decode, _f32, _i32, _launched, _ptr
 
+pytestmark = pytest.mark.compiles
+
 CXX = {"float16": "__half", "float32": "float"}
 ELEMENT_SIZE = {"float16": 2, "float32": 4}
 CASES = [(version, dtype) for version in ("v1", "v2") for dtype in ("float16", "float32")]

@@ -16,6 +16,8 @@ from paged.request import Request
 from paged.step import ScheduledSeq, SchedulerOutput
 from tests.test_executor import BLOCK, step
 
+pytestmark = pytest.mark.compiles
+
 PROMPT = list(range(100, 137))  # three blocks, the last partly filled
 DECODE_STEPS = 4
 

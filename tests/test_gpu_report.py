@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.subprocess
+
 PATH = Path(__file__).resolve().parents[1] / "experiments" / "gpu" / "gpu_report.py"
 
 

@@ -38,6 +38,8 @@ from paged.model.tokenizer import load_hf_tokenizer
 from paged.model.weights import load_weights
 from tests.test_cli import run_cli
 
+pytestmark = pytest.mark.subprocess
+
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8)
 TINY_BLOOM = dict(vocab_size=64, hidden_size=32, n_layer=2, n_head=4)

@@ -28,6 +28,8 @@ from paged.utils.interrupt import Interrupt
 from tests.engine_helpers import make_engine
 from tests.token_cache_executor import TokenCacheExecutor
 
+pytestmark = pytest.mark.subprocess
+
 REPO = Path(__file__).resolve().parent.parent
 TINY = ("model=tiny-random", "logger=none", "progress=false")
 

@@ -16,6 +16,8 @@ import pytest
 from paged.kernels.toolchain.source import source_dir
 from tests.sanitizer_builds import build_variants
 
+pytestmark = pytest.mark.compiles
+
 FLAGS = (
     "-std=c++20",
     "-O1",

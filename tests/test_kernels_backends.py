@@ -14,6 +14,8 @@ from paged.kernels.backends.cuda import CudaBackend
 from paged.kernels.testing import AttentionCase, attention_inputs
 from paged.kernels.toolchain import host_compiler
 
+pytestmark = pytest.mark.compiles
+
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 

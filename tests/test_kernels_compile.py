@@ -16,6 +16,8 @@ from paged.kernels.features import FP8_DTYPES
 from paged.kernels.toolchain import aot, nvrtc, specs
 from paged.kernels.toolchain.cache_dir import ENV_VAR
 
+pytestmark = pytest.mark.compiles
+
 ARCHS = ("sm_80", "sm_90")
 ELF = b"\x7fELF"
 

@@ -11,6 +11,8 @@ from paged.kernels.backends.interface import DTYPES
 from paged.kernels.testing import AttentionCase, attention_inputs, edge_seq_lens, tolerance
 from paged.kernels.toolchain import host_compiler
 
+pytestmark = pytest.mark.compiles
+
 _NO_COMPILER = host_compiler.unavailable_reason()
 needs_compiler = pytest.mark.skipif(_NO_COMPILER is not None, reason=f"cpu backend not buildable: {_NO_COMPILER}")
 

@@ -29,7 +29,10 @@ from paged.kernels.split_plan import MAX_SPLITS, Hardware, SplitPlan, plan_split
 from paged.kernels.testing import tolerance
 from paged.kernels.toolchain import host_compiler
 
-pytestmark = pytest.mark.skipif(host_compiler.unavailable_reason() is not None, reason="no host compiler")
+pytestmark = [
+    pytest.mark.compiles,
+    pytest.mark.skipif(host_compiler.unavailable_reason() is not None, reason="no host compiler"),
+]
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SPARSE = BlockSparse(local_blocks=2, vert_stride=3, block_size=32, head_sliding_step=1)

@@ -21,6 +21,7 @@ from paged.kernels.testing import (
 )
 
 pytestmark = [
+    pytest.mark.compiles,
     pytest.mark.gpu,
     pytest.mark.skipif(
         not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)"

@@ -14,7 +14,7 @@ from paged.kernels.toolchain import emulator, host_compiler, specs
 from paged.model.locate import INSTALL_HINT, locate_smollm2
 from tests.test_executor import generate
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.compiles, pytest.mark.slow]
 
 PROMPT = "What is the capital of France?"
 MAX_NEW = 4

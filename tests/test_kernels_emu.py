@@ -20,6 +20,8 @@ from paged.kernels.testing import (
 )
 from paged.kernels.toolchain import emulator, host_compiler, specs
 
+pytestmark = pytest.mark.compiles
+
 GRID = attention_grid() + default_partition_grid()
 
 

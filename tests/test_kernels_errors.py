@@ -10,6 +10,8 @@ from paged.kernels.backends.emu import EmuRunner
 from paged.kernels.testing import AttentionCase, attention_inputs, random_cache
 from paged.kernels.toolchain import host_compiler
 
+pytestmark = pytest.mark.compiles
+
 NATIVE = ["emu", "cuda"]
 
 

@@ -36,6 +36,8 @@ from paged.kernels.testing import (
 from paged.kernels.toolchain import host_compiler
 from paged.kernels.toolchain.source import source_dir
 
+pytestmark = pytest.mark.compiles
+
 # Backends checked against the torch reference; each runs on its declared device (cuda: skipped
 # without a GPU). emu runs the CUDA sources slowly (one g++ build per instantiation), so it takes one
 # case per feature set (EMU_CASES).

@@ -14,6 +14,8 @@ from paged.kernels.limits import BLOCK_SIZES
 from paged.kernels.testing import AttentionCase, PrefillInputs, prefill_inputs, prefill_reference, tolerance
 from paged.kernels.toolchain import host_compiler
 
+pytestmark = pytest.mark.compiles
+
 _NO_COMPILER = host_compiler.unavailable_reason()
 _needs_compiler = pytest.mark.skipif(_NO_COMPILER is not None, reason=f"no host compiler: {_NO_COMPILER}")
 CPU = pytest.param("cpu", marks=_needs_compiler)

@@ -18,6 +18,8 @@ from paged import kernels
 from paged.kernels.testing import AttentionCase, attention_grid, causal_attention, gather_kv, random_cache, tolerance
 from paged.kernels.toolchain import host_compiler
 
+pytestmark = pytest.mark.compiles
+
 _NO_COMPILER = host_compiler.unavailable_reason()
 _needs_compiler = pytest.mark.skipif(_NO_COMPILER is not None, reason=f"no host compiler: {_NO_COMPILER}")
 _needs_gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -11,6 +11,8 @@ from paged import kernels
 from paged.kernels.features import AttentionFeatures
 from paged.kernels.testing import AttentionCase, attention_inputs, causal_attention, gather_kv, prefill_inputs
 
+pytestmark = pytest.mark.compiles
+
 CASE = AttentionCase(torch.float32, 64, 16, 2, 2, 32, (1, 15, 33, 70))
 # small enough that the cap bends the logits of the (scaled-up) queries below
 CAP = 5.0

@@ -17,6 +17,8 @@ from paged.kernels.testing import random_cache
 from paged.kernels.toolchain import host_compiler
 from tests import fake_driver
 
+pytestmark = pytest.mark.compiles
+
 _NO_COMPILER = host_compiler.unavailable_reason()
 _needs_compiler = pytest.mark.skipif(_NO_COMPILER is not None, reason=f"no host compiler: {_NO_COMPILER}")
 _needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -10,6 +10,8 @@ import pytest
 
 from tests.sanitizer_builds import build_variants
 
+pytestmark = pytest.mark.compiles
+
 FLAGS = ("-std=c++20", "-O1", "-g", "-fsanitize=thread", "-pthread", "-fno-strict-aliasing", "-Wno-unknown-pragmas")
 TSAN_EXIT = 66
 VARIANTS = {"clean": (), "dropped_barrier": ("PAGED_TEST_DROP_BARRIER",)}

@@ -24,7 +24,10 @@ from paged.kernels.testing import tolerance
 from paged.kernels.toolchain import host_compiler
 from tests.test_prefill_kernel import E4M3, E5M2, SPARSE, SPARSE_PER_KV_HEAD, Setting, feature_inputs, reference64
 
-pytestmark = pytest.mark.skipif(host_compiler.unavailable_reason() is not None, reason="no host compiler")
+pytestmark = [
+    pytest.mark.compiles,
+    pytest.mark.skipif(host_compiler.unavailable_reason() is not None, reason="no host compiler"),
+]
 
 # (setting, context lengths): every head size and block size, GQA 1, 2, 3, 4, 5, 8 and 16.
 SETTINGS = (

@@ -20,6 +20,8 @@ from tests.test_executor import contiguous_tables, generate
 from tests.test_executor_swap import SWAP_PARAMS, SWAP_PROMPTS
 from tests.test_model_parity import QUESTIONS
 
+pytestmark = pytest.mark.compiles
+
 PROMPTS = [[(31 * n + 7 * i) % 40000 for i in range(n)] for n in (21, 40, 9)]
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0)
 

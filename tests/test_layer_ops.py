@@ -19,7 +19,10 @@ from paged.kernels.backends import torch_ref
 from paged.kernels.toolchain import host_compiler
 
 _NO_COMPILER = host_compiler.unavailable_reason()
-pytestmark = pytest.mark.skipif(_NO_COMPILER is not None, reason=f"cpu backend not buildable: {_NO_COMPILER}")
+pytestmark = [
+    pytest.mark.compiles,
+    pytest.mark.skipif(_NO_COMPILER is not None, reason=f"cpu backend not buildable: {_NO_COMPILER}"),
+]
 
 # Where the ops mirror torch's kernels operation by operation (layer_ops.h).
 EXACT = platform.machine().lower() in ("x86_64", "amd64") and torch.backends.cpu.get_cpu_capability() in (

@@ -19,7 +19,10 @@ from paged.model.tiny import random_state, tiny_arch
 from paged.request import SamplingParams
 
 _NO_COMPILER = host_compiler.unavailable_reason()
-pytestmark = pytest.mark.skipif(_NO_COMPILER is not None, reason=f"cpu backend not buildable: {_NO_COMPILER}")
+pytestmark = [
+    pytest.mark.compiles,
+    pytest.mark.skipif(_NO_COMPILER is not None, reason=f"cpu backend not buildable: {_NO_COMPILER}"),
+]
 
 BF16 = torch.bfloat16
 ROWS = (1, 7, 300)  # 300 rows of 576 run on the thread pool, 7 on the calling thread

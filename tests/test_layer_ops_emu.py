@@ -30,6 +30,8 @@ from paged.model.llama import rope_table
 from paged.model.tiny import tiny_arch
 from tests.test_executor import BLOCK, PROMPTS, generate
 
+pytestmark = pytest.mark.compiles
+
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 EPS = 1e-5
 # Measured over 64 rows of H = 64..2048: fp32 RMSNorm differs from torch's sum order by up to 4 ulp

@@ -1,5 +1,6 @@
 """The shape of `paged/` (issue 26): imports point down the layers, no import circles, no two modules
-with one file name, no file over 400 lines. `python experiments/import_graph.py` prints the graph."""
+with one file name, no file over 400 lines, and (issue 42) folders that name their layer, with only the
+shared vocabulary left at the top. `python experiments/import_graph.py` prints the graph."""
 
 from __future__ import annotations
 
@@ -47,6 +48,11 @@ def test_the_checker_finds_an_upward_import_and_a_circle():
 def test_no_two_modules_share_a_file_name():
     names = Counter(p.name for p in PACKAGE.rglob("*.py") if p.name not in ("__init__.py", "__main__.py"))
     assert sorted(name for name, count in names.items() if count > 1) == []
+
+
+def test_the_top_of_the_package_is_folders_and_the_shared_vocabulary():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert top == ["__init__.py", "detokenizer.py", "kv_layout.py", "request.py", "step.py"]
 
 
 def test_no_file_over_400_lines():

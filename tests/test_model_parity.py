@@ -26,6 +26,8 @@ from paged.model.tokenizer import load_hf_tokenizer
 from tests.hf_reference import smollm2_reference
 from tests.test_executor import causal_attention, generate
 
+pytestmark = pytest.mark.slow
+
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
 MAX_NEW = 20
 

@@ -13,6 +13,8 @@ import pytest
 
 from paged.kernels.toolchain.source import source_hash
 
+pytestmark = pytest.mark.subprocess
+
 ROOT = Path(__file__).resolve().parents[1]
 UNSHIPPED = (
     ".git", ".venv", "build", "*.egg-info", "__pycache__", "outputs", "multirun", "wandb", ".*cache", ".hypothesis"

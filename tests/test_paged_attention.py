@@ -19,6 +19,8 @@ from paged.request import Request, SamplingParams
 from paged.step import ScheduledSeq, SchedulerOutput
 from tests.test_executor import contiguous_tables, recompute_greedy, step
 
+pytestmark = pytest.mark.compiles
+
 BLOCK, KV_HEADS, HEADS, HEAD_SIZE = 16, 2, 6, 64
 # (prompt length, tokens already computed): decode, whole prompt, prefix hit, decode, chunk
 SEQS = ((30, 29), (20, 0), (40, 32), (17, 16), (50, 20))

@@ -12,6 +12,8 @@ from paged.request import SamplingParams
 from tests.engine_helpers import make_engine, outputs, run_requests
 from tests.test_cli import TINY, read_requests, run_cli
 
+pytestmark = pytest.mark.subprocess
+
 YAMLS = {
     "allocator/capped.yaml": """
 name: capped

@@ -17,6 +17,8 @@ from paged.engine.builder import check_config
 from paged.workload import load_workload, prompt_file
 from tests.test_cli import TINY, run_cli, write_prompts
 
+pytestmark = pytest.mark.subprocess
+
 
 class CharTokenizer:
     def encode(self, text: str) -> list[int]:

@@ -17,6 +17,8 @@ from paged.engine.builder import check_config
 from paged.report.callback import _publish_dir
 from paged.report.sweep import run_command
 
+pytestmark = pytest.mark.subprocess
+
 REPO = Path(__file__).resolve().parent.parent
 PRESETS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
 # swept keys whose values no check depends on: their first value stands for all

@@ -21,6 +21,8 @@ from paged.experiment.run import run_quietly, workload_for
 from paged.experiment.summary import summarize
 from paged.utils.threads import available_cores
 
+pytestmark = pytest.mark.subprocess
+
 # 16 requests at once over 4 prompt prefixes of 64 tokens (4 blocks), 8 greedy tokens each
 WORKLOAD = [
     "model=tiny-random", "workload.num_requests=16", "workload.shared_prefix_len=64", "workload.num_prefixes=4",

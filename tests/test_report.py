@@ -24,6 +24,8 @@ from paged.report.sweep import group_name, num_jobs, sweep_choices, tags
 from paged.utils.atomic_file import OutputError
 from tests.test_cli import REPO, run_cli
 
+pytestmark = pytest.mark.subprocess
+
 SIM = ("executor=sim", "model=opt-13b", "workload=sharegpt", "workload.num_requests=20", "logger=none",
        "progress=false")
 

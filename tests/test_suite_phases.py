@@ -1,11 +1,14 @@
 """`make test`'s two phases (tests/conftest.py): the serial tests left out of the parallel phase and
-run alone in the serial one, and a serial marker without its reason refused at collection."""
+run alone in the serial one, a serial marker without its reason refused at collection, and the
+parallel workers' shares of the cores."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import worker_cores
 
 CONFTEST = Path(__file__).with_name("conftest.py").read_text()
 PLANTED = """
@@ -42,3 +45,10 @@ def test_a_serial_marker_without_a_reason_stops_the_collection(planted: pytest.P
     result = planted.runpytest_inprocess("--phase=parallel")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*test_bare.py::test_bare: @pytest.mark.serial needs a reason*"])
+
+
+def test_workers_split_the_cores_between_them() -> None:
+    assert worker_cores(None, 1, [0, 1]) is None and worker_cores("master", 2, [0, 1]) is None
+    assert [worker_cores(f"gw{i}", 2, [0, 1]) for i in range(2)] == [{0}, {1}]
+    assert [worker_cores(f"gw{i}", 2, [0, 1, 2, 3]) for i in range(2)] == [{0, 2}, {1, 3}]
+    assert [worker_cores(f"gw{i}", 3, [4, 5]) for i in range(3)] == [{4}, {5}, {4}]  # more workers than cores

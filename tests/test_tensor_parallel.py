@@ -37,6 +37,8 @@ from paged.model.tensor_parallel import shard_arch, shard_state, tensor_parallel
 from paged.model.tiny import random_state, tiny_arch
 from paged.request import FinishReason, Request
 
+pytestmark = pytest.mark.subprocess
+
 _NO_COMPILER = host_compiler.unavailable_reason()
 needs_compiler = pytest.mark.skipif(_NO_COMPILER is not None, reason=f"no host compiler: {_NO_COMPILER}")
 # emu runs every CUDA thread as a host thread: about 100 s for this test on 2 cores

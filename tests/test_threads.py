@@ -14,6 +14,8 @@ import torch
 from paged.config import ConfigError, compose_config, validate
 from paged.utils import threads
 
+pytestmark = pytest.mark.subprocess
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
