@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from paged.kernels.features import FP8_DTYPES
-from paged.kernels.toolchain import aot, nvrtc, specs
+from paged.kernels.toolchain import aot, nvrtc, source, specs
 from paged.kernels.toolchain.cache_dir import ENV_VAR
 
 pytestmark = pytest.mark.compiles
@@ -135,6 +135,24 @@ def test_a_source_edit_changes_the_cache_key(
     (edited / "cache.cuh").write_text((edited / "cache.cuh").read_text() + "\n// edited\n")
     monkeypatch.setenv("PAGED_KERNELS_DIR", str(edited))
     assert not nvrtc.compile_unit(unit, "sm_80").cached
+
+
+def test_an_emulator_edit_leaves_the_cubins_cached_and_rebuilds_the_emulator(
+    fresh_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    unit = specs.Unit("cache", "float")
+    copy = tmp_path / "src"
+    shutil.copytree(Path(nvrtc.source_dir()), copy)
+    monkeypatch.setenv("PAGED_KERNELS_DIR", str(copy))
+    assert not nvrtc.compile_unit(unit, "sm_80").cached
+    before = source.source_hash()
+    (copy / "emu" / "runtime.h").write_text((copy / "emu" / "runtime.h").read_text() + "\n// edited\n")
+    source._hash_of.cache_clear()  # hashes are kept per folder for the process; this one changed under it
+    try:
+        assert nvrtc.compile_unit(unit, "sm_80").cached
+        assert source.source_hash() != before  # the emulator's key
+    finally:
+        source._hash_of.cache_clear()
 
 
 def test_compile_errors_carry_the_full_nvrtc_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

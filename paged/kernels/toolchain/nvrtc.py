@@ -19,7 +19,7 @@ from functools import cache
 from typing import Any
 
 from paged.kernels.toolchain.cache_dir import ArtifactCache, make_key
-from paged.kernels.toolchain.source import MAIN_FILE, main_source, source_dir, source_hash
+from paged.kernels.toolchain.source import MAIN_FILE, device_source_hash, main_source, source_dir
 from paged.kernels.toolchain.specs import Unit
 
 PIP_HINT = "pip install nvidia-cuda-nvrtc nvidia-cuda-runtime cuda-python"
@@ -130,7 +130,7 @@ def compile_unit(unit: Unit, arch: str, *, use_cache: bool = True) -> CompiledUn
     """The cubin of `unit` for `arch` (e.g. "sm_90"), from the cache when a valid entry exists."""
     tc = toolchain()
     options = _options(arch)
-    key = make_key("cubin", source_hash(), unit.kernels, options.as_bytes("nvrtc"), tc.version, arch)
+    key = make_key("cubin", device_source_hash(), unit.kernels, options.as_bytes("nvrtc"), tc.version, arch)
     hit = _CACHE.get(key) if use_cache else None
     if hit is None:
         if not use_cache:

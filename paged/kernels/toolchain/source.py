@@ -22,19 +22,30 @@ def source_dir() -> Path:
 
 
 @cache
-def _hash_of(path: Path) -> str:
+def _hash_of(path: Path, device_only: bool) -> str:
     digest = hashlib.sha256()
     # cpu/ holds the cpu backend's standalone C++ (keyed by its own hash), not part of paged.cu,
-    # except the fp8 conversions the emulator shares
+    # except the fp8 conversions the emulator shares; emu/ is what the emulator puts in CUDA's place,
+    # which NVRTC never reads (compat.cuh includes it only outside CUDA)
     files = (p for p in path.rglob("*") if p.is_file() and p.suffix in {".cu", ".cuh", ".h", ".cpp"})
-    for file in sorted(f for f in files if f.relative_to(path).parts[0] != "cpu" or f.name == "fp8.h"):
+    for file in sorted(files):
+        top = file.relative_to(path).parts[0]
+        if (top == "cpu" and (device_only or file.name != "fp8.h")) or (top == "emu" and device_only):
+            continue
         digest.update(file.relative_to(path).as_posix().encode() + b"\0" + file.read_bytes() + b"\0")
     return digest.hexdigest()
 
 
 def source_hash() -> str:
-    """Content hash of every kernel source file: an edit anywhere invalidates cached builds."""
-    return _hash_of(source_dir())
+    """Content hash of every kernel source file the emulator builds from: an edit anywhere
+    invalidates its cached builds."""
+    return _hash_of(source_dir(), False)
+
+
+def device_source_hash() -> str:
+    """Content hash of the sources NVRTC reads (all but emu/ and cpu/): an edit to the emulator
+    leaves the cubins valid."""
+    return _hash_of(source_dir(), True)
 
 
 def main_source() -> str:
