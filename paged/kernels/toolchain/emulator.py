@@ -3,12 +3,16 @@ run CUDA kernels on the CPU (`backends/emu.py` launches them).
 
 Each unit's kernels are exported as `int symbol(const LaunchDims*, void** args)` (see
 kernels_cu/emu/runtime.h), which runs every CUDA thread of a block as a real thread. Libraries are
-built per set of units, several in parallel, and cached on disk like the cubins.
+built per set of units, several in parallel, and cached on disk like the cubins. Every library
+starts from the same text (all of paged.cu), so that part is compiled once per source hash into a
+precompiled header and each library compiles only its own instantiations (about 1.1 s of a 2.2 s
+build of one unit on a 2-core EPYC).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 from collections.abc import Iterable, Sequence
@@ -23,6 +27,9 @@ from paged.kernels.toolchain.specs import Unit
 FLAGS = ("-std=c++20", "-O2", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing", "-Wno-unknown-pragmas")
 
 _CACHE = ArtifactCache("emu", ".so")
+# g++ takes `X.gch` for `-include X`; the stub `X` beside it includes the sources, so a header g++
+# finds unusable (another compiler build, say) still compiles, only slower.
+_PCH_CACHE = ArtifactCache("emu-pch", ".h.gch")
 _BIN_CACHE = ArtifactCache("emu-bin", ".bin")
 _loaded: dict[str, ctypes._CFuncPtr] = {}
 
@@ -45,17 +52,32 @@ def translation_unit(units: Iterable[Unit], defines: Sequence[str] = ()) -> str:
 
 def compile_shared_library(source: str, flags: Sequence[str] = FLAGS) -> Path:
     """Builds (or finds in the cache) a shared library from generated C++ `source`."""
-    return _compile(source, flags, _CACHE)
+    # The header is compiled before `source`, so a source defining macros first must not use it.
+    prefix = _precompiled_header(tuple(flags), source_dir(), source_hash()) if source.startswith(_PCH_TEXT) else None
+    return host_compiler.build(_CACHE, source, flags, include_dir=source_dir(), key_parts=[source_hash()],
+                               prefix_header=prefix)
+
+
+_PCH_TEXT = f'#include "{MAIN_FILE}"\n'
+
+
+@functools.cache  # per process: the cache lookup hashes the ~60 MB header
+def _precompiled_header(flags: tuple[str, ...], include_dir: Path, digest: str) -> Path:
+    """The stub whose `.gch` holds paged.cu (of `include_dir`, hashing to `digest`) compiled with `flags`."""
+    gch = host_compiler.build(_PCH_CACHE, _PCH_TEXT, (*flags, "-x", "c++-header"), include_dir=include_dir,
+                              key_parts=[digest])
+    stub = gch.with_suffix("")
+    if not stub.is_file():
+        written = _PCH_CACHE.temp_path(".h")
+        written.write_text(_PCH_TEXT)
+        os.replace(written, stub)
+    return stub
 
 
 def compile_executable(source: str, flags: Sequence[str]) -> Path:
     """Builds (or finds in the cache) a program, e.g. the ThreadSanitizer driver."""
-    return _compile(source, flags, _BIN_CACHE)
-
-
-def _compile(source: str, flags: Sequence[str], cache: ArtifactCache) -> Path:
     # `source` only includes paged.cu, so the kernel sources' hash keys what it compiles to.
-    return host_compiler.build(cache, source, flags, include_dir=source_dir(), key_parts=[source_hash()])
+    return host_compiler.build(_BIN_CACHE, source, flags, include_dir=source_dir(), key_parts=[source_hash()])
 
 
 def _load(units: list[Unit]) -> None:
