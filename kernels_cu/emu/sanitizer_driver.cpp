@@ -43,6 +43,13 @@
     !defined(PAGED_TEST_NO_SPLIT_GUARD)
 #define PAGED_DRIVER_WIDE_GRID 1
 #endif
+// The caller's defects and the dropped barrier show in the first attention launch (where ASan and
+// UBSan stop the run), so their builds compile that launch alone: the rest is most of a build's
+// time (48 of 55 s of CPU for the out-of-bounds ASan build on a 2-core EPYC) and would never run or
+// add a report.
+#if defined(PAGED_TEST_OOB_BLOCK_TABLE) || defined(PAGED_TEST_MISALIGNED_QUERY) || defined(PAGED_TEST_DROP_BARRIER)
+#define PAGED_DRIVER_FIRST_LAUNCH_ONLY 1
+#endif
 
 namespace {
 
@@ -227,6 +234,7 @@ int main() {
   // The missing split guard is v3's alone: its build runs only v3, sparing a compile of the rest.
 #ifndef PAGED_TEST_NO_SPLIT_GUARD
   status |= attention<__half, 64, 16, 32>(rng);
+#ifndef PAGED_DRIVER_FIRST_LAUNCH_ONLY
   status |= attention<__nv_bfloat16, 80, 8, 32>(rng);
   status |= attention<float, 64, 32, 64>(rng);
   status |= cache_ops<__half>(rng);
@@ -257,7 +265,10 @@ int main() {
   status |= layer_ops_scenarios(rng);
   status |= prefill_scenarios(rng);
 #endif
+#endif
+#ifndef PAGED_DRIVER_FIRST_LAUNCH_ONLY
   status |= v3_scenarios(rng);
+#endif
   std::puts(status == 0 ? "sanitizer driver: all launches ran" : "sanitizer driver: a launch failed");
   return status;
 }
