@@ -5,7 +5,7 @@ RoPE and the residual add are bit-identical to torch. RMSNorm is bit-identical t
 with the kernel's block-reduction order of the sum of squares (modelled here), and within a few ulp
 of torch's own order; SiLU-and-mul is bit-identical to the formula with the host's libm expf (the
 emulator's exp) and within a few ulp of torch's (Sleef's expf on x86). The emulator runs every CUDA
-thread as a std::thread, so the rows are few and short.
+thread of a block in turn on one core, so the rows are few and short.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The emu backend: the CUDA kernels of kernels_cu/ executed on the CPU, one real thread per CUDA
-thread (built by `toolchain/emulator.py`). Slow; it exists to test the CUDA sources without a GPU."""
+"""The emu backend: the CUDA kernels of kernels_cu/ executed on the CPU, a block's CUDA threads as
+fibers of the calling thread (built by `toolchain/emulator.py`). Slow; it exists to test the CUDA
+sources without a GPU."""
 
 from __future__ import annotations
 
