@@ -47,6 +47,12 @@ def test_a_serial_marker_without_a_reason_stops_the_collection(planted: pytest.P
     result.stderr.fnmatch_lines(["*test_bare.py::test_bare: @pytest.mark.serial needs a reason*"])
 
 
+def test_the_serial_phase_leaves_files_without_a_serial_marker_unimported(planted: pytest.Pytester) -> None:
+    planted.makepyfile(test_unimported="raise RuntimeError('imported')\n\ndef test_never():\n    pass\n")
+    planted.runpytest_inprocess("--phase=serial").assert_outcomes(passed=1, deselected=1)
+    planted.runpytest_inprocess("--phase=parallel").stdout.fnmatch_lines(["*RuntimeError: imported*"])
+
+
 def test_workers_split_the_cores_between_them() -> None:
     assert worker_cores(None, 1, [0, 1]) is None and worker_cores("master", 2, [0, 1]) is None
     assert [worker_cores(f"gw{i}", 2, [0, 1]) for i in range(2)] == [{0}, {1}]
