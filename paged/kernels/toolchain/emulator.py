@@ -2,11 +2,11 @@
 run CUDA kernels on the CPU (`backends/emu.py` launches them).
 
 Each unit's kernels are exported as `int symbol(const LaunchDims*, void** args)` (see
-kernels_cu/emu/runtime.h), which runs every CUDA thread of a block as a real thread. Libraries are
-built per set of units, several in parallel, and cached on disk like the cubins. Every library
-starts from the same text (all of paged.cu), so that part is compiled once per source hash into a
-precompiled header and each library compiles only its own instantiations (about 1.1 s of a 2.2 s
-build of one unit on a 2-core EPYC).
+kernels_cu/emu/runtime.h), which runs every CUDA thread of a block as a fiber (emu/fibers.h).
+Libraries are built per set of units, several in parallel, and cached on disk like the cubins.
+Every library starts from the same text (all of paged.cu), so that part is compiled once per
+source hash into a precompiled header and each library compiles only its own instantiations
+(about 1.1 s of a 2.2 s build of one unit on a 2-core EPYC).
 """
 
 from __future__ import annotations
