@@ -136,9 +136,11 @@ class ModelExecutor(TieredHostPool, Executor):
         self.model = build_model(arch, state, self.dtype, self.device, self.gemm) if self.num_devices == 1 else (
             shard_model(arch, state, self.rank, self.num_devices, group, self.dtype, self.device, self.gemm))
         self.shard = self.model.arch
-        self.tokenizer = load_tokenizer(tokenizer_source, chat_template=model_cfg.chat_template)
-        eos = self.tokenizer.eos_token_id
-        self.eos_token_ids = frozenset([eos] if eos is not None else arch.eos_token_ids[:1])
+        # a worker never tokenizes or samples: it skips the seconds of importing transformers for one
+        if self.rank == 0:
+            self.tokenizer = load_tokenizer(tokenizer_source, chat_template=model_cfg.chat_template)
+            eos = self.tokenizer.eos_token_id
+            self.eos_token_ids = frozenset([eos] if eos is not None else arch.eos_token_ids[:1])
         self.model_name = model_cfg.name
         self.scale = arch.softmax_scale
         self.sliding_window = arch.sliding_window  # None where layers' windows differ (LlamaArch.layer_windows)
