@@ -68,7 +68,7 @@ from rich.console import Console
 from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
 from paged import LLM, SamplingParams
-from paged.model.gguf_loader import read_arch
+from paged.model.gguf_header import read_arch
 from paged.model.locate import locate_smollm2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

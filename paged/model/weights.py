@@ -14,7 +14,8 @@ from omegaconf import DictConfig, OmegaConf
 from paged.config import ModelConfig
 from paged.model.arch import LlamaArch
 from paged.model.checkpoint_check import check_tokenizer_files
-from paged.model.gguf_loader import load_gguf, read_arch
+from paged.model.gguf_header import read_arch
+from paged.model.gguf_loader import load_gguf
 from paged.model.hf_loader import open_hf, read_hf_arch, read_weights
 from paged.model.locate import locate_smollm2
 from paged.model.tiny import random_state, tiny_arch
