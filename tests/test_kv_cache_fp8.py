@@ -132,12 +132,22 @@ FP8_LOGPROB_BOUND = 0.5
 CONFIDENT_MARGIN = 2 * FP8_LOGPROB_BOUND  # each of the top two may move by the bound
 
 
-def _teacher_forced(kv: str, forced: list[list[int]] | None, num_tokens: int) -> tuple[list[list[int]], list[list]]:
+@pytest.fixture(scope="module")
+def smollm2_torch_gemm() -> ModelExecutor:
+    """SmolLM2 loaded once for both caches' runs: the weights are what they share, and loading them
+    is most of a run's set-up."""
+    return ModelExecutor(ModelConfig(name="smollm2-135m", source="gguf", chat_template=True, gemm="torch"),
+                         KernelConfig(name="t", backend="torch"))
+
+
+def _teacher_forced(
+    ex: ModelExecutor, kv: str, forced: list[list[int]] | None, num_tokens: int
+) -> tuple[list[list[int]], list[list]]:
     """SmolLM2 on the torch backend (`gemm="torch"`: the reference path), greedy, 3 parity prompts:
     each step's sampled token and top-5 log-probabilities. With `forced`, each step feeds `forced`'s
     token instead of its own, so both runs see the same contexts and differ only by their caches."""
-    ex = ModelExecutor(ModelConfig(name="smollm2-135m", source="gguf", chat_template=True, gemm="torch"),
-                       KernelConfig(name="t", backend="torch", kv_cache_dtype=kv))
+    # what a fresh executor of this kernel config would hold: init_kv_cache makes new caches and scales
+    ex.configure_kernel(KernelConfig(name="t", backend="torch", kv_cache_dtype=kv))
     ex.init_kv_cache(num_blocks=64, block_size=16)
     params = SamplingParams(max_tokens=num_tokens, temperature=0.0, logprobs=5)
     seqs = [Request(str(i), ex.tokenizer.encode(q), params).seqs[0] for i, q in enumerate(QUESTIONS)]
@@ -156,7 +166,7 @@ def _teacher_forced(kv: str, forced: list[list[int]] | None, num_tokens: int) ->
 
 
 @pytest.mark.slow
-def test_smollm2_with_fp8_e4m3_kv_stays_within_fp8s_error_of_fp32_kv() -> None:
+def test_smollm2_with_fp8_e4m3_kv_stays_within_fp8s_error_of_fp32_kv(smollm2_torch_gemm: ModelExecutor) -> None:
     """Teacher-forced on fp32's greedy tokens, an e4m3 cache moves each token's log-probability by
     at most `FP8_LOGPROB_BOUND` and picks fp32's token wherever fp32 was more sure than that (its
     top-2 margin over `CONFIDENT_MARGIN`). Greedy agreement alone held on one CPU's summation order
@@ -164,8 +174,8 @@ def test_smollm2_with_fp8_e4m3_kv_stays_within_fp8s_error_of_fp32_kv() -> None:
     agreed on an AVX-512 Xeon). A broken fp8 path (wrong scales, a lost dequantisation) moves the
     log-probabilities by whole units and fails both checks."""
     num_tokens = 24
-    reference, ref_tops = _teacher_forced("auto", None, num_tokens)
-    ours, our_tops = _teacher_forced("fp8_e4m3", reference, num_tokens)
+    reference, ref_tops = _teacher_forced(smollm2_torch_gemm, "auto", None, num_tokens)
+    ours, our_tops = _teacher_forced(smollm2_torch_gemm, "fp8_e4m3", reference, num_tokens)
     confident = 0
     for i, (tokens, ref_steps, our_steps) in enumerate(zip(reference, ref_tops, our_tops, strict=True)):
         for t, (token, ref_top, our_top) in enumerate(zip(tokens, ref_steps, our_steps, strict=True)):
