@@ -95,7 +95,7 @@ class ModelExecutor(TieredHostPool, Executor):
             )
         if rank == 0 and (size != 1 or model_cfg.source in ("hf", "random")):
             # before any weights load: whether the size splits the model, whether the kernels serve its
-            # layers (a GGUF's llama / qwen2 layers they always do, and its metadata takes seconds to read)
+            # layers (a GGUF's llama / qwen2 layers they always do)
             arch = load_arch(model_cfg)[0]
             check_tensor_parallel_size(size, arch, model_cfg.name, self.device)
             check_backend_serves(kernel_cfg.backend, arch, model_cfg.name)
