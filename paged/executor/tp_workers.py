@@ -245,10 +245,16 @@ class WorkerGroup:
     def _error(self, rank: int, wait_s: float) -> str | None:
         """Rank `rank`'s error report, or how it exited, if it failed; waits up to `wait_s` for it."""
         conn, process = self._conns[rank - 1], self.processes[rank - 1]
-        with contextlib.suppress(OSError, EOFError):
+        try:
             if conn.poll(wait_s):
                 kind, value = conn.recv()
                 return f"rank {rank} failed: {value}" if kind == "error" else f"rank {rank} sent {kind!r} unasked"
+        except EOFError:
+            # its end of the pipe closed: the worker is exiting, though it may not be reaped yet (a killed
+            # one under load), and the caller's own error is only the collective it broke
+            return self._exited(rank)
+        except OSError:
+            pass
         return None if process.is_alive() else self._exited(rank)
 
     def _stop(self, reason: str) -> TensorParallelError:
