@@ -108,9 +108,10 @@ def test_engine_greedy_equals_hf_generate(checkpoint: Path, expected, backend: s
     assert [o.token_ids for o in outs] == expected
 
 
+@pytest.mark.compiles
 @pytest.mark.parametrize("version", ["v1", "v2"])
 def test_emulated_cuda_kernels_generate_hf_tokens(checkpoint: Path, expected, version: str) -> None:
-    # fewer prompts and tokens: the emulator runs one CPU thread per CUDA thread. The 70-token
+    # fewer prompts and tokens: the emulator runs a block's CUDA threads one after another. The 70-token
     # prompt's window starts past the first v2 partition, which the kernel must skip.
     llm = serve(checkpoint, "emu", version, 16)
     outs = llm.generate(PROMPTS[::2], SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0))
