@@ -11,7 +11,9 @@ workers of two threads each on two cores made every parallel loop wait for a des
 parallel phase took 1,858 s unpinned, 1,359 s pinned (2-core VM, cold kernel cache, docs/speed.md).
 """
 
+import contextlib
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -67,6 +69,37 @@ def serial_reason(item: pytest.Item) -> str | None:
             '@pytest.mark.serial("asserts a wall-clock bound that a busy neighbour would break")'
         )
     return reason
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """pytest-xdist's controller (which runs no tests) builds the native CPU ops in the background while
+    the workers start: nearly every engine test needs them, and from a cold cache (a fresh clone) the
+    first test of each worker that did otherwise waited on one ~60 s compile, a core idle. The build
+    holds its cache key's lock, so a worker that needs it waits for this one instead of building again;
+    a failed build is left to the tests, which report it."""
+    if not getattr(session.config.option, "numprocesses", None) or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    from paged.kernels.backends import cpu
+    from paged.kernels.toolchain import host_compiler
+
+    if host_compiler.unavailable_reason() is not None:
+        return
+
+    def build() -> None:
+        with contextlib.suppress(host_compiler.HostBuildError):
+            cpu.build()
+
+    _PREBUILDS.append(threading.Thread(target=build, name="prebuild-cpu-ops", daemon=True))
+    _PREBUILDS[-1].start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # a short run may end first: wait, or the compiler would outlive the run and leave its temporary files
+    for thread in _PREBUILDS:
+        thread.join()
+
+
+_PREBUILDS: list[threading.Thread] = []
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
