@@ -292,21 +292,25 @@ def test_the_scheduler_makes_the_same_decisions_on_the_sim_and_the_real_executor
 # -- cpu-local ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.serial("calibrates on this CPU's measured speed and bounds its time: a busy neighbour skews both")
-def test_cpu_local_measures_once_then_reads_its_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path))
-    cfg = _sim_cfg("model=tiny-random", "hardware=cpu-local", "allocator.num_blocks=64")
-    # The native CPU ops build cold in this empty cache first (54-57 s alone on a 2-core EPYC): the bound
-    # is the calibration's, not the compiler's.
+@pytest.fixture
+def calibration_cache(tmp_path, monkeypatch):
+    """An empty cache for the calibration (`PAGED_CACHE_DIR`), with the native CPU ops loaded from the
+    shared cache first: the engine probe would otherwise build them again in the empty one (54-72 s
+    on a 2-core EPYC) whenever this is the first test of its process to run them."""
     from paged.kernels.backends import cpu
-    from paged.kernels.toolchain import host_compiler
 
-    if host_compiler.unavailable_reason() is None:
-        cpu.build()
+    cpu.CpuBackend().unavailable_reason()  # loads the library, or says why it cannot
+    monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+@pytest.mark.serial("calibrates on this CPU's measured speed and bounds its time: a busy neighbour skews both")
+def test_cpu_local_measures_once_then_reads_its_cache(calibration_cache, monkeypatch):
+    cfg = _sim_cfg("model=tiny-random", "hardware=cpu-local", "allocator.num_blocks=64")
     start = time.perf_counter()
     first = build_engine(cfg).executor
     assert time.perf_counter() - start < 60
-    files = list((tmp_path / "sim").glob("cpu-local-tiny-random-*.json"))
+    files = list((calibration_cache / "sim").glob("cpu-local-tiny-random-*.json"))
     assert len(files) == 1
     hw = first.hardware
     assert hw.memory_bandwidth > 1e8 and hw.flops_fp32 > 1e8 and hw.step_overhead_s >= 0
@@ -335,11 +339,10 @@ def test_cpu_local_remeasures_when_what_the_executor_runs_changes():
     assert base == key("model.gemm=torch", "kernel.backend=cpu", "scheduler=sjf")  # the probe's own scheduler
 
 
-def test_cpu_local_calibration_times_the_real_engines_public_step(tmp_path, monkeypatch):
+def test_cpu_local_calibration_times_the_real_engines_public_step(calibration_cache, monkeypatch):
     import paged.sim.calibrate as calibrate
     from paged.engine.engine import Engine
 
-    monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path))
     # the microbenchmarks are beside the point here: fixed values, so only the engine probe runs
     monkeypatch.setattr(calibrate, "_matmul", lambda *a: (1e10, [[1, 0.1], [2048, 1.0]]))
     monkeypatch.setattr(calibrate, "_attention", lambda *a: {
