@@ -11,8 +11,12 @@ workers of two threads each on two cores made every parallel loop wait for a des
 parallel phase took 1,858 s unpinned, 1,359 s pinned (2-core VM, cold kernel cache, docs/speed.md).
 """
 
+import ast
 import contextlib
+import functools
+import itertools
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -103,14 +107,48 @@ _PREBUILDS: list[threading.Thread] = []
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    """The serial phase leaves out, unimported, the test files that cannot mark a test serial: importing
-    all ~100 costs ~18 s of CPU (torch, transformers, Hydra compositions at module level) for a phase of
-    a handful of tests."""
-    if config.getoption("--phase") != "serial" or collection_path.suffix != ".py":
+    """Leaves out, unimported, the test files none of whose tests can run: in the serial phase the files
+    that cannot mark a test serial, and under `-m` the files whose module marks the expression excludes
+    whatever marks their tests add (`make test-fast` skips 47 this way). Importing all ~100 costs
+    ~16 s of CPU per process (torch, transformers, Hydra compositions at module level)."""
+    if collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
         return None
-    if not collection_path.name.startswith("test_") or "mark.serial" in collection_path.read_text():
-        return None
+    text = collection_path.read_text()
+    if config.getoption("--phase") == "serial" and "mark.serial" not in text:
+        return True
+    markexpr = config.getoption("markexpr")
+    if markexpr and "pytestmark" in text and excludes_all(markexpr, module_marks(text)):
+        return True
+    return None
+
+
+def module_marks(source: str) -> set[str]:
+    """The marker names of a test file's module-level `pytestmark` (`pytest.mark.NAME`, called or not)."""
+    marks: set[str] = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets):
+            for sub in ast.walk(node.value):
+                if isinstance(sub, ast.Attribute) and getattr(sub.value, "attr", None) == "mark":
+                    marks.add(sub.attr)
+    return marks
+
+
+def excludes_all(markexpr: str, marks: set[str]) -> bool:
+    """Whether `-m markexpr` deselects every test carrying `marks`, whichever other marks it has: false
+    for each way of adding the expression's other names."""
+    from _pytest.mark.expression import Expression  # the parser `-m` itself uses
+
+    expression = Expression.compile(markexpr)
+    others = sorted(set(re.findall(r"[A-Za-z_][\w-]*", markexpr)) - {"and", "or", "not"} - marks)
+    for extra in itertools.product((False, True), repeat=len(others)):
+        have = marks | {name for name, on in zip(others, extra) if on}
+        if expression.evaluate(functools.partial(_has_mark, have)):
+            return False
     return True
+
+
+def _has_mark(marks: set[str], name: str, /, **_: object) -> bool:
+    return name in marks
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

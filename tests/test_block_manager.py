@@ -439,7 +439,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
                         for b in range(start, start + (1 << order))]
             assert len(unreferenced) == self.alloc.num_free_blocks + self.alloc.num_unassigned_blocks
         else:
-            free_ids = list(self.alloc._free) if isinstance(self.alloc, NaiveAllocator) else [
+            free_ids = list(self.alloc.free_ids()) if isinstance(self.alloc, NaiveAllocator) else [
                 *self.alloc._hashless, *(b for b in range(self.alloc.num_blocks) if b in self.alloc.eviction)]
             assert self.alloc.num_unassigned_blocks == 0
         assert len(free_ids) == len(set(free_ids)) == self.alloc.num_free_blocks

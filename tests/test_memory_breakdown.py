@@ -652,7 +652,7 @@ class MemoryBreakdownMachine(RuleBasedStateMachine):
             free_ids = [b for start, size in free_chunks(self.alloc) for b in range(start, start + size)]
             assert len(unreferenced) == self.alloc.num_free_blocks + self.alloc.num_unassigned_blocks
         else:
-            free_ids = list(self.alloc._free) if isinstance(self.alloc, NaiveAllocator) else [
+            free_ids = list(self.alloc.free_ids()) if isinstance(self.alloc, NaiveAllocator) else [
                 *self.alloc._hashless, *(b for b in range(self.alloc.num_blocks) if b in self.alloc.eviction)]
             assert self.alloc.num_unassigned_blocks == 0 and set(free_ids) == unreferenced
         assert len(free_ids) == len(set(free_ids)) == self.alloc.num_free_blocks
@@ -664,7 +664,7 @@ class MemoryBreakdownMachine(RuleBasedStateMachine):
                 for b in self.swap_out_blocks[seq.seq_id][1]:
                     cpu_refs[b] += 1
             assert [self.cpu.refcount(b) for b in range(self.num_cpu)] == cpu_refs
-            assert sorted(self.cpu._free) == [b for b in range(self.num_cpu) if cpu_refs[b] == 0]
+            assert sorted(self.cpu.free_ids()) == [b for b in range(self.num_cpu) if cpu_refs[b] == 0]
 
     @invariant()
     def sequences_read_their_own_kv(self):

@@ -633,7 +633,7 @@ class GroupMachine(RuleBasedStateMachine):
             for b in self.bm.block_table(seq):
                 refs[b] += 1
         assert [self.alloc.refcount(b) for b in range(self.n)] == refs
-        free_ids = list(self.alloc._free) if isinstance(self.alloc, NaiveAllocator) else [
+        free_ids = list(self.alloc.free_ids()) if isinstance(self.alloc, NaiveAllocator) else [
             *self.alloc._hashless, *(b for b in range(self.alloc.num_blocks) if b in self.alloc.eviction)]
         assert len(free_ids) == len(set(free_ids)) == self.alloc.num_free_blocks
         assert set(free_ids) == {b for b in range(self.n) if refs[b] == 0}, "a block is neither free nor held"
@@ -647,7 +647,7 @@ class GroupMachine(RuleBasedStateMachine):
                 for b in self.cpu_tables[seq.seq_id]:
                     cpu_refs[b] += 1
             assert [self.cpu.refcount(b) for b in range(self.num_cpu)] == cpu_refs
-            assert sorted(self.cpu._free) == [b for b in range(self.num_cpu) if cpu_refs[b] == 0]
+            assert sorted(self.cpu.free_ids()) == [b for b in range(self.num_cpu) if cpu_refs[b] == 0]
         s = self.bm.stats()
         assert s.num_logical_blocks == sum(len(self.bm.block_table(q)) for q in self.running_seqs())
         assert s.num_allocated_blocks == sum(1 for r in refs if r)
