@@ -41,9 +41,10 @@ test: $(STAMP)
 	for rc in $$p $$s; do if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then exit $$rc; fi; done
 
 # The edit loop: the unit tests on every core, without the real model, kernel builds, child processes or the
-# serial tests (markers in pyproject.toml).
+# serial tests (markers in pyproject.toml); Hypothesis's properties on a quarter of their examples
+# (tests/hypothesis_budget.py).
 test-fast: $(STAMP)
-	$(PYTEST) $(PARALLEL) --phase=parallel -m "not slow and not compiles and not subprocess" $(ARGS)
+	PAGED_FAST_TESTS=1 $(PYTEST) $(PARALLEL) --phase=parallel -m "not slow and not compiles and not subprocess" $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -11,6 +11,7 @@ from paged.config.plugins import check_plugin
 from paged.memory import BlockAllocator, NaiveAllocator, NoFreeBlocksError, PrefixCachingAllocator
 from paged.memory.free_queue import FreeBlockQueue
 from paged.memory.hashing import block_hash
+from tests.hypothesis_budget import examples
 
 ALLOCATORS = [NaiveAllocator, PrefixCachingAllocator]
 
@@ -283,7 +284,7 @@ class PrefixAllocatorMachine(RuleBasedStateMachine):
         assert self.a.num_cached_free_blocks == sum(1 for b in self.queue if b in self.hash_of)
 
 
-PrefixAllocatorMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+PrefixAllocatorMachine.TestCase.settings = settings(max_examples=examples(60), stateful_step_count=40, deadline=None)
 TestPrefixAllocatorMachine = PrefixAllocatorMachine.TestCase
 
 

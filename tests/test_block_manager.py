@@ -17,6 +17,7 @@ from paged.memory import (
     PrefixCachingAllocator,
 )
 from paged.request import Request, SamplingParams, Sequence
+from tests.hypothesis_budget import examples
 
 ALLOCATORS = [NaiveAllocator, PrefixCachingAllocator]
 # The random interleavings also run on the buddy allocator (exact reservation: a table grows one
@@ -499,5 +500,5 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.alloc.can_allocate_blocks(self.alloc.max_allocation)
 
 
-BlockManagerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
+BlockManagerMachine.TestCase.settings = settings(max_examples=examples(200), stateful_step_count=50, deadline=None)
 TestBlockManagerMachine = BlockManagerMachine.TestCase

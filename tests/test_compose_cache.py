@@ -17,17 +17,14 @@ from paged.config.schema import register_configs
 
 CASES = [
     [],
-    ["model=tiny-random", "logger=none", "progress=false", "allocator=naive", "allocator.num_blocks=1024"],
     # a value before the choice of its group: Hydra applies values after the defaults list either way
-    ["allocator.num_blocks=64", "allocator=naive"],
-    ["allocator/eviction=s3fifo", "scheduler=priority", "scheduler.max_num_seqs=3"],
-    ["executor=sim", "model=llama-3-70b", "hardware=h100-sxm", "kernel=v3", "hardware.num_gpus=8"],
+    ["allocator.num_blocks=64", "model=tiny-random", "logger=none", "progress=false", "allocator=naive"],
+    ["allocator/eviction=s3fifo", "scheduler=priority", "scheduler.max_num_seqs=3", "+deploy=2p2d"],
+    ["executor=sim", "model=llama-3-70b", "hardware=h100-sxm", "kernel=v3", "hardware.num_gpus=8", "+load=sharegpt"],
     ["+experiment=bench-policies", "workload.num_requests=7"],
-    ["+deploy=2p2d", "model=tiny-random"],
     ["+setup=opt-13b", "seed=3"],
-    ["+load=sharegpt", "executor=sim"],
-    ["workload=fixed", "workload.num_requests=5", "~router"],
-    ["kernel=v2", "kernel.kv_cache_dtype=fp8_e4m3", "++seed=9", "hydra.job.chdir=true"],
+    ["workload=fixed", "workload.num_requests=5", "~router", "kernel.kv_cache_dtype=fp8_e4m3", "++seed=9",
+     "hydra.job.chdir=true"],
 ]
 
 

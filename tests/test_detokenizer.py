@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from paged.detokenizer import PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer
 from paged.model.locate import INSTALL_HINT, locate_smollm2
 from paged.model.tokenizer import Tokenizer, load_tokenizer
+from tests.hypothesis_budget import examples
 
 EOS = 2  # <|im_end|>
 SPECIAL_IDS = [0, 1, 2, 3]  # <|endoftext|>, <|im_start|>, <|im_end|>, <repo_name>
@@ -103,7 +104,7 @@ def test_eos_is_dropped_or_kept(tok: Tokenizer) -> None:
     assert detokenize(tok, prompt, output, skip_special_tokens=False).text == " Paris.<|im_end|>"
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(data=st.data())
 def test_random_slices_of_real_text_equal_full_decode(tok: Tokenizer, corpus_ids, data: st.DataObject) -> None:
     ids, boundaries = corpus_ids

@@ -21,6 +21,7 @@ from paged.memory.eviction import (
     LRUPolicy,
     S3FIFOPolicy,
 )
+from tests.hypothesis_budget import examples
 
 
 def h(name: str) -> bytes:
@@ -298,7 +299,8 @@ class RequestStream:
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=examples(40), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(steps=STEPS)
 def test_policy_invariants_under_random_request_streams(name, steps):
     """40 examples x 250 steps = 10,000 driver steps per policy, each a request's lookup, matches,

@@ -21,6 +21,7 @@ from paged.model.spec import ModelSpec
 from paged.request import Request, SamplingParams, Sequence
 from paged.sim.cost_model import step_shape
 from paged.step import ScheduledSeq, SchedulerOutput
+from tests.hypothesis_budget import examples
 
 BS = 4
 WINDOW = 8  # tokens: two blocks
@@ -158,7 +159,7 @@ def test_fork_shares_every_groups_blocks_and_free_returns_them_all():
     assert bm.stats().num_token_slots_used == 0 and bm.stats().num_logical_blocks == 0
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(seed=st.integers(0, 10_000))
 def test_random_interleavings_never_over_commit_the_shared_pool(seed):
     """Admit, grow, fork and free at random; every table's blocks are live and distinct between

@@ -25,6 +25,7 @@ from paged.memory import (
 from paged.memory.buddy import order_of
 from paged.memory.reservation import final_length
 from paged.request import Request, SamplingParams, Sequence
+from tests.hypothesis_budget import examples
 
 
 def cdiv(a: int, b: int) -> int:
@@ -736,5 +737,5 @@ class MemoryBreakdownMachine(RuleBasedStateMachine):
         assert self.alloc.can_allocate_blocks(self.alloc.max_allocation)
 
 
-MemoryBreakdownMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+MemoryBreakdownMachine.TestCase.settings = settings(max_examples=examples(150), stateful_step_count=40, deadline=None)
 TestMemoryBreakdownMachine = MemoryBreakdownMachine.TestCase

@@ -27,6 +27,7 @@ from paged.engine.runner import drive
 from paged.memory import AllocStatus, BlockManager, NaiveAllocator, NoFreeBlocksError, PrefixCachingAllocator
 from paged.request import FinishReason, Request, SamplingParams, Sequence
 from paged.step import ExecutorOutput, SchedulerOutput
+from tests.hypothesis_budget import examples
 from tests.token_cache_executor import TokenCacheExecutor
 
 VOCAB = 50  # small, so stop tokens are hit (ids 0..48 are sampled; 49 is the never-sampled EOS)
@@ -194,7 +195,7 @@ def unshared_blocks(prompt: list[int], params: SamplingParams, block_size: int) 
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload=workloads(), data=st.data())
 def test_groups_under_memory_pressure_match_a_large_cache(mode, workload, data):
     reference = run(engine_for(), workload)
@@ -677,5 +678,5 @@ class GroupMachine(RuleBasedStateMachine):
         assert (s.num_allocated_blocks, s.num_token_slots_used, s.num_reserved_slots) == (0, 0, 0)
 
 
-GroupMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
+GroupMachine.TestCase.settings = settings(max_examples=examples(120), stateful_step_count=40, deadline=None)
 TestGroupMachine = GroupMachine.TestCase

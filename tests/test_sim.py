@@ -25,6 +25,7 @@ from paged.sim.hardware import resolve_hardware
 from paged.sim.memory import plan_memory
 from paged.utils.clock import VirtualClock
 from paged.workload import load_workload
+from tests.hypothesis_budget import examples
 
 QUIET = ["logger=none", "progress=false"]
 
@@ -147,7 +148,7 @@ def test_a_batch1_decode_step_is_the_weights_over_the_bandwidth():
                                               cost.communication_s, cost.head_s, cost.overhead_s)))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     contexts=st.lists(st.integers(1, 8192), min_size=1, max_size=64),
     extra=st.integers(1, 4096),
@@ -270,7 +271,7 @@ def _trace(engine, workload: list[tuple[int, int, float]]) -> tuple[list, list]:
     return steps, done
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(6), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     workload=st.lists(
         st.tuples(st.integers(1, 60), st.integers(1, 24), st.floats(0, 0.05)), min_size=1, max_size=10
