@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -150,6 +152,23 @@ def test_naive_allocator_never_caches():
 
 
 # -- prefix caching --------------------------------------------------------------------------------
+
+
+@given(st.lists(st.booleans(), max_size=60), st.randoms(use_true_random=False))
+def test_naive_hands_out_blocks_as_a_deque_of_every_id_would(ops, rng):
+    """Freed blocks first, the last freed first (vLLM's LIFO reuse), then the never-used ones in id
+    order: the model is the deque of every id the allocator no longer builds up front."""
+    alloc = NaiveAllocator(8, 16)
+    model, held = deque(range(8)), []
+    for allocate in ops:
+        if allocate and model:
+            held.append(alloc.allocate())
+            assert held[-1] == model.popleft()
+        elif held:
+            block = held.pop(rng.randrange(len(held)))
+            alloc.free(block)
+            model.appendleft(block)
+        assert list(alloc.free_ids()) == list(model) and alloc.num_free_blocks == len(model)
 
 
 def test_freed_hashed_block_stays_cached_and_is_revived_by_match():

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import worker_cores
+from tests.conftest import excludes_all, module_marks, worker_cores
 
 CONFTEST = Path(__file__).with_name("conftest.py").read_text()
 PLANTED = """
@@ -58,3 +58,31 @@ def test_workers_split_the_cores_between_them() -> None:
     assert [worker_cores(f"gw{i}", 2, [0, 1]) for i in range(2)] == [{0}, {1}]
     assert [worker_cores(f"gw{i}", 2, [0, 1, 2, 3]) for i in range(2)] == [{0, 2}, {1, 3}]
     assert [worker_cores(f"gw{i}", 3, [4, 5]) for i in range(3)] == [{4}, {5}, {4}]  # more workers than cores
+
+
+def test_a_marker_expression_leaves_files_it_excludes_unimported(planted: pytest.Pytester) -> None:
+    planted.makepyfile(test_built="import pytest\n\npytestmark = [pytest.mark.compiles]\n"
+                                  "raise RuntimeError('imported')\n\ndef test_build():\n    pass\n")
+    planted.makeini("[pytest]\nmarkers =\n    serial(reason): runs alone\n    compiles: builds\n    slow: slow\n")
+    planted.runpytest_inprocess("-m", "not compiles and not slow").assert_outcomes(passed=2)
+    planted.runpytest_inprocess("-m", "compiles").stdout.fnmatch_lines(["*RuntimeError: imported*"])
+
+
+@pytest.mark.parametrize(("expression", "marks", "excluded"), [
+    ("not slow and not compiles", {"compiles"}, True),
+    ("not slow and not compiles", {"skipif"}, False),
+    ("slow", {"compiles"}, False),  # a test of the file may add `slow`
+    ("compiles or slow", {"subprocess"}, False),
+    ("not (compiles or slow)", {"slow", "subprocess"}, True),
+    ("subprocess and not slow", {"slow"}, True),
+])
+def test_a_file_is_left_out_only_when_no_marks_its_tests_add_could_select_them(
+    expression: str, marks: set[str], excluded: bool
+) -> None:
+    assert excludes_all(expression, marks) is excluded
+
+
+def test_module_marks_reads_the_files_pytestmark() -> None:
+    source = "import pytest\n\npytestmark = [pytest.mark.compiles, pytest.mark.skipif(True, reason='x')]\n"
+    assert module_marks(source) == {"compiles", "skipif"}
+    assert module_marks("import pytest\n\n@pytest.mark.slow\ndef test_one():\n    pass\n") == set()
