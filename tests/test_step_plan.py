@@ -220,6 +220,31 @@ def test_cuda_graphs_on_a_cpu_model_is_a_config_error_before_weights_load() -> N
                       KernelConfig(name="t"), cuda_graphs=True)
 
 
+class _PastTheChecks(Exception):
+    """Raised where the executor, its config checked, starts to build the model."""
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_cuda_graphs_with_a_random_model_is_refused_only_with_tensor_parallelism(
+    size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tensor-parallel refusal sat inside the checks every random or HF model runs at size 1 too,
+    so `executor.cuda_graphs=true` refused a single-GPU `model=tiny-random` (3 graph tests failed on an
+    H200). A CUDA device is pretended: the checks end before anything touches it."""
+    import paged.executor.model_executor as model_executor
+
+    def past_the_checks(*args: Any, **kwargs: Any) -> None:
+        raise _PastTheChecks
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(model_executor.threads, "configure", past_the_checks)
+    config = ModelConfig(name="tiny-random", source="random", device="auto")
+    expected = _PastTheChecks if size == 1 else ConfigError
+    with pytest.raises(expected, match=None if size == 1 else "cuda_graphs=true does not run with executor.tensor"):
+        ModelExecutor(config, KernelConfig(name="t", backend="torch"), cuda_graphs=True, tensor_parallel_size=size)
+
+
 def test_summary_counts_graph_and_eager_decode_steps() -> None:
     cfg = compose_config(["model=tiny-random", "logger=none", "progress=false", "executor.cuda_graphs=null",
                           "model.device=cpu"])

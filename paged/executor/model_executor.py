@@ -99,7 +99,7 @@ class ModelExecutor(TieredHostPool, Executor):
             arch = load_arch(model_cfg)[0]
             check_tensor_parallel_size(size, arch, model_cfg.name, self.device)
             check_backend_serves(kernel_cfg.backend, arch, model_cfg.name)
-            if cuda_graphs:
+            if cuda_graphs and size != 1:  # the branch also checks any size-1 random or HF model
                 raise ConfigError(f"executor.cuda_graphs=true does not run with executor.tensor_parallel_size={size}: "
                                   "a graph would not capture the all-reduces; use executor.cuda_graphs=false or null")
         if size > 1 and self.device.type == "cuda":
