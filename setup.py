@@ -12,7 +12,7 @@ setup(
     packages=find_packages(include=["paged*"]) + list(TREES),
     package_dir=TREES,
     package_data={
-        "paged.data": ["*.txt", "traces/*.csv", "traces/*.md"],
+        "paged.data": ["*.txt", "traces/*.csv", "traces/*.md", "tokenizers/*/*"],
         "paged._kernels_cu": ["*.cu", "*.cuh", "emu/*", "cpu/*"],
         "paged._conf": ["*.yaml", "*/*.yaml", "*/*/*.yaml"],
     },

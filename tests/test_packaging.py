@@ -26,7 +26,9 @@ from paged.utils.assets import asset_dir
 from paged.kernels.toolchain.source import source_hash
 from paged.config import compose_config
 from paged.api.llm import LLM  # the offline API imports from the wheel
+from paged.model.locate import shipped_tokenizer
 print(json.dumps({"kernels": str(asset_dir("kernels_cu")), "conf": str(asset_dir("conf")),
+                  "tokenizer": sorted(str(p) for p in shipped_tokenizer().iterdir()),
                   "hash": source_hash(), "allocator": compose_config(["allocator=naive"]).allocator.name}))
 """
 
@@ -51,3 +53,5 @@ def test_wheel_ships_kernel_sources_and_configs(tmp_path):
     assert found["hash"] == source_hash()  # every CUDA source made it into the wheel
     assert (site / "paged" / "_kernels_cu" / "cpu" / "paged_attention_cpu.cpp").is_file()
     assert found["allocator"] == "naive"
+    tokenizer = site / "paged" / "data" / "tokenizers" / "smollm2"
+    assert {str(tokenizer / name) for name in ("tokenizer.json", "tokenizer_config.json")} <= set(found["tokenizer"])

@@ -17,7 +17,7 @@ from paged.model.checkpoint_check import check_tokenizer_files
 from paged.model.gguf_header import read_arch
 from paged.model.gguf_loader import load_gguf
 from paged.model.hf_loader import open_hf, read_hf_arch, read_weights
-from paged.model.locate import locate_smollm2
+from paged.model.locate import locate_smollm2, shipped_tokenizer
 from paged.model.tiny import random_state, tiny_arch
 from paged.model.weight_cache import load_gguf_cached
 
@@ -55,7 +55,7 @@ def load_arch(model_cfg: ModelConfig) -> tuple[LlamaArch, Path]:
         return _checkpoint_arch(read_arch(path), model_cfg), path
     if model_cfg.source == "hf":
         return _checkpoint_arch(read_hf_arch(model_cfg.path), model_cfg), Path(model_cfg.path)
-    return _checkpoint_arch(tiny_arch(_arch_keys(model_cfg)), model_cfg), locate_smollm2()
+    return _checkpoint_arch(tiny_arch(_arch_keys(model_cfg)), model_cfg), shipped_tokenizer()
 
 
 def _check_source(model_cfg: ModelConfig) -> None:
@@ -87,7 +87,7 @@ def load_weights(model_cfg: ModelConfig) -> tuple[LlamaArch, dict[str, torch.Ten
         return _checkpoint_arch(arch, model_cfg), read_weights(shards), path
     arch = _checkpoint_arch(tiny_arch(_arch_keys(model_cfg)), model_cfg)
     # A fixed weight seed: `tiny-random` is one model whatever the experiment's sampling seed.
-    return arch, random_state(arch, seed=0), locate_smollm2()
+    return arch, random_state(arch, seed=0), shipped_tokenizer()
 
 
 def _load_gguf_timed(path: Path, use_cache: bool) -> tuple[LlamaArch, dict[str, torch.Tensor]]:
