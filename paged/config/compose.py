@@ -51,9 +51,9 @@ def compose_config(overrides: Sequence[str] = ()) -> Any:
 
     Hydra spends ~0.3 s of CPU per compose building the defaults list and merging ~20 YAML files,
     while callers (the API's `LLM`, sweeps of studies, tests) mostly vary values over a few group
-    choices. So the config for the group choices is composed once per process and the conf files'
-    state, and the value overrides are applied to a copy with Hydra's own function, as `compose`
-    applies them after merging."""
+    choices. So the config of a set of group choices is composed once per process (and per state of
+    the conf files), and the value overrides are applied to a copy with Hydra's own function, as
+    `compose` applies them after merging."""
     if not CONF_DIR.is_dir():
         raise FileNotFoundError(f"config dir {CONF_DIR} not found; reinstall paged (pip install -e .)")
     options = config_options()
