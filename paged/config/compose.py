@@ -62,10 +62,12 @@ def compose_config(overrides: Sequence[str] = ()) -> Any:
     if any(o.is_sweep_override() for o in parsed):
         cfg = _hydra_compose(tuple(overrides))  # Hydra's own error for a sweep outside -m
     else:
-        choices = tuple(o.input_line for o in parsed if _chooses(o, options))
+        chosen = [_chooses(o, options) for o in parsed]
+        choices = tuple(o.input_line for o, c in zip(parsed, chosen) if c)
+        values = [o for o, c in zip(parsed, chosen) if not c]
         cfg = copy.deepcopy(_composed(choices, _conf_state()))
         try:
-            ConfigLoaderImpl._apply_overrides_to_config([o for o in parsed if not _chooses(o, options)], cfg)
+            ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
         except OmegaConfBaseException as e:  # as Hydra's `load_configuration` wraps it
             raise ConfigCompositionException().with_traceback(sys.exc_info()[2]) from e
     check_keys(cfg)
