@@ -49,7 +49,7 @@ def _case(run: fake_driver.Run, case: str) -> tuple[dict[str, Any], list[dict[st
 
 
 def _launched(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [c for c in calls if c["call"] == "cuLaunchKernelEx"]
+    return [c for c in calls if c["call"] == "cuLaunchKernel"]
 
 
 def _decode(launch: dict[str, Any]) -> list[tuple[int, int | float]]:

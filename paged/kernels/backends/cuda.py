@@ -1,5 +1,11 @@
-"""The cuda backend: kernels_cu/ compiled by NVRTC for the tensors' device, launched through
-cuda.core on torch's current stream of that device; swaps are driver copies on the same stream.
+"""The cuda backend: kernels_cu/ compiled by NVRTC for the tensors' device, loaded through
+cuda.core and launched with `cuLaunchKernel` on torch's current stream of that device; swaps are
+driver copies on the same stream.
+
+A launch costs a few µs of host: each launch shape (kernel, grid, block, shared memory, argument
+types) is checked once and gets a parameter block the driver reads through a fixed `void**`, so a
+launch is one `struct.pack_into` of its arguments and one driver call (cuda.core's `launch()` packs
+its arguments anew on every call, ~25 µs; `python experiments/host_overhead.py` measures both).
 
 cuda-python is imported where it is first needed, so this module (and the backend's support
 declaration) loads on machines without it. `tests/fake_driver/` runs `CudaRunner` against a
@@ -8,9 +14,11 @@ recording stand-in for libcuda.so.1, so everything here executes in CI without a
 
 from __future__ import annotations
 
+import ctypes
+import struct
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
@@ -24,8 +32,11 @@ from paged.kernels.toolchain.specs import Unit
 
 # What a block gets without opting in, static and dynamic shared memory together.
 DEFAULT_SHARED_MEMORY = 48 * 1024
-# Bytes the driver copies for each argument type the launch plans use (launch.Arg).
+# Bytes the driver copies for each argument type the launch plans use (launch.Arg), and the
+# `struct` code that writes one into its 8-byte slot of a parameter block.
 ARG_SIZES = {launch.Ptr: 8, np.int32: 4, np.float32: 4}
+ARG_CODES = {launch.Ptr: "Q", np.int32: "i4x", np.float32: "f4x"}
+SLOT_BYTES = 8
 # The oldest NVIDIA driver branch that loads cubins of each CUDA major version.
 DRIVER_BRANCHES = {12: "R525", 13: "R580"}
 PACKAGES = "cuda-python, cuda-core and nvidia-cuda-nvrtc"
@@ -81,6 +92,31 @@ class _Kernel:
     dynamic_smem_limit: int  # raised by the opt-in attribute, never lowered
 
 
+@dataclass
+class _Shape:
+    """A checked launch shape: its driver arguments but the parameters, and a parameter block of one
+    8-byte slot per argument with the `void**` array that points at the slots. The driver copies
+    the parameters during `cuLaunchKernel`, so one block serves every launch of the shape (a
+    runner launches from one thread, its executor's)."""
+
+    function: Any  # driver.CUfunction: a CUkernel, which cuLaunchKernel takes in the current context
+    geometry: tuple[int, ...]  # grid x, y, z, block x, y, z, dynamic shared memory
+    packer: struct.Struct
+    slots: Any = field(repr=False)  # ctypes array the arguments are packed into
+    pointers: Any = field(repr=False)  # ctypes void* array, one per slot; its address is `params`
+    view: memoryview = field(repr=False)
+    params: int = 0
+
+    @classmethod
+    def of(cls, kernel: _Kernel, item: launch.Launch, driver: Any) -> _Shape:
+        n = len(item.args)
+        slots = (ctypes.c_uint64 * n)()
+        pointers = (ctypes.c_void_p * n)(*(ctypes.addressof(slots) + SLOT_BYTES * i for i in range(n)))
+        packer = struct.Struct("<" + "".join(ARG_CODES[type(a)] for a in item.args))
+        return cls(driver.CUfunction(int(kernel.handle.handle)), (*item.grid, item.block, 1, 1, item.shared_memory),
+                   packer, slots, pointers, memoryview(slots).cast("B"), ctypes.addressof(pointers))
+
+
 class CudaRunner:
     """One device's kernel table and streams; units compile (or load from the cache) on first use.
 
@@ -94,8 +130,11 @@ class CudaRunner:
 
     def __init__(self, index: int, stream_source: StreamSource = torch_stream) -> None:
         driver_version()
+        from cuda.bindings import driver
         from cuda.core import Device
 
+        # held here: an import statement in the launch path costs more than the launch
+        self._driver = driver
         self.index = index
         self.device = Device(index)
         self._stream_source = stream_source
@@ -113,26 +152,27 @@ class CudaRunner:
                                    int(properties.max_threads_per_multiprocessor),
                                    int(properties.max_registers_per_multiprocessor))
         self._kernels: dict[str, _Kernel] = {}
-        self._configs: dict[tuple[Any, ...], Any] = {}
-        self._streams: dict[int, Any] = {}
+        self._shapes: dict[tuple[Any, ...], _Shape] = {}
+        self._streams: dict[int, Any] = {}  # handle -> (cuda.core Stream, driver.CUstream)
         self._context: int | None = None  # this device's primary context, once it was made current
+
+    def _is_current(self) -> bool:
+        return self._context is not None and int(self._driver.cuCtxGetCurrent()[1]) == self._context
 
     @contextmanager
     def _current(self) -> Iterator[None]:
         """This device's context current for the block, the caller's restored after it. Launches run
         once per layer, so when this device is already current nothing is switched."""
-        from cuda.bindings import driver
-
-        _, previous = driver.cuCtxGetCurrent()
+        _, previous = self._driver.cuCtxGetCurrent()
         if self._context is not None and int(previous) == self._context:
             yield
             return
         self.device.set_current()
-        self._context = int(driver.cuCtxGetCurrent()[1])
+        self._context = int(self._driver.cuCtxGetCurrent()[1])
         try:
             yield
         finally:
-            driver.cuCtxSetCurrent(previous)
+            self._driver.cuCtxSetCurrent(previous)
 
     def _load(self, unit: Unit) -> None:
         from cuda.core import ObjectCode
@@ -156,11 +196,13 @@ class CudaRunner:
         what the kernel declares statically."""
         return self.max_shared_memory - self._kernel(unit, kernel).static_smem
 
-    def _stream(self) -> Any:
+    def _stream(self) -> tuple[Any, Any]:
+        """The caller's current stream as a cuda.core Stream and as the driver's handle."""
         foreign = self._stream_source(self.index)
         handle = int(foreign.__cuda_stream__()[1])
         if handle not in self._streams:
-            self._streams[handle] = self.device.create_stream(foreign)
+            stream = self.device.create_stream(foreign)
+            self._streams[handle] = (stream, self._driver.CUstream(int(stream.handle)))
         return self._streams[handle]
 
     def _check(self, kernel: _Kernel, item: launch.Launch) -> None:
@@ -179,8 +221,7 @@ class CudaRunner:
         """Opts a kernel into more dynamic shared memory than the 48 KB default leaves it."""
         if needed <= kernel.dynamic_smem_limit:
             return
-        from cuda.bindings import driver
-
+        driver = self._driver
         (err,) = driver.cuKernelSetAttribute(
             driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, needed,
             kernel.handle.handle, driver.CUdevice(self.index),
@@ -189,37 +230,43 @@ class CudaRunner:
             raise RuntimeError(f"cannot raise a kernel's dynamic shared memory to {needed} bytes: {err!r}")
         kernel.dynamic_smem_limit = needed
 
-    def _config(self, kernel: _Kernel, item: launch.Launch) -> Any:
-        """The checked `LaunchConfig` of a launch shape: a decode step launches the same shapes in
-        every layer, so each is checked and built once, not once per launch."""
-        key = (item.kernel, item.grid, item.block, item.shared_memory, tuple(map(type, item.args)))
-        config = self._configs.get(key)
-        if config is None:
-            from cuda.core import LaunchConfig
-
-            self._check(kernel, item)
-            self._allow_shared_memory(kernel, item.shared_memory)
-            config = self._configs[key] = LaunchConfig(grid=item.grid, block=item.block, shmem_size=item.shared_memory)
-        return config
+    def _shape(self, item: launch.Launch, key: tuple[Any, ...]) -> _Shape:
+        """The checked shape of a launch: a decode step launches the same shapes in every layer, so
+        each is checked (argument sizes, shared memory) and prepared once, not once per launch."""
+        kernel = self._kernels[item.kernel]
+        self._check(kernel, item)
+        self._allow_shared_memory(kernel, item.shared_memory)
+        shape = self._shapes[key] = _Shape.of(kernel, item, self._driver)
+        return shape
 
     def run(self, unit: Unit, launches: Sequence[launch.Launch]) -> None:
-        from cuda.core import launch as cuda_launch
-
-        kernels = [self._kernel(unit, item.kernel) for item in launches]
+        for item in launches:
+            if item.kernel not in self._kernels:
+                self._kernel(unit, item.kernel)
+        if self._is_current():
+            self._launch(launches)
+            return
         with self._current():
-            configs = [self._config(kernel, item) for kernel, item in zip(kernels, launches)]
-            stream = self._stream()
-            for kernel, item, config in zip(kernels, launches, configs):
-                args = [int(a) if isinstance(a, launch.Ptr) else a for a in item.args]
-                cuda_launch(stream, config, kernel.handle, *args)
+            self._launch(launches)
+
+    def _launch(self, launches: Sequence[launch.Launch]) -> None:
+        driver, shapes = self._driver, self._shapes
+        stream = self._stream()[1]
+        for item in launches:
+            key = (item.kernel, item.grid, item.block, item.shared_memory, *map(type, item.args))
+            shape = shapes.get(key) or self._shape(item, key)
+            shape.packer.pack_into(shape.view, 0, *item.args)
+            (err,) = driver.cuLaunchKernel(shape.function, *shape.geometry, stream, shape.params, 0)
+            if err != driver.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"cuLaunchKernel of {item.kernel} (grid {item.grid}, block {item.block}, "
+                                   f"{item.shared_memory} bytes of shared memory) failed: {err!r}")
 
     def copy(self, copies: Sequence[launch.Copy]) -> None:
         """One cuMemcpyAsync per copy on the stream, as vLLM's swap_blocks: the driver tells
         host-to-device, device-to-host and device-to-device apart by the (unified) addresses."""
-        from cuda.bindings import driver
-
+        driver = self._driver
         with self._current():
-            stream = self._stream().handle
+            stream = self._stream()[1]
             for item in copies:
                 (err,) = driver.cuMemcpyAsync(int(item.dst), int(item.src), item.nbytes, stream)
                 if err != driver.CUresult.CUDA_SUCCESS:
