@@ -2,10 +2,10 @@
 cuda.core and launched with `cuLaunchKernel` on torch's current stream of that device; swaps are
 driver copies on the same stream.
 
-A launch costs a few µs of host: each launch shape (kernel, grid, block, shared memory, argument
-types) is checked once and gets a parameter block the driver reads through a fixed `void**`, so a
-launch is one `struct.pack_into` of its arguments and one driver call (cuda.core's `launch()` packs
-its arguments anew on every call, ~25 µs; `python experiments/host_overhead.py` measures both).
+A launch costs a few µs of host: each kernel's argument types are checked at its first launch and
+it gets a parameter block the driver reads through a fixed `void**`, so a launch is one
+`struct.pack_into` of its arguments and one driver call; shared memory is checked only past what
+the kernel was already allowed (`python experiments/host_overhead.py` measures it).
 
 cuda-python is imported where it is first needed, so this module (and the backend's support
 declaration) loads on machines without it. `tests/fake_driver/` runs `CudaRunner` against a
@@ -84,37 +84,32 @@ def torch_stream(index: int) -> torch.cuda.Stream:
 
 @dataclass
 class _Kernel:
-    """A loaded kernel and what the driver says about it."""
+    """A loaded kernel, what the driver says about it, and its parameter block: one 8-byte slot per
+    argument, packed by `packer`, with the `void**` array (at address `params`) that points at the
+    slots. The driver copies the parameters during `cuLaunchKernel`, so one block serves every
+    launch (a runner launches from one thread, its executor's). The block is made, and the plan's
+    argument types checked against the kernel's parameters, at the kernel's first launch: a plan
+    passes the same types to a kernel every time."""
 
     handle: Any  # cuda.core.Kernel
     static_smem: int
     param_sizes: tuple[int, ...]
     dynamic_smem_limit: int  # raised by the opt-in attribute, never lowered
-
-
-@dataclass
-class _Shape:
-    """A checked launch shape: its driver arguments but the parameters, and a parameter block of one
-    8-byte slot per argument with the `void**` array that points at the slots. The driver copies
-    the parameters during `cuLaunchKernel`, so one block serves every launch of the shape (a
-    runner launches from one thread, its executor's)."""
-
-    function: Any  # driver.CUfunction: a CUkernel, which cuLaunchKernel takes in the current context
-    geometry: tuple[int, ...]  # grid x, y, z, block x, y, z, dynamic shared memory
-    packer: struct.Struct
-    slots: Any = field(repr=False)  # ctypes array the arguments are packed into
-    pointers: Any = field(repr=False)  # ctypes void* array, one per slot; its address is `params`
-    view: memoryview = field(repr=False)
+    function: Any = None  # driver.CUfunction: the CUkernel, which cuLaunchKernel takes in the current context
+    packer: struct.Struct | None = None
+    slots: Any = field(default=None, repr=False)  # ctypes array the arguments are packed into
+    pointers: Any = field(default=None, repr=False)  # ctypes void* array, one per slot
+    view: memoryview | None = field(default=None, repr=False)
     params: int = 0
 
-    @classmethod
-    def of(cls, kernel: _Kernel, item: launch.Launch, driver: Any) -> _Shape:
+    def prepare(self, item: launch.Launch, driver: Any) -> None:
         n = len(item.args)
-        slots = (ctypes.c_uint64 * n)()
-        pointers = (ctypes.c_void_p * n)(*(ctypes.addressof(slots) + SLOT_BYTES * i for i in range(n)))
-        packer = struct.Struct("<" + "".join(ARG_CODES[type(a)] for a in item.args))
-        return cls(driver.CUfunction(int(kernel.handle.handle)), (*item.grid, item.block, 1, 1, item.shared_memory),
-                   packer, slots, pointers, memoryview(slots).cast("B"), ctypes.addressof(pointers))
+        self.slots = (ctypes.c_uint64 * n)()
+        self.pointers = (ctypes.c_void_p * n)(*(ctypes.addressof(self.slots) + SLOT_BYTES * i for i in range(n)))
+        self.view = memoryview(self.slots).cast("B")
+        self.params = ctypes.addressof(self.pointers)
+        self.packer = struct.Struct("<" + "".join(ARG_CODES[type(a)] for a in item.args))
+        self.function = driver.CUfunction(int(self.handle.handle))
 
 
 class CudaRunner:
@@ -152,7 +147,6 @@ class CudaRunner:
                                    int(properties.max_threads_per_multiprocessor),
                                    int(properties.max_registers_per_multiprocessor))
         self._kernels: dict[str, _Kernel] = {}
-        self._shapes: dict[tuple[Any, ...], _Shape] = {}
         self._streams: dict[int, Any] = {}  # handle -> (cuda.core Stream, driver.CUstream)
         self._context: int | None = None  # this device's primary context, once it was made current
 
@@ -205,17 +199,21 @@ class CudaRunner:
             self._streams[handle] = (stream, self._driver.CUstream(int(stream.handle)))
         return self._streams[handle]
 
-    def _check(self, kernel: _Kernel, item: launch.Launch) -> None:
+    def _check_arguments(self, kernel: _Kernel, item: launch.Launch) -> None:
         sizes = tuple(ARG_SIZES[type(a)] for a in item.args)
         if sizes != kernel.param_sizes:
             raise RuntimeError(
                 f"launch plan of {item.kernel} passes arguments of {sizes} bytes; the kernel takes {kernel.param_sizes}"
             )
+
+    def _check_shared_memory(self, kernel: _Kernel, item: launch.Launch) -> None:
+        """Past what the kernel may use now: checked against the device, then opted into."""
         if item.shared_memory + kernel.static_smem > self.max_shared_memory:
             raise ValueError(
                 f"{item.kernel} needs {item.shared_memory} bytes of dynamic and {kernel.static_smem} of static shared "
                 f"memory; device {self.index} allows {self.max_shared_memory} per block"
             )
+        self._allow_shared_memory(kernel, item.shared_memory)
 
     def _allow_shared_memory(self, kernel: _Kernel, needed: int) -> None:
         """Opts a kernel into more dynamic shared memory than the 48 KB default leaves it."""
@@ -230,15 +228,6 @@ class CudaRunner:
             raise RuntimeError(f"cannot raise a kernel's dynamic shared memory to {needed} bytes: {err!r}")
         kernel.dynamic_smem_limit = needed
 
-    def _shape(self, item: launch.Launch, key: tuple[Any, ...]) -> _Shape:
-        """The checked shape of a launch: a decode step launches the same shapes in every layer, so
-        each is checked (argument sizes, shared memory) and prepared once, not once per launch."""
-        kernel = self._kernels[item.kernel]
-        self._check(kernel, item)
-        self._allow_shared_memory(kernel, item.shared_memory)
-        shape = self._shapes[key] = _Shape.of(kernel, item, self._driver)
-        return shape
-
     def run(self, unit: Unit, launches: Sequence[launch.Launch]) -> None:
         for item in launches:
             if item.kernel not in self._kernels:
@@ -250,13 +239,19 @@ class CudaRunner:
             self._launch(launches)
 
     def _launch(self, launches: Sequence[launch.Launch]) -> None:
-        driver, shapes = self._driver, self._shapes
+        driver, kernels = self._driver, self._kernels
         stream = self._stream()[1]
         for item in launches:
-            key = (item.kernel, item.grid, item.block, item.shared_memory, *map(type, item.args))
-            shape = shapes.get(key) or self._shape(item, key)
-            shape.packer.pack_into(shape.view, 0, *item.args)
-            (err,) = driver.cuLaunchKernel(shape.function, *shape.geometry, stream, shape.params, 0)
+            kernel = kernels[item.kernel]
+            if kernel.packer is None:
+                self._check_arguments(kernel, item)
+                kernel.prepare(item, driver)
+            if item.shared_memory > kernel.dynamic_smem_limit:
+                self._check_shared_memory(kernel, item)
+            kernel.packer.pack_into(kernel.view, 0, *item.args)
+            # grid and block are the driver's to check (it refuses a bad one with CUDA_ERROR_INVALID_VALUE)
+            (err,) = driver.cuLaunchKernel(kernel.function, *item.grid, item.block, 1, 1, item.shared_memory, stream,
+                                           kernel.params, 0)
             if err != driver.CUresult.CUDA_SUCCESS:
                 raise RuntimeError(f"cuLaunchKernel of {item.kernel} (grid {item.grid}, block {item.block}, "
                                    f"{item.shared_memory} bytes of shared memory) failed: {err!r}")

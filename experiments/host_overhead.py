@@ -1,0 +1,242 @@
+"""What the host pays for each GPU step, measured on this CPU without a GPU.
+
+    python experiments/host_overhead.py [--json FILE] [--batches 1 64 256] [--steps 50] [--repeats 5]
+
+- `launch_us`: host µs per kernel launch of the cuda backend (`CudaRunner.run`), on the recording
+  fake driver (tests/fake_driver, built with the C compiler; it records nothing here, so what is
+  timed is our side: shape lookup, parameter packing, the driver call). The plan is SmolLM2-135M's
+  decode attention for a batch of that many 512-token rows (fp16, v1). Beside it: `op_us`, one
+  `paged.kernels.paged_attention` call (input checks, plan, launch), and `cuda_core_launch_us`,
+  the same launch through cuda.core's `launch()`, which packs its arguments on every call.
+- `step_overhead_ms`: host ms of one engine step of that many decode rows with a model whose
+  forward returns at once (as vLLM measures its engine's overhead): scheduling, block tables,
+  the step's input tensors, attention planning, sampling bookkeeping, output processing.
+
+Both are keyed by batch size ("1", "64", "256"); medians of `--repeats` timings. Where the fake
+driver cannot be built (no C compiler or NVRTC), `launch_us` is null with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# SmolLM2-135M's attention: 9 query heads over 3 KV heads of 64
+HEADS, KV_HEADS, HEAD_SIZE, BLOCK, SEQ_LEN = 9, 3, 64, 16, 512
+
+
+def median_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
+    """Median over `repeats` of the mean µs per call of `calls` back-to-back calls."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(times)
+
+
+# -- launches, in a child process whose libcuda.so.1 is the recording fake ----------------------------
+
+
+def launch_costs(batches: Sequence[int], repeats: int) -> dict[str, dict[str, float]]:
+    """Runs in the child (LD_LIBRARY_PATH names the fake driver)."""
+    from cuda.core import Device
+
+    from paged.kernels.backends.cuda import CudaRunner
+    from tests.fake_driver.scenario import ForeignStream
+
+    Device(0).set_current()
+    stream = Device(0).create_stream()
+    runner = CudaRunner(0, stream_source=lambda index: ForeignStream(int(stream.handle)))
+    results: dict[str, dict[str, float]] = {"launch_us": {}, "op_us": {}, "cuda_core_launch_us": {}}
+    for batch in batches:
+        for key, value in _batch_launch_costs(batch, runner, stream, repeats).items():
+            results[key][str(batch)] = value
+    return results
+
+
+def _batch_launch_costs(batch: int, runner: Any, stream: Any, repeats: int) -> dict[str, float]:
+    import torch
+    from cuda.core import LaunchConfig
+    from cuda.core import launch as cuda_core_launch
+
+    from paged import kernels
+    from paged.kernels.backends.launch_api import Ptr
+    from paged.kernels.testing import AttentionCase, attention_inputs
+    from tests.fake_driver.scenario import HostMemoryCuda
+
+    plans: list[tuple[Any, list[Any]]] = []
+
+    class Spy:
+        """The runner, keeping the launch plan the op hands it, to time the runner on it alone."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(runner, name)
+
+        def run(self, unit: Any, launches: Sequence[Any]) -> None:
+            plans.append((unit, list(launches)))
+            runner.run(unit, launches)
+
+    x = attention_inputs(AttentionCase(torch.float16, HEAD_SIZE, BLOCK, HEADS, KV_HEADS, 512, (SEQ_LEN,) * batch))
+
+    def op(backend: HostMemoryCuda) -> torch.Tensor:
+        return kernels.paged_attention(x.query, x.key_cache, x.value_cache, x.block_tables, x.seq_lens, x.scale,
+                                       version="v1", backend=backend)
+
+    op(HostMemoryCuda(Spy()))
+    unit, launches = plans[-1]
+    direct = HostMemoryCuda(runner)
+    item = launches[0]
+    kernel = runner._kernels[item.kernel].handle
+    config = LaunchConfig(grid=item.grid, block=item.block, shmem_size=item.shared_memory)
+    args = [int(a) if isinstance(a, Ptr) else a for a in item.args]
+    return {
+        "launch_us": median_us(lambda: runner.run(unit, launches), 5000, repeats) / len(launches),
+        "op_us": median_us(lambda: op(direct), 500, repeats),
+        "cuda_core_launch_us": median_us(lambda: cuda_core_launch(stream, config, kernel, *args), 5000, repeats),
+    }
+
+
+def measure_launches(batches: Sequence[int], repeats: int) -> tuple[dict[str, dict[str, float]] | None, str | None]:
+    """The child's results, or None and why the fake driver cannot run here."""
+    from tests import fake_driver
+
+    missing = fake_driver.nvrtc_missing()
+    if missing:
+        return None, missing
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            driver_dir = fake_driver.build(Path(tmp))
+        except fake_driver.NoCompilerError as e:
+            return None, str(e)
+        out = Path(tmp) / "launches.json"
+        env = {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(driver_dir),
+                                                                             os.environ.get("LD_LIBRARY_PATH")]))}
+        env.pop("FAKE_CUDA_LOG", None)
+        cmd = [sys.executable, __file__, "--launch-child", str(out), "--repeats", str(repeats),
+               "--batches", *map(str, batches)]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the launch benchmark failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        return json.loads(out.read_text()), None
+
+
+# -- engine steps without the model -----------------------------------------------------------------
+
+
+class InstantModel:
+    """A model whose forward returns at once: hidden states and (one-token-wide) logits made once
+    for the largest step, so that what remains of a step is the engine's own host work."""
+
+    def __init__(self, arch: Any, max_tokens: int) -> None:
+        import torch
+
+        self.arch = arch
+        self._hidden = torch.zeros(max_tokens, arch.hidden_size)
+        self._logits = torch.zeros(max_tokens, 1)
+
+    def forward(self, input_ids: Any, positions: Any, attn: Any) -> Any:
+        return self._hidden[: input_ids.shape[0]]
+
+    def compute_logits(self, hidden: Any) -> Any:
+        return self._logits[: hidden.shape[0]]
+
+
+def step_overhead_ms(batch: int, steps: int, repeats: int) -> float:
+    """Median host ms of an engine step of `batch` decode rows (prompts of 16, greedy, no EOS)."""
+    from paged.config import compose_config
+    from paged.engine.builder import build_engine
+    from paged.engine.runner import to_request
+    from paged.workload import load_workload
+
+    output_len = repeats * steps + 8
+    cfg = compose_config([
+        "model=tiny-random", "model.device=cpu", "logger=none", "progress=false", "workload=fixed",
+        f"workload.num_requests={batch}", "workload.prompt_len=16", f"workload.output_len={output_len}",
+        f"scheduler.max_num_seqs={batch}", f"scheduler.max_model_len={16 + output_len}",
+        f"scheduler.max_num_batched_tokens={max(16 * batch, 512)}", f"allocator.num_blocks={batch * 64}",
+    ])
+    engine = build_engine(cfg)
+    executor = engine.executor
+    executor.model = InstantModel(executor.shard, 16 * batch)
+    for item in load_workload(cfg.workload, tokenizer=executor.tokenizer, vocab_size=executor.vocab_size):
+        engine.add_request(to_request(item))
+    while not engine.metrics.steps or engine.metrics.steps[-1].num_decode_rows < batch:
+        engine.step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        times.append((time.perf_counter() - start) / steps * 1e3)
+    assert all(s.num_decode_rows == batch for s in engine.metrics.steps[-steps:]), "a timed step was not a full decode"
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--steps", type=int, default=50, help="engine steps per timing")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--launch-child", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.launch_child:
+        args.launch_child.write_text(json.dumps(launch_costs(args.batches, args.repeats)))
+        return
+    logging.basicConfig(level=logging.WARNING)
+    launches, why = measure_launches(args.batches, args.repeats)
+    results: dict[str, Any] = {
+        **(launches or {"launch_us": None, "op_us": None, "cuda_core_launch_us": None}),
+        "launch_unavailable": why,
+        "step_overhead_ms": {str(b): step_overhead_ms(b, args.steps, args.repeats) for b in args.batches},
+        "cpu": _cpu_name(),
+    }
+    _print(results, args.batches)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def _print(results: dict[str, Any], batches: Sequence[int]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Host overhead on {results['cpu']} (targets: launch <= 5 us, step at 256 <= 0.5 ms)")
+    table.add_column("batch", justify="right")
+    for column in ("launch_us", "op_us", "cuda_core_launch_us", "step_overhead_ms"):
+        table.add_column(column, justify="right")
+    for b in batches:
+        row = [results[k][str(b)] if results[k] else None
+               for k in ("launch_us", "op_us", "cuda_core_launch_us", "step_overhead_ms")]
+        table.add_row(str(b), *("n/a" if v is None else f"{v:.2f}" for v in row))
+    Console().print(table)
+    if results["launch_unavailable"]:
+        print(f"launch_us: not measured ({results['launch_unavailable']})")
+
+
+if __name__ == "__main__":
+    main()
