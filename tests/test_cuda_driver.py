@@ -320,6 +320,16 @@ def test_driver_rejects_bad_caches_before_any_launch(launches: fake_driver.Run) 
         assert not _launched(calls)
 
 
+def test_a_plan_whose_arguments_do_not_fit_the_kernel_is_refused_before_the_driver(launches: fake_driver.Run) -> None:
+    """The first launch of a kernel checks the plan's argument sizes against the cubin's (later ones
+    reuse its packed parameter block); a refused plan leaves the kernel to launch rightly after."""
+    r, calls = _case(launches, "mistyped-plan")
+    assert r["error_message"] is not None and "passes arguments of (4, 8, 8, 4) bytes" in r["error_message"]
+    assert "the kernel takes (8, 8, 8, 4)" in r["error_message"]
+    (launch,) = _launched(calls)
+    assert [size for size, _ in _decode(launch)] == [8, 8, 8, 4]
+
+
 def test_driver_launches_on_the_stream_the_source_names(launches: fake_driver.Run) -> None:
     r, calls = _case(launches, "streams-follow-the-source")
     first, second = r["streams"]

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from paged import kernels
@@ -255,6 +256,26 @@ def bad_cache_case(kind: str, backend: HostMemoryCuda) -> dict[str, Any]:
     return {}
 
 
+def mistyped_plan_case(stream: Any) -> dict[str, Any]:
+    """A plan that passes a 4-byte int where `copy_blocks` takes a pointer, on a runner that has not
+    launched the kernel yet: refused before the driver sees it; the right plan then launches."""
+    from paged.kernels.backends.cuda import CudaRunner
+    from paged.kernels.backends.launch_api import Launch, Ptr
+
+    runner = CudaRunner(0, stream_source=lambda index: ForeignStream(int(stream.handle)))
+    unit = cache_unit(torch.float16)
+    kernel = unit.kernels[1]  # copy_blocks: key caches, value caches, block mapping, numel per block
+    buffers = torch.zeros(4, dtype=torch.int64)
+    right = (Ptr(buffers.data_ptr()), Ptr(buffers.data_ptr()), Ptr(buffers.data_ptr()), np.int32(16))
+    error = None
+    try:
+        runner.run(unit, [Launch(kernel, (1, 1, 1), 32, 0, (np.int32(0), *right[1:]))])
+    except RuntimeError as e:
+        error = str(e)
+    runner.run(unit, [Launch(kernel, (1, 1, 1), 32, 0, right)])
+    return {"error_message": error}
+
+
 def smem_cases(stream: Any, backend: HostMemoryCuda, arch: str) -> list[Case]:
     """v1 at max_seq_len values around the two shared-memory limits of its kernel: 48 KB less its
     static shared memory (beyond it the launch needs the opt-in attribute) and the device's opt-in
@@ -333,7 +354,8 @@ def launch_cases(arch: str) -> list[Case]:
         result = cache_case(torch.float16, HostMemoryCuda(on_one), streams[1], arch)
         return {**result, "current_before": before, "current_after": _current_device()}
 
-    cases += [Case("streams-follow-the-source", second_stream), Case("device-1-from-device-0", other_device)]
+    cases += [Case("streams-follow-the-source", second_stream), Case("device-1-from-device-0", other_device),
+              Case("mistyped-plan", lambda: mistyped_plan_case(streams[0]))]
     return cases
 
 
