@@ -77,4 +77,4 @@ class ToyExecutor(TokenCacheExecutor):
     def __init__(self, model: ModelConfig, kernel: KernelConfig, seed: int = 0, vocab_size: int = 1000) -> None:
         super().__init__(vocab_size)
         self.tokenizer = load_tokenizer(locate_smollm2())
-        self.vocab_size = len(self.tokenizer.hf)
+        self.vocab_size = self.tokenizer.vocab_size

@@ -84,7 +84,7 @@ def main() -> None:
 
     gguf = locate_smollm2()
     hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
-    pad_id = llm.executor.tokenizer.hf.pad_token_id or 0
+    pad_id = llm.executor.tokenizer.pad_token_id or 0
     best = 0.0
     for bs in args.hf_batch_sizes:
         hf_elapsed, hf_tokens = run_hf(hf, prompts, outputs, bs, pad_id)

@@ -295,7 +295,7 @@ def main() -> int:
     runners: dict[str, Callable[[int], RoundResult]] = {
         row.name: lambda _, llm=llm: run_paged_round(llm, prompts, outputs) for row, llm in paged_rows}
     if not args.skip_hf:
-        add_hf_rows(args, first_llm.executor.tokenizer.hf.pad_token_id or 0, prompts, outputs, results, runners)
+        add_hf_rows(args, first_llm.executor.tokenizer.pad_token_id or 0, prompts, outputs, results, runners)
     workers: list[VllmWorker] = []
     if not args.skip_vllm:
         workers = start_vllm_rows(console, args, prompts, outputs, results, runners)
