@@ -129,7 +129,7 @@ class ModelExecutor(TieredHostPool, Executor):
             self.workers = workers
 
     def _load(self, model_cfg: ModelConfig, kernel_cfg: KernelConfig, group: Any) -> None:
-        arch, state, tokenizer_source = load_weights(model_cfg)
+        arch, state, tokenizer_source = load_weights(model_cfg, self.device, self.dtype)
         self.arch = arch
         # the embedding's rows: a prompt's token ids must be below it (the LLM API checks them)
         self.vocab_size = arch.vocab_size

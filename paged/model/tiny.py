@@ -53,27 +53,36 @@ def tiny_arch(overrides: dict[str, Any] | None = None) -> LlamaArch:
     return LlamaArch.from_dict({**base, **overrides})
 
 
-def random_state(arch: LlamaArch, seed: int = 0) -> dict[str, torch.Tensor]:
-    """HF-named weights: N(0, 1/fan_in) projections, N(0, 1) embeddings, ones for RMSNorms."""
-    gen = torch.Generator().manual_seed(seed)
+def random_state(
+    arch: LlamaArch, seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """HF-named weights: N(0, 1/fan_in) projections, N(0, 1) embeddings, ones for RMSNorms; drawn on
+    `device` in `dtype` (a random Llama-3-8B's fp32 weights would be 32 GB of host memory first)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, device=device, dtype=dtype)
 
     def linear(out_features: int, in_features: int) -> torch.Tensor:
-        return torch.randn(out_features, in_features, generator=gen) / math.sqrt(in_features)
+        return randn(out_features, in_features) / math.sqrt(in_features)
 
     if arch.architecture == "bloom":
         return _bloom_state(arch, gen, linear)
     h, d = arch.hidden_size, arch.head_dim
     state = {
-        "model.embed_tokens.weight": torch.randn(arch.vocab_size, h, generator=gen),
-        "model.norm.weight": torch.ones(h),
+        "model.embed_tokens.weight": randn(arch.vocab_size, h),
+        "model.norm.weight": ones(h),
     }
     if not arch.tie_word_embeddings:
         state["lm_head.weight"] = _LM_HEAD_GAIN * linear(arch.vocab_size, h)
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
         state |= {
-            p + "input_layernorm.weight": torch.ones(h),
-            p + "post_attention_layernorm.weight": torch.ones(h),
+            p + "input_layernorm.weight": ones(h),
+            p + "post_attention_layernorm.weight": ones(h),
             p + "self_attn.q_proj.weight": linear(arch.num_heads * d, h),
             p + "self_attn.k_proj.weight": linear(arch.num_kv_heads * d, h),
             p + "self_attn.v_proj.weight": linear(arch.num_kv_heads * d, h),
@@ -84,7 +93,7 @@ def random_state(arch: LlamaArch, seed: int = 0) -> dict[str, torch.Tensor]:
         }
         if arch.qkv_bias:
             for n, width in (("q", arch.num_heads * d), ("k", arch.num_kv_heads * d), ("v", arch.num_kv_heads * d)):
-                state[f"{p}self_attn.{n}_proj.bias"] = 0.1 * torch.randn(width, generator=gen)
+                state[f"{p}self_attn.{n}_proj.bias"] = 0.1 * randn(width)
     return state
 
 

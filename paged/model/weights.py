@@ -71,8 +71,12 @@ def _check_source(model_cfg: ModelConfig) -> None:
         raise ValueError("model.source=hf needs model.path=/path/to/a/local/hf/checkpoint")
 
 
-def load_weights(model_cfg: ModelConfig) -> tuple[LlamaArch, dict[str, torch.Tensor], Path]:
-    """(architecture, HF-named weights, tokenizer source) for `model.source` gguf / hf / random."""
+def load_weights(
+    model_cfg: ModelConfig, device: torch.device | None = None, dtype: torch.dtype = torch.float32
+) -> tuple[LlamaArch, dict[str, torch.Tensor], Path]:
+    """(architecture, HF-named weights, tokenizer source) for `model.source` gguf / hf / random.
+    Random weights are drawn on a GPU `device` in `dtype` (on the host in fp32 otherwise, which
+    keeps `tiny-random` the same model on every CPU)."""
     _check_source(model_cfg)
     if model_cfg.source == "gguf":
         path = Path(model_cfg.path) if model_cfg.path else locate_smollm2()
@@ -87,7 +91,9 @@ def load_weights(model_cfg: ModelConfig) -> tuple[LlamaArch, dict[str, torch.Ten
         return _checkpoint_arch(arch, model_cfg), read_weights(shards), path
     arch = _checkpoint_arch(tiny_arch(_arch_keys(model_cfg)), model_cfg)
     # A fixed weight seed: `tiny-random` is one model whatever the experiment's sampling seed.
-    return arch, random_state(arch, seed=0), shipped_tokenizer()
+    on_gpu = device is not None and device.type != "cpu"
+    state = random_state(arch, seed=0, device=device, dtype=dtype) if on_gpu else random_state(arch, seed=0)
+    return arch, state, shipped_tokenizer()
 
 
 def _load_gguf_timed(path: Path, use_cache: bool) -> tuple[LlamaArch, dict[str, torch.Tensor]]:
