@@ -1,10 +1,12 @@
 """What the host pays for each GPU step, measured on this CPU without a GPU.
 
     python experiments/host_overhead.py [--json FILE] [--batches 1 64 256] [--steps 50] [--repeats 5]
+        [--real-driver]
 
 - `launch_us`: host µs per kernel launch of the cuda backend (`CudaRunner.run`), on the recording
   fake driver (tests/fake_driver, built with the C compiler; it records nothing here, so what is
-  timed is our side: shape lookup, parameter packing, the driver call). The plan is SmolLM2-135M's
+  timed is our side: kernel lookup, parameter packing, the driver call), or with `--real-driver` on
+  this machine's GPU (`make gpu-report` runs that). The plan is SmolLM2-135M's
   decode attention for a batch of that many 512-token rows (fp16, v1). Beside it: `op_us`, one
   `paged.kernels.paged_attention` call (input checks, plan, launch), and `cuda_core_launch_us`,
   the same launch through cuda.core's `launch()`, which packs its arguments on every call.
@@ -52,24 +54,47 @@ def median_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
 # -- launches, in a child process whose libcuda.so.1 is the recording fake ----------------------------
 
 
-def launch_costs(batches: Sequence[int], repeats: int) -> dict[str, dict[str, float]]:
-    """Runs in the child (LD_LIBRARY_PATH names the fake driver)."""
+def launch_costs(batches: Sequence[int], repeats: int, *, real_driver: bool = False) -> dict[str, dict[str, float]]:
+    """On the recording fake (in the child, whose LD_LIBRARY_PATH names it) over host tensors, or
+    with `real_driver` on this machine's GPU over CUDA tensors on torch's current stream."""
+    import torch
     from cuda.core import Device
 
-    from paged.kernels.backends.cuda import CudaRunner
-    from tests.fake_driver.scenario import ForeignStream
+    from paged.kernels.backends.cuda import CudaBackend, CudaRunner
 
-    Device(0).set_current()
-    stream = Device(0).create_stream()
-    runner = CudaRunner(0, stream_source=lambda index: ForeignStream(int(stream.handle)))
+    if real_driver:
+        device = torch.device("cuda", torch.cuda.current_device())
+        runner = CudaBackend().runner(torch.empty(0, device=device))
+        stream = runner._stream()[0]
+        backend_of = _cuda_backend_of
+    else:
+        from tests.fake_driver.scenario import ForeignStream, HostMemoryCuda
+
+        Device(0).set_current()
+        device, stream = torch.device("cpu"), Device(0).create_stream()
+        runner = CudaRunner(0, stream_source=lambda index: ForeignStream(int(stream.handle)))
+        backend_of = HostMemoryCuda
     results: dict[str, dict[str, float]] = {"launch_us": {}, "op_us": {}, "cuda_core_launch_us": {}}
     for batch in batches:
-        for key, value in _batch_launch_costs(batch, runner, stream, repeats).items():
+        for key, value in _batch_launch_costs(batch, runner, stream, backend_of, device, repeats).items():
             results[key][str(batch)] = value
     return results
 
 
-def _batch_launch_costs(batch: int, runner: Any, stream: Any, repeats: int) -> dict[str, float]:
+def _cuda_backend_of(runner: Any) -> Any:
+    """The cuda backend with `runner` for every tensor."""
+    from paged.kernels.backends.cuda import CudaBackend
+
+    class OneRunner(CudaBackend):
+        def runner(self, tensor: Any) -> Any:
+            return runner
+
+    return OneRunner()
+
+
+def _batch_launch_costs(
+    batch: int, runner: Any, stream: Any, backend_of: Callable[[Any], Any], device: Any, repeats: int
+) -> dict[str, float]:
     import torch
     from cuda.core import LaunchConfig
     from cuda.core import launch as cuda_core_launch
@@ -77,7 +102,6 @@ def _batch_launch_costs(batch: int, runner: Any, stream: Any, repeats: int) -> d
     from paged import kernels
     from paged.kernels.backends.launch_api import Ptr
     from paged.kernels.testing import AttentionCase, attention_inputs
-    from tests.fake_driver.scenario import HostMemoryCuda
 
     plans: list[tuple[Any, list[Any]]] = []
 
@@ -91,24 +115,28 @@ def _batch_launch_costs(batch: int, runner: Any, stream: Any, repeats: int) -> d
             plans.append((unit, list(launches)))
             runner.run(unit, launches)
 
-    x = attention_inputs(AttentionCase(torch.float16, HEAD_SIZE, BLOCK, HEADS, KV_HEADS, 512, (SEQ_LEN,) * batch))
+    case = AttentionCase(torch.float16, HEAD_SIZE, BLOCK, HEADS, KV_HEADS, 512, (SEQ_LEN,) * batch)
+    x = attention_inputs(case, device=device)
 
-    def op(backend: HostMemoryCuda) -> torch.Tensor:
+    def op(backend: Any) -> torch.Tensor:
         return kernels.paged_attention(x.query, x.key_cache, x.value_cache, x.block_tables, x.seq_lens, x.scale,
                                        version="v1", backend=backend)
 
-    op(HostMemoryCuda(Spy()))
+    op(backend_of(Spy()))
     unit, launches = plans[-1]
-    direct = HostMemoryCuda(runner)
+    direct = backend_of(runner)
     item = launches[0]
     kernel = runner._kernels[item.kernel].handle
     config = LaunchConfig(grid=item.grid, block=item.block, shmem_size=item.shared_memory)
     args = [int(a) if isinstance(a, Ptr) else a for a in item.args]
-    return {
+    costs = {
         "launch_us": median_us(lambda: runner.run(unit, launches), 5000, repeats) / len(launches),
         "op_us": median_us(lambda: op(direct), 500, repeats),
         "cuda_core_launch_us": median_us(lambda: cuda_core_launch(stream, config, kernel, *args), 5000, repeats),
     }
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return costs
 
 
 def measure_launches(batches: Sequence[int], repeats: int) -> tuple[dict[str, dict[str, float]] | None, str | None]:
@@ -193,18 +221,29 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--steps", type=int, default=50, help="engine steps per timing")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--real-driver", action="store_true",
+                        help="launches on this machine's GPU and driver instead of the recording fake")
     parser.add_argument("--launch-child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.launch_child:
         args.launch_child.write_text(json.dumps(launch_costs(args.batches, args.repeats)))
         return
     logging.basicConfig(level=logging.WARNING)
-    launches, why = measure_launches(args.batches, args.repeats)
+    if args.real_driver:
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error(f"--real-driver needs a CUDA device, and torch {torch.__version__} sees none; "
+                         "without it the launches run on the recording fake driver")
+        launches, why = launch_costs(args.batches, args.repeats, real_driver=True), None
+    else:
+        launches, why = measure_launches(args.batches, args.repeats)
     results: dict[str, Any] = {
         **(launches or {"launch_us": None, "op_us": None, "cuda_core_launch_us": None}),
         "launch_unavailable": why,
         "step_overhead_ms": {str(b): step_overhead_ms(b, args.steps, args.repeats) for b in args.batches},
         "cpu": _cpu_name(),
+        "driver": "real" if args.real_driver else "recording fake",
     }
     _print(results, args.batches)
     if args.json:
@@ -225,7 +264,8 @@ def _print(results: dict[str, Any], batches: Sequence[int]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"Host overhead on {results['cpu']} (targets: launch <= 5 us, step at 256 <= 0.5 ms)")
+    table = Table(title=f"Host overhead on {results['cpu']}, launches on the {results['driver']} driver "
+                        "(targets: launch <= 5 us, step at 256 <= 0.5 ms)")
     table.add_column("batch", justify="right")
     for column in ("launch_us", "op_us", "cuda_core_launch_us", "step_overhead_ms"):
         table.add_column(column, justify="right")

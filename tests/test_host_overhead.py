@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests import fake_driver
 
@@ -39,3 +40,12 @@ def test_the_benchmark_writes_launch_and_step_overheads_keyed_by_batch(tmp_path:
         assert set(results[key]) == {"1", "4"} and all(v > 0 for v in results[key].values()), key
     # the op checks its inputs and plans before it launches: it cannot cost less than its launch
     assert all(results["op_us"][b] > results["launch_us"][b] for b in ("1", "4"))
+
+
+def test_the_real_driver_without_a_gpu_is_one_line() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device (make gpu-report runs --real-driver there)")
+    proc = subprocess.run([sys.executable, "experiments/host_overhead.py", "--real-driver"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("host_overhead.py: error: --real-driver needs a CUDA device")
