@@ -145,11 +145,12 @@ def test_run_bench_runs_each_benchmark_whatever_became_of_the_one_before(report,
     assert bench.wall_s == pytest.approx(decode.wall_s + prefill.wall_s)
 
 
-def test_the_benchmarks_are_kernel_bench_then_prefill_bench_on_cuda(report) -> None:
+def test_the_benchmarks_are_kernel_bench_prefill_bench_then_the_host_overhead_on_cuda(report) -> None:
     scripts = [script for _, script, _ in report.BENCHES]
     assert scripts == [["experiments/gpu/kernel_bench.py", "--repeats", "5", "--shapes", *report.DECODE_SHAPES,
                         "--peers", "sdpa-flash", "sdpa-cudnn", "flashinfer"],
-                       ["experiments/gpu/prefill_bench.py", "--device", "cuda", "--repeats", "5"]]
+                       ["experiments/gpu/prefill_bench.py", "--device", "cuda", "--repeats", "5"],
+                       ["experiments/host_overhead.py", "--real-driver"]]
     # the v3 targets' shapes come first, and every H100 table row of docs/gpu.md is there
     assert report.DECODE_SHAPES[:3] == ("64x4096", "256x1024", "1x16384")
     assert set(report.DECODE_SHAPES) == {"1x512", "1x4096", "1x16384", "16x1024", "16x16384", "64x4096", "256x1024",
@@ -167,18 +168,27 @@ def test_run_job_runs_the_torch_kernels_as_the_default_and_compares_them(report,
         run_dir = Path(next(a for a in command if a.startswith("hydra.run.dir=")).split("=", 1)[1])
         run_dir.mkdir(parents=True)
         torch_kernels = "kernel.backend=torch" in command
-        (run_dir / "summary.json").write_text(json.dumps(_summary(900.0, None, ttft=1.2 if torch_kernels else 0.3)))
+        tok_s = 4000.0 if "executor=sim" in command else 3500.0 if "model=llama-3-8b-random" in command else 900.0
+        (run_dir / "summary.json").write_text(json.dumps(_summary(tok_s, None, ttft=1.2 if torch_kernels else 0.3)))
         _write_requests(run_dir / "requests.jsonl", {"0": [1, 2, 3], "1": [4, 5] if torch_kernels else [4, 6]})
         return report.CommandRun(command, 0, "", "", 1.0, timeout_s)
 
     monkeypatch.setattr(report, "run_command", fake_run)
-    job = report.run_job(timeout_s=500)
-    labels = [r.label for r in job.runs]
-    assert labels[0] == "cuda-fp32-graphs-off" and labels[-1] == "cuda-fp32-graphs-on"  # the table's ratio
-    overrides = dict(report.JOB_RUNS)
+    job = report.run_job(timeout_s=500, hardware="h200")
+    assert [r.label for r in job.runs] == [label for label, _ in report.JOB_RUNS]
+    assert job.ratio == ("cuda-fp32-graphs-on", "cuda-fp32-graphs-off")  # the table's ratio column
+    overrides = dict(report.job_runs("h200"))
     # the CUDA default (its dtype, graphs on) but for the kernels: only the backend differs
     assert overrides["cuda-torch-kernels"] == [*overrides["cuda-default"], "kernel.backend=torch"]
     assert not any(a.startswith(("model.dtype", "executor.cuda_graphs")) for a in overrides["cuda-default"])
+    # the compared fp32 runs share their workload (16 requests); the load runs differ in the kernel only
+    assert all("workload.num_requests=16" in overrides[label] for pair in report.COMPARED[:2] for label in pair)
+    assert overrides["cuda-load-v3"] == [*overrides["cuda-load-auto"], "kernel=v3"]
+    assert "scheduler.max_num_seqs=256" in overrides["cuda-load-auto"]
+    # the real Llama-3-8B shape and the simulator's run the same workload; the simulator on this GPU's preset
+    real, simulated = overrides["cuda-llama-3-8b-random"], overrides["sim-llama-3-8b"]
+    assert [a for a in real if a.startswith("workload")] == [a for a in simulated if a.startswith("workload")]
+    assert simulated[-1] == "hardware=h200" and "executor=sim" in simulated
     assert len(commands) == len(report.JOB_RUNS)
     assert all(c[1] == "run.py" and "logger=none" in c for c in commands)
     compared = {(a, b): o for a, b, o in job.outputs}
@@ -187,6 +197,42 @@ def test_run_job_runs_the_torch_kernels_as_the_default_and_compares_them(report,
             .identical) == (1, 2)
     assert job.ttft == report.TtftRatio("cuda-torch-kernels", "cuda-default", 3.0)
     assert render.ttft_ratio(job) == pytest.approx((4.0, 1.2, 0.3))
+    assert render.sim_error(job) == pytest.approx(-0.125)
+
+
+def test_without_a_simulator_preset_for_the_gpu_the_simulated_run_is_left_out(report) -> None:
+    assert "sim-llama-3-8b" not in dict(report.job_runs(None))
+    assert len(report.job_runs(None)) == len(report.JOB_RUNS) - 1
+
+
+@pytest.mark.parametrize(("gpu", "memory", "preset"), [
+    ("NVIDIA H200", 139.8, "h200"), ("NVIDIA H100 80GB HBM3", 79.1, "h100-sxm"),
+    ("NVIDIA A100-SXM4-40GB", 39.4, "a100-40g"), ("NVIDIA A100-SXM4-80GB", 79.2, "a100-80g"),
+    ("NVIDIA L4", 22.0, "l4"), ("NVIDIA GeForce RTX 4090", 24.0, None),
+])
+def test_the_simulator_runs_on_the_preset_of_this_gpu(report, gpu: str, memory: float, preset: str | None) -> None:
+    assert report.sim_hardware(gpu, memory) == preset
+
+
+def test_the_real_run_is_stated_against_the_simulators_with_its_error(report, render) -> None:
+    def run(label: str, summary: dict | None):
+        return report.JobRun(label, _run(report, ["run.py"], 0 if summary else 1), summary)
+
+    sim = report.SimComparison("cuda-llama-3-8b-random", "sim-llama-3-8b", 0.15)
+    real = {**_summary(3500.0, None, ttft=2.0), "tpot_mean_s": 0.0110}
+    simulated = {**_summary(4000.0, None, ttft=1.6), "tpot_mean_s": 0.0100}
+    job = report.JobResult([run("cuda-default", _summary(900.0, None)), run("cuda-llama-3-8b-random", real),
+                            run("sim-llama-3-8b", simulated)], [], None, None, sim)
+    (line, _) = render.render_sim(job)
+    assert line == ("cuda-llama-3-8b-random against the simulator's sim-llama-3-8b (same model shape and workload): "
+                    "output tok/s 3500 vs 4000 (-12.5%); TPOT mean 11.00 ms vs 10.00 ms (+10.0%); TTFT mean 2.000 s vs "
+                    "1.600 s (+25.0%); output tok/s **within 15%** of the simulator's (the simulator prices GPU work "
+                    "only: the gap is the engine's host cost).")
+    assert "; cuda-llama-3-8b-random vs the simulator: -12.5% tok/s" in render._outcome(job)
+    # no ratio pair given: the last run over the first, as before
+    assert "| output tokens/s | 900.0 | 3500.0 | 4000.0 | 4.44 |" in render.render_job(job)
+    failed = report.JobResult([run("cuda-llama-3-8b-random", None), run("sim-llama-3-8b", simulated)], [], sim=sim)
+    assert render.render_sim(failed)[0].endswith("not measured (a run is missing or wrote no throughput).")
 
 
 # -- the markdown ----------------------------------------------------------------------------------
@@ -242,7 +288,9 @@ def _summary(tok_s: float, graph_steps: int | None, ttft: float = 0.985) -> dict
     return summary
 
 
-JOB_TITLE = "3. The default job: CUDA graphs off / on, CUDA / CPU, our kernels / torch's"
+JOB_TITLE = ("3. The default job: CUDA graphs off / on, CUDA / CPU, our kernels / torch's; under load; "
+             "Llama-3-8B's shape against the simulator")
+BENCH_TITLE = "2. Kernel benchmarks: decode, prefill; host overhead"
 
 
 def test_render_report_from_fabricated_results(report) -> None:
@@ -269,7 +317,7 @@ def test_render_report_from_fabricated_results(report) -> None:
     assert lines[0] == "# GPU report: NVIDIA H100 80GB HBM3"
     assert "2026-11-24, commit 8be5c32 (dirty)" in lines[2]
     assert "| 1. CUDA tests | 1 failed, 60 passed, 2 skipped | 10 s |" in lines
-    assert "| 2. Kernel benchmarks: decode, prefill | decode attention ok; prefill attention ok | 20 s |" in lines
+    assert f"| {BENCH_TITLE} | decode attention ok; prefill attention ok | 20 s |" in lines
     assert (f"| {JOB_TITLE} | graphs-off 900.0 tok/s / graphs-on 1350.0 "
             "tok/s; graphs-off vs graphs-on: 47/48 requests identical | 20 s |") in lines
     # the environment
@@ -281,7 +329,7 @@ def test_render_report_from_fabricated_results(report) -> None:
     assert "| date | 2026-11-24T13:05+01:00 |" in lines
     # sections in order, each with its wall time
     headings = [line for line in lines if line.startswith("## ")]
-    assert headings == ["## Environment", "## 1. CUDA tests (10 s)", "## 2. Kernel benchmarks: decode, prefill (20 s)",
+    assert headings == ["## Environment", "## 1. CUDA tests (10 s)", f"## {BENCH_TITLE} (20 s)",
                         f"## {JOB_TITLE} (20 s)"]
     assert "`python -m pytest -q tests/test_kernels_cuda.py`: exit 1, 10.0 s (timeout 300 s)" in lines
     assert "| failed | passed | skipped |" in lines and "| 1 | 60 | 2 |" in lines
@@ -317,8 +365,8 @@ def test_render_report_with_failures_timeouts_and_skips(report) -> None:
     assert "| 1. CUDA tests | no pytest summary (timed out) | 300 s |" in lines
     assert "`python -m pytest`: killed at its timeout, 300 s" in lines
     assert "```\n..\n```" in text  # what it printed before it was killed
-    assert "| 2. Kernel benchmarks: decode, prefill | skipped: --skip-bench | - |" in lines
-    assert "## 2. Kernel benchmarks: decode, prefill" in lines and "Skipped: --skip-bench." in lines
+    assert f"| {BENCH_TITLE} | skipped: --skip-bench | - |" in lines
+    assert f"## {BENCH_TITLE}" in lines and "Skipped: --skip-bench." in lines
     assert "| output tokens/s | 900.0 | - | - |" in lines
     assert "graphs-on, stderr's tail:" in lines and "error: no cuda_graphs" in lines
     assert "Outputs:" not in text
@@ -329,7 +377,7 @@ def test_a_failed_benchmark_is_reported_beside_the_others_output(report) -> None
     text = report.render_report(_environment(report), report.Skipped("--skip-tests"), bench,
                                 report.Skipped("--skip-job"), budget_min=20)
     lines = text.splitlines()
-    assert ("| 2. Kernel benchmarks: decode, prefill | decode attention ok; prefill attention exit 1, 10.0 s "
+    assert (f"| {BENCH_TITLE} | decode attention ok; prefill attention exit 1, 10.0 s "
             "(timeout 300 s) | 20 s |") in lines
     assert "```\n" + BENCH_OUTPUT + "```" in text and "```\n" + PREFILL_OUTPUT + "```" in text
     assert text.count("stderr's tail:") == 1 and "RuntimeError: no kernel image" in lines

@@ -16,14 +16,19 @@ Writes `<out>/<date>-<gpu>.md`: the device, its driver and the versions, then on
    `experiments/gpu/prefill_bench.py --device cuda --repeats 5` (our paged varlen kernel against torch
    SDPA-flash on contiguous inputs and the torch reference; its lowest cuda / sdpa-flash throughput ratio
    against the >= 50% target). Each has its share of the step (BENCHES), so a hang in the first leaves
-   the second its time, and a failure of one is reported beside the other's output.
+   the second its time, and a failure of one is reported beside the other's output. Then the host's cost,
+   `experiments/host_overhead.py --real-driver`: µs per launch on this GPU's driver, ms per engine step
+   without the model on its CPU.
 3. The default job: on CUDA in fp32 with `executor.cuda_graphs=false`, on this machine's CPU in fp32 (the
-   outputs' reference), on CUDA as configured by default (bfloat16, graphs on), the same with
-   `kernel.backend=torch` (the torch kernels and layer ops; that backend cannot be captured, so its decode
-   steps run eagerly), and on CUDA in fp32 with graphs on: throughput, TPOT / ITL, TTFT, times, the
-   CUDA-graph step counters; the TTFT mean of the torch kernels over ours on the same prompts (the target:
-   >= 3x); and how many requests produced the same output token ids with graphs off and on, on CUDA and
-   the CPU, and with our kernels and torch's.
+   outputs' reference; these fp32 runs take 16 requests), on CUDA as configured by default (bfloat16,
+   graphs on), the same with `kernel.backend=torch` (the torch kernels and layer ops; that backend cannot
+   be captured, so its decode steps run eagerly), and on CUDA in fp32 with graphs on; then under load (512
+   requests, 256 at once, `kernel=auto` and `kernel=v3`), and `model=llama-3-8b-random` on 512 requests
+   of the ShareGPT fit beside `executor=sim model=llama-3-8b` on this GPU's hardware preset: throughput,
+   TPOT / ITL, TTFT, times, the CUDA-graph step counters; the TTFT mean of the torch kernels over ours on
+   the same prompts (the target: >= 3x); the real Llama-3-8B-shaped run against the simulator's (the
+   target: within 15%); and how many requests produced the same output token ids with graphs off and on,
+   on CUDA and the CPU, and with our kernels and torch's.
 
 Each step is a subprocess from the repository root, so a crash or a hang in one is reported and the next
 still runs. The steps share `--budget-min`: each may use what is left less the shares (SHARES) of the
@@ -69,6 +74,7 @@ from gpu_report_render import (  # noqa: E402  (sibling script, not a package)
     JobRun,
     OutputComparison,
     Section,
+    SimComparison,
     Skipped,
     TestsResult,
     TtftRatio,
@@ -92,26 +98,52 @@ DECODE_PEERS = ("sdpa-flash", "sdpa-cudnn", "flashinfer")
 # prefill_bench.py's 2 shapes x 5 workloads take well under a minute once NVRTC has compiled.
 BENCHES = (
     ("decode attention", ["experiments/gpu/kernel_bench.py", "--repeats", "5", "--shapes", *DECODE_SHAPES,
-                          "--peers", *DECODE_PEERS], 0.7),
-    ("prefill attention", ["experiments/gpu/prefill_bench.py", "--device", "cuda", "--repeats", "5"], 0.3),
+                          "--peers", *DECODE_PEERS], 0.6),
+    ("prefill attention", ["experiments/gpu/prefill_bench.py", "--device", "cuda", "--repeats", "5"], 0.25),
+    # host µs per launch on this GPU's driver, host ms per engine step without the model on its CPU (issue 43)
+    ("host overhead", ["experiments/host_overhead.py", "--real-driver"], 0.15),
 )
 # model.device=cuda, though `auto` picks CUDA here: a run that fell back to the CPU must fail, not report.
 JOB_OVERRIDES = ["logger=none", "progress=false"]
-# (label, overrides): the label names the run's folder and its column in the report; the table's ratio
-# is the last run's over the first's, so fp32 graphs on / off (the earlier H100 runs were fp32, eager)
+# the fp32 runs whose outputs are compared: 16 requests, as the CPU reference of 48 took over a minute there
+FP32 = ["model.dtype=float32", "workload.num_requests=16"]
+# the engine under load: 512 requests, 256 running at once
+LOAD = ["model.device=cuda", "workload.num_requests=512", "scheduler.max_num_seqs=256"]
+# a model of the size KV-cache research studies, on the GPU and in the simulator: 512 requests of the
+# ShareGPT fit, all at once
+LLAMA = ["workload=sharegpt", "workload.num_requests=512", "workload.arrival_rate=0"]
+# (label, overrides): the label names the run's folder and its column in the report. The simulated run
+# also gets `hardware=` this GPU's preset (`sim_hardware`), and is left out where there is none.
 JOB_RUNS = (
-    ("cuda-fp32-graphs-off", ["model.device=cuda", "model.dtype=float32", "executor.cuda_graphs=false"]),
-    ("cpu-fp32", ["model.device=cpu", "model.dtype=float32"]),
+    ("cuda-fp32-graphs-off", ["model.device=cuda", *FP32, "executor.cuda_graphs=false"]),
+    ("cpu-fp32", ["model.device=cpu", *FP32]),
     ("cuda-default", ["model.device=cuda"]),
     ("cuda-torch-kernels", ["model.device=cuda", "kernel.backend=torch"]),
-    ("cuda-fp32-graphs-on", ["model.device=cuda", "model.dtype=float32", "executor.cuda_graphs=true"]),
+    ("cuda-fp32-graphs-on", ["model.device=cuda", *FP32, "executor.cuda_graphs=true"]),
+    ("cuda-load-auto", LOAD),
+    ("cuda-load-v3", [*LOAD, "kernel=v3"]),
+    ("cuda-llama-3-8b-random", ["model=llama-3-8b-random", "model.device=cuda", *LLAMA]),
+    ("sim-llama-3-8b", ["executor=sim", "model=llama-3-8b", *LLAMA]),
 )
+SIMULATED = "sim-llama-3-8b"
+# the table's ratio column: fp32 graphs on over off (the earlier H100 runs were fp32, eager)
+RATIO = ("cuda-fp32-graphs-on", "cuda-fp32-graphs-off")
 # the pairs of runs whose outputs are compared token by token: fp32 ones must be identical; the bf16 pair
 # (our kernels, torch's) shows how far rounding takes them apart
 COMPARED = (("cuda-fp32-graphs-off", "cuda-fp32-graphs-on"), ("cpu-fp32", "cuda-fp32-graphs-on"),
             ("cuda-default", "cuda-torch-kernels"))
 # the issue's prefill target: TTFT at least 3x lower with our kernels than with torch's, on the same prompts
 TTFT = TtftRatio(slower="cuda-torch-kernels", faster="cuda-default", target=3.0)
+# issue 43's target: the real engine on the Llama-3-8B shape within 15% of the simulator's output tok/s
+SIM = SimComparison(real="cuda-llama-3-8b-random", simulated=SIMULATED, target=0.15)
+# (what the device's name contains, the simulator's hardware preset), first match wins
+HARDWARE = (("H200", "h200"), ("H100", "h100-sxm"), ("A100", "a100-40g"), ("L4", "l4"))
+
+
+def sim_hardware(gpu: str, memory_gib: float) -> str | None:
+    """The `conf/hardware/` preset of the GPU named `gpu`, or None where the simulator has none."""
+    preset = next((p for key, p in HARDWARE if key in gpu.upper()), None)
+    return "a100-80g" if preset == "a100-40g" and memory_gib > 60 else preset
 
 
 # -- running the steps -----------------------------------------------------------------------------
@@ -224,23 +256,34 @@ def compare_outputs(first: dict[str, list[int]], second: dict[str, list[int]]) -
     return OutputComparison(len(request_ids), identical, tokens, matching, first_difference)
 
 
-def run_job(timeout_s: float) -> JobResult:
-    """The default job once per JOB_RUNS entry; each run may use its share of what is left."""
+def this_gpus_preset() -> str | None:
+    return sim_hardware(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory / 2**30)
+
+
+def job_runs(hardware: str | None) -> list[tuple[str, list[str]]]:
+    """JOB_RUNS, the simulated run on `hardware` (left out when None)."""
+    return [(label, [*overrides, f"hardware={hardware}"] if label == SIMULATED else overrides)
+            for label, overrides in JOB_RUNS if label != SIMULATED or hardware is not None]
+
+
+def run_job(timeout_s: float, hardware: str | None = None) -> JobResult:
+    """The default job once per `job_runs(hardware)` entry; each run may use its share of what is left."""
     start = time.monotonic()
     runs = []
+    planned = job_runs(hardware)
     with tempfile.TemporaryDirectory(prefix="gpu-report-") as tmp:
-        for i, (label, overrides) in enumerate(JOB_RUNS):
+        for i, (label, overrides) in enumerate(planned):
             run_dir = Path(tmp) / label
             command = [sys.executable, "run.py", *JOB_OVERRIDES, *overrides, f"hydra.run.dir={run_dir}"]
             left = timeout_s - (time.monotonic() - start)
-            runs.append(JobRun(label, run_command(command, left / (len(JOB_RUNS) - i)), read_summary(run_dir)))
+            runs.append(JobRun(label, run_command(command, left / (len(planned) - i)), read_summary(run_dir)))
         succeeded = {r.label for r in runs if r.run.ok}
         outputs = []
         for first, second in COMPARED:
             paths = [Path(tmp) / label / "requests.jsonl" for label in (first, second)]
             if {first, second} <= succeeded and all(p.is_file() for p in paths):
                 outputs.append((first, second, compare_outputs(*map(read_outputs, paths))))
-    return JobResult(runs, outputs, TTFT)
+    return JobResult(runs, outputs, TTFT, RATIO, SIM)
 
 
 # -- the environment -------------------------------------------------------------------------------
@@ -317,7 +360,7 @@ def missing_cuda() -> str:
 
 def run_steps(args: argparse.Namespace, budget: Budget) -> dict[str, Section]:
     """Run the steps not skipped by a flag, in order, each within its allowance of the budget."""
-    runners = {"tests": run_tests, "bench": run_bench, "job": run_job}
+    runners = {"tests": run_tests, "bench": run_bench, "job": lambda timeout_s: run_job(timeout_s, this_gpus_preset())}
     flags = {"tests": args.skip_tests, "bench": args.skip_bench, "job": args.skip_job}
     planned = [step for step in runners if not flags[step]]
     results: dict[str, Section] = {step: Skipped(f"--skip-{step}") for step in runners if flags[step]}

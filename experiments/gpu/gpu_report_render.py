@@ -118,11 +118,23 @@ class TtftRatio:
 
 
 @dataclass(frozen=True)
+class SimComparison:
+    """The run `real` against the simulator's run `simulated` of the same model and workload: output
+    tok/s within `target` (a fraction) of the simulator's."""
+
+    real: str
+    simulated: str
+    target: float
+
+
+@dataclass(frozen=True)
 class JobResult:
     runs: list[JobRun]
     # (first label, second label, their outputs compared) for each pair of COMPARED that both succeeded
     outputs: list[tuple[str, str, OutputComparison]]
     ttft: TtftRatio | None = None  # the TTFT ratio to state, where the job has both runs
+    ratio: tuple[str, str] | None = None  # the table's ratio column, numerator over denominator (None: last / first)
+    sim: SimComparison | None = None  # the real run to state against the simulator's
 
     @property
     def wall_s(self) -> float:
@@ -193,7 +205,9 @@ def _outcome(section: Section) -> str:
     agreement = "".join(f"; {a} vs {b}: {o.identical}/{o.requests} requests identical" for a, b, o in section.outputs)
     ratio = ttft_ratio(section)
     ttft = f"; TTFT {section.ttft.slower} / {section.ttft.faster}: {ratio[0]:.2f}x" if ratio and section.ttft else ""
-    return (throughput or "no run finished") + agreement + ttft
+    error = sim_error(section)
+    sim = f"; {section.sim.real} vs the simulator: {error:+.1%} tok/s" if error is not None and section.sim else ""
+    return (throughput or "no run finished") + agreement + ttft + sim
 
 
 def render_environment(env: Environment) -> list[str]:
@@ -258,14 +272,61 @@ JOB_METRICS = [
 ]
 
 
-def _metric_cells(key: str, scale: float, fmt: str, summaries: Sequence[dict[str, Any] | None]) -> list[str]:
+def _metric_cells(
+    key: str, scale: float, fmt: str, summaries: Sequence[dict[str, Any] | None], ratio: tuple[int, int]
+) -> list[str]:
     """One value per run ("-" where absent: a failed run, or a key older trees do not write), then the
-    ratio of the last to the first."""
+    ratio of the runs at indices `ratio` (numerator, denominator)."""
     values = [s.get(key) if s is not None else None for s in summaries]
     cells = ["-" if v is None else fmt.format(v * scale) for v in values]
-    first, last = values[0], values[-1]
-    numbers = all(isinstance(v, int | float) for v in (first, last))
-    return [*cells, f"{last / first:.2f}" if numbers and first else "-"]
+    top, bottom = values[ratio[0]], values[ratio[1]]
+    numbers = all(isinstance(v, int | float) for v in (top, bottom))
+    return [*cells, f"{top / bottom:.2f}" if numbers and bottom else "-"]
+
+
+def _ratio_runs(job: JobResult) -> tuple[int, int]:
+    """Indices of the ratio column's runs: `job.ratio`'s where both ran, else the last over the first."""
+    labels = [r.label for r in job.runs]
+    if job.ratio is not None and all(label in labels for label in job.ratio):
+        return labels.index(job.ratio[0]), labels.index(job.ratio[1])
+    return len(labels) - 1, 0
+
+
+SIM_METRICS = (("output tok/s", "output_tokens_per_s", 1, "{:.0f}"), ("TPOT mean", "tpot_mean_s", 1000, "{:.2f} ms"),
+               ("TTFT mean", "ttft_mean_s", 1, "{:.3f} s"))
+
+
+def sim_error(job: JobResult) -> float | None:
+    """(real - simulated) / simulated output tok/s where both runs wrote one; else None."""
+    if job.sim is None:
+        return None
+    summaries = {r.label: r.summary or {} for r in job.runs}
+    real = summaries.get(job.sim.real, {}).get("output_tokens_per_s")
+    simulated = summaries.get(job.sim.simulated, {}).get("output_tokens_per_s")
+    if not isinstance(real, int | float) or not isinstance(simulated, int | float) or not simulated:
+        return None
+    return (real - simulated) / simulated
+
+
+def render_sim(job: JobResult) -> list[str]:
+    """The real run against the simulator's as a sentence: each metric side by side with its error."""
+    if job.sim is None:
+        return []
+    c, error = job.sim, sim_error(job)
+    if error is None:
+        return [f"{c.real} against the simulator's {c.simulated}: not measured (a run is missing or wrote no "
+                "throughput).", ""]
+    summaries = {r.label: r.summary or {} for r in job.runs}
+    parts = []
+    for name, key, scale, fmt in SIM_METRICS:
+        real, simulated = summaries[c.real].get(key), summaries[c.simulated].get(key)
+        if isinstance(real, int | float) and isinstance(simulated, int | float) and simulated:
+            parts.append(f"{name} {fmt.format(real * scale)} vs {fmt.format(simulated * scale)} "
+                         f"({(real - simulated) / simulated:+.1%})")
+    verdict = "within" if abs(error) <= c.target else "not within"
+    return [f"{c.real} against the simulator's {c.simulated} (same model shape and workload): {'; '.join(parts)}; "
+            f"output tok/s **{verdict} {c.target:.0%}** of the simulator's (the simulator prices GPU work only: "
+            "the gap is the engine's host cost).", ""]
 
 
 def render_ttft(job: JobResult) -> list[str]:
@@ -288,12 +349,15 @@ def render_job(job: JobResult) -> list[str]:
     lines.append("")
     summaries = [r.summary for r in job.runs]
     if any(s is not None for s in summaries):
-        ratio = f"{job.runs[-1].label} / {job.runs[0].label}"
-        rows = [[label, *_metric_cells(key, scale, fmt, summaries)] for label, key, scale, fmt in JOB_METRICS]
+        top, bottom = _ratio_runs(job)
+        ratio = f"{job.runs[top].label} / {job.runs[bottom].label}"
+        rows = [[label, *_metric_cells(key, scale, fmt, summaries, (top, bottom))]
+                for label, key, scale, fmt in JOB_METRICS]
         rows += [[label, *("-" if s is None else s.get(key, "-") for s in summaries), ""]
                  for label, key in (("attention", "attention_kernel"), ("executor", "executor_description"))]
         lines += [*_table(["metric", *(r.label for r in job.runs), ratio], rows), ""]
     lines += render_ttft(job)
+    lines += render_sim(job)
     for first, second, o in job.outputs:
         where = "" if o.first_difference is None else f"; the first difference: {o.first_difference}"
         lines += [f"Outputs of {first} and {second}: **{o.identical} of {o.requests} requests** have identical "
@@ -318,8 +382,9 @@ def render_section(title: str, section: Section) -> list[str]:
     return [f"## {title}{wall}", "", *body]
 
 
-TITLES = ("1. CUDA tests", "2. Kernel benchmarks: decode, prefill",
-          "3. The default job: CUDA graphs off / on, CUDA / CPU, our kernels / torch's")
+TITLES = ("1. CUDA tests", "2. Kernel benchmarks: decode, prefill; host overhead",
+          "3. The default job: CUDA graphs off / on, CUDA / CPU, our kernels / torch's; under load; Llama-3-8B's "
+          "shape against the simulator")
 
 
 def render_report(env: Environment, tests: Section, bench: Section, job: Section, budget_min: float) -> str:
