@@ -154,7 +154,7 @@ def test_a_batch1_decode_step_is_the_weights_over_the_bandwidth():
     extra=st.integers(1, 4096),
     new=st.integers(2, 2048),
     cached=st.integers(0, 2048),
-    version=st.sampled_from(["auto", "v1", "v2"]),
+    version=st.sampled_from(["auto", "vllm", "v1", "v2"]),
 )
 def test_more_tokens_or_longer_context_never_costs_less(contexts, extra, new, cached, version):
     model = _COST_MODELS[version]
@@ -166,14 +166,16 @@ def test_more_tokens_or_longer_context_never_costs_less(contexts, extra, new, ca
     assert model.step(_prefill(new, new + cached + extra)).total_s >= prefill
 
 
-_COST_MODELS = {v: _cost_model(version=v) for v in ("auto", "v1", "v2")}
+_COST_MODELS = {v: _cost_model(version=v) for v in ("auto", "vllm", "v1", "v2")}
 
 
-def test_v2_beats_v1_for_a_few_long_sequences_and_auto_picks_it():
+def test_v2_beats_v1_for_a_few_long_sequences_and_vllms_rule_picks_it():
     long = _decode([8000])
     v1, v2 = _COST_MODELS["v1"].step(long), _COST_MODELS["v2"].step(long)
     assert v2.attention_s < v1.attention_s / 2
-    assert _COST_MODELS["auto"].step(long).decode_version == "v2"
+    assert _COST_MODELS["vllm"].step(long).decode_version == "v2"
+    # auto prices the cuda backend's pick, v3
+    assert _COST_MODELS["auto"].step(long).decode_version == "v3"
 
 
 @pytest.mark.parametrize("model", ["opt-13b", "opt-175b", "llama-3-70b", "llama-2-7b"])

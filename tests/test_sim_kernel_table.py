@@ -116,17 +116,19 @@ def test_v3_splits_a_few_long_sequences_and_not_a_full_batch():
     assert one_long < 2 * kv_bytes / (hw.memory_bandwidth * decode_table(hw)["v3", "few"].efficiency)
 
 
-def test_auto_prices_vllms_choice_on_the_simulated_gpu():
+def test_auto_prices_the_cuda_backends_choice_and_vllm_vllms_on_the_simulated_gpu():
     auto = _executor("model=llama-3-70b", "hardware=h100-sxm", "kernel=auto").cost_model
-    assert auto.step(_decode([16384])).decode_version == "v2"
-    assert auto.step(_decode([1024] * 256)).decode_version == "v1"
+    assert {auto.step(_decode(c)).decode_version for c in ([16384], [1024] * 256)} == {"v3"}
+    vllm = _executor("model=llama-3-70b", "hardware=h100-sxm", "kernel=vllm").cost_model
+    assert vllm.step(_decode([16384])).decode_version == "v2"
+    assert vllm.step(_decode([1024] * 256)).decode_version == "v1"
 
 
 def test_a_bad_variant_is_refused_in_one_line():
     spec = _executor("model=llama-3-70b").spec
     with pytest.raises(ValueError) as err:
         CostModel(spec, _hardware("h100-sxm"), 2, version="v4")
-    assert str(err.value) == "kernel.version='v4' is not supported; allowed: auto, v1, v2, v3"
+    assert str(err.value) == "kernel.version='v4' is not supported; allowed: auto, vllm, v1, v2, v3"
     with pytest.raises(ConfigError) as config_err:
         build_engine(compose_config(["executor=sim", *QUIET, "model=llama-3-70b", "kernel.version=v4"]))
     assert "\n" not in str(config_err.value) and "v4" in str(config_err.value)

@@ -6,8 +6,11 @@ and no torch); each part asserts that what it implements matches.
 
 from __future__ import annotations
 
-# kernel.version: the decode kernels: vLLM's v1 / v2 and the GQA-grouped split-KV v3 (auto: paged.kernels.ops)
+# kernel.version: the decode kernels: vLLM's v1 / v2 and the GQA-grouped split-KV v3
 VERSIONS = ("v1", "v2", "v3")
+# kernel.version besides them, a choice per step (paged.kernels.ops): auto (v3 where it was measured to
+# win, else vLLM's rule) and vllm (vLLM's rule everywhere: what the paper's system ran)
+VERSION_RULES = ("auto", "vllm")
 # the activation dtypes the model and the kernels run in
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 # model.dtype: one of them, or auto (per device: paged.config.dtype)

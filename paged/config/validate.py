@@ -23,6 +23,7 @@ from paged.config.choices import (
     MODEL_DTYPES,
     MODEL_SOURCES,
     PREEMPTION_MODES,
+    VERSION_RULES,
     VERSIONS,
     WORKLOAD_KINDS,
 )
@@ -116,7 +117,7 @@ def check_scheduler(s: Any, block_size: int) -> None:
 
 
 def check_kernel(k: Any, block_size: int) -> None:
-    _choice("kernel.version", k.version, ("auto", *VERSIONS))
+    _choice("kernel.version", k.version, (*VERSION_RULES, *VERSIONS))
     _choice("kernel.backend", k.backend, ("auto", *BACKENDS))
     _positive("kernel.partition_size", k.partition_size)
     if k.partition_size % block_size:

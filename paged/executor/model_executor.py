@@ -214,7 +214,7 @@ class ModelExecutor(TieredHostPool, Executor):
         )
         # what auto picks here: v3 on a backend it was measured to win on, else vLLM's v1/v2 rule
         picks = "v3" if self.backend.name in kernels.V3_BACKENDS else "v1/v2"
-        version = f"auto({picks})" if self.version == "auto" else self.version
+        version = {"auto": f"auto({picks})", "vllm": "vllm(v1/v2)"}.get(self.version, self.version)
         self.kernel_description = f"{version}/{reason}"
         if isinstance(self.model, LlamaModel):
             self.model.ops = layer_ops_for(self.backend)
@@ -313,12 +313,10 @@ class ModelExecutor(TieredHostPool, Executor):
         rows = batch.decode
         if rows is None:
             return None
-        if self.version != "auto":
-            return self.version
         # a windowed row reads at most the window: that is the length the kernels' work scales with
         attended = min(rows.max_seq_len, self.layer_types.widest_window or rows.max_seq_len)
-        return kernels.choose_version(attended, rows.seq_lens.shape[0], self.shard.num_heads, self.partition_size,
-                                      backend=self.backend.name)
+        return kernels.step_version(self.version, attended, rows.seq_lens.shape[0], self.shard.num_heads,
+                                    self.partition_size, backend=self.backend.name)
 
     def _announce(self, what: str) -> None:
         if what not in self._announced:

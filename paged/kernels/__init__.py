@@ -20,6 +20,7 @@ from paged.kernels.ops import (
     paged_attention,
     prefill_attention,
     reshape_and_cache,
+    step_version,
     swap_blocks,
 )
 from paged.kernels.registry import BACKENDS, backends_serving, get_backend, resolve_backend
@@ -36,5 +37,6 @@ __all__ = [
     "prefill_attention",
     "reshape_and_cache",
     "resolve_backend",
+    "step_version",
     "swap_blocks",
 ]

@@ -36,8 +36,10 @@ V1_MIN_PARALLELISM = 512
 
 # The backends on which v3 was measured to beat v1 and v2 (docs/kernels.md, "Choosing a decode
 # kernel"): `auto` picks v3 there and keeps vLLM's rule elsewhere. cpu: 0.58-0.76x v2's time on
-# every shape of experiments/cpu/cpu_decode_bench.py. cuda joins once a GPU session measures it.
-V3_BACKENDS: frozenset[str] = frozenset({"cpu"})
+# every shape of experiments/cpu/cpu_decode_bench.py; cuda: every kernel row of the H100 and H200
+# benchmarks, and 1.30x the output tok/s end to end on the H200 (issue 43). A simulated GPU prices
+# the cuda backend's choice.
+V3_BACKENDS: frozenset[str] = frozenset({"cpu", "cuda"})
 
 
 def choose_version(
@@ -45,7 +47,8 @@ def choose_version(
     backend: str | None = None,
 ) -> str:
     """`kernel.version=auto`: v3 on a backend of `V3_BACKENDS`, else vLLM's rule: v1 when one
-    partition suffices or the grid already has enough blocks, v2 otherwise."""
+    partition suffices or the grid already has enough blocks, v2 otherwise. No `backend`: vLLM's
+    rule (`kernel.version=vllm`)."""
     if backend in V3_BACKENDS:
         return "v3"
     num_partitions = -(-max_seq_len // partition_size)
@@ -53,6 +56,19 @@ def choose_version(
         num_partitions == 1 or num_seqs * num_heads > V1_MIN_PARALLELISM
     )
     return "v1" if use_v1 else "v2"
+
+
+def step_version(
+    version: str, max_seq_len: int, num_seqs: int, num_heads: int, partition_size: int = DEFAULT_PARTITION_SIZE, *,
+    backend: str | None = None,
+) -> str:
+    """The decode kernel a step runs under `kernel.version`: v1 / v2 / v3 as named, `auto`'s choice on
+    `backend`, or vLLM's rule for `vllm`."""
+    if version == "auto":
+        return choose_version(max_seq_len, num_seqs, num_heads, partition_size, backend=backend)
+    if version == "vllm":
+        return choose_version(max_seq_len, num_seqs, num_heads, partition_size)
+    return version
 
 
 def serving_backend(

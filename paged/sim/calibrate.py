@@ -109,7 +109,7 @@ class Execution:
     gemm: str  # torch | onednn
     layer_ops: str  # native | fused | torch: norms, RoPE, SwiGLU
     backend: kernels.KernelBackend
-    version: str  # auto | v1 | v2 | v3
+    version: str  # auto | vllm | v1 | v2 | v3
     partition_size: int
     kv_cache_dtype: str
     blocksparse: BlockSparse | None
@@ -303,7 +303,7 @@ def _attention(
     # contexts of one partition: v1 is what `auto` runs for them, as for most decode steps
     seqs, context = 16, 512
     version = execution.version
-    if version == "auto":
+    if version in ("auto", "vllm"):
         version = kernels.choose_version(context, seqs, heads, execution.partition_size)
     blocks_per_seq = context // _BLOCK_SIZE
     num_blocks = seqs * blocks_per_seq

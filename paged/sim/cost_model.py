@@ -34,8 +34,8 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from paged.config.choices import VERSIONS
-from paged.kernels import choose_version
+from paged.config.choices import VERSION_RULES, VERSIONS
+from paged.kernels import step_version
 from paged.kernels.features import BlockSparse
 from paged.model.spec import ModelSpec
 from paged.sim.decode_attention import AttentionShape, decode_bytes
@@ -137,7 +137,7 @@ class CostModel:
         """`kv_dtype_bytes`: one KV cache element's bytes (None: `dtype_bytes`, the model's);
         `blocksparse`: the decode kernels read only the blocks its pattern keeps; `backend`: the
         kernel backend whose `kernel.version=auto` choice is priced (a simulated GPU runs cuda)."""
-        allowed = ("auto", *VERSIONS)
+        allowed = (*VERSION_RULES, *VERSIONS)
         if version not in allowed:
             raise ValueError(f"kernel.version={version!r} is not supported; allowed: {', '.join(allowed)}")
         self.spec, self.hw, self.b = spec, hardware, dtype_bytes
@@ -302,9 +302,7 @@ class CostModel:
         if not contexts:
             return time, None
         num, longest = len(contexts), max(contexts)
-        version = self.version
-        if version == "auto":
-            version = choose_version(longest, num, self.heads, self.partition_size, backend=self.backend)
+        version = step_version(self.version, longest, num, self.heads, self.partition_size, backend=self.backend)
         attention = self._attention_shapes.get(shape.block_size)
         if attention is None:
             attention = AttentionShape(self.heads, self.kv_heads, d, b, kv_b, shape.block_size, self.partition_size)
