@@ -33,8 +33,8 @@ Writes `<out>/<date>-<gpu>.md`: the device, its driver and the versions, then on
 Each step is a subprocess from the repository root, so a crash or a hang in one is reported and the next
 still runs. The steps share `--budget-min`: each may use what is left less the shares (SHARES) of the
 steps after it, is killed at that timeout, and is skipped with a note when under MIN_STEP_S is left.
-Without a CUDA device it refuses at once (exit 2). The records and the markdown are in
-gpu_report_render.py.
+Without a CUDA device it refuses at once (exit 2). The records are in
+gpu_report_records.py, the markdown in gpu_report_render.py.
 """
 
 from __future__ import annotations
@@ -64,8 +64,7 @@ from paged.kernels.backends.cuda import driver_version
 from paged.kernels.toolchain import nvrtc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_report_render import (  # noqa: E402  (sibling script, not a package)
-    COUNT_ORDER,
+from gpu_report_records import (  # noqa: E402  (sibling script, not a package)
     BenchResult,
     BenchRun,
     CommandRun,
@@ -78,9 +77,8 @@ from gpu_report_render import (  # noqa: E402  (sibling script, not a package)
     Skipped,
     TestsResult,
     TtftRatio,
-    render_report,
-    report_name,
 )
+from gpu_report_render import COUNT_ORDER, render_report, report_name  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = ROOT / "experiments" / "results" / "gpu"
