@@ -63,6 +63,13 @@ def test_a_chat_template_goes_through_transformers() -> None:
     assert tok.encode("hi")[:1] == [tok.hf.convert_tokens_to_ids("<|im_start|>")]
 
 
+def test_the_transformers_tokenizer_of_the_same_files_is_there_when_asked_for() -> None:
+    """What `LLM.get_tokenizer()` returns (vLLM returns an HF tokenizer too) and renders chats with."""
+    tok = load_tokenizer(shipped_tokenizer())
+    assert isinstance(tok, FileTokenizer) and tok.hf is load_hf_tokenizer(str(shipped_tokenizer()))
+    assert tok.hf.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith("<|im_start|>")
+
+
 def _copy_with(tmp_path: Path, **config: object) -> Path:
     directory = tmp_path / "tok"
     shutil.copytree(shipped_tokenizer(), directory)

@@ -117,12 +117,15 @@ _CHANGING_SETTINGS = ("clean_up_tokenization_spaces", "add_prefix_space", "add_b
 
 class FileTokenizer:
     """`Tokenizer`'s encode and decode by the `tokenizers` library alone, for files whose
-    `tokenizer_config.json` names a plain fast class: what transformers would run."""
+    `tokenizer_config.json` names a plain fast class: what transformers would run. `hf`, the
+    transformers tokenizer of the same files (what `LLM.get_tokenizer()` returns, as vLLM's does,
+    and what renders chats), is loaded when first asked for."""
 
     chat_template = False
 
-    def __init__(self, rust: Any, config: dict) -> None:
+    def __init__(self, rust: Any, config: dict, source: str) -> None:
         self._rust = rust
+        self._source = source
         self.eos_token_id: int | None = self._special_id(config, "eos_token")
         self.pad_token_id: int | None = self._special_id(config, "pad_token")
         self.vocab_size = rust.get_vocab_size(with_added_tokens=True)
@@ -133,10 +136,14 @@ class FileTokenizer:
         token = token.get("content") if isinstance(token, dict) else token
         return self._rust.token_to_id(token) if token else None
 
+    @functools.cached_property
+    def hf(self) -> PreTrainedTokenizerBase:
+        return load_hf_tokenizer(self._source)
+
     @classmethod
-    def read(cls, directory: Path) -> FileTokenizer | None:
-        """The tokenizer of `directory`, or None where transformers would do more than `tokenizers`
-        (or the files do not load: transformers then reports them)."""
+    def read(cls, directory: Path, source: str) -> FileTokenizer | None:
+        """The tokenizer of `directory` (`source`'s files), or None where transformers would do more
+        than `tokenizers` (or the files do not load: transformers then reports them)."""
         from tokenizers import Tokenizer as RustTokenizer
 
         try:
@@ -150,7 +157,7 @@ class FileTokenizer:
         except Exception:  # missing or unreadable; the tokenizers library raises a bare Exception
             return None
         added = [t.get("content") for t in config.get("added_tokens_decoder", {}).values()]
-        return None if any(rust.token_to_id(t) is None for t in added) else cls(rust, config)
+        return None if any(rust.token_to_id(t) is None for t in added) else cls(rust, config, source)
 
     def encode(self, prompt: str) -> list[int]:
         return self._rust.encode(prompt).ids
@@ -163,12 +170,12 @@ def _file_tokenizer(source: str) -> FileTokenizer | None:
     path = Path(source)
     directory = _gguf_tokenizer_dir(path) if path.suffix == ".gguf" else path
     # keyed also by whether the files exist: a GGUF's appear once transformers has converted it
-    return _read_files(str(directory), (directory / "tokenizer_config.json").is_file())
+    return _read_files(source, str(directory), (directory / "tokenizer_config.json").is_file())
 
 
 @functools.lru_cache(maxsize=8)
-def _read_files(directory: str, exists: bool) -> FileTokenizer | None:
-    return FileTokenizer.read(Path(directory)) if exists else None
+def _read_files(source: str, directory: str, exists: bool) -> FileTokenizer | None:
+    return FileTokenizer.read(Path(directory), source) if exists else None
 
 
 def load_tokenizer(source: str | Path, chat_template: bool = False) -> Tokenizer | FileTokenizer:
