@@ -6,16 +6,18 @@
 - `launch_us`: host µs per kernel launch of the cuda backend (`CudaRunner.run`), on the recording
   fake driver (tests/fake_driver, built with the C compiler; it records nothing here, so what is
   timed is our side: kernel lookup, parameter packing, the driver call), or with `--real-driver` on
-  this machine's GPU (`make gpu-report` runs that). The plan is SmolLM2-135M's
-  decode attention for a batch of that many 512-token rows (fp16, v1). Beside it: `op_us`, one
-  `paged.kernels.paged_attention` call (input checks, plan, launch), and `cuda_core_launch_us`,
-  the same launch through cuda.core's `launch()`, which packs its arguments on every call.
+  this machine's GPU (`make gpu-report` runs that). The plan is SmolLM2-135M's decode attention for a
+  batch of that many 512-token rows (fp16, v1). Beside it: `layer_us`, one decode-attention call as
+  the model's layers make it (`paged.kernels.planned.DecodeAttention`: the step's rows checked once,
+  then per layer the launch plan and its launch); `op_us`, one `paged.kernels.paged_attention` call
+  (every input checked, plan, launch); `cuda_core_launch_us`, the same launch through cuda.core's
+  `launch()`, which packs its arguments on every call.
 - `step_overhead_ms`: host ms of one engine step of that many decode rows with a model whose
   forward returns at once (as vLLM measures its engine's overhead): scheduling, block tables,
   the step's input tensors, attention planning, sampling bookkeeping, output processing.
 
-Both are keyed by batch size ("1", "64", "256"); medians of `--repeats` timings. Where the fake
-driver cannot be built (no C compiler or NVRTC), `launch_us` is null with the reason.
+All are keyed by batch size ("1", "64", "256"); medians of `--repeats` timings. Where the fake
+driver cannot be built (no C compiler or NVRTC), the launch columns are null with the reason.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ sys.path.insert(0, str(REPO))
 
 # SmolLM2-135M's attention: 9 query heads over 3 KV heads of 64
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK, SEQ_LEN = 9, 3, 64, 16, 512
+LAUNCH_KEYS = ("launch_us", "layer_us", "op_us", "cuda_core_launch_us")
 
 
 def median_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
@@ -74,7 +77,7 @@ def launch_costs(batches: Sequence[int], repeats: int, *, real_driver: bool = Fa
         device, stream = torch.device("cpu"), Device(0).create_stream()
         runner = CudaRunner(0, stream_source=lambda index: ForeignStream(int(stream.handle)))
         backend_of = HostMemoryCuda
-    results: dict[str, dict[str, float]] = {"launch_us": {}, "op_us": {}, "cuda_core_launch_us": {}}
+    results: dict[str, dict[str, float]] = {"launch_us": {}, "layer_us": {}, "op_us": {}, "cuda_core_launch_us": {}}
     for batch in batches:
         for key, value in _batch_launch_costs(batch, runner, stream, backend_of, device, repeats).items():
             results[key][str(batch)] = value
@@ -101,6 +104,7 @@ def _batch_launch_costs(
 
     from paged import kernels
     from paged.kernels.backends.launch_api import Ptr
+    from paged.kernels.planned import AttentionSettings, DecodeAttention, Rows
     from paged.kernels.testing import AttentionCase, attention_inputs
 
     plans: list[tuple[Any, list[Any]]] = []
@@ -125,12 +129,20 @@ def _batch_launch_costs(
     op(backend_of(Spy()))
     unit, launches = plans[-1]
     direct = backend_of(runner)
+    # as a model's layers call it: the step's rows checked once, then one call per layer
+    starts = torch.arange(batch + 1, dtype=torch.int32)
+    tables, lens = x.block_tables.cpu().numpy(), x.seq_lens.cpu().numpy()
+    rows = Rows(x.block_tables, x.seq_lens, starts.to(device), tables, lens, starts.numpy(), max_seq_len=SEQ_LEN,
+                max_query_len=1)
+    layer = DecodeAttention(rows, AttentionSettings(direct, x.scale, 512), "v1", HEADS, KV_HEADS, HEAD_SIZE,
+                            x.key_cache.shape[0], BLOCK)
     item = launches[0]
     kernel = runner._kernels[item.kernel].handle
     config = LaunchConfig(grid=item.grid, block=item.block, shmem_size=item.shared_memory)
     args = [int(a) if isinstance(a, Ptr) else a for a in item.args]
     costs = {
         "launch_us": median_us(lambda: runner.run(unit, launches), 5000, repeats) / len(launches),
+        "layer_us": median_us(lambda: layer(x.query, x.key_cache, x.value_cache), 500, repeats),
         "op_us": median_us(lambda: op(direct), 500, repeats),
         "cuda_core_launch_us": median_us(lambda: cuda_core_launch(stream, config, kernel, *args), 5000, repeats),
     }
@@ -239,7 +251,7 @@ def main() -> None:
     else:
         launches, why = measure_launches(args.batches, args.repeats)
     results: dict[str, Any] = {
-        **(launches or {"launch_us": None, "op_us": None, "cuda_core_launch_us": None}),
+        **(launches or dict.fromkeys(LAUNCH_KEYS)),
         "launch_unavailable": why,
         "step_overhead_ms": {str(b): step_overhead_ms(b, args.steps, args.repeats) for b in args.batches},
         "cpu": _cpu_name(),
@@ -267,11 +279,10 @@ def _print(results: dict[str, Any], batches: Sequence[int]) -> None:
     table = Table(title=f"Host overhead on {results['cpu']}, launches on the {results['driver']} driver "
                         "(targets: launch <= 5 us, step at 256 <= 0.5 ms)")
     table.add_column("batch", justify="right")
-    for column in ("launch_us", "op_us", "cuda_core_launch_us", "step_overhead_ms"):
+    for column in (*LAUNCH_KEYS, "step_overhead_ms"):
         table.add_column(column, justify="right")
     for b in batches:
-        row = [results[k][str(b)] if results[k] else None
-               for k in ("launch_us", "op_us", "cuda_core_launch_us", "step_overhead_ms")]
+        row = [results[k][str(b)] if results[k] else None for k in (*LAUNCH_KEYS, "step_overhead_ms")]
         table.add_row(str(b), *("n/a" if v is None else f"{v:.2f}" for v in row))
     Console().print(table)
     if results["launch_unavailable"]:
