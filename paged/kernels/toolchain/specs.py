@@ -42,7 +42,7 @@ class Unit:
         assert not (self.features and self.op in ("cache", "layer")), self
         assert (self.op == "attention_v3") == (self.group_tile in GROUP_TILES), self
 
-    @property
+    @functools.cached_property  # read per launch, per layer
     def kernels(self) -> tuple[str, ...]:
         """C++ name expressions of the kernels this unit launches."""
         t, c, h, b, p = self.dtype, self.cache or self.dtype, self.head_size, self.block_size, self.partition_size
@@ -124,6 +124,7 @@ def group_tile(group: int) -> int:
     return next((tile for tile in GROUP_TILES if tile >= group), GROUP_TILES[-1])
 
 
+@functools.cache  # called per layer's attention: one unit per argument set
 def attention_unit(
     dtype: torch.dtype, head_size: int, block_size: int, version: str, partition_size: int,
     cache_dtype: torch.dtype | None = None, features: bool = False, group: int = 1,
