@@ -203,3 +203,19 @@ def test_a_position_past_the_rope_table_is_refused_before_the_forward() -> None:
     ex.init_kv_cache(num_blocks=64, block_size=BLOCK)
     with pytest.raises(ValueError, match="position 19 is past the model's max_position_embeddings=16"):
         generate(ex, [list(range(1, 21))], max_tokens=1)
+
+
+@pytest.mark.parametrize(("version", "runs"), [("auto", {"v3"}), ("vllm", {"v1", "v2"})])
+def test_kernel_vllm_runs_vllms_rule_where_auto_runs_v3(version: str, runs: set[str]) -> None:
+    """On the cpu backend (as on cuda) `auto` decodes with v3; `vllm` keeps vLLM's v1/v2 rule, the
+    paper presets' choice, and the summary counts the steps by the kernel that ran them."""
+    from paged.experiment.run import run_quietly
+
+    overrides = ["model=tiny-random", "model.device=cpu", f"kernel={version}", "kernel.backend=cpu",
+                 "workload=fixed", "workload.num_requests=3", "workload.prompt_len=20", "workload.output_len=6"]
+    summary, engine = run_quietly(overrides)
+    if engine.executor.backend.name != "cpu":
+        pytest.skip(f"native cpu backend unavailable: {engine.executor.kernel_description}")
+    counts = {v for v in ("v1", "v2", "v3") if summary[f"decode_steps_{v}"]}
+    assert counts and counts <= runs
+    assert engine.executor.kernel_description.startswith({"auto": "auto(v3)", "vllm": "vllm(v1/v2)"}[version])
