@@ -27,10 +27,11 @@ def test_it_is_llama_3_8bs_shape_with_random_weights() -> None:
 
 
 def test_random_weights_are_drawn_in_the_asked_dtype_and_the_host_path_is_unchanged() -> None:
+    for arch in (tiny_arch(), tiny_arch({"architecture": "bloom"})):
+        drawn = random_state(arch, seed=0, device="cpu", dtype=torch.bfloat16)
+        assert {t.dtype for t in drawn.values()} == {torch.bfloat16}
+        assert drawn.keys() == random_state(arch).keys()
     arch = tiny_arch()
-    drawn = random_state(arch, seed=0, device="cpu", dtype=torch.bfloat16)
-    assert {t.dtype for t in drawn.values()} == {torch.bfloat16}
-    assert drawn.keys() == random_state(arch).keys()
     cfg = compose_config(["model=tiny-random"]).model
     _, host, _ = load_weights(cfg, torch.device("cpu"), torch.bfloat16)
     reference = random_state(arch, seed=0)

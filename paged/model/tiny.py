@@ -70,7 +70,7 @@ def random_state(
         return randn(out_features, in_features) / math.sqrt(in_features)
 
     if arch.architecture == "bloom":
-        return _bloom_state(arch, gen, linear)
+        return _bloom_state(arch, randn, linear)
     h, d = arch.hidden_size, arch.head_dim
     state = {
         "model.embed_tokens.weight": randn(arch.vocab_size, h),
@@ -98,21 +98,21 @@ def random_state(
 
 
 def _bloom_state(
-    arch: LlamaArch, gen: torch.Generator, linear: Callable[[int, int], torch.Tensor]
+    arch: LlamaArch, randn: Callable[..., torch.Tensor], linear: Callable[[int, int], torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """`BloomForCausalLM`'s names. Biases and LayerNorm gains are perturbed away from 0 and 1, so a
     bias or norm parameter read wrongly changes the logits."""
     h, inter = arch.hidden_size, arch.intermediate_size
 
     def bias(n: int) -> torch.Tensor:
-        return 0.1 * torch.randn(n, generator=gen)
+        return 0.1 * randn(n)
 
     def norm(name: str) -> dict[str, torch.Tensor]:
         return {f"{name}.weight": 1 + bias(h), f"{name}.bias": bias(h)}
 
     t = "transformer."
     state = {
-        f"{t}word_embeddings.weight": torch.randn(arch.vocab_size, h, generator=gen),
+        f"{t}word_embeddings.weight": randn(arch.vocab_size, h),
         **norm(f"{t}word_embeddings_layernorm"),
         **norm(f"{t}ln_f"),
     }
