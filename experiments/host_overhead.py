@@ -119,7 +119,7 @@ def _batch_launch_costs(
             plans.append((unit, list(launches)))
             runner.run(unit, launches)
 
-    case = AttentionCase(torch.float16, HEAD_SIZE, BLOCK, HEADS, KV_HEADS, 512, (SEQ_LEN,) * batch)
+    case = AttentionCase(torch.float16, HEAD_SIZE, BLOCK, HEADS // KV_HEADS, KV_HEADS, 512, (SEQ_LEN,) * batch)
     x = attention_inputs(case, device=device)
 
     def op(backend: Any) -> torch.Tensor:

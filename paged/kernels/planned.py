@@ -22,6 +22,8 @@ import torch
 
 from paged.kernels import input_checks, step_checks
 from paged.kernels.backends.interface import CacheView, KernelBackend
+from paged.kernels.backends.launch import DecodeLaunches, RunnerBackend
+from paged.kernels.backends.launch_api import VECTOR_BYTES, Launch, Ptr
 from paged.kernels.features import FP8_DTYPES, AttentionFeatures, BlockSparse
 from paged.kernels.ops import narrower_window, serving_backend
 from paged.kernels.registry import get_backend
@@ -106,8 +108,54 @@ class _Planned:
         return features
 
 
+class _LayerLaunches:
+    """A step's decode launches as the first layer made them, to run every later layer: a layer's
+    launches differ only in the addresses of its query, caches, scales and output. `of` finds
+    where each of those addresses sits in the first layer's arguments; a later layer gets them
+    swapped in, after the few checks that tell its tensors are laid out as the first layer's."""
+
+    def __init__(self, plan: DecodeLaunches, slots: list[list[tuple[int, str]]], query_stride: tuple[int, ...]) -> None:
+        # `plan.keep` stays referenced here: the launches carry its tensors' addresses
+        self.plan, self.slots, self.query_stride = plan, slots, query_stride
+
+    @classmethod
+    def of(cls, plan: DecodeLaunches, tensors: dict[str, torch.Tensor | None], query: torch.Tensor
+           ) -> _LayerLaunches | None:
+        """None where a role's address is not among the arguments (the plan copied the query into
+        shape) or two roles share one: then every layer plans its own launches."""
+        roles = {int(t.data_ptr()): name for name, t in tensors.items() if t is not None}
+        if len(roles) != sum(t is not None for t in tensors.values()) or 0 in roles:
+            return None
+        slots = [[(i, roles[int(a)]) for i, a in enumerate(item.args) if isinstance(a, Ptr) and int(a) in roles]
+                 for item in plan.launches]
+        if {name for launch_slots in slots for _, name in launch_slots} != set(roles.values()):
+            return None
+        return cls(plan, slots, tuple(query.stride()))
+
+    def run(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> torch.Tensor | None:
+        """This layer's output, or None where its tensors are not laid out as the first layer's."""
+        if (tuple(query.stride()) != self.query_stride or query.data_ptr() % VECTOR_BYTES
+                or key_cache.data_ptr() % VECTOR_BYTES or value_cache.data_ptr() % VECTOR_BYTES
+                or not key_cache.is_contiguous() or not value_cache.is_contiguous()):
+            return None
+        out = torch.empty_like(query)
+        tensors = {"out": out, "query": query, "key_cache": key_cache, "value_cache": value_cache,
+                   "k_scale": k_scale, "v_scale": v_scale}
+        launches = []
+        for item, slots in zip(self.plan.launches, self.slots):
+            args = list(item.args)
+            for i, name in slots:
+                args[i] = Ptr(tensors[name].data_ptr())
+            launches.append(Launch(item.kernel, item.grid, item.block, item.shared_memory, tuple(args)))
+        self.plan.runner.run(self.plan.unit, launches)
+        return out
+
+
 class DecodeAttention(_Planned):
-    """`paged.kernels.paged_attention` for one step's decode rows (`version` v1, v2 or v3)."""
+    """`paged.kernels.paged_attention` for one step's decode rows (`version` v1, v2 or v3). On a
+    backend that runs `Launch`es (cuda, emu), the first layer's launches serve the later layers
+    (`_LayerLaunches`): a layer then costs its launches and little else."""
 
     def __init__(self, rows: Rows, settings: AttentionSettings, version: str, num_heads: int, num_kv_heads: int,
                  head_size: int, num_blocks: int, block_size: int) -> None:
@@ -117,18 +165,30 @@ class DecodeAttention(_Planned):
             rows.num_seqs, num_heads, num_kv_heads, head_size, block_size, version, settings.partition_size,
             rows.max_seq_len, self.window, rows.block_tables.device,
         )
+        self.layer_launches: _LayerLaunches | None = None
 
     def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if self.layer_launches is not None:
+            out = self.layer_launches.run(query, key_cache, value_cache, k_scale, v_scale)
+            if out is not None:
+                return out
         cache = self._cache(key_cache, value_cache, k_scale, v_scale)
-        if self.features is None:
+        first = self.features is None
+        if first:
             input_checks.check_paged_attention(query, cache, self.version, self.settings.partition_size)
             partition = self.settings.partition_size if self.version == "v2" else None
             self.features = self._check_first(query, cache, partition)
-        return self.backend.paged_attention(
-            query, cache, self.settings.scale, self.version, self.settings.partition_size, self.rows.max_seq_len,
-            self.window, self.features, workspace=self.workspace,
-        )
+        args = (query, cache, self.settings.scale, self.version, self.settings.partition_size, self.rows.max_seq_len,
+                self.window, self.features, self.workspace)
+        if not (first and isinstance(self.backend, RunnerBackend)):
+            return self.backend.paged_attention(*args)
+        plan = self.backend.decode_launches(*args)
+        plan.runner.run(plan.unit, plan.launches)
+        tensors = {"out": plan.out, "query": query, "key_cache": key_cache, "value_cache": value_cache,
+                   "k_scale": k_scale, "v_scale": v_scale}
+        self.layer_launches = _LayerLaunches.of(plan, tensors, query)
+        return plan.out
 
 
 class PrefillAttention(_Planned):

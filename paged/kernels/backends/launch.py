@@ -126,6 +126,18 @@ def _check_shared_memory(runner: Runner, unit: Unit, kernel: str, needed: int, w
         raise ValueError(f"{what} needs {needed} bytes of shared memory but the device allows {limit}; {remedy}")
 
 
+class DecodeLaunches(NamedTuple):
+    """A decode attention's launches with what they run on: `keep` holds every tensor whose address
+    they carry and that nothing else may hold (a packed copy of the query or the rows, scratch), so
+    it lives until they have run."""
+
+    runner: Runner
+    unit: Unit
+    launches: list[Launch]
+    out: torch.Tensor
+    keep: tuple[object, ...]
+
+
 class RunnerBackend(FusedLayerOpsMixin, TorchBackend):
     """Decode and prefill attention and the cache ops of kernels_cu/, for backends whose runner
     executes `Launch`es (cuda, emu); they support only the instantiated shapes."""
@@ -169,7 +181,19 @@ class RunnerBackend(FusedLayerOpsMixin, TorchBackend):
         self, query: torch.Tensor, cache: CacheView, scale: float, version: str, partition_size: int, max_seq_len: int,
         sliding_window: int | None, features: AttentionFeatures = NONE, workspace: object = None,
     ) -> torch.Tensor:
-        """With a window, v1's logits and v2's partitions cover only the positions the window
+        plan = self.decode_launches(query, cache, scale, version, partition_size, max_seq_len, sliding_window,
+                                    features, workspace)
+        plan.runner.run(plan.unit, plan.launches)
+        return plan.out
+
+    def decode_launches(
+        self, query: torch.Tensor, cache: CacheView, scale: float, version: str, partition_size: int, max_seq_len: int,
+        sliding_window: int | None, features: AttentionFeatures = NONE, workspace: object = None,
+    ) -> DecodeLaunches:
+        """`paged_attention`'s launches, not yet run (`paged.kernels.planned` runs a step's later
+        layers from the first's launches).
+
+        With a window, v1's logits and v2's partitions cover only the positions the window
         reaches: the kernels index them from the window's first block (v1) or partition (v2). v2's
         grid has a partition per `partition_size` of `max_seq_len`; those past a row's length
         return at once, so a longer `max_seq_len` (a CUDA graph's) gives the same output."""
@@ -189,9 +213,9 @@ class RunnerBackend(FusedLayerOpsMixin, TorchBackend):
             _check_shared_memory(runner, unit, unit.kernels[0], smem, f"v3 attention with head size {head_size}",
                                  "use kernel.backend=torch, or a 16-bit model dtype")
             rows = CacheView(key_cache, value_cache, block_tables, seq_lens)
-            runner.run(unit, v3_launches(unit, smem, query, out, rows, scale, max_seq_len, sliding_window,
-                                         _feature_args(cache, features), v3))
-            return out
+            launches = v3_launches(unit, smem, query, out, rows, scale, max_seq_len, sliding_window,
+                                   _feature_args(cache, features), v3)
+            return DecodeLaunches(runner, unit, launches, out, (query, block_tables, seq_lens, v3))
         unit = attention_unit(query.dtype, head_size, block_size, version, partition_size, key_cache.dtype,
                               not features.plain)
         window = np.int32(sliding_window or 0)  # 0: the whole context
@@ -202,6 +226,7 @@ class RunnerBackend(FusedLayerOpsMixin, TorchBackend):
         )
         # The logits buffer doubles as the cross-warp output buffer.
         outputs_smem = (NUM_THREADS // WARP_SIZE // 2) * head_size * 4
+        scratch_tensors = None
         if version == "v1":
             padded_len = -(-window_span(max_seq_len, sliding_window, block_size) // block_size) * block_size
             smem = max(padded_len * 4, outputs_smem)
@@ -225,8 +250,7 @@ class RunnerBackend(FusedLayerOpsMixin, TorchBackend):
                 Launch(unit.kernels[1], (num_heads, num_seqs, 1), NUM_THREADS, reduce_smem,
                        (_ptr(out), *scratch, _ptr(seq_lens), np.int32(num_partitions), window)),
             ]
-        runner.run(unit, launches)
-        return out
+        return DecodeLaunches(runner, unit, launches, out, (query, block_tables, seq_lens, scratch_tensors))
 
     def plan_prefill(
         self, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray, block_size: int,

@@ -1,0 +1,67 @@
+"""A step's decode attention on a backend that runs `Launch`es (emu here, cuda alike): the first
+layer's launches serve the later layers with their own query, caches and output swapped in
+(`paged.kernels.planned._LayerLaunches`), and every layer's output is what the op computes for it
+alone; a layer whose query is laid out otherwise plans its own launches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged import kernels
+from paged.kernels.backends.emu import BACKEND as EMU
+from paged.kernels.planned import AttentionSettings, DecodeAttention, Rows
+from paged.kernels.testing import AttentionCase, attention_inputs, random_cache
+from paged.kernels.toolchain import host_compiler
+
+pytestmark = [
+    pytest.mark.compiles,
+    pytest.mark.skipif(host_compiler.unavailable_reason() is not None, reason="no host compiler"),
+]
+
+LAYERS = 3
+
+
+def _step(version: str, dtype: torch.dtype) -> tuple[DecodeAttention, list[tuple[torch.Tensor, ...]], object]:
+    case = AttentionCase(dtype, 64, 16, 4, 2, 32, (5, 40, 77))  # 8 query heads over 2 KV heads
+    x = attention_inputs(case)
+    layers = []
+    for layer in range(LAYERS):
+        gen = torch.Generator().manual_seed(layer + 1)
+        key, value = random_cache(x.key_cache.shape[0], case.num_kv_heads, 64, 16, dtype, generator=gen)
+        query = torch.randn(x.query.shape, generator=gen).to(dtype)
+        layers.append((query, key, value))
+    starts = torch.arange(len(case.seq_lens) + 1, dtype=torch.int32)
+    rows = Rows(x.block_tables, x.seq_lens, starts, x.block_tables.numpy(), x.seq_lens.numpy(), starts.numpy(),
+                max_seq_len=max(case.seq_lens), max_query_len=1)
+    decode = DecodeAttention(rows, AttentionSettings(EMU, x.scale, 32), version, case.num_heads, case.num_kv_heads, 64,
+                             x.key_cache.shape[0], 16)
+    return decode, layers, x
+
+
+@pytest.mark.parametrize("version", ["v1", "v2", "v3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_every_layer_from_the_first_layers_launches_equals_the_op(version: str, dtype: torch.dtype) -> None:
+    decode, layers, x = _step(version, dtype)
+    outputs = [decode(*layer) for layer in layers]
+    assert decode.layer_launches is not None  # the later layers ran from the first's launches
+    for (query, key, value), out in zip(layers, outputs):
+        alone = kernels.paged_attention(query, key, value, x.block_tables, x.seq_lens, x.scale, version=version,
+                                        backend=EMU, partition_size=32)
+        assert torch.equal(out, alone)
+    assert len({out.data_ptr() for out in outputs}) == LAYERS  # each layer its own output
+
+
+def test_a_layer_whose_query_is_laid_out_otherwise_plans_its_own_launches() -> None:
+    decode, layers, x = _step("v2", torch.float16)
+    decode(*layers[0])
+    query, key, value = layers[1]
+    # a slice of a fused QKV projection: another row stride than the first layer's packed query
+    fused = torch.zeros(query.shape[0], 3 * query.shape[1] * query.shape[2], dtype=query.dtype)
+    fused[:, : query.shape[1] * query.shape[2]] = query.reshape(query.shape[0], -1)
+    sliced = fused[:, : query.shape[1] * query.shape[2]].view(query.shape)
+    assert decode.layer_launches.run(sliced, key, value, None, None) is None
+    out = decode(sliced, key, value)
+    alone = kernels.paged_attention(query, key, value, x.block_tables, x.seq_lens, x.scale, version="v2",
+                                    backend=EMU, partition_size=32)
+    assert torch.equal(out, alone)
