@@ -154,7 +154,9 @@ def test_a_batch1_decode_step_is_the_weights_over_the_bandwidth():
     extra=st.integers(1, 4096),
     new=st.integers(2, 2048),
     cached=st.integers(0, 2048),
-    version=st.sampled_from(["auto", "vllm", "v1", "v2"]),
+    # not auto: on a simulated GPU it prices v3, whose split plan can make a longer lone context a little
+    # cheaper (more splits fill more SMs: 513 -> 737 tokens, -0.4%), as v3 itself, never in this property
+    version=st.sampled_from(["vllm", "v1", "v2"]),
 )
 def test_more_tokens_or_longer_context_never_costs_less(contexts, extra, new, cached, version):
     model = _COST_MODELS[version]
@@ -166,7 +168,7 @@ def test_more_tokens_or_longer_context_never_costs_less(contexts, extra, new, ca
     assert model.step(_prefill(new, new + cached + extra)).total_s >= prefill
 
 
-_COST_MODELS = {v: _cost_model(version=v) for v in ("auto", "vllm", "v1", "v2")}
+_COST_MODELS = {v: _cost_model(version=v) for v in ("auto", "vllm", "v1", "v2")}  # auto: the test below
 
 
 def test_v2_beats_v1_for_a_few_long_sequences_and_vllms_rule_picks_it():
