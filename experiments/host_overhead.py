@@ -38,6 +38,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from paged.utils.threads import cpu_name  # noqa: E402  (the repository root is on sys.path only now)
+
 # SmolLM2-135M's attention: 9 query heads over 3 KV heads of 64
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK, SEQ_LEN = 9, 3, 64, 16, 512
 LAUNCH_KEYS = ("launch_us", "layer_us", "op_us", "cuda_core_launch_us")
@@ -254,22 +256,12 @@ def main() -> None:
         **(launches or dict.fromkeys(LAUNCH_KEYS)),
         "launch_unavailable": why,
         "step_overhead_ms": {str(b): step_overhead_ms(b, args.steps, args.repeats) for b in args.batches},
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "driver": "real" if args.real_driver else "recording fake",
     }
     _print(results, args.batches)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def _print(results: dict[str, Any], batches: Sequence[int]) -> None:

@@ -34,7 +34,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -70,6 +69,7 @@ from paged.scheduler.fcfs import FCFSPolicy
 from paged.sim.cost_model import CostModel, StepShape
 from paged.sim.hardware import resolve_hardware
 from paged.utils.clock import Clock
+from paged.utils.threads import cpu_name
 
 log = logging.getLogger(__name__)
 
@@ -158,22 +158,12 @@ def resolve_execution(cfg: Any, arch: LlamaArch) -> Execution:
     )
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def cache_path(cfg: Any) -> Path:
     """One file per (machine, threads, torch, model shape, dtype, what the executor runs)."""
     arch = _arch(cfg)
     spec = ModelSpec.from_llama(cfg.model.name, arch)
     key = json.dumps([
-        FORMAT, _cpu_name(), torch.get_num_threads(), torch.__version__, asdict(spec), dtype_name(cfg),
+        FORMAT, cpu_name(), torch.get_num_threads(), torch.__version__, asdict(spec), dtype_name(cfg),
         resolve_execution(cfg, arch).key(),
     ], sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -241,7 +231,7 @@ def measure(cfg: Any, build: BuildEngine, path: Path | None = None) -> dict[str,
     values |= _attention(spec, dtype, execution, bandwidth, peak)
     engine = build(engine_config(cfg))
     values |= _overhead(engine, spec, dtype, execution, values)
-    record = {"hardware": values, "measured_s": time.perf_counter() - start, "cpu": _cpu_name(),
+    record = {"hardware": values, "measured_s": time.perf_counter() - start, "cpu": cpu_name(),
               "threads": torch.get_num_threads(), "torch": torch.__version__, "execution": execution.key(),
               "engine": engine.executor.description}
     if path is not None:

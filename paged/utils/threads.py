@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import sys
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -111,3 +113,14 @@ def configure(requested: int | None, ranks: int = 1) -> ThreadChoice:
         torch.set_num_threads(choice.num_threads)
     log.info("%s", choice)
     return choice
+
+
+def cpu_name() -> str:
+    """This machine's CPU model as /proc/cpuinfo names it (what a measured number came from)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
