@@ -109,35 +109,25 @@ def _batch_launch_costs(
     from paged.kernels.planned import AttentionSettings, DecodeAttention, Rows
     from paged.kernels.testing import AttentionCase, attention_inputs
 
-    plans: list[tuple[Any, list[Any]]] = []
-
-    class Spy:
-        """The runner, keeping the launch plan the op hands it, to time the runner on it alone."""
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(runner, name)
-
-        def run(self, unit: Any, launches: Sequence[Any]) -> None:
-            plans.append((unit, list(launches)))
-            runner.run(unit, launches)
-
     case = AttentionCase(torch.float16, HEAD_SIZE, BLOCK, HEADS // KV_HEADS, KV_HEADS, 512, (SEQ_LEN,) * batch)
     x = attention_inputs(case, device=device)
-
-    def op(backend: Any) -> torch.Tensor:
-        return kernels.paged_attention(x.query, x.key_cache, x.value_cache, x.block_tables, x.seq_lens, x.scale,
-                                       version="v1", backend=backend)
-
-    op(backend_of(Spy()))
-    unit, launches = plans[-1]
     direct = backend_of(runner)
-    # as a model's layers call it: the step's rows checked once, then one call per layer
+
+    def op() -> torch.Tensor:
+        return kernels.paged_attention(x.query, x.key_cache, x.value_cache, x.block_tables, x.seq_lens, x.scale,
+                                       version="v1", backend=direct)
+
+    # as a model's layers call it: the step's rows checked once, then one call per layer; the first call's
+    # launches (`layer_launches.plan`) are what the runner is timed on alone
     starts = torch.arange(batch + 1, dtype=torch.int32)
     tables, lens = x.block_tables.cpu().numpy(), x.seq_lens.cpu().numpy()
     rows = Rows(x.block_tables, x.seq_lens, starts.to(device), tables, lens, starts.numpy(), max_seq_len=SEQ_LEN,
                 max_query_len=1)
     layer = DecodeAttention(rows, AttentionSettings(direct, x.scale, 512), "v1", HEADS, KV_HEADS, HEAD_SIZE,
                             x.key_cache.shape[0], BLOCK)
+    layer(x.query, x.key_cache, x.value_cache)
+    assert layer.layer_launches is not None, "the first layer's launches were not kept"
+    unit, launches = layer.layer_launches.plan.unit, layer.layer_launches.plan.launches
     item = launches[0]
     kernel = runner._kernels[item.kernel].handle
     config = LaunchConfig(grid=item.grid, block=item.block, shmem_size=item.shared_memory)
@@ -145,7 +135,7 @@ def _batch_launch_costs(
     costs = {
         "launch_us": median_us(lambda: runner.run(unit, launches), 5000, repeats) / len(launches),
         "layer_us": median_us(lambda: layer(x.query, x.key_cache, x.value_cache), 500, repeats),
-        "op_us": median_us(lambda: op(direct), 500, repeats),
+        "op_us": median_us(op, 500, repeats),
         "cuda_core_launch_us": median_us(lambda: cuda_core_launch(stream, config, kernel, *args), 5000, repeats),
     }
     if device.type == "cuda":

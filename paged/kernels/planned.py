@@ -114,23 +114,23 @@ class _LayerLaunches:
     where each of those addresses sits in the first layer's arguments; a later layer gets them
     swapped in, after the few checks that tell its tensors are laid out as the first layer's."""
 
-    def __init__(self, plan: DecodeLaunches, slots: list[list[tuple[int, str]]], query_stride: tuple[int, ...]) -> None:
+    def __init__(self, plan: DecodeLaunches, slots: list[list[tuple[int, int]]], query_stride: tuple[int, ...]) -> None:
         # `plan.keep` stays referenced here: the launches carry its tensors' addresses
         self.plan, self.slots, self.query_stride = plan, slots, query_stride
 
     @classmethod
-    def of(cls, plan: DecodeLaunches, tensors: dict[str, torch.Tensor | None], query: torch.Tensor
-           ) -> _LayerLaunches | None:
-        """None where a role's address is not among the arguments (the plan copied the query into
-        shape) or two roles share one: then every layer plans its own launches."""
-        roles = {int(t.data_ptr()): name for name, t in tensors.items() if t is not None}
-        if len(roles) != sum(t is not None for t in tensors.values()) or 0 in roles:
+    def of(cls, plan: DecodeLaunches, roles: tuple[torch.Tensor | None, ...]) -> _LayerLaunches | None:
+        """`roles`: (output, query, key cache, value cache, k scale, v scale) of the first layer. None
+        where a role's address is not among the arguments (the plan copied the query into shape) or
+        two roles share one: then every layer plans its own launches."""
+        where = {int(t.data_ptr()): j for j, t in enumerate(roles) if t is not None}
+        if len(where) != sum(t is not None for t in roles) or 0 in where:
             return None
-        slots = [[(i, roles[int(a)]) for i, a in enumerate(item.args) if isinstance(a, Ptr) and int(a) in roles]
+        slots = [[(i, where[int(a)]) for i, a in enumerate(item.args) if isinstance(a, Ptr) and int(a) in where]
                  for item in plan.launches]
-        if {name for launch_slots in slots for _, name in launch_slots} != set(roles.values()):
+        if {j for launch_slots in slots for _, j in launch_slots} != set(where.values()):
             return None
-        return cls(plan, slots, tuple(query.stride()))
+        return cls(plan, slots, tuple(roles[1].stride()))
 
     def run(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
             k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> torch.Tensor | None:
@@ -140,13 +140,12 @@ class _LayerLaunches:
                 or not key_cache.is_contiguous() or not value_cache.is_contiguous()):
             return None
         out = torch.empty_like(query)
-        tensors = {"out": out, "query": query, "key_cache": key_cache, "value_cache": value_cache,
-                   "k_scale": k_scale, "v_scale": v_scale}
+        roles = (out, query, key_cache, value_cache, k_scale, v_scale)
         launches = []
         for item, slots in zip(self.plan.launches, self.slots):
             args = list(item.args)
-            for i, name in slots:
-                args[i] = Ptr(tensors[name].data_ptr())
+            for i, j in slots:
+                args[i] = Ptr(roles[j].data_ptr())
             launches.append(Launch(item.kernel, item.grid, item.block, item.shared_memory, tuple(args)))
         self.plan.runner.run(self.plan.unit, launches)
         return out
@@ -185,9 +184,7 @@ class DecodeAttention(_Planned):
             return self.backend.paged_attention(*args)
         plan = self.backend.decode_launches(*args)
         plan.runner.run(plan.unit, plan.launches)
-        tensors = {"out": plan.out, "query": query, "key_cache": key_cache, "value_cache": value_cache,
-                   "k_scale": k_scale, "v_scale": v_scale}
-        self.layer_launches = _LayerLaunches.of(plan, tensors, query)
+        self.layer_launches = _LayerLaunches.of(plan, (plan.out, query, key_cache, value_cache, k_scale, v_scale))
         return plan.out
 
 

@@ -53,6 +53,7 @@ from paged.config import (
     SchedulerConfig,
     resolve_dtype,
 )
+from paged.config.choices import VERSION_RULES
 from paged.executor.base import Executor
 from paged.executor.model_executor import ModelExecutor
 from paged.kernels.features import AttentionFeatures, BlockSparse, alibi_slopes, cache_dtype
@@ -293,7 +294,7 @@ def _attention(
     # contexts of one partition: v1 is what `auto` runs for them, as for most decode steps
     seqs, context = 16, 512
     version = execution.version
-    if version in ("auto", "vllm"):
+    if version in VERSION_RULES:
         version = kernels.choose_version(context, seqs, heads, execution.partition_size)
     blocks_per_seq = context // _BLOCK_SIZE
     num_blocks = seqs * blocks_per_seq
