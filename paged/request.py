@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 from array import array
 from dataclasses import dataclass, field
@@ -125,6 +126,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @functools.cached_property
+    def argmax_only(self) -> bool:
+        """Whether a token is the logits' argmax and nothing more: greedy, one sample, no penalty,
+        no log-probabilities (`min_tokens`, which depends on the sequence, is checked per row). The
+        usual row; the executor samples a batch of them with one argmax. Cached: the sampler asks once
+        per row per step, and params are not changed once a request is submitted."""
+        return (self.greedy and not self.use_beam_search and self.best_of == 1 and self.logprobs is None
+                and self.repetition_penalty == 1.0 and not self.presence_penalty and not self.frequency_penalty)
 
     @property
     def beam_width(self) -> int:

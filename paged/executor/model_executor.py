@@ -24,7 +24,7 @@ from paged.executor.dtype_checks import check_dtypes
 from paged.executor.kv_scales import KVScales
 from paged.executor.kv_tensors import allocate_kv, kv_block_spec
 from paged.executor.layer_types import LayerTypes, check_backend_serves, check_kv_layout
-from paged.executor.sample_inputs import prompt_logprobs, sample_rows
+from paged.executor.sample_inputs import prompt_logprobs, sample_rows, takes_argmax
 from paged.executor.step_plan import BatchInput, HostBatch, InputBuffers, plan_batch
 from paged.executor.tier_files import TieredHostPool
 from paged.executor.tp_workers import RankStep, WorkerGroup, on_every_rank
@@ -379,20 +379,29 @@ class ModelExecutor(TieredHostPool, Executor):
             return ExecutorOutput([], model_time_s=time.perf_counter() - start)
         hidden, batch = ran
         with torch.inference_mode():
-            rows = sample_rows(sched, self.seed)
-            logits = self.model.compute_logits(hidden[batch.sample_rows]) if rows else None
-            drawn = iter(sample(logits, rows, self.eos_token_ids) if logits is not None else [])
-            logprobs = prompt_logprobs(sched, hidden, self.model.compute_logits)
-        per_seq = [next(drawn) if s.num_samples > 0 else None for s in sched.scheduled]
-        sampled = [d.token_ids if d else [] for d in per_seq]
+            output = self._sample(sched, hidden, batch)
+            output.prompt_logprobs = prompt_logprobs(sched, hidden, self.model.compute_logits)
         # a decode token extends a generation; everything else computes a prompt (or recomputes one)
-        num_decode_tokens = sum(it.is_decode for it in sched.scheduled)
+        num_decode_tokens = host.num_decode_tokens
         self.num_decode_tokens_computed += num_decode_tokens
         self.num_prefill_tokens_computed += host.num_tokens - num_decode_tokens
-        model_time = time.perf_counter() - start - prep_time
+        output.num_computed_tokens, output.prep_time_s, output.attention_version = host.num_tokens, prep_time, version
+        output.model_time_s = time.perf_counter() - start - prep_time
+        return output
+
+    def _sample(self, sched: SchedulerOutput, hidden: torch.Tensor, batch: BatchInput) -> ExecutorOutput:
+        """The tokens of the rows that sample: one argmax over the batch when every row just takes
+        its argmax (the usual step, with no per-row work but the token's list), else `sample`."""
+        if not batch.sample_rows.shape[0]:
+            return ExecutorOutput([[] for _ in sched.scheduled])
+        logits = self.model.compute_logits(hidden[batch.sample_rows])
+        if takes_argmax(sched):
+            tokens = iter(logits.argmax(dim=-1).tolist())  # the step's one device-to-host read
+            return ExecutorOutput([[next(tokens)] if it.num_samples else [] for it in sched.scheduled])
+        drawn = iter(sample(logits, sample_rows(sched, self.seed), self.eos_token_ids))
+        per_seq = [next(drawn) if s.num_samples > 0 else None for s in sched.scheduled]
         return ExecutorOutput(
-            sampled, host.num_tokens, model_time, prep_time, version,
+            [d.token_ids if d else [] for d in per_seq],
             logprobs=[d.logprobs if d else [] for d in per_seq],
             top_logprobs=[d.top_logprobs if d else None for d in per_seq],
-            prompt_logprobs=logprobs,
         )

@@ -24,6 +24,19 @@ def request_seed(item: ScheduledSeq, experiment_seed: int) -> int:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
 
 
+def takes_argmax(sched: SchedulerOutput) -> bool:
+    """Whether every row that samples this step takes its logits' argmax and nothing more
+    (`SamplingParams.argmax_only`, with no `min_tokens` still to reach): the usual step, which is then
+    sampled with one argmax and no `SampleRow` per row."""
+    for it in sched.scheduled:
+        if it.num_samples:
+            seq = it.seq
+            p = seq.request.params
+            if not p.argmax_only or (p.min_tokens and len(seq.token_ids) - seq.num_prompt_tokens < p.min_tokens):
+                return False
+    return True
+
+
 def sample_rows(sched: SchedulerOutput, experiment_seed: int) -> list[SampleRow]:
     """One row per scheduled sequence that samples this step, in batch order."""
     return [

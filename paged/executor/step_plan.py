@@ -17,6 +17,7 @@ are `groups` (empty with one group, so a one-group step builds and uploads what 
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -54,6 +55,7 @@ class HostBatch:
     positions: np.ndarray  # int64 [T]
     slot_mapping: np.ndarray  # int64 [T]; -1: a padding row, written nowhere
     sample_rows: np.ndarray  # int64 [R], flat index of the last token of each sequence that samples
+    num_decode_tokens: int  # rows that extend a generation by one token (`ScheduledSeq.is_decode`)
     decode: HostRows | None
     prefill: HostRows | None
     groups: tuple[HostGroup, ...] = ()  # KV groups 1.. (`paged.kv_layout`); empty with one group
@@ -77,13 +79,22 @@ def _host_rows(picked: np.ndarray, num_new: np.ndarray, context: np.ndarray, tab
     )
 
 
+_COMPUTED = operator.attrgetter("seq.num_computed_tokens")
+_NUM_NEW = operator.attrgetter("num_new_tokens")
+_NUM_SAMPLES = operator.attrgetter("num_samples")
+_TABLE = operator.attrgetter("block_table")
+_TOKENS = operator.attrgetter("seq.token_ids")
+_PROMPT_LEN = operator.attrgetter("seq.num_prompt_tokens")
+
+
 def plan_batch(sched: SchedulerOutput, block_size: int, num_groups: int = 1) -> HostBatch:
     """The step's inputs; with `num_groups` > 1 KV groups, every scheduled row carries its
     `group_tables` and each group gets its slots and rows."""
     items = sched.scheduled
     num_seqs = len(items)
-    computed = np.fromiter((it.seq.num_computed_tokens for it in items), dtype=np.int64, count=num_seqs)
-    num_new = np.fromiter((it.num_new_tokens for it in items), dtype=np.int64, count=num_seqs)
+    # attrgetters, not generators: this runs over every row of every step
+    computed = np.fromiter(map(_COMPUTED, items), dtype=np.int64, count=num_seqs)
+    num_new = np.fromiter(map(_NUM_NEW, items), dtype=np.int64, count=num_seqs)
     context = computed + num_new
     ends = np.cumsum(num_new)
     starts = ends - num_new
@@ -100,29 +111,35 @@ def plan_batch(sched: SchedulerOutput, block_size: int, num_groups: int = 1) -> 
         owner = np.repeat(np.arange(num_seqs), num_new)
         positions = np.arange(int(ends[-1])) - starts[owner] + computed[owner]
     decode = num_new == 1
+    # `ScheduledSeq.is_decode` over the batch: one new token, after output tokens, the sequence's last
+    num_tokens = np.fromiter(map(len, map(_TOKENS, items)), dtype=np.int64, count=num_seqs)
+    prompt_lens = np.fromiter(map(_PROMPT_LEN, items), dtype=np.int64, count=num_seqs)
+    extends = decode & (num_tokens > prompt_lens) & (context == num_tokens)
 
     def group(block_tables: list[list[int]]) -> HostGroup:
         table_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=num_seqs)
         assert (table_lens * block_size >= context).all(), "a block table is shorter than its context"
         tables = np.zeros((num_seqs, int(table_lens.max())), dtype=np.int32)
-        for row, table in zip(tables, block_tables, strict=True):
-            row[: len(table)] = table
+        # every table's entries in one pass, placed row-major by a mask: no numpy call per row
+        entries = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int32, count=int(table_lens.sum()))
+        tables[np.arange(tables.shape[1]) < table_lens[:, None]] = entries
         slots = tables[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
         return HostGroup(slots, _host_rows(decode, num_new, context, tables),
                          _host_rows(~decode, num_new, context, tables))
 
-    first = group([it.block_table for it in items])
+    first = group(list(map(_TABLE, items)))
     others: tuple[HostGroup, ...] = ()
     if num_groups > 1:
         missing = [it.seq.seq_id for it in items if it.group_tables is None or len(it.group_tables) != num_groups]
         assert not missing, f"sequences {missing} lack a block table for each of the {num_groups} KV groups"
         others = tuple(group([it.group_tables[g] for it in items]) for g in range(1, num_groups))
-    samples = [i for i, it in enumerate(items) if it.num_samples > 0]
+    samples = np.fromiter(map(_NUM_SAMPLES, items), dtype=np.int64, count=num_seqs) > 0
     return HostBatch(
         input_ids=np.array(token_ids, dtype=np.int64),
         positions=positions,
         slot_mapping=first.slot_mapping,
         sample_rows=ends[samples] - 1,
+        num_decode_tokens=int(extends.sum()),
         decode=first.decode,
         prefill=first.prefill,
         groups=others,

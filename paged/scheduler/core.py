@@ -339,7 +339,10 @@ class Scheduler(UpdateMixin, HandoffMixin, KVQueriesMixin):
     def _scheduled(self, seq: Sequence, num_new_tokens: int) -> ScheduledSeq:
         # a chunk that leaves part of the prompt uncomputed samples nothing
         done = seq.num_computed_tokens + num_new_tokens == len(seq.token_ids)
-        num_samples = self._groups[seq.request].num_samples(seq) if done else 0
+        # one sample, no group to ask: the plain request, on every row of every step
+        num_samples = 0
+        if done:
+            num_samples = 1 if seq.request.params.best_of == 1 else self._groups[seq.request].num_samples(seq)
         item = ScheduledSeq(seq, num_new_tokens, self.block_manager.block_table(seq), num_samples)
         if self._group_tables is not None:
             item.group_tables = self._group_tables(seq)
