@@ -245,7 +245,7 @@ def test_cuda_graphs_with_a_random_model_is_refused_only_with_tensor_parallelism
         ModelExecutor(config, KernelConfig(name="t", backend="torch"), cuda_graphs=True, tensor_parallel_size=size)
 
 
-def test_summary_counts_graph_and_eager_decode_steps() -> None:
+def test_summary_counts_graph_eager_decode_and_eager_mixed_steps() -> None:
     cfg = compose_config(["model=tiny-random", "logger=none", "progress=false", "executor.cuda_graphs=null",
                           "model.device=cpu"])
     engine = build_engine(cfg)
@@ -255,6 +255,7 @@ def test_summary_counts_graph_and_eager_decode_steps() -> None:
     summary = summarize(cfg, engine)
     assert summary["cuda_graph_steps"] == 0
     assert summary["eager_decode_steps"] == 3  # one prefill step, then three decode steps
+    assert summary["eager_mixed_steps"] == 1
     with pytest.raises(ConfigError, match="needs a CUDA device"):
         build_engine(compose_config(["model=tiny-random", "logger=none", "executor.cuda_graphs=true",
                                      "model.device=cpu"]))

@@ -152,6 +152,7 @@ JOB_METRICS = [
     ("engine steps", "num_engine_steps", 1, "{}"),
     ("CUDA-graph steps", "cuda_graph_steps", 1, "{}"),
     ("eager decode steps", "eager_decode_steps", 1, "{}"),
+    ("eager mixed steps", "eager_mixed_steps", 1, "{}"),
 ]
 
 

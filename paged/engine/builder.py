@@ -278,7 +278,8 @@ def build_engine(cfg: Any, executor: Executor | None = None) -> Engine:
     executor.set_kv_layout(layout)
     num_blocks = num_blocks_for(cfg, plugins.sizes, executor)
     num_cpu_blocks = num_cpu_blocks_for(cfg, plugins.sizes, executor, preemption)
-    executor.set_batch_limits(cfg.scheduler.max_num_seqs, cfg.scheduler.max_model_len)
+    executor.set_batch_limits(cfg.scheduler.max_num_seqs, cfg.scheduler.max_model_len,
+                              cfg.scheduler.max_num_batched_tokens)
     # the host pool holds the swap pool's blocks, then the CPU tier's (allocator.offload)
     executor.init_kv_cache(num_blocks, block_size, num_cpu_blocks + num_tier_blocks(cfg, plugins.offload, executor)[0])
     tiers = build_kv_tiers(cfg, plugins.offload, executor, num_cpu_blocks)

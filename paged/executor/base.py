@@ -111,14 +111,17 @@ class Executor(ABC):
         uses its default block count."""
         return None
 
-    def set_batch_limits(self, max_num_seqs: int, max_model_len: int) -> None:  # noqa: B027 - optional hook
+    def set_batch_limits(  # noqa: B027 - optional hook
+        self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int | None = None
+    ) -> None:
         """The scheduler's bounds on a step, given before `init_kv_cache`: what an executor that
         prepares work per batch shape (CUDA graphs) plans for; no-op by default."""
 
     def decode_step_counts(self) -> dict[str, int | None]:
-        """summary.json's `cuda_graph_steps` (decode steps replayed from a CUDA graph) and
-        `eager_decode_steps` (decode-only steps run op by op); None where no step runs a model."""
-        return {"cuda_graph_steps": None, "eager_decode_steps": None}
+        """summary.json's `cuda_graph_steps` (steps replayed from a CUDA graph), `eager_decode_steps`
+        (decode-only steps run op by op) and `eager_mixed_steps` (steps with prompt tokens run op by
+        op); None where no step runs a model."""
+        return {"cuda_graph_steps": None, "eager_decode_steps": None, "eager_mixed_steps": None}
 
     def configure_kernel(self, kernel: KernelConfig) -> None:  # noqa: B027 - optional hook
         """Re-read the kernel settings when a new engine reuses this executor; no-op by default."""

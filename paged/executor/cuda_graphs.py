@@ -7,9 +7,9 @@ multiples of 8, as vLLM does), its inputs are written into fixed buffers, its bl
 wide as `max_model_len` needs, and the attention kernels are launched for the longest context
 (`paged.executor.step_plan.pad_decode`): partitions past a row's length return at once, so the
 output is the eager step's. A size is captured the first time a batch needs it, after one eager
-warm-up run (which loads kernels and sets up cuBLAS outside the capture). Prefill and mixed steps,
-and batches larger than the largest size, run eagerly; a capture that fails is logged and its
-size runs eagerly from then on.
+warm-up run (which loads kernels and sets up cuBLAS outside the capture). Steps with prompt
+tokens replay their own graphs (`paged.executor.mixed_graphs`); batches larger than the largest
+size run eagerly; a capture that fails is logged and its size runs eagerly from then on.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ log = logging.getLogger(__name__)
 # vLLM's default largest capture size: past it a batch amortises its launches by itself.
 MAX_CAPTURE_SIZE = 512
 
-Forward = Callable[[BatchInput, str], torch.Tensor]
-"""(inputs, decode kernel version) -> hidden states `[rows, hidden]`"""
+Forward = Callable[[BatchInput, str | None], torch.Tensor]
+"""(inputs, decode kernel version or None without decode rows) -> hidden states `[tokens, hidden]`"""
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -48,9 +48,24 @@ def padded_size(num_rows: int, sizes: list[int]) -> int | None:
 
 
 @dataclass
-class _Graph:
+class Captured:
     graph: torch.cuda.CUDAGraph
     hidden: torch.Tensor  # where each replay leaves the hidden states
+
+
+def capture(forward: Forward, inputs: BatchInput, version: str | None, device: torch.device,
+            pool: tuple[int, int]) -> Captured:
+    """`forward` over `inputs` captured into `pool`, after one eager run on a side stream (which
+    loads the kernels and sets cuBLAS up outside the capture); raises what the capture raised."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        forward(inputs, version)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        hidden = forward(inputs, version)
+    return Captured(graph, hidden)
 
 
 class DecodeGraphs:
@@ -68,7 +83,7 @@ class DecodeGraphs:
         # per row: ids, positions, slots and a sample row (int64); a table row, a length, an offset (int32)
         self.buffers = InputBuffers(device, capacity=largest * (table_width + 4) + 1, fixed=True)
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple[int, str], _Graph] = {}
+        self.graphs: dict[tuple[int, str], Captured] = {}
         self.failed: set[tuple[int, str]] = set()
 
     def replayable(self, batch: HostBatch) -> int | None:
@@ -91,21 +106,14 @@ class DecodeGraphs:
         graph.graph.replay()
         return graph.hidden[: batch.num_tokens], inputs
 
-    def _capture(self, size: int, version: str, inputs: BatchInput) -> _Graph | None:
+    def _capture(self, size: int, version: str, inputs: BatchInput) -> Captured | None:
         try:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                self.forward(inputs, version)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                hidden = self.forward(inputs, version)
+            captured = capture(self.forward, inputs, version, self.device, self.pool)
         except (RuntimeError, ValueError) as e:
             log.warning("capturing a CUDA graph for %d decode rows (%s) failed, so those steps run eagerly: %s",
                         size, version, e)
             self.failed.add((size, version))
             return None
         log.info("captured a CUDA graph for %d decode rows (%s)", size, version)
-        self.graphs[(size, version)] = _Graph(graph, hidden)
-        return self.graphs[(size, version)]
+        self.graphs[(size, version)] = captured
+        return captured

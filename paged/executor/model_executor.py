@@ -24,6 +24,7 @@ from paged.executor.dtype_checks import check_dtypes
 from paged.executor.kv_scales import KVScales
 from paged.executor.kv_tensors import allocate_kv, kv_block_spec
 from paged.executor.layer_types import LayerTypes, check_backend_serves, check_kv_layout
+from paged.executor.mixed_graphs import MixedGraphs
 from paged.executor.sample_inputs import prompt_logprobs, sample_rows, takes_argmax
 from paged.executor.step_plan import BatchInput, HostBatch, InputBuffers, plan_batch
 from paged.executor.tier_files import TieredHostPool
@@ -43,8 +44,9 @@ from paged.step import ExecutorOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
-# Graphs are planned for the scheduler's limits (`set_batch_limits`); this when none are given.
+# Graphs are planned for the scheduler's limits (`set_batch_limits`); these when none are given.
 DEFAULT_MAX_NUM_SEQS = 64
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
 
 class ModelExecutor(TieredHostPool, Executor):
     """A Llama-family model on CPU or CUDA. Public state besides the `Executor` contract: `arch`,
@@ -64,7 +66,7 @@ class ModelExecutor(TieredHostPool, Executor):
         self, model: ModelConfig, kernel: KernelConfig, seed: int = 0, cuda_graphs: bool | None = None,
         tensor_parallel_size: int = 1,
     ) -> None:
-        """`cuda_graphs`: replay decode steps from CUDA graphs (`paged.executor.cuda_graphs`); `None`
+        """`cuda_graphs`: replay steps from CUDA graphs (`paged.executor.cuda_graphs`, `.mixed_graphs`); `None`
         is on for a CUDA model and off elsewhere. `tensor_parallel_size`: ranks to split the model's
         heads and MLP over, this process and `tensor_parallel_size - 1` workers (1: no split)."""
         self._setup(model, kernel, seed, cuda_graphs, tensor_parallel_size, rank=0, group=None)
@@ -159,10 +161,11 @@ class ModelExecutor(TieredHostPool, Executor):
         self.cpu_value_caches: list[torch.Tensor] = []
         self.block_size = 0
         self.max_num_seqs, self.max_model_len = DEFAULT_MAX_NUM_SEQS, arch.max_position_embeddings
+        self.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
         self.inputs = InputBuffers(self.device)
         self.graphs: DecodeGraphs | None = None
-        self.cuda_graph_steps = 0
-        self.eager_decode_steps = 0
+        self.mixed_graphs: MixedGraphs | None = None
+        self.cuda_graph_steps = self.eager_decode_steps = self.eager_mixed_steps = 0
         self.configure_kernel(kernel_cfg)
         log.info("model %s on %s (%s) loaded", model_cfg.name, self.device, str(self.dtype).removeprefix("torch."))
         self.num_prefill_tokens_computed = 0
@@ -179,7 +182,7 @@ class ModelExecutor(TieredHostPool, Executor):
         # BLOOM keeps F.linear and its own norms: only a Llama model has these choices
         layers = f"; gemm {self.gemm}, {self.model.ops.name} norms/RoPE/SwiGLU" if isinstance(
             self.model, LlamaModel) else ""
-        graphs = "; decode from CUDA graphs" if self.graphs is not None else ""
+        graphs = "; steps from CUDA graphs" if self.graphs is not None else ""
         cpu = f"; {self.threads.count}" + " per rank" * (self.num_devices > 1) if self.device.type == "cpu" else ""
         tp = f"; tensor parallel over {self.num_devices} ranks" if self.num_devices > 1 else ""
         return (f"{self.model_name} on {self.device} ({dtype}{kv}); attention {self.kernel_description}{layers}"
@@ -254,7 +257,7 @@ class ModelExecutor(TieredHostPool, Executor):
             return None
         # an engine reusing this executor replaces the cache next: free it (and the graphs that read
         # it) now, so it neither counts as in use nor lives beside its replacement
-        self.key_caches, self.value_caches, self.graphs = [], [], None
+        self.key_caches, self.value_caches, self.graphs, self.mixed_graphs = [], [], None, None
         return memory_profile.kv_budget(self.model, self.device, utilization, max_num_batched_tokens, max_num_seqs,
                                         self.arch.max_position_embeddings)
 
@@ -278,9 +281,9 @@ class ModelExecutor(TieredHostPool, Executor):
             self._features,
         ):
             self._resolve_backend()
-        self.graphs = self._decode_graphs()
+        self.graphs, self.mixed_graphs = self._make_graphs()
         # a new cache is a new engine's: its summary counts its own steps
-        self.cuda_graph_steps = self.eager_decode_steps = 0
+        self.cuda_graph_steps = self.eager_decode_steps = self.eager_mixed_steps = 0
 
     def _check_positions(self, host: HostBatch) -> None:
         """Positions have RoPE rows only up to the model's table: the torch formulas would raise
@@ -291,22 +294,28 @@ class ModelExecutor(TieredHostPool, Executor):
                 raise ValueError(f"position {last} is past the model's max_position_embeddings="
                                  f"{self.arch.max_position_embeddings}; keep scheduler.max_model_len at most that")
 
-    def set_batch_limits(self, max_num_seqs: int, max_model_len: int) -> None:
+    def set_batch_limits(self, max_num_seqs: int, max_model_len: int,
+                         max_num_batched_tokens: int | None = None) -> None:
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
 
     def decode_step_counts(self) -> dict[str, int | None]:
-        return {"cuda_graph_steps": self.cuda_graph_steps, "eager_decode_steps": self.eager_decode_steps}
+        return {"cuda_graph_steps": self.cuda_graph_steps, "eager_decode_steps": self.eager_decode_steps,
+                "eager_mixed_steps": self.eager_mixed_steps}
 
-    def _decode_graphs(self) -> DecodeGraphs | None:
-        """Graphs for this cache and kernel; any captured before read the caches they replaced."""
+    def _make_graphs(self) -> tuple[DecodeGraphs | None, MixedGraphs | None]:
+        """Decode graphs and graphs of steps with prompt tokens, for this cache and kernel, in one
+        memory pool; any captured before read the caches they replaced."""
         if not self.use_cuda_graphs:
-            return None
+            return None, None
         if not self.backend.graph_capturable:
             log.warning("executor.cuda_graphs: kernel backend %s cannot be captured in a CUDA graph (it reads values "
-                        "on the host or skips padding there), so decode steps run eagerly", self.backend.name)
-            return None
+                        "on the host or skips padding there), so steps run eagerly", self.backend.name)
+            return None, None
         width = -(-self.max_model_len // self.block_size)
-        return DecodeGraphs(self._forward, self.device, self.max_num_seqs, width, self.block_size)
+        decode = DecodeGraphs(self._forward, self.device, self.max_num_seqs, width, self.block_size)
+        return decode, MixedGraphs(self._forward, self.device, decode.pool, self.max_num_seqs,
+                                   self.max_num_batched_tokens, width, self.block_size)
 
     def _choose_version(self, batch: HostBatch) -> str | None:
         """The decode kernel for the step's decode rows; `None` when it has none."""
@@ -342,14 +351,22 @@ class ModelExecutor(TieredHostPool, Executor):
                               num_heads=self.shard.num_heads, kv_scales=self.kv_scales, routes=self.routes)
         return self.model.forward(batch.input_ids, batch.positions, attn)
 
+    def _replay(self, host: HostBatch, version: str | None) -> tuple[torch.Tensor, BatchInput] | None:
+        if host.prefill is not None:
+            return self.mixed_graphs.run(host, version) if self.mixed_graphs is not None else None
+        return self.graphs.run(host, version) if self.graphs is not None and version else None
+
     def _run(self, host: HostBatch, version: str | None) -> tuple[torch.Tensor, BatchInput]:
-        """A decode batch from its CUDA graph where one replays it, else eagerly."""
-        replayed = self.graphs.run(host, version) if self.graphs is not None and version else None
+        """A step from its CUDA graph where one replays it, else eagerly."""
+        replayed = self._replay(host, version)
         if replayed is not None:
             self.cuda_graph_steps += 1
             return replayed
         batch = self.inputs.upload(host)
-        self.eager_decode_steps += host.prefill is None
+        if host.prefill is None:
+            self.eager_decode_steps += 1
+        else:
+            self.eager_mixed_steps += 1
         return self._forward(batch, version), batch
 
     @on_every_rank(wait=False)

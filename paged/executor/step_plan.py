@@ -6,7 +6,7 @@ prefill rows with more) the block tables, context lengths and query offsets, wit
 known on the host so no kernel has to ask the device for them. `InputBuffers.upload` packs them
 into one int64 and one int32 buffer of page-locked host memory and copies each to the device with
 one non-blocking copy (vLLM's persistent input batch); on a CPU the arrays are used as they are.
-`pad_decode` widens a decode batch to a CUDA graph's shape.
+`pad_decode` widens a decode batch to a CUDA graph's shape, `pad_mixed` a batch with prompt tokens.
 
 With KV groups per layer type (`paged.kv_layout`) each group has its own block tables
 (`ScheduledSeq.group_tables`), so each has its own cache slots and attention rows; the rows'
@@ -38,6 +38,10 @@ class HostRows:
     query_start_loc: np.ndarray  # int32 [n + 1]
     max_seq_len: int
     max_query_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
 
 
 @dataclass(frozen=True)
@@ -165,6 +169,51 @@ def pad_decode(batch: HostBatch, size: int, width: int, max_seq_len: int) -> Hos
         slot_mapping=padded(batch.slot_mapping, -1),
         decode=replace(rows, block_tables=tables, seq_lens=padded(rows.seq_lens, 1),
                        query_start_loc=np.arange(size + 1, dtype=np.int32), max_seq_len=max_seq_len),
+    )
+
+
+def pad_mixed(batch: HostBatch, tokens: int, decode_rows: int, prefill_rows: int, width: int,
+              max_seq_len: int) -> HostBatch:
+    """A batch with prompt tokens as a CUDA graph for `tokens` tokens, `decode_rows` decode rows
+    and `prefill_rows` prefill rows replays it, so no launch shape or index count depends on the
+    batch. The real tokens keep their places; padding tokens follow, at slot -1 (written nowhere),
+    position 0. Padding decode rows are `pad_decode`'s (one token of block 0), each with a padding
+    token for its query; the other padding tokens are query rows of the prefill op past its last
+    offset, which its kernel never reads nor writes, and padding prefill rows hold no query and no
+    context (the kernel returns at once). The prefill grid is sized for every prefill query row
+    (`max_query_len`), the decode kernels for `max_seq_len`, as wide tables as `width` columns."""
+    rows, prefill = batch.decode, batch.prefill
+    assert prefill is not None and not batch.groups, "a mixed graph replays a one-group batch with prompt tokens"
+    n, num_decode, num_prefill = batch.num_tokens, 0 if rows is None else rows.num_seqs, prefill.num_seqs
+    assert (num_decode == 0) == (decode_rows == 0) and num_decode <= decode_rows and num_prefill <= prefill_rows
+    assert n + decode_rows - num_decode <= tokens, f"{n} tokens and {decode_rows - num_decode} padding rows"
+    assert max(prefill.max_seq_len, 0 if rows is None else rows.max_seq_len) <= max_seq_len
+
+    def padded(a: np.ndarray, size: int, fill: int) -> np.ndarray:
+        return np.concatenate([a, np.full(size - a.shape[0], fill, dtype=a.dtype)])
+
+    def table(host: HostRows, size: int) -> np.ndarray:
+        out = np.zeros((size, width), dtype=np.int32)
+        out[: host.num_seqs, : host.block_tables.shape[1]] = host.block_tables
+        return out
+
+    spare = np.arange(n, tokens, dtype=np.int64)  # the padding tokens, in order
+    decode = None
+    if rows is not None:
+        assert rows.tokens is not None
+        decode = replace(rows, tokens=np.concatenate([rows.tokens, spare[: decode_rows - num_decode]]),
+                         block_tables=table(rows, decode_rows), seq_lens=padded(rows.seq_lens, decode_rows, 1),
+                         query_start_loc=np.arange(decode_rows + 1, dtype=np.int32), max_seq_len=max_seq_len)
+    queries = np.arange(n, dtype=np.int64) if prefill.tokens is None else prefill.tokens
+    prefill_tokens = None if rows is None else np.concatenate([queries, spare[decode_rows - num_decode :]])
+    return replace(
+        batch, input_ids=padded(batch.input_ids, tokens, 0), positions=padded(batch.positions, tokens, 0),
+        slot_mapping=padded(batch.slot_mapping, tokens, -1), decode=decode,
+        prefill=replace(prefill, tokens=prefill_tokens, block_tables=table(prefill, prefill_rows),
+                        seq_lens=padded(prefill.seq_lens, prefill_rows, 0),
+                        query_start_loc=padded(prefill.query_start_loc, prefill_rows + 1,
+                                               int(prefill.query_start_loc[-1])),
+                        max_seq_len=max_seq_len, max_query_len=tokens - decode_rows),
     )
 
 

@@ -92,8 +92,10 @@ def plan_prefill(
     spans = lens - window_start // block_size * block_size
     length_class = np.ceil(np.log2(np.maximum(spans, 1))).astype(np.int64)
     groups = []
-    for value in np.unique(length_class):
-        group = np.flatnonzero(length_class == value)
+    # a sequence without query rows (a CUDA graph's padding row) has nothing to attend
+    asking = q_lens > 0
+    for value in np.unique(length_class[asking]):
+        group = np.flatnonzero((length_class == value) & asking)
         group_q, span = int(q_lens[group].max()), int(spans[group].max())
         per_call = max(1, PREFILL_GROUP_ELEMENTS // max(span * num_kv_heads * head_size, group_q * span))
         for first in range(0, len(group), per_call):
