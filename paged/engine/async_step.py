@@ -43,7 +43,7 @@ class AsyncStep:
         self.engine = engine
         self._in_flight: _Launched | None = None
         self._settled: list[Request] = []  # finished while settling: the next step returns them
-        self.num_lagged_steps = 0  # steps launched before the previous one's tokens were applied
+        self.num_lagged_steps = 0  # steps whose tokens were applied a step late (the others ran to their end)
 
     @property
     def busy(self) -> bool:
