@@ -34,6 +34,18 @@ def scores_tokens(params: SamplingParams) -> bool:
     return params.logprobs is not None or params.use_beam_search or (params.best_of or params.n) > params.n
 
 
+def tokens_can_lag(params: SamplingParams) -> bool:
+    """Whether a request's sampled tokens may reach the host one step late (async scheduling,
+    `paged.scheduler.lagged_update`): its one sequence (best_of 1: no forks, no beams) samples without
+    reading its earlier tokens on the host (no penalties), and it asks for tokens only (no logprobs,
+    no prompt_logprobs, which the sampler reads in the step). A step holding any other request runs
+    synchronously, applied before the next one is scheduled."""
+    return (
+        params.best_of == 1 and not scores_tokens(params) and params.prompt_logprobs is None
+        and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+    )
+
+
 @dataclass
 class Samples:
     """What one row produced: its tokens, each one's log-probability (0.0 unless `scores_tokens`),

@@ -98,6 +98,10 @@ class SchedulerConfig:
     # Among waiting requests whose first uncached block another request is computing right now,
     # admit none: they hit its blocks a step later (SGLang's in-batch prefix de-duplication).
     prefix_dedup: bool = True
+    # Schedule and launch step N+1 while the device runs step N; the sampled tokens stay on the device
+    # and the host applies them (stops, outputs) a step later (paged/engine/async_step.py). null: on for
+    # a CUDA model executor that can run it, off elsewhere; true where it cannot run is a config error.
+    async_scheduling: bool | None = None
     policy: PluginConfig = field(default_factory=PluginConfig)
     # recompute | swap | auto (paged.scheduler.preemption.MODES); `preemption._target_` names a custom mode
     preemption_mode: str = "recompute"

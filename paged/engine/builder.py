@@ -54,6 +54,7 @@ class Plugins:
     executor: Plugin
     offload: OffloadPlan | None = None  # allocator.offload's tiers (None: off)
     eviction: Plugin | None = None  # the prefix cache's eviction policy (None: the allocator caches no prefixes)
+    async_scheduling: bool = False  # scheduler.async_scheduling resolved (`resolve_async_scheduling`)
 
 
 def check_config(cfg: Any, executor_cls: type[Executor] | None = None) -> Plugins:
@@ -92,6 +93,7 @@ def check_config(cfg: Any, executor_cls: type[Executor] | None = None) -> Plugin
     plugins = dataclasses.replace(plugins, eviction=_check_eviction(cfg, plugins.allocator))
     plugins = dataclasses.replace(plugins, offload=check_offload(cfg, plugins.allocator.cls, runs_on))
     _precheck_kv_groups(cfg, plugins)
+    plugins = dataclasses.replace(plugins, async_scheduling=resolve_async_scheduling(cfg, plugins.executor, runs_on))
     if plugins.reservation.cls.needs_output_lengths and not cfg.workload.ignore_eos:
         raise ConfigError(
             f"allocator={cfg.allocator.name} reserves each request's true output length, which the workload "
@@ -99,6 +101,27 @@ def check_config(cfg: Any, executor_cls: type[Executor] | None = None) -> Plugin
             "allocator=orca-pow2 / orca-max"
         )
     return plugins
+
+
+def resolve_async_scheduling(cfg: Any, executor: Plugin, runs_on: type[Executor]) -> bool:
+    """`scheduler.async_scheduling`: null is on for an executor that can run it on a CUDA model and
+    off elsewhere; true where it cannot run is an error naming why (`async_scheduling_refusal`, or a
+    workload whose sequence groups need each step's tokens before the next step is scheduled)."""
+    asked = cfg.scheduler.async_scheduling
+    refusal = runs_on.async_scheduling_refusal(executor.settings)
+    w = cfg.workload
+    forks = {"n": w.n > 1, "best_of": (w.best_of or 1) > 1, "use_beam_search": w.use_beam_search}
+    forking = {key: getattr(w, key) for key, forks_ in forks.items() if forks_}
+    if refusal is None and forking:
+        keys = ", ".join(f"workload.{key}={value}" for key, value in forking.items())
+        refusal = (f"does not run with {keys}: a request's samples or beams fork and are pruned by the tokens each "
+                   "step samples, which the next step's schedule needs")
+    if asked is None:
+        device = cfg.model.device
+        return refusal is None and (device == "cuda" or (device == "auto" and torch.cuda.is_available()))
+    if asked and refusal is not None:
+        raise ConfigError(f"scheduler.async_scheduling=true {refusal}; use scheduler.async_scheduling=false or null")
+    return bool(asked)
 
 
 def _check_preemption(s: Any) -> Plugin:
@@ -280,6 +303,7 @@ def build_engine(cfg: Any, executor: Executor | None = None) -> Engine:
     num_cpu_blocks = num_cpu_blocks_for(cfg, plugins.sizes, executor, preemption)
     executor.set_batch_limits(cfg.scheduler.max_num_seqs, cfg.scheduler.max_model_len,
                               cfg.scheduler.max_num_batched_tokens)
+    executor.set_async_scheduling(plugins.async_scheduling)
     # the host pool holds the swap pool's blocks, then the CPU tier's (allocator.offload)
     executor.init_kv_cache(num_blocks, block_size, num_cpu_blocks + num_tier_blocks(cfg, plugins.offload, executor)[0])
     tiers = build_kv_tiers(cfg, plugins.offload, executor, num_cpu_blocks)
@@ -305,4 +329,4 @@ def build_engine(cfg: Any, executor: Executor | None = None) -> Engine:
         num_blocks, block_size, num_blocks * block_size, num_cpu_blocks, plugins.allocator.path, plugins.policy.path,
         executor.description,
     )
-    return Engine(executor, scheduler)
+    return Engine(executor, scheduler, async_scheduling=plugins.async_scheduling)

@@ -3,13 +3,16 @@
 Sequence state changes only in the scheduler (`update_from_output`); the executor only computes
 and samples; the engine wires them together on the executor's clock and records each step. It also
 answers what its callers ask of the KV cache and the scheduler (stats, prefix-cache reset, counters),
-so that no caller reaches into the scheduler's block manager or allocator.
+so that no caller reaches into the scheduler's block manager or allocator. With async scheduling
+(`scheduler.async_scheduling`) its steps are `AsyncStep`'s: the next step is launched before the
+previous one's tokens are applied.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from paged.engine.async_step import AsyncStep
 from paged.engine.metrics import MetricsRecorder
 from paged.executor.base import Executor
 from paged.request import Request
@@ -18,11 +21,15 @@ from paged.step import ExecutorOutput, KVStats
 
 
 class Engine:
-    def __init__(self, executor: Executor, scheduler: Scheduler, metrics: MetricsRecorder | None = None) -> None:
+    def __init__(
+        self, executor: Executor, scheduler: Scheduler, metrics: MetricsRecorder | None = None,
+        async_scheduling: bool = False,
+    ) -> None:
         self.executor = executor
         self.scheduler = scheduler
         self.metrics = metrics or MetricsRecorder()
         self.clock = executor.clock
+        self.async_step = AsyncStep(self) if async_scheduling else None
 
     def add_request(self, request: Request) -> None:
         if request.params.max_tokens is None:
@@ -47,7 +54,11 @@ class Engine:
 
     def abort(self, request: Request, reason: str) -> None:
         """Abort `request` wherever it is (waiting, running, swapped), freeing its blocks; the next
-        `step` returns it among the finished, with `reason` as its abort reason."""
+        `step` returns it among the finished, with `reason` as its abort reason. A step in flight is
+        applied first, so that the request keeps every token computed for it; one that ends in it is
+        not aborted."""
+        if self.async_step is not None and request in self.async_step.settle():
+            return
         self.scheduler.abort(request, reason)
 
     def abort_all(self, reason: str) -> list[Request]:
@@ -55,6 +66,8 @@ class Engine:
         until it holds none, so that it is as if they never came; returns them. Nothing is computed:
         the steps only return the aborted. The prefix cache keeps only blocks whose step completed
         (a block is published after `execute` returns), so a step that raised leaves none behind."""
+        if self.async_step is not None:
+            self.async_step.settle()
         s = self.scheduler
         held = list(dict.fromkeys(seq.request for seq in (*s.waiting, *s.running, *s.swapped)))
         for request in held:
@@ -65,10 +78,12 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or (self.async_step is not None and self.async_step.busy)
 
     def step(self) -> list[Request]:
         """Run one iteration; returns the requests that finished (or were aborted) in it."""
+        if self.async_step is not None:
+            return self.async_step.step()
         start = self.clock.now()
         sched = self.scheduler.schedule(start)
         self.metrics.on_scheduled(sched, self.scheduler.waiting)

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Protocol
+from typing import Any, Protocol
 
-from paged.config import KernelConfig
+from paged.config import ConfigError, KernelConfig
+from paged.executor.pending import PendingOutput, ReadyOutput
 from paged.kernels.limits import BLOCK_SIZES
 from paged.kv_layout import KVLayout
 from paged.memory.kv_tiers import TierStore
@@ -65,6 +67,31 @@ class Executor(ABC):
         """Swap `sched.blocks_to_swap_out` to host and `sched.blocks_to_swap_in` back, copy
         `sched.blocks_to_copy`, compute the scheduled tokens, sample where asked. A step may carry
         swaps and no scheduled sequence: the swaps still happen."""
+
+    def launch(self, sched: SchedulerOutput) -> PendingOutput:
+        """Start a step under async scheduling (`set_async_scheduling`): its output later, or now.
+        By default the step runs to its end (`execute`)."""
+        return ReadyOutput(self.execute(sched))
+
+    # Whether `launch` can leave a step's sampled tokens on the device (scheduler.async_scheduling)
+    supports_async_scheduling: bool = False
+    # Whether it does: the engine launches each step before it reads the previous one's tokens
+    async_scheduling: bool = False
+
+    @classmethod
+    def async_scheduling_refusal(cls, settings: Mapping[str, Any]) -> str | None:
+        """Why this executor, built with `settings` (its config node's), cannot run async
+        scheduling; None when it can."""
+        if not cls.supports_async_scheduling:
+            return f"{cls.__qualname__} computes each step before it returns it, so no step can be scheduled ahead"
+        return None
+
+    def set_async_scheduling(self, on: bool) -> None:
+        """Given before `init_kv_cache`: whether steps are launched ahead of their predecessor's
+        tokens (the builder checked `async_scheduling_refusal` first)."""
+        if on and not self.supports_async_scheduling:
+            raise ConfigError(f"scheduler.async_scheduling=true: {self.async_scheduling_refusal({})}")
+        self.async_scheduling = on
 
     # Whether a model without weights (`model.source=spec`) is enough to run.
     runs_spec_models: bool = False

@@ -20,11 +20,13 @@ from paged.executor import memory_profile
 from paged.executor.attention import PagedAttention, layer_routes
 from paged.executor.base import Executor, KVCacheSpec
 from paged.executor.cuda_graphs import DecodeGraphs
+from paged.executor.device_tokens import DeviceTokens
 from paged.executor.dtype_checks import check_dtypes
 from paged.executor.kv_scales import KVScales
 from paged.executor.kv_tensors import allocate_kv, kv_block_spec
 from paged.executor.layer_types import LayerTypes, check_backend_serves, check_kv_layout
 from paged.executor.mixed_graphs import MixedGraphs
+from paged.executor.pending import PendingOutput, ReadyOutput
 from paged.executor.sample_inputs import prompt_logprobs, sample_rows, takes_argmax
 from paged.executor.step_plan import BatchInput, HostBatch, InputBuffers, plan_batch
 from paged.executor.tier_files import TieredHostPool
@@ -36,11 +38,11 @@ from paged.model.factory import build_model
 from paged.model.layer_ops import layer_ops_for
 from paged.model.linear import resolve_gemm
 from paged.model.llama import LlamaModel
-from paged.model.sampler import sample
+from paged.model.sampler import choose, sample
 from paged.model.tensor_parallel import check_tensor_parallel_size, shard_model
 from paged.model.tokenizer import load_tokenizer
 from paged.model.weights import load_arch, load_weights
-from paged.step import ExecutorOutput, SchedulerOutput
+from paged.step import ExecutorOutput, SchedulerOutput, tokens_can_lag
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ class ModelExecutor(TieredHostPool, Executor):
     and `workers` the other ranks (None at size 1 and in a worker)."""
 
     supports_swap = True
+    supports_async_scheduling = True
 
     def __init__(
         self, model: ModelConfig, kernel: KernelConfig, seed: int = 0, cuda_graphs: bool | None = None,
@@ -165,6 +168,9 @@ class ModelExecutor(TieredHostPool, Executor):
         self.inputs = InputBuffers(self.device)
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
+        # async scheduling: the tokens the last launched step sampled, one per sampling row, where the
+        # next step's inputs read them (`_forward`); None when off
+        self.sampled_ids: torch.Tensor | None = None
         self.cuda_graph_steps = self.eager_decode_steps = self.eager_mixed_steps = 0
         self.configure_kernel(kernel_cfg)
         log.info("model %s on %s (%s) loaded", model_cfg.name, self.device, str(self.dtype).removeprefix("torch."))
@@ -183,6 +189,7 @@ class ModelExecutor(TieredHostPool, Executor):
         layers = f"; gemm {self.gemm}, {self.model.ops.name} norms/RoPE/SwiGLU" if isinstance(
             self.model, LlamaModel) else ""
         graphs = "; steps from CUDA graphs" if self.graphs is not None else ""
+        graphs += "; async scheduling" if self.async_scheduling else ""
         cpu = f"; {self.threads.count}" + " per rank" * (self.num_devices > 1) if self.device.type == "cpu" else ""
         tp = f"; tensor parallel over {self.num_devices} ranks" if self.num_devices > 1 else ""
         return (f"{self.model_name} on {self.device} ({dtype}{kv}); attention {self.kernel_description}{layers}"
@@ -230,6 +237,14 @@ class ModelExecutor(TieredHostPool, Executor):
     @property
     def _features(self) -> AttentionFeatures:
         return AttentionFeatures(self.alibi_slopes, self.blocksparse, self.arch.attn_logit_softcapping)
+
+    @classmethod
+    def async_scheduling_refusal(cls, settings: Any) -> str | None:
+        size = settings.get("tensor_parallel_size", 1)
+        if size != 1:
+            return (f"does not run with executor.tensor_parallel_size={size}: the worker ranks build a step's "
+                    "inputs from token ids the host holds")
+        return None
 
     def set_kv_layout(self, layout: KVLayout) -> None:
         """Route each layer to its group's tables and KV tensor (`check_kv_layout` refuses what cannot
@@ -281,6 +296,9 @@ class ModelExecutor(TieredHostPool, Executor):
             self._features,
         ):
             self._resolve_backend()
+        # before the graphs, which read it at a fixed address; a step samples at most one row per sequence
+        self.sampled_ids = (torch.zeros(self.max_num_seqs, dtype=torch.long, device=self.device)
+                            if self.async_scheduling else None)
         self.graphs, self.mixed_graphs = self._make_graphs()
         # a new cache is a new engine's: its summary counts its own steps
         self.cuda_graph_steps = self.eager_decode_steps = self.eager_mixed_steps = 0
@@ -349,7 +367,12 @@ class ModelExecutor(TieredHostPool, Executor):
             self._announce(f"prefill rows: prefill_attention on backend {self.backend.name}")
         attn = PagedAttention(batch, self.key_caches, self.value_caches, self.attention, decode_version=version,
                               num_heads=self.shard.num_heads, kv_scales=self.kv_scales, routes=self.routes)
-        return self.model.forward(batch.input_ids, batch.positions, attn)
+        input_ids = batch.input_ids
+        if self.sampled_ids is not None:
+            # async scheduling: id -(1 + r) is a placeholder for the token that sampling row r of the step
+            # before drew, which the host has not read yet (`Scheduler.commit_scheduled`)
+            input_ids = torch.where(input_ids < 0, self.sampled_ids[(-1 - input_ids).clamp_(min=0)], input_ids)
+        return self.model.forward(input_ids, batch.positions, attn)
 
     def _replay(self, host: HostBatch, version: str | None) -> tuple[torch.Tensor, BatchInput] | None:
         if host.prefill is not None:
@@ -379,7 +402,9 @@ class ModelExecutor(TieredHostPool, Executor):
                 kernels.copy_blocks(self.key_caches, self.value_caches, step.blocks_to_copy, backend=self.backend)
             return None if step.batch is None else self._run(step.batch, step.decode_version)
 
-    def execute(self, sched: SchedulerOutput) -> ExecutorOutput:
+    def _compute(self, sched: SchedulerOutput) -> tuple[HostBatch, str | None, torch.Tensor, BatchInput, float] | None:
+        """Plan the step, then its swaps, copies and forward: the batch, its decode kernel, the hidden
+        states, the inputs on the device and the planning time; None for a step of swaps only."""
         assert self.block_size, "init_kv_cache must run before execute"
         start = time.perf_counter()
         host, version = None, None
@@ -393,15 +418,29 @@ class ModelExecutor(TieredHostPool, Executor):
             sched.blocks_to_offload + sched.blocks_to_swap_out, sched.blocks_to_swap_in + sched.blocks_to_onload,
             sched.blocks_to_copy, host, version))
         if ran is None or host is None:
+            return None
+        return host, version, *ran, prep_time
+
+    def _count_tokens(self, host: HostBatch) -> None:
+        # a decode token extends a generation; everything else computes a prompt (or recomputes one)
+        self.num_decode_tokens_computed += host.num_decode_tokens
+        self.num_prefill_tokens_computed += host.num_tokens - host.num_decode_tokens
+
+    def _logits(self, hidden: torch.Tensor, batch: BatchInput) -> torch.Tensor:
+        """The logits of the rows that sample; index_select, not hidden[rows]: advanced indexing costs
+        ~7x its host time on a CPU."""
+        return self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
+
+    def execute(self, sched: SchedulerOutput) -> ExecutorOutput:
+        start = time.perf_counter()
+        ran = self._compute(sched)
+        if ran is None:
             return ExecutorOutput([], model_time_s=time.perf_counter() - start)
-        hidden, batch = ran
+        host, version, hidden, batch, prep_time = ran
         with torch.inference_mode():
             output = self._sample(sched, hidden, batch)
             output.prompt_logprobs = prompt_logprobs(sched, hidden, self.model.compute_logits)
-        # a decode token extends a generation; everything else computes a prompt (or recomputes one)
-        num_decode_tokens = host.num_decode_tokens
-        self.num_decode_tokens_computed += num_decode_tokens
-        self.num_prefill_tokens_computed += host.num_tokens - num_decode_tokens
+        self._count_tokens(host)
         output.num_computed_tokens, output.prep_time_s, output.attention_version = host.num_tokens, prep_time, version
         output.model_time_s = time.perf_counter() - start - prep_time
         return output
@@ -411,8 +450,7 @@ class ModelExecutor(TieredHostPool, Executor):
         its argmax (the usual step, with no per-row work but the token's list), else `sample`."""
         if not batch.sample_rows.shape[0]:
             return ExecutorOutput([[] for _ in sched.scheduled])
-        # index_select, not hidden[rows]: advanced indexing costs ~7x its host time on a CPU
-        logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
+        logits = self._logits(hidden, batch)
         if takes_argmax(sched):
             tokens = iter(logits.argmax(dim=-1).tolist())  # the step's one device-to-host read
             return ExecutorOutput([[next(tokens)] if it.num_samples else [] for it in sched.scheduled])
@@ -423,3 +461,26 @@ class ModelExecutor(TieredHostPool, Executor):
             logprobs=[d.logprobs if d else [] for d in per_seq],
             top_logprobs=[d.top_logprobs if d else None for d in per_seq],
         )
+
+    def launch(self, sched: SchedulerOutput) -> PendingOutput:
+        """Under async scheduling, a step whose every request's tokens can lag (`tokens_can_lag`)
+        leaves them on the device: in `sampled_ids`, where the next step's placeholders read them,
+        and on their way to the host (`DeviceTokens`). Any other step runs to its end."""
+        if self.sampled_ids is None or sched.is_empty or not all(
+            tokens_can_lag(it.seq.request.params) for it in sched.scheduled
+        ):
+            return ReadyOutput(self.execute(sched))
+        start = time.perf_counter()
+        ran = self._compute(sched)
+        assert ran is not None, "a step with scheduled rows computes them"
+        host, version, hidden, batch, prep_time = ran
+        with torch.inference_mode():
+            tokens = torch.empty(0, dtype=torch.long, device=self.device)
+            if batch.sample_rows.shape[0]:
+                logits = self._logits(hidden, batch)
+                tokens = (logits.argmax(dim=-1) if takes_argmax(sched)
+                          else choose(logits, sample_rows(sched, self.seed), self.eos_token_ids)[:, 0])
+                self.sampled_ids[: tokens.shape[0]] = tokens
+        self._count_tokens(host)
+        shell = ExecutorOutput([], host.num_tokens, time.perf_counter() - start - prep_time, prep_time, version)
+        return DeviceTokens(tokens, [it.num_samples > 0 for it in sched.scheduled], shell)

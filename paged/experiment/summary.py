@@ -80,6 +80,8 @@ def summarize(
         "num_evictions": kv.num_evictions,
         **_tier_summary(kv, bytes_per_block),
         **executor.decode_step_counts(),
+        # steps launched before the previous one's tokens were read (scheduler.async_scheduling resolved)
+        "async_scheduling": getattr(executor, "async_scheduling", False),
         "num_replicas": len(engine.replicas) if isinstance(engine, Fleet) else 1,
         "router": cfg.router.name if isinstance(engine, Fleet) else None,
     }

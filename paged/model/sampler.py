@@ -237,6 +237,12 @@ def _scored(
     return [Samples(tokens[i], values[i][: r.num_samples], tops.get(i)) for i, r in enumerate(rows)]
 
 
+def choose(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: Collection[int] = ()) -> torch.Tensor:
+    """The token ids `sample` would return, left on the device `[len(rows), widest num_samples]`,
+    for rows that want no log-probabilities: async scheduling reads them a step later."""
+    return _choose(apply_penalties(logits, rows, eos_token_ids), rows)
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow], eos_token_ids: Collection[int] = ()) -> list[Samples]:
     """`Samples` per row from fp32 logits `[len(rows), vocab]`; a row that `scores_tokens` does not
     cover gets 0.0 for each token's log-probability."""

@@ -17,8 +17,8 @@ requests that its best waiting one outranks (they are recomputed). A request's s
 beams) are gang scheduled, as the paper's sequence groups: admitted, preempted and swapped in all
 together, and never chunked (`budget`: a step's tokens and seats, gangs, chunks). A request that
 can never run is aborted with the reason (`rejection`). `update_from_output` (`update`) applies what
-the executor computed and sampled; `handoff` moves a request between the prefill and decode pools
-of a disaggregated fleet.
+the executor computed and sampled (under async scheduling `lagged_update`, a step late); `handoff`
+moves a request between the prefill and decode pools of a disaggregated fleet.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from paged.request import FinishReason, Request, SeqStatus, Sequence
 from paged.scheduler.budget import StepBudget, gang_of, grow, running_gangs, seats, seats_in_use
 from paged.scheduler.handoff import HandoffMixin
 from paged.scheduler.kv_queries import KVQueriesMixin
+from paged.scheduler.lagged_update import LaggedUpdateMixin
 from paged.scheduler.policy import SchedulingPolicy
 from paged.scheduler.preemption import PreemptionMode, RecomputePreemption
 from paged.scheduler.rejection import allocation_rejection, intake_rejection, swap_in_rejection
@@ -53,7 +54,7 @@ class SchedulerCounters:
     num_swapped_blocks: int = 0  # blocks moved either way
 
 
-class Scheduler(UpdateMixin, HandoffMixin, KVQueriesMixin):
+class Scheduler(UpdateMixin, LaggedUpdateMixin, HandoffMixin, KVQueriesMixin):
     def __init__(
         self,
         cfg: SchedulerConfig,
@@ -207,6 +208,8 @@ class Scheduler(UpdateMixin, HandoffMixin, KVQueriesMixin):
             seq = gang[0]
             size = len(gang)
             remaining = len(seq.token_ids) - seq.num_computed_tokens
+            if not remaining:  # async scheduling: its last token is in flight (`lagged_update`)
+                continue
             if size == 1 and remaining > 1:  # a prompt in progress: its blocks exist already
                 n = budget.chunk(remaining)
                 if n:
