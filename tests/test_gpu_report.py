@@ -182,7 +182,9 @@ def test_run_job_runs_the_torch_kernels_as_the_default_and_compares_them(report,
     assert overrides["cuda-torch-kernels"] == [*overrides["cuda-default"], "kernel.backend=torch"]
     assert not any(a.startswith(("model.dtype", "executor.cuda_graphs")) for a in overrides["cuda-default"])
     # the compared fp32 runs share their workload (16 requests); the load runs differ in the kernel only
-    assert all("workload.num_requests=16" in overrides[label] for pair in report.COMPARED[:2] for label in pair)
+    assert all("workload.num_requests=16" in overrides[label] for pair in report.COMPARED[:3] for label in pair)
+    # async on (CUDA's default) against off: only the scheduling differs
+    assert overrides["cuda-fp32-async-off"] == [*overrides["cuda-fp32-graphs-on"], "scheduler.async_scheduling=false"]
     assert overrides["cuda-load-v3"] == [*overrides["cuda-load-auto"], "kernel=v3"]
     assert "scheduler.max_num_seqs=256" in overrides["cuda-load-auto"]
     # the real Llama-3-8B shape and the simulator's run the same workload; the simulator on this GPU's preset

@@ -118,6 +118,9 @@ JOB_RUNS = (
     ("cuda-default", ["model.device=cuda"]),
     ("cuda-torch-kernels", ["model.device=cuda", "kernel.backend=torch"]),
     ("cuda-fp32-graphs-on", ["model.device=cuda", *FP32, "executor.cuda_graphs=true"]),
+    # async scheduling is on by default on CUDA: the same run with it off must sample the same tokens
+    ("cuda-fp32-async-off",
+     ["model.device=cuda", *FP32, "executor.cuda_graphs=true", "scheduler.async_scheduling=false"]),
     ("cuda-load-auto", LOAD),
     ("cuda-load-v3", [*LOAD, "kernel=v3"]),
     ("cuda-llama-3-8b-random", ["model=llama-3-8b-random", "model.device=cuda", *LLAMA]),
@@ -129,7 +132,7 @@ RATIO = ("cuda-fp32-graphs-on", "cuda-fp32-graphs-off")
 # the pairs of runs whose outputs are compared token by token: fp32 ones must be identical; the bf16 pair
 # (our kernels, torch's) shows how far rounding takes them apart
 COMPARED = (("cuda-fp32-graphs-off", "cuda-fp32-graphs-on"), ("cpu-fp32", "cuda-fp32-graphs-on"),
-            ("cuda-default", "cuda-torch-kernels"))
+            ("cuda-fp32-async-off", "cuda-fp32-graphs-on"), ("cuda-default", "cuda-torch-kernels"))
 # the issue's prefill target: TTFT at least 3x lower with our kernels than with torch's, on the same prompts
 TTFT = TtftRatio(slower="cuda-torch-kernels", faster="cuda-default", target=3.0)
 # issue 43's target: the real engine on the Llama-3-8B shape within 15% of the simulator's output tok/s
