@@ -29,6 +29,7 @@ from paged.executor.step_plan import BatchInput, HostBatch, InputBuffers, plan_b
 from paged.executor.tier_files import TieredHostPool
 from paged.executor.tp_workers import RankStep, WorkerGroup, on_every_rank
 from paged.kernels.features import AttentionFeatures, BlockSparse, cache_dtype, is_fp8
+from paged.kernels.forward_context import forward_context
 from paged.kernels.planned import AttentionSettings
 from paged.kv_layout import KVLayout
 from paged.model.factory import build_model
@@ -340,7 +341,9 @@ class ModelExecutor(TieredHostPool, Executor):
             self._announce(f"prefill rows: prefill_attention on backend {self.backend.name}")
         attn = PagedAttention(batch, self.key_caches, self.value_caches, self.attention, decode_version=version,
                               num_heads=self.shard.num_heads, kv_scales=self.kv_scales, routes=self.routes)
-        return self.model.forward(batch.input_ids, batch.positions, attn)
+        # the model's layers call torch.ops.paged.attention, which runs the step's `attn` set here
+        with forward_context(attn):
+            return self.model.forward(batch.input_ids, batch.positions)
 
     def _run(self, host: HostBatch, version: str | None) -> tuple[torch.Tensor, BatchInput]:
         """A decode batch from its CUDA graph where one replays it, else eagerly."""
