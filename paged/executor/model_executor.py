@@ -334,15 +334,14 @@ class ModelExecutor(TieredHostPool, Executor):
             kernels.swap_blocks(host, device, step.blocks_to_swap_in, backend=self.backend)
 
     def _forward(self, batch: BatchInput, version: str | None) -> torch.Tensor:
-        """The hidden states of a step's rows: attention planned once, then the model's layers."""
+        """The hidden states of a step's rows: attention planned once, which the layers' torch op runs."""
         if version:
             self._announce(f"decode rows: paged_attention {version} on backend {self.backend.name}")
         if batch.prefill:
             self._announce(f"prefill rows: prefill_attention on backend {self.backend.name}")
-        attn = PagedAttention(batch, self.key_caches, self.value_caches, self.attention, decode_version=version,
-                              num_heads=self.shard.num_heads, kv_scales=self.kv_scales, routes=self.routes)
-        # the model's layers call torch.ops.paged.attention, which runs the step's `attn` set here
-        with forward_context(attn):
+        with forward_context(PagedAttention(batch, self.key_caches, self.value_caches, self.attention,
+                                            decode_version=version, num_heads=self.shard.num_heads,
+                                            kv_scales=self.kv_scales, routes=self.routes)):
             return self.model.forward(batch.input_ids, batch.positions)
 
     def _run(self, host: HostBatch, version: str | None) -> tuple[torch.Tensor, BatchInput]:
