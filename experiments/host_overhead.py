@@ -11,13 +11,18 @@
   the model's layers make it (`paged.kernels.planned.DecodeAttention`: the step's rows checked once,
   then per layer the launch plan and its launch); `op_us`, one `paged.kernels.paged_attention` call
   (every input checked, plan, launch); `cuda_core_launch_us`, the same launch through cuda.core's
-  `launch()`, which packs its arguments on every call.
+  `launch()`, which packs its arguments on every call; `torch_op_us`, one layer's attention as the
+  model calls it, through `torch.ops.paged.attention` (`paged.kernels.torch_ops.layer_attention`:
+  its output allocated, the dispatcher, the step's planned cache write and decode attention from the
+  forward context, two launches), and `attention_us`, that step's attention called without the op:
+  the difference is what the op adds.
 - `step_overhead_ms`: host ms of one engine step of that many decode rows with a model whose
   forward returns at once (as vLLM measures its engine's overhead): scheduling, block tables,
   the step's input tensors, attention planning, sampling bookkeeping, output processing.
 
 All are keyed by batch size ("1", "64", "256"); medians of `--repeats` timings. Where the fake
 driver cannot be built (no C compiler or NVRTC), the launch columns are null with the reason.
+`torch_ops_registration_ms` is what defining the `torch.ops.paged` ops cost this process.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from paged.utils.threads import cpu_name  # noqa: E402  (the repository root is 
 
 # SmolLM2-135M's attention: 9 query heads over 3 KV heads of 64
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK, SEQ_LEN = 9, 3, 64, 16, 512
-LAUNCH_KEYS = ("launch_us", "layer_us", "op_us", "cuda_core_launch_us")
+LAUNCH_KEYS = ("launch_us", "layer_us", "op_us", "cuda_core_launch_us", "torch_op_us", "attention_us")
 
 
 def median_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
@@ -79,7 +84,7 @@ def launch_costs(batches: Sequence[int], repeats: int, *, real_driver: bool = Fa
         device, stream = torch.device("cpu"), Device(0).create_stream()
         runner = CudaRunner(0, stream_source=lambda index: ForeignStream(int(stream.handle)))
         backend_of = HostMemoryCuda
-    results: dict[str, dict[str, float]] = {"launch_us": {}, "layer_us": {}, "op_us": {}, "cuda_core_launch_us": {}}
+    results: dict[str, dict[str, float]] = {key: {} for key in LAUNCH_KEYS}
     for batch in batches:
         for key, value in _batch_launch_costs(batch, runner, stream, backend_of, device, repeats).items():
             results[key][str(batch)] = value
@@ -106,8 +111,10 @@ def _batch_launch_costs(
 
     from paged import kernels
     from paged.kernels.backends.launch_api import Ptr
+    from paged.kernels.forward_context import forward_context
     from paged.kernels.planned import AttentionSettings, DecodeAttention, Rows
     from paged.kernels.testing import AttentionCase, attention_inputs
+    from paged.kernels.torch_ops import layer_attention
 
     case = AttentionCase(torch.float16, HEAD_SIZE, BLOCK, HEADS // KV_HEADS, KV_HEADS, 512, (SEQ_LEN,) * batch)
     x = attention_inputs(case, device=device)
@@ -132,15 +139,43 @@ def _batch_launch_costs(
     kernel = runner._kernels[item.kernel].handle
     config = LaunchConfig(grid=item.grid, block=item.block, shmem_size=item.shared_memory)
     args = [int(a) if isinstance(a, Ptr) else a for a in item.args]
+    # under inference mode, as the executor runs the model
+    step = _decode_step(x, direct, device)
+    k = torch.randn(batch, KV_HEADS, HEAD_SIZE).to(device, torch.float16)
+    with torch.inference_mode(), forward_context(step):
+        layer_attention(0, x.query, k, k)  # the first layer plans the launches the later ones run
+        torch_op_us = median_us(lambda: layer_attention(0, x.query, k, k), 500, repeats)
+        attention_us = median_us(lambda: step(0, x.query, k, k), 500, repeats)
     costs = {
         "launch_us": median_us(lambda: runner.run(unit, launches), 5000, repeats) / len(launches),
         "layer_us": median_us(lambda: layer(x.query, x.key_cache, x.value_cache), 500, repeats),
         "op_us": median_us(op, 500, repeats),
         "cuda_core_launch_us": median_us(lambda: cuda_core_launch(stream, config, kernel, *args), 5000, repeats),
+        "torch_op_us": torch_op_us,
+        "attention_us": attention_us,
     }
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return costs
+
+
+def _decode_step(x: Any, backend: Any, device: Any) -> Any:
+    """The executor's planned attention (`PagedAttention`) for a decode step of `x`'s rows, one layer
+    over `x`'s caches: each row's new token written at its last position."""
+    import numpy as np
+
+    from paged.executor.attention import PagedAttention
+    from paged.executor.step_plan import HostBatch, HostRows, InputBuffers
+    from paged.kernels.planned import AttentionSettings
+
+    tables, lens = x.block_tables.cpu().numpy(), x.seq_lens.cpu().numpy()
+    rows = np.arange(lens.shape[0])
+    positions = lens.astype(np.int64) - 1
+    slots = tables[rows, positions // BLOCK].astype(np.int64) * BLOCK + positions % BLOCK
+    decode = HostRows(None, tables, lens, np.arange(lens.shape[0] + 1, dtype=np.int32), SEQ_LEN, 1)
+    host = HostBatch(rows, positions, slots, rows, decode, None)
+    return PagedAttention(InputBuffers(device).upload(host), [x.key_cache], [x.value_cache],
+                          AttentionSettings(backend, x.scale, 512), decode_version="v1", num_heads=HEADS)
 
 
 def measure_launches(batches: Sequence[int], repeats: int) -> tuple[dict[str, dict[str, float]] | None, str | None]:
@@ -181,7 +216,7 @@ class InstantModel:
         self._hidden = torch.zeros(max_tokens, arch.hidden_size)
         self._logits = torch.zeros(max_tokens, 1)
 
-    def forward(self, input_ids: Any, positions: Any, attn: Any) -> Any:
+    def forward(self, input_ids: Any, positions: Any, attn: Any = None) -> Any:
         return self._hidden[: input_ids.shape[0]]
 
     def compute_logits(self, hidden: Any) -> Any:
@@ -246,12 +281,21 @@ def main() -> None:
         **(launches or dict.fromkeys(LAUNCH_KEYS)),
         "launch_unavailable": why,
         "step_overhead_ms": {str(b): step_overhead_ms(b, args.steps, args.repeats) for b in args.batches},
+        "torch_ops_registration_ms": _registration_ms(),
         "cpu": cpu_name(),
         "driver": "real" if args.real_driver else "recording fake",
     }
     _print(results, args.batches)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+def _registration_ms() -> float:
+    """What defining `torch.ops.paged` cost this process (the engine above imported the models, which
+    import the ops)."""
+    from paged.kernels.torch_ops import REGISTRATION_MS
+
+    return REGISTRATION_MS
 
 
 def _print(results: dict[str, Any], batches: Sequence[int]) -> None:
@@ -266,7 +310,8 @@ def _print(results: dict[str, Any], batches: Sequence[int]) -> None:
     for b in batches:
         row = [results[k][str(b)] if results[k] else None for k in (*LAUNCH_KEYS, "step_overhead_ms")]
         table.add_row(str(b), *("n/a" if v is None else f"{v:.2f}" for v in row))
-    Console().print(table)
+    Console(width=160).print(table)  # wide enough for every column's name
+    print(f"torch.ops.paged defined in {results['torch_ops_registration_ms']:.2f} ms")
     if results["launch_unavailable"]:
         print(f"launch_us: not measured ({results['launch_unavailable']})")
 

@@ -1,6 +1,7 @@
 """experiments/host_overhead.py, as a user runs it: per batch size, the host µs of a kernel launch on
-the recording driver (with the op call and cuda.core's own launch beside it) and the host ms of an
-engine step whose model returns at once; one table and, with --json, the same numbers in a file."""
+the recording driver (with the op call, cuda.core's own launch and a layer's attention through
+`torch.ops.paged` beside it) and the host ms of an engine step whose model returns at once; one
+table and, with --json, the same numbers in a file."""
 
 from __future__ import annotations
 
@@ -30,13 +31,14 @@ def test_the_benchmark_writes_launch_and_step_overheads_keyed_by_batch(tmp_path:
     results = json.loads(out.read_text())
     assert set(results["step_overhead_ms"]) == {"1", "4"}
     assert all(v > 0 for v in results["step_overhead_ms"].values())
-    assert "step_overhead_ms" in proc.stdout and "launch_us" in proc.stdout
+    assert "step_overhead_ms" in proc.stdout and "launch_us" in proc.stdout and "torch_op_us" in proc.stdout
     missing = fake_driver.nvrtc_missing()
     if missing:
         assert results["launch_us"] is None and results["launch_unavailable"] == missing
         return
     assert results["launch_unavailable"] is None, results["launch_unavailable"]
-    for key in ("launch_us", "layer_us", "op_us", "cuda_core_launch_us"):
+    assert results["torch_ops_registration_ms"] > 0
+    for key in ("launch_us", "layer_us", "op_us", "cuda_core_launch_us", "torch_op_us", "attention_us"):
         assert set(results[key]) == {"1", "4"} and all(v > 0 for v in results[key].values()), key
     # a layer's call plans before it launches, and the op also checks every input: neither costs less than
     # the launch

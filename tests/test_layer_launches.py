@@ -65,3 +65,19 @@ def test_a_layer_whose_query_is_laid_out_otherwise_plans_its_own_launches() -> N
     alone = kernels.paged_attention(query, key, value, x.block_tables, x.seq_lens, x.scale, version="v2",
                                     backend=EMU, partition_size=32)
     assert torch.equal(out, alone)
+
+
+def test_a_layer_given_its_output_tensor_writes_the_attention_there() -> None:
+    """As the layer-level torch op passes it: the first layer's output is copied in, the later layers'
+    launches write it in place."""
+    decode, layers, x = _step("v2", torch.float16)
+    first = torch.empty_like(layers[0][0])
+    assert decode(*layers[0], out=first) is first
+    query, key, value = layers[1]
+    second = torch.empty_like(query)
+    assert decode.layer_launches.run(query, key, value, None, None, second) is second
+    assert decode.layer_launches.run(query, key, value, None, None, second[:, :1]) is None  # not laid out as planned
+    for (query, key, value), out in zip(layers, (first, second)):
+        alone = kernels.paged_attention(query, key, value, x.block_tables, x.seq_lens, x.scale, version="v2",
+                                        backend=EMU, partition_size=32)
+        assert torch.equal(out, alone)

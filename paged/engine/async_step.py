@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from paged.engine.metrics import MetricsRecorder
+from paged.executor.base import Executor
 from paged.executor.pending import PendingOutput, ReadyOutput
 from paged.request import Request
+from paged.scheduler.core import Scheduler
 from paged.scheduler.lagged_update import Committed
 from paged.step import ExecutorOutput, SchedulerOutput
-
-if TYPE_CHECKING:
-    from paged.engine.engine import Engine
 
 
 @dataclass
@@ -37,10 +36,11 @@ class _Launched:
 
 
 class AsyncStep:
-    """The step strategy of an `Engine` with async scheduling; `engine` gives the parts."""
+    """The step strategy of an `Engine` with async scheduling, over its parts."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, scheduler: Scheduler, executor: Executor, metrics: MetricsRecorder) -> None:
+        self.scheduler, self.executor, self.metrics = scheduler, executor, metrics
+        self.clock = executor.clock
         self._in_flight: _Launched | None = None
         self._settled: list[Request] = []  # finished while settling: the next step returns them
         self.num_lagged_steps = 0  # steps whose tokens were applied a step late (the others ran to their end)
@@ -53,13 +53,12 @@ class AsyncStep:
     def step(self) -> list[Request]:
         """Schedule and launch the next step, then apply the one before; returns the requests that
         finished (or were aborted) in the applied steps."""
-        engine = self.engine
-        scheduler, clock = engine.scheduler, engine.clock
+        scheduler, clock = self.scheduler, self.clock
         start = clock.now()
         sched = scheduler.schedule(start)
-        engine.metrics.on_scheduled(sched, scheduler.waiting)
+        self.metrics.on_scheduled(sched, scheduler.waiting)
         busy = sched.scheduled or sched.blocks_to_swap_out or sched.blocks_to_swap_in or sched.blocks_to_offload
-        pending = engine.executor.launch(sched) if busy else ReadyOutput(ExecutorOutput([]))
+        pending = self.executor.launch(sched) if busy else ReadyOutput(ExecutorOutput([]))
         launched = _Launched(sched, pending, scheduler.commit_scheduled(sched) if pending.lags else None, start)
         finished, self._settled = self._settled, []
         finished += self._apply()
@@ -82,17 +81,16 @@ class AsyncStep:
         launched, self._in_flight = self._in_flight, None
         if launched is None:
             return []
-        engine = self.engine
-        scheduler = engine.scheduler
+        scheduler = self.scheduler
         output = launched.pending.result()
-        now = engine.clock.now()
+        now = self.clock.now()
         sched = launched.sched
         if launched.committed is not None:
             finished = scheduler.update_lagged(sched, output, launched.committed, now)
         else:
             finished = scheduler.update_from_output(*_without_finished(sched, output), now)
         if sched.scheduled:
-            engine.metrics.on_step(sched, output, scheduler.stats(), launched.start, launched.end or now)
+            self.metrics.on_step(sched, output, scheduler.stats(), launched.start, launched.end or now)
         return finished
 
 

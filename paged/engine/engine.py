@@ -29,7 +29,7 @@ class Engine:
         self.scheduler = scheduler
         self.metrics = metrics or MetricsRecorder()
         self.clock = executor.clock
-        self.async_step = AsyncStep(self) if async_scheduling else None
+        self.async_step = AsyncStep(scheduler, executor, self.metrics) if async_scheduling else None
 
     def add_request(self, request: Request) -> None:
         if request.params.max_tokens is None:

@@ -45,7 +45,9 @@ def layer_routes(layout: KVLayout, kinds: Sequence[int]) -> tuple[LayerRoute, ..
 
 
 class PagedAttention:
-    """The model's attention callback for one step: `(layer, q, k, v) -> out`, rows in batch order.
+    """The model's attention for one step: `(layer, q, k, v[, out]) -> out`, rows in batch order; the
+    executor sets it as the forward context's (`paged.kernels.forward_context`), where the layer-level
+    op `torch.ops.paged.attention` that the model calls finds it.
     `settings` is one attention type's, or each type's that `routes` names (None: every layer is
     type 0 in group 0 and writes KV tensor `layer`); `decode_version` (v1/v2/v3) is the kernel the
     decode rows run, `None` when the step has none; `kv_scales` the fp8 cache's scales (`None` for a
@@ -89,7 +91,10 @@ class PagedAttention:
         # per layer: its cache write, its decode and prefill ops, its KV tensor
         self.layers = [(writes[r.group], *ops[r.group, r.kind], r.slot) for r in routes]
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer `layer`'s attention output, written into `out` when given (a contiguous tensor like
+        `q`, as `torch.ops.paged.attention` passes it), else into a new tensor."""
         b = self.batch
         write, decode, prefill, slot = self.layers[layer]
         caches = self.key_caches[slot], self.value_caches[slot]
@@ -99,10 +104,11 @@ class PagedAttention:
         write(k, v, *caches, *scales)
         if prefill is None:
             assert decode is not None
-            return decode(q, *caches, *scales)
+            return decode(q, *caches, *scales, out=out)
         if decode is None:
-            return prefill(q, *caches, *scales)
-        out = torch.empty_like(q)
+            return prefill(q, *caches, *scales, out=out)
+        if out is None:
+            out = torch.empty_like(q)
         out[b.decode_tokens] = decode(q[b.decode_tokens], *caches, *scales)
         out[b.prefill_tokens] = prefill(q[b.prefill_tokens], *caches, *scales)
         return out

@@ -15,34 +15,34 @@ from typing import Any
 import torch
 
 from paged import kernels, threads
-from paged.config import ConfigError, KernelConfig, ModelConfig, resolve_dtype
+from paged.config import KernelConfig, ModelConfig, resolve_dtype
 from paged.executor import memory_profile
 from paged.executor.attention import PagedAttention, layer_routes
 from paged.executor.base import Executor, KVCacheSpec
-from paged.executor.cuda_graphs import DecodeGraphs
-from paged.executor.device_tokens import DeviceTokens
 from paged.executor.dtype_checks import check_dtypes
 from paged.executor.kv_scales import KVScales
 from paged.executor.kv_tensors import allocate_kv, kv_block_spec
-from paged.executor.layer_types import LayerTypes, check_backend_serves, check_kv_layout
-from paged.executor.mixed_graphs import MixedGraphs
-from paged.executor.pending import PendingOutput, ReadyOutput
-from paged.executor.sample_inputs import prompt_logprobs, sample_rows, takes_argmax
+from paged.executor.launch_ahead import LaunchAhead
+from paged.executor.layer_types import LayerTypes, check_kv_layout
+from paged.executor.model_checks import check_before_load, check_positions
+from paged.executor.sample_inputs import prompt_logprobs
+from paged.executor.step_graphs import StepGraphs
 from paged.executor.step_plan import BatchInput, HostBatch, InputBuffers, plan_batch
+from paged.executor.step_sampling import sample_step
 from paged.executor.tier_files import TieredHostPool
 from paged.executor.tp_workers import RankStep, WorkerGroup, on_every_rank
 from paged.kernels.features import AttentionFeatures, BlockSparse, cache_dtype, is_fp8
+from paged.kernels.forward_context import forward_context
 from paged.kernels.planned import AttentionSettings
 from paged.kv_layout import KVLayout
 from paged.model.factory import build_model
 from paged.model.layer_ops import layer_ops_for
 from paged.model.linear import resolve_gemm
 from paged.model.llama import LlamaModel
-from paged.model.sampler import choose, sample
-from paged.model.tensor_parallel import check_tensor_parallel_size, shard_model
+from paged.model.tensor_parallel import shard_model
 from paged.model.tokenizer import load_tokenizer
-from paged.model.weights import load_arch, load_weights
-from paged.step import ExecutorOutput, SchedulerOutput, tokens_can_lag
+from paged.model.weights import load_weights
+from paged.step import ExecutorOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
 
-class ModelExecutor(TieredHostPool, Executor):
+class ModelExecutor(TieredHostPool, LaunchAhead, Executor):
     """A Llama-family model on CPU or CUDA. Public state besides the `Executor` contract: `arch`,
     `model`, `device`, `dtype`, `kernel_description`, `threads` (the CPU threads `paged.utils.threads`
     chose, per rank), `sliding_window` (the attention window in
@@ -63,7 +63,6 @@ class ModelExecutor(TieredHostPool, Executor):
     and `workers` the other ranks (None at size 1 and in a worker)."""
 
     supports_swap = True
-    supports_async_scheduling = True
 
     def __init__(
         self, model: ModelConfig, kernel: KernelConfig, seed: int = 0, cuda_graphs: bool | None = None,
@@ -93,20 +92,8 @@ class ModelExecutor(TieredHostPool, Executor):
             self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         else:
             self.device = torch.device(model_cfg.device)
-        if cuda_graphs and self.device.type != "cuda":
-            raise ConfigError(
-                f"executor.cuda_graphs=true needs a CUDA device, but the model runs on {self.device} "
-                f"(model.device={model_cfg.device}); use executor.cuda_graphs=false or null"
-            )
-        if rank == 0 and (size != 1 or model_cfg.source in ("hf", "random")):
-            # before any weights load: whether the size splits the model, whether the kernels serve its
-            # layers (a GGUF's llama / qwen2 layers they always do)
-            arch = load_arch(model_cfg)[0]
-            check_tensor_parallel_size(size, arch, model_cfg.name, self.device)
-            check_backend_serves(kernel_cfg.backend, arch, model_cfg.name)
-            if cuda_graphs and size != 1:  # the branch also checks any size-1 random or HF model
-                raise ConfigError(f"executor.cuda_graphs=true does not run with executor.tensor_parallel_size={size}: "
-                                  "a graph would not capture the all-reduces; use executor.cuda_graphs=false or null")
+        if rank == 0:
+            check_before_load(model_cfg, kernel_cfg, cuda_graphs, size, self.device)
         if size > 1 and self.device.type == "cuda":
             self.device = torch.device("cuda", rank)
         self.use_cuda_graphs = self.device.type == "cuda" and size == 1 if cuda_graphs is None else cuda_graphs
@@ -166,16 +153,13 @@ class ModelExecutor(TieredHostPool, Executor):
         self.max_num_seqs, self.max_model_len = DEFAULT_MAX_NUM_SEQS, arch.max_position_embeddings
         self.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
         self.inputs = InputBuffers(self.device)
-        self.graphs: DecodeGraphs | None = None
-        self.mixed_graphs: MixedGraphs | None = None
+        self.step_graphs = StepGraphs()
         # async scheduling: the tokens the last launched step sampled, one per sampling row, where the
         # next step's inputs read them (`_forward`); None when off
         self.sampled_ids: torch.Tensor | None = None
-        self.cuda_graph_steps = self.eager_decode_steps = self.eager_mixed_steps = 0
         self.configure_kernel(kernel_cfg)
         log.info("model %s on %s (%s) loaded", model_cfg.name, self.device, str(self.dtype).removeprefix("torch."))
-        self.num_prefill_tokens_computed = 0
-        self.num_decode_tokens_computed = 0
+        self.num_prefill_tokens_computed = self.num_decode_tokens_computed = 0
 
     def shutdown(self) -> None:
         if self.workers is not None:
@@ -238,14 +222,6 @@ class ModelExecutor(TieredHostPool, Executor):
     def _features(self) -> AttentionFeatures:
         return AttentionFeatures(self.alibi_slopes, self.blocksparse, self.arch.attn_logit_softcapping)
 
-    @classmethod
-    def async_scheduling_refusal(cls, settings: Any) -> str | None:
-        size = settings.get("tensor_parallel_size", 1)
-        if size != 1:
-            return (f"does not run with executor.tensor_parallel_size={size}: the worker ranks build a step's "
-                    "inputs from token ids the host holds")
-        return None
-
     def set_kv_layout(self, layout: KVLayout) -> None:
         """Route each layer to its group's tables and KV tensor (`check_kv_layout` refuses what cannot
         run; with `cuda_graphs` unset, KV groups turn the graphs off)."""
@@ -272,7 +248,7 @@ class ModelExecutor(TieredHostPool, Executor):
             return None
         # an engine reusing this executor replaces the cache next: free it (and the graphs that read
         # it) now, so it neither counts as in use nor lives beside its replacement
-        self.key_caches, self.value_caches, self.graphs, self.mixed_graphs = [], [], None, None
+        self.key_caches, self.value_caches, self.step_graphs = [], [], StepGraphs()
         return memory_profile.kv_budget(self.model, self.device, utilization, max_num_batched_tokens, max_num_seqs,
                                         self.arch.max_position_embeddings)
 
@@ -299,18 +275,8 @@ class ModelExecutor(TieredHostPool, Executor):
         # before the graphs, which read it at a fixed address; a step samples at most one row per sequence
         self.sampled_ids = (torch.zeros(self.max_num_seqs, dtype=torch.long, device=self.device)
                             if self.async_scheduling else None)
-        self.graphs, self.mixed_graphs = self._make_graphs()
         # a new cache is a new engine's: its summary counts its own steps
-        self.cuda_graph_steps = self.eager_decode_steps = self.eager_mixed_steps = 0
-
-    def _check_positions(self, host: HostBatch) -> None:
-        """Positions have RoPE rows only up to the model's table: the torch formulas would raise
-        an IndexError past it, the fused kernels (which look rows up on the device) read past it."""
-        if self.arch.architecture != "bloom" and host.num_tokens:
-            last = int(host.positions.max())
-            if last >= self.arch.max_position_embeddings:
-                raise ValueError(f"position {last} is past the model's max_position_embeddings="
-                                 f"{self.arch.max_position_embeddings}; keep scheduler.max_model_len at most that")
+        self.step_graphs = self._make_graphs()
 
     def set_batch_limits(self, max_num_seqs: int, max_model_len: int,
                          max_num_batched_tokens: int | None = None) -> None:
@@ -318,22 +284,24 @@ class ModelExecutor(TieredHostPool, Executor):
         self.max_num_batched_tokens = max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
 
     def decode_step_counts(self) -> dict[str, int | None]:
-        return {"cuda_graph_steps": self.cuda_graph_steps, "eager_decode_steps": self.eager_decode_steps,
-                "eager_mixed_steps": self.eager_mixed_steps}
+        return self.step_graphs.counts()
 
-    def _make_graphs(self) -> tuple[DecodeGraphs | None, MixedGraphs | None]:
-        """Decode graphs and graphs of steps with prompt tokens, for this cache and kernel, in one
-        memory pool; any captured before read the caches they replaced."""
+    @property
+    def graphs(self) -> Any:
+        """The decode graphs (`DecodeGraphs`); None when steps run eagerly."""
+        return self.step_graphs.decode
+
+    def _make_graphs(self) -> StepGraphs:
+        """Graphs for this cache and kernel (none when off or not capturable); any captured before
+        read the caches they replaced."""
         if not self.use_cuda_graphs:
-            return None, None
+            return StepGraphs()
         if not self.backend.graph_capturable:
             log.warning("executor.cuda_graphs: kernel backend %s cannot be captured in a CUDA graph (it reads values "
                         "on the host or skips padding there), so steps run eagerly", self.backend.name)
-            return None, None
-        width = -(-self.max_model_len // self.block_size)
-        decode = DecodeGraphs(self._forward, self.device, self.max_num_seqs, width, self.block_size)
-        return decode, MixedGraphs(self._forward, self.device, decode.pool, self.max_num_seqs,
-                                   self.max_num_batched_tokens, width, self.block_size)
+            return StepGraphs()
+        return StepGraphs.capture_on_demand(self._forward, self.device, self.max_num_seqs, self.max_num_batched_tokens,
+                                            self.max_model_len, self.block_size)
 
     def _choose_version(self, batch: HostBatch) -> str | None:
         """The decode kernel for the step's decode rows; `None` when it has none."""
@@ -360,36 +328,27 @@ class ModelExecutor(TieredHostPool, Executor):
             kernels.swap_blocks(host, device, step.blocks_to_swap_in, backend=self.backend)
 
     def _forward(self, batch: BatchInput, version: str | None) -> torch.Tensor:
-        """The hidden states of a step's rows: attention planned once, then the model's layers."""
+        """The hidden states of a step's rows: attention planned once, which the layers' torch op runs."""
         if version:
             self._announce(f"decode rows: paged_attention {version} on backend {self.backend.name}")
         if batch.prefill:
             self._announce(f"prefill rows: prefill_attention on backend {self.backend.name}")
-        attn = PagedAttention(batch, self.key_caches, self.value_caches, self.attention, decode_version=version,
-                              num_heads=self.shard.num_heads, kv_scales=self.kv_scales, routes=self.routes)
         input_ids = batch.input_ids
         if self.sampled_ids is not None:
             # async scheduling: id -(1 + r) is a placeholder for the token that sampling row r of the step
             # before drew, which the host has not read yet (`Scheduler.commit_scheduled`)
             input_ids = torch.where(input_ids < 0, self.sampled_ids[(-1 - input_ids).clamp_(min=0)], input_ids)
-        return self.model.forward(input_ids, batch.positions, attn)
-
-    def _replay(self, host: HostBatch, version: str | None) -> tuple[torch.Tensor, BatchInput] | None:
-        if host.prefill is not None:
-            return self.mixed_graphs.run(host, version) if self.mixed_graphs is not None else None
-        return self.graphs.run(host, version) if self.graphs is not None and version else None
+        with forward_context(PagedAttention(batch, self.key_caches, self.value_caches, self.attention,
+                                            decode_version=version, num_heads=self.shard.num_heads,
+                                            kv_scales=self.kv_scales, routes=self.routes)):
+            return self.model.forward(input_ids, batch.positions)
 
     def _run(self, host: HostBatch, version: str | None) -> tuple[torch.Tensor, BatchInput]:
         """A step from its CUDA graph where one replays it, else eagerly."""
-        replayed = self._replay(host, version)
+        replayed = self.step_graphs.replay(host, version)
         if replayed is not None:
-            self.cuda_graph_steps += 1
             return replayed
         batch = self.inputs.upload(host)
-        if host.prefill is None:
-            self.eager_decode_steps += 1
-        else:
-            self.eager_mixed_steps += 1
         return self._forward(batch, version), batch
 
     @on_every_rank(wait=False)
@@ -410,7 +369,7 @@ class ModelExecutor(TieredHostPool, Executor):
         host, version = None, None
         if not sched.is_empty:
             host = plan_batch(sched, self.block_size, self.kv_layout.num_groups)
-            self._check_positions(host)
+            check_positions(host, self.arch)
             version = self._choose_version(host)
         prep_time = time.perf_counter() - start
         # the prefix tiers' host blocks follow the swap pool's: their copies go out and in with the swaps
@@ -426,11 +385,6 @@ class ModelExecutor(TieredHostPool, Executor):
         self.num_decode_tokens_computed += host.num_decode_tokens
         self.num_prefill_tokens_computed += host.num_tokens - host.num_decode_tokens
 
-    def _logits(self, hidden: torch.Tensor, batch: BatchInput) -> torch.Tensor:
-        """The logits of the rows that sample; index_select, not hidden[rows]: advanced indexing costs
-        ~7x its host time on a CPU."""
-        return self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
-
     def execute(self, sched: SchedulerOutput) -> ExecutorOutput:
         start = time.perf_counter()
         ran = self._compute(sched)
@@ -438,49 +392,9 @@ class ModelExecutor(TieredHostPool, Executor):
             return ExecutorOutput([], model_time_s=time.perf_counter() - start)
         host, version, hidden, batch, prep_time = ran
         with torch.inference_mode():
-            output = self._sample(sched, hidden, batch)
+            output = sample_step(self.model, sched, hidden, batch, self.seed, self.eos_token_ids)
             output.prompt_logprobs = prompt_logprobs(sched, hidden, self.model.compute_logits)
         self._count_tokens(host)
         output.num_computed_tokens, output.prep_time_s, output.attention_version = host.num_tokens, prep_time, version
         output.model_time_s = time.perf_counter() - start - prep_time
         return output
-
-    def _sample(self, sched: SchedulerOutput, hidden: torch.Tensor, batch: BatchInput) -> ExecutorOutput:
-        """The tokens of the rows that sample: one argmax over the batch when every row just takes
-        its argmax (the usual step, with no per-row work but the token's list), else `sample`."""
-        if not batch.sample_rows.shape[0]:
-            return ExecutorOutput([[] for _ in sched.scheduled])
-        logits = self._logits(hidden, batch)
-        if takes_argmax(sched):
-            tokens = iter(logits.argmax(dim=-1).tolist())  # the step's one device-to-host read
-            return ExecutorOutput([[next(tokens)] if it.num_samples else [] for it in sched.scheduled])
-        drawn = iter(sample(logits, sample_rows(sched, self.seed), self.eos_token_ids))
-        per_seq = [next(drawn) if s.num_samples > 0 else None for s in sched.scheduled]
-        return ExecutorOutput(
-            [d.token_ids if d else [] for d in per_seq],
-            logprobs=[d.logprobs if d else [] for d in per_seq],
-            top_logprobs=[d.top_logprobs if d else None for d in per_seq],
-        )
-
-    def launch(self, sched: SchedulerOutput) -> PendingOutput:
-        """Under async scheduling, a step whose every request's tokens can lag (`tokens_can_lag`)
-        leaves them on the device: in `sampled_ids`, where the next step's placeholders read them,
-        and on their way to the host (`DeviceTokens`). Any other step runs to its end."""
-        if self.sampled_ids is None or sched.is_empty or not all(
-            tokens_can_lag(it.seq.request.params) for it in sched.scheduled
-        ):
-            return ReadyOutput(self.execute(sched))
-        start = time.perf_counter()
-        ran = self._compute(sched)
-        assert ran is not None, "a step with scheduled rows computes them"
-        host, version, hidden, batch, prep_time = ran
-        with torch.inference_mode():
-            tokens = torch.empty(0, dtype=torch.long, device=self.device)
-            if batch.sample_rows.shape[0]:
-                logits = self._logits(hidden, batch)
-                tokens = (logits.argmax(dim=-1) if takes_argmax(sched)
-                          else choose(logits, sample_rows(sched, self.seed), self.eos_token_ids)[:, 0])
-                self.sampled_ids[: tokens.shape[0]] = tokens
-        self._count_tokens(host)
-        shell = ExecutorOutput([], host.num_tokens, time.perf_counter() - start - prep_time, prep_time, version)
-        return DeviceTokens(tokens, [it.num_samples > 0 for it in sched.scheduled], shell)

@@ -59,10 +59,10 @@ class HostBatch:
     positions: np.ndarray  # int64 [T]
     slot_mapping: np.ndarray  # int64 [T]; -1: a padding row, written nowhere
     sample_rows: np.ndarray  # int64 [R], flat index of the last token of each sequence that samples
-    num_decode_tokens: int  # rows that extend a generation by one token (`ScheduledSeq.is_decode`)
     decode: HostRows | None
     prefill: HostRows | None
     groups: tuple[HostGroup, ...] = ()  # KV groups 1.. (`paged.kv_layout`); empty with one group
+    num_decode_tokens: int = 0  # rows that extend a generation by one token (`ScheduledSeq.is_decode`)
 
     @property
     def num_tokens(self) -> int:

@@ -80,6 +80,14 @@ def check_planned_scales(key_cache: torch.Tensor, k_scale: torch.Tensor | None, 
                              f"tensor on {key_cache.device}, got {scale.dtype} {tuple(scale.shape)} on {scale.device}")
 
 
+def into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    """`result`, copied into `out` when there is one (the layer-level torch op's output)."""
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
 class _Planned:
     """Checks the rows' values at construction and the tensors on the first call."""
 
@@ -133,13 +141,18 @@ class _LayerLaunches:
         return cls(plan, slots, tuple(roles[1].stride()))
 
     def run(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> torch.Tensor | None:
-        """This layer's output, or None where its tensors are not laid out as the first layer's."""
+            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+            out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """This layer's output (in `out` when given), or None where its tensors are not laid out as
+        the first layer's."""
         if (tuple(query.stride()) != self.query_stride or query.data_ptr() % VECTOR_BYTES
                 or key_cache.data_ptr() % VECTOR_BYTES or value_cache.data_ptr() % VECTOR_BYTES
                 or not key_cache.is_contiguous() or not value_cache.is_contiguous()):
             return None
-        out = torch.empty_like(query)
+        if out is None:
+            out = torch.empty_like(query)
+        elif not out.is_contiguous() or out.data_ptr() % VECTOR_BYTES:  # laid out as the first layer's own
+            return None
         roles = (out, query, key_cache, value_cache, k_scale, v_scale)
         launches = []
         for item, slots in zip(self.plan.launches, self.slots):
@@ -167,11 +180,14 @@ class DecodeAttention(_Planned):
         self.layer_launches: _LayerLaunches | None = None
 
     def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's output, in `out` when given (a contiguous tensor like the query): the later
+        layers' launches write it there, other paths copy it in."""
         if self.layer_launches is not None:
-            out = self.layer_launches.run(query, key_cache, value_cache, k_scale, v_scale)
-            if out is not None:
-                return out
+            result = self.layer_launches.run(query, key_cache, value_cache, k_scale, v_scale, out)
+            if result is not None:
+                return result
         cache = self._cache(key_cache, value_cache, k_scale, v_scale)
         first = self.features is None
         if first:
@@ -181,11 +197,11 @@ class DecodeAttention(_Planned):
         args = (query, cache, self.settings.scale, self.version, self.settings.partition_size, self.rows.max_seq_len,
                 self.window, self.features, self.workspace)
         if not (first and isinstance(self.backend, RunnerBackend)):
-            return self.backend.paged_attention(*args)
+            return into(out, self.backend.paged_attention(*args))
         plan = self.backend.decode_launches(*args)
         plan.runner.run(plan.unit, plan.launches)
         self.layer_launches = _LayerLaunches.of(plan, (plan.out, query, key_cache, value_cache, k_scale, v_scale))
-        return plan.out
+        return into(out, plan.out)
 
 
 class PrefillAttention(_Planned):
@@ -201,15 +217,17 @@ class PrefillAttention(_Planned):
         )
 
     def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows' output, copied into `out` when given."""
         cache = self._cache(key_cache, value_cache, k_scale, v_scale)
         if self.features is None:
             input_checks.check_prefill_attention(query, cache, self.rows.query_start_loc)
             self.features = self._check_first(query, cache, None)
-        return self.backend.prefill_attention(
+        return into(out, self.backend.prefill_attention(
             query, cache, self.rows.query_start_loc, self.settings.scale, self.rows.max_query_len,
             self.rows.max_seq_len, self.window, self.features, plan=self.plan,
-        )
+        ))
 
 
 class CacheWrite:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from paged.kernels.features import alibi_slopes
+from paged.kernels.torch_ops import layer_attention
 from paged.model.arch import LlamaArch
 from paged.model.llama import AttentionFn
 
@@ -98,7 +99,9 @@ class BloomModel:
         # HF's nn.LayerNorm runs in the model's dtype, without an fp32 round trip.
         return F.layer_norm(x, (x.shape[-1],), norm[0], norm[1], eps=self.arch.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn = layer_attention
+    ) -> torch.Tensor:
         """Hidden states `[T, hidden]` after `ln_f`, for a flat batch of T tokens. `positions` is
         unused: the kernels add ALiBi's bias from the cache positions themselves."""
         n, d = self.arch.num_heads, self.arch.head_dim

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from paged.kernels.torch_ops import layer_attention
 from paged.model.arch import LlamaArch
 from paged.model.layer_ops import apply_rope
 from paged.model.linear import Linear
@@ -96,7 +97,9 @@ class GemmaModel:
         h = x.float()
         return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.arch.rms_norm_eps) * weight).to(x.dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn = layer_attention
+    ) -> torch.Tensor:
         """Hidden states `[T, hidden]` after the final norm, for a flat batch of T tokens."""
         a = self.arch
         n_q, n_kv, d = a.num_heads, a.num_kv_heads, a.head_dim

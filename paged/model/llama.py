@@ -1,9 +1,11 @@
 """A Llama-family decoder, with attention left to the caller.
 
 The model knows nothing about the KV cache: each layer hands its rotated q, k and v to an
-`AttentionFn`, which is where the executor writes the paged cache and reads it back. Weights are
-fused (q/k/v into one matmul, gate/up into another) because on a few CPU cores the per-op overhead
-of a small model is a large share of a decode step. The linear layers' kernel is chosen at load
+`AttentionFn`, by default `torch.ops.paged.attention` (`paged.kernels.torch_ops.layer_attention`),
+which runs the step's attention that the executor set around the forward: where it writes the
+paged cache and reads it back, so a traced or captured forward sees one op per layer's attention.
+Weights are fused (q/k/v into one matmul, gate/up into another) because on a few CPU cores the
+per-op overhead of a small model is a large share of a decode step. The linear layers' kernel is chosen at load
 (`paged.model.linear`), the elementwise ops per executor (`paged.model.layer_ops`). Under tensor
 parallelism a model is one rank's shard (`paged.model.tensor_parallel`), and `all_reduce` sums the
 partial outputs of its row-parallel layers (o_proj, down_proj).
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from paged.kernels.torch_ops import layer_attention
 from paged.model.arch import LlamaArch
 from paged.model.layer_ops import TORCH_OPS, TorchLayerOps
 from paged.model.linear import Linear
@@ -100,8 +103,11 @@ class LlamaModel:
         # RMSNorm / RoPE / SwiGLU; the executor switches to the native CPU kernels where they run
         self.ops: TorchLayerOps = TORCH_OPS
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
-        """Hidden states `[T, hidden]` after the final norm, for a flat batch of T tokens."""
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn = layer_attention
+    ) -> torch.Tensor:
+        """Hidden states `[T, hidden]` after the final norm, for a flat batch of T tokens; `attn`
+        replaces the torch op (a reference attention, the memory profile's zeros)."""
         a, ops, eps = self.arch, self.ops, self.arch.rms_norm_eps
         n_q, n_kv, d = a.num_heads, a.num_kv_heads, a.head_dim
         num_tokens = input_ids.shape[0]
