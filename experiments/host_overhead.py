@@ -141,11 +141,13 @@ def _batch_launch_costs(
     args = [int(a) if isinstance(a, Ptr) else a for a in item.args]
     # under inference mode, as the executor runs the model
     step = _decode_step(x, direct, device)
-    k = torch.randn(batch, KV_HEADS, HEAD_SIZE).to(device, torch.float16)
+    # the new keys and values apart, as a model's projection gives them (one tensor for both would
+    # make the cache write plan its launch at every layer)
+    k, v = (torch.randn(batch, KV_HEADS, HEAD_SIZE).to(device, torch.float16) for _ in range(2))
     with torch.inference_mode(), forward_context(step):
-        layer_attention(0, x.query, k, k)  # the first layer plans the launches the later ones run
-        torch_op_us = median_us(lambda: layer_attention(0, x.query, k, k), 500, repeats)
-        attention_us = median_us(lambda: step(0, x.query, k, k), 500, repeats)
+        layer_attention(0, x.query, k, v)  # the first layer plans the launches the later ones run
+        torch_op_us = median_us(lambda: layer_attention(0, x.query, k, v), 500, repeats)
+        attention_us = median_us(lambda: step(0, x.query, k, v), 500, repeats)
     costs = {
         "launch_us": median_us(lambda: runner.run(unit, launches), 5000, repeats) / len(launches),
         "layer_us": median_us(lambda: layer(x.query, x.key_cache, x.value_cache), 500, repeats),

@@ -1,4 +1,4 @@
-"""A step's decode attention on a backend that runs `Launch`es (emu here, cuda alike): the first
+"""A step's decode attention and cache write on a backend that runs `Launch`es (emu here, cuda alike): the first
 layer's launches serve the later layers with their own query, caches and output swapped in
 (`paged.kernels.planned._LayerLaunches`), and every layer's output is what the op computes for it
 alone; a layer whose query is laid out otherwise plans its own launches."""
@@ -10,7 +10,7 @@ import torch
 
 from paged import kernels
 from paged.kernels.backends.emu import BACKEND as EMU
-from paged.kernels.planned import AttentionSettings, DecodeAttention, Rows
+from paged.kernels.planned import AttentionSettings, CacheWrite, DecodeAttention, Rows
 from paged.kernels.testing import AttentionCase, attention_inputs, random_cache
 from paged.kernels.toolchain import host_compiler
 
@@ -60,7 +60,7 @@ def test_a_layer_whose_query_is_laid_out_otherwise_plans_its_own_launches() -> N
     fused = torch.zeros(query.shape[0], 3 * query.shape[1] * query.shape[2], dtype=query.dtype)
     fused[:, : query.shape[1] * query.shape[2]] = query.reshape(query.shape[0], -1)
     sliced = fused[:, : query.shape[1] * query.shape[2]].view(query.shape)
-    assert decode.layer_launches.run(sliced, key, value, None, None) is None
+    assert decode.layer_launches.decode(sliced, key, value, None, None) is None
     out = decode(sliced, key, value)
     alone = kernels.paged_attention(query, key, value, x.block_tables, x.seq_lens, x.scale, version="v2",
                                     backend=EMU, partition_size=32)
@@ -75,9 +75,29 @@ def test_a_layer_given_its_output_tensor_writes_the_attention_there() -> None:
     assert decode(*layers[0], out=first) is first
     query, key, value = layers[1]
     second = torch.empty_like(query)
-    assert decode.layer_launches.run(query, key, value, None, None, second) is second
-    assert decode.layer_launches.run(query, key, value, None, None, second[:, :1]) is None  # not laid out as planned
+    assert decode.layer_launches.decode(query, key, value, None, None, second) is second
+    assert decode.layer_launches.decode(query, key, value, None, None, second[:, :1]) is None  # not laid out as planned
     for (query, key, value), out in zip(layers, (first, second)):
         alone = kernels.paged_attention(query, key, value, x.block_tables, x.seq_lens, x.scale, version="v2",
                                         backend=EMU, partition_size=32)
         assert torch.equal(out, alone)
+
+
+def test_every_layers_cache_write_from_the_first_layers_launch_equals_the_op() -> None:
+    """The cache write's launch is made once a step too: each later layer's new K/V (a slice of a
+    fused projection, as the model passes them) land where the op alone puts them, -1 slots nowhere."""
+    num_blocks, heads, block = 6, 2, 16
+    slots = torch.tensor([3, -1, 17, 40, 95], dtype=torch.long)
+    write = CacheWrite(slots, slots.numpy(), EMU, num_blocks * block)
+    for layer in range(LAYERS):
+        gen = torch.Generator().manual_seed(layer)
+        fused = torch.randn(len(slots), 3 * heads * 64, generator=gen).half()
+        key, value = (fused[:, i * heads * 64 : (i + 1) * heads * 64].view(len(slots), heads, 64) for i in (1, 2))
+        caches = random_cache(num_blocks, heads, 64, block, torch.float16, generator=gen)
+        expected = [c.clone() for c in caches]
+        write(key, value, *caches)
+        kernels.reshape_and_cache(key, value, *expected, slots, backend=EMU)
+        assert all(torch.equal(c, e) for c, e in zip(caches, expected))
+    # the later layers run from the first's launch; tensors laid out otherwise plan their own
+    assert write.layer_launches is not None and write.layer_launches.run((key, value, *caches, None, None))
+    assert not write.layer_launches.run((key.contiguous(), value, *caches, None, None))

@@ -22,7 +22,7 @@ import torch
 
 from paged.kernels import input_checks, step_checks
 from paged.kernels.backends.interface import CacheView, KernelBackend
-from paged.kernels.backends.launch import DecodeLaunches, RunnerBackend
+from paged.kernels.backends.launch import LaunchPlan, RunnerBackend
 from paged.kernels.backends.launch_api import VECTOR_BYTES, Launch, Ptr
 from paged.kernels.features import FP8_DTYPES, AttentionFeatures, BlockSparse
 from paged.kernels.ops import narrower_window, serving_backend
@@ -117,20 +117,22 @@ class _Planned:
 
 
 class _LayerLaunches:
-    """A step's decode launches as the first layer made them, to run every later layer: a layer's
-    launches differ only in the addresses of its query, caches, scales and output. `of` finds
-    where each of those addresses sits in the first layer's arguments; a later layer gets them
-    swapped in, after the few checks that tell its tensors are laid out as the first layer's."""
+    """A step's launches of one op as the first layer made them (its decode attention, its cache
+    write), to run every later layer: a layer's launches differ only in the addresses of its
+    `roles` (the tensors it reads and writes: query or new K/V, caches, scales, output). `of` finds
+    where each role's address sits in the first layer's arguments; a later layer gets its own
+    swapped in, once its tensors are laid out as the first layer's (same shape and strides, and
+    16-byte aligned where the first layer's were)."""
 
-    def __init__(self, plan: DecodeLaunches, slots: list[list[tuple[int, int]]], query_stride: tuple[int, ...]) -> None:
+    def __init__(self, plan: LaunchPlan, slots: list[list[tuple[int, int]]],
+                 layouts: tuple[tuple[tuple[int, ...], tuple[int, ...], bool] | None, ...]) -> None:
         # `plan.keep` stays referenced here: the launches carry its tensors' addresses
-        self.plan, self.slots, self.query_stride = plan, slots, query_stride
+        self.plan, self.slots, self.layouts = plan, slots, layouts
 
     @classmethod
-    def of(cls, plan: DecodeLaunches, roles: tuple[torch.Tensor | None, ...]) -> _LayerLaunches | None:
-        """`roles`: (output, query, key cache, value cache, k scale, v scale) of the first layer. None
-        where a role's address is not among the arguments (the plan copied the query into shape) or
-        two roles share one: then every layer plans its own launches."""
+    def of(cls, plan: LaunchPlan, roles: tuple[torch.Tensor | None, ...]) -> _LayerLaunches | None:
+        """`roles` of the first layer. None where a role's address is not among the arguments (the
+        plan copied it into shape) or two roles share one: then every layer plans its own launches."""
         where = {int(t.data_ptr()): j for j, t in enumerate(roles) if t is not None}
         if len(where) != sum(t is not None for t in roles) or 0 in where:
             return None
@@ -138,22 +140,19 @@ class _LayerLaunches:
                  for item in plan.launches]
         if {j for launch_slots in slots for _, j in launch_slots} != set(where.values()):
             return None
-        return cls(plan, slots, tuple(roles[1].stride()))
+        layouts = tuple(None if t is None else (tuple(t.shape), tuple(t.stride()), t.data_ptr() % VECTOR_BYTES == 0)
+                        for t in roles)
+        return cls(plan, slots, layouts)
 
-    def run(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-            out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """This layer's output (in `out` when given), or None where its tensors are not laid out as
-        the first layer's."""
-        if (tuple(query.stride()) != self.query_stride or query.data_ptr() % VECTOR_BYTES
-                or key_cache.data_ptr() % VECTOR_BYTES or value_cache.data_ptr() % VECTOR_BYTES
-                or not key_cache.is_contiguous() or not value_cache.is_contiguous()):
-            return None
-        if out is None:
-            out = torch.empty_like(query)
-        elif not out.is_contiguous() or out.data_ptr() % VECTOR_BYTES:  # laid out as the first layer's own
-            return None
-        roles = (out, query, key_cache, value_cache, k_scale, v_scale)
+    def run(self, roles: tuple[torch.Tensor | None, ...]) -> bool:
+        """This layer's launches with `roles` swapped in; False (nothing run) where its tensors are
+        not laid out as the first layer's."""
+        for t, layout in zip(roles, self.layouts, strict=True):
+            if t is None or layout is None:
+                if t is not layout:  # both None, or one missing
+                    return False
+            elif t.shape != layout[0] or t.stride() != layout[1] or (layout[2] and t.data_ptr() % VECTOR_BYTES):
+                return False
         launches = []
         for item, slots in zip(self.plan.launches, self.slots):
             args = list(item.args)
@@ -161,7 +160,16 @@ class _LayerLaunches:
                 args[i] = Ptr(roles[j].data_ptr())
             launches.append(Launch(item.kernel, item.grid, item.block, item.shared_memory, tuple(args)))
         self.plan.runner.run(self.plan.unit, launches)
-        return out
+        return True
+
+    def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+               out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """A decode layer's output (in `out` when given), or None where its tensors are not laid out
+        as the first layer's."""
+        if out is None:
+            out = torch.empty_like(query)
+        return out if self.run((out, query, key_cache, value_cache, k_scale, v_scale)) else None
 
 
 class DecodeAttention(_Planned):
@@ -185,7 +193,7 @@ class DecodeAttention(_Planned):
         """The layer's output, in `out` when given (a contiguous tensor like the query): the later
         layers' launches write it there, other paths copy it in."""
         if self.layer_launches is not None:
-            result = self.layer_launches.run(query, key_cache, value_cache, k_scale, v_scale, out)
+            result = self.layer_launches.decode(query, key_cache, value_cache, k_scale, v_scale, out)
             if result is not None:
                 return result
         cache = self._cache(key_cache, value_cache, k_scale, v_scale)
@@ -240,14 +248,27 @@ class CacheWrite:
         self.has_padding = bool((host_slot_mapping < 0).any())
         self.backend = get_backend(backend)
         self.checked = False
+        self.layer_launches: _LayerLaunches | None = None
 
     def __call__(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+        """On a backend that runs `Launch`es the first layer's launch serves the later layers, as the
+        decode's does (`_LayerLaunches`)."""
+        roles = (key, value, key_cache, value_cache, k_scale, v_scale)
+        if self.layer_launches is not None and self.layer_launches.run(roles):
+            return
         if not self.checked:
             head_size, block_size = input_checks.check_reshape_and_cache(key, value, key_cache, value_cache,
                                                                          self.slot_mapping)
             check_planned_scales(key_cache, k_scale, v_scale)
             self.backend = serving_backend(self.backend, key, head_size, block_size, cache_dtype=key_cache.dtype)
             self.checked = True
+            if isinstance(self.backend, RunnerBackend):
+                plan = self.backend.cache_write_launches(key, value, key_cache, value_cache, self.slot_mapping,
+                                                         k_scale, v_scale)
+                if plan is not None:
+                    plan.runner.run(plan.unit, plan.launches)
+                    self.layer_launches = _LayerLaunches.of(plan, roles)
+                return
         self.backend.reshape_and_cache(key, value, key_cache, value_cache, self.slot_mapping, k_scale, v_scale,
                                        has_padding=self.has_padding)

@@ -126,15 +126,16 @@ def _check_shared_memory(runner: Runner, unit: Unit, kernel: str, needed: int, w
         raise ValueError(f"{what} needs {needed} bytes of shared memory but the device allows {limit}; {remedy}")
 
 
-class DecodeLaunches(NamedTuple):
-    """A decode attention's launches with what they run on: `keep` holds every tensor whose address
-    they carry and that nothing else may hold (a packed copy of the query or the rows, scratch), so
-    it lives until they have run."""
+class LaunchPlan(NamedTuple):
+    """An op's launches with what they run on (a decode attention's, a cache write's): `out` is
+    where they write (None: into the caches), `keep` holds every tensor whose address they carry and
+    that nothing else may hold (a packed copy of the query or the rows, scratch), so it lives until
+    they have run."""
 
     runner: Runner
     unit: Unit
     launches: list[Launch]
-    out: torch.Tensor
+    out: torch.Tensor | None
     keep: tuple[object, ...]
 
 
@@ -189,7 +190,7 @@ class RunnerBackend(FusedLayerOpsMixin, TorchBackend):
     def decode_launches(
         self, query: torch.Tensor, cache: CacheView, scale: float, version: str, partition_size: int, max_seq_len: int,
         sliding_window: int | None, features: AttentionFeatures = NONE, workspace: object = None,
-    ) -> DecodeLaunches:
+    ) -> LaunchPlan:
         """`paged_attention`'s launches, not yet run (`paged.kernels.planned` runs a step's later
         layers from the first's launches).
 
@@ -215,7 +216,7 @@ class RunnerBackend(FusedLayerOpsMixin, TorchBackend):
             rows = CacheView(key_cache, value_cache, block_tables, seq_lens)
             launches = v3_launches(unit, smem, query, out, rows, scale, max_seq_len, sliding_window,
                                    _feature_args(cache, features), v3)
-            return DecodeLaunches(runner, unit, launches, out, (query, block_tables, seq_lens, v3))
+            return LaunchPlan(runner, unit, launches, out, (query, block_tables, seq_lens, v3))
         unit = attention_unit(query.dtype, head_size, block_size, version, partition_size, key_cache.dtype,
                               not features.plain)
         window = np.int32(sliding_window or 0)  # 0: the whole context
@@ -250,7 +251,7 @@ class RunnerBackend(FusedLayerOpsMixin, TorchBackend):
                 Launch(unit.kernels[1], (num_heads, num_seqs, 1), NUM_THREADS, reduce_smem,
                        (_ptr(out), *scratch, _ptr(seq_lens), np.int32(num_partitions), window)),
             ]
-        return DecodeLaunches(runner, unit, launches, out, (query, block_tables, seq_lens, scratch_tensors))
+        return LaunchPlan(runner, unit, launches, out, (query, block_tables, seq_lens, scratch_tensors))
 
     def plan_prefill(
         self, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray, block_size: int,
@@ -294,10 +295,20 @@ class RunnerBackend(FusedLayerOpsMixin, TorchBackend):
         slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
         has_padding: bool = True,
     ) -> None:
+        plan = self.cache_write_launches(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+        if plan is not None:
+            plan.runner.run(plan.unit, plan.launches)
+
+    def cache_write_launches(
+        self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    ) -> LaunchPlan | None:
+        """`reshape_and_cache`'s launch, not yet run; None for no tokens (`paged.kernels.planned`
+        runs a step's later layers from the first's launch)."""
         runner = self.runner(key)
         num_tokens, num_heads, head_size = key.shape
         if num_tokens == 0:
-            return
+            return None
         _require_in_place_layout(key_cache=key_cache, value_cache=value_cache)
         key, value = _rows(key, vectors=False), _rows(value, vectors=False)
         slot_mapping = slot_mapping.contiguous()
@@ -308,7 +319,8 @@ class RunnerBackend(FusedLayerOpsMixin, TorchBackend):
             np.int32(key_cache.shape[3]), np.int32(key_cache.shape[4]), _optional_ptr(k_scale), _optional_ptr(v_scale),
         )
         threads = min(num_heads * head_size, MAX_CACHE_THREADS)
-        runner.run(unit, [Launch(unit.kernels[0], (num_tokens, 1, 1), threads, 0, args)])
+        return LaunchPlan(runner, unit, [Launch(unit.kernels[0], (num_tokens, 1, 1), threads, 0, args)], None,
+                          (key, value, slot_mapping))
 
     def copy_blocks(
         self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor
