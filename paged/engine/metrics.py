@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from paged.engine.slo import goodput
+from paged.engine.step_stats import StepStats
 from paged.request import FinishReason, Request, Sequence
 from paged.step import ExecutorOutput, KVStats, SchedulerOutput, SchedulerStats
 
@@ -156,13 +157,6 @@ def _benchmark_latencies(name: str, seconds: Values) -> dict[str, float | None]:
     }
 
 
-# StepRecord fields averaged into summary.json as `<key>_mean` (shares of the whole KV pool)
-BREAKDOWN_KEYS = (
-    "kv_token_state_fraction", "kv_reserved_fraction", "kv_internal_frag_fraction", "kv_external_frag_fraction",
-    "kv_free_fraction",
-)
-
-
 # VTC's service weights (OSDI'24): a prompt token costs 1, a generated token 2
 SERVICE_WEIGHTS = (1.0, 2.0)
 
@@ -174,9 +168,13 @@ class MetricsRecorder:
     service (prompt tokens + 2 x generated tokens) each client receives over the steps in which every
     client that has sent a request has one waiting (all are backlogged: each would take more)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_steps: bool = True) -> None:
         self.requests: list[Request] = []
+        # every step's record, kept while `keep_steps` (the API's and the tests' view of a run); the
+        # summary reads `step_stats`, which streams them, so a long run need not keep them
+        self.keep_steps = keep_steps
         self.steps: list[StepRecord] = []
+        self.step_stats = StepStats()
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         self.client_service: dict[str, float] = {}
         self.transfers: list[TransferRecord] = []
@@ -213,7 +211,7 @@ class MetricsRecorder:
         kv = stats.kv
         shares = kv.breakdown()
         record = StepRecord(
-            engine_step=len(self.steps) + 1,
+            engine_step=self.step_stats.num_steps + 1,
             time_s=end,
             is_prefill=sched.is_prefill,
             batch_size=len(sched.scheduled),
@@ -244,7 +242,13 @@ class MetricsRecorder:
             attention_version=output.attention_version,
             kv_tokens_held=kv.tokens_held,
         )
-        self.steps.append(record)
+        self.add_step(record)
+
+    def add_step(self, record: StepRecord) -> None:
+        """Count a step's record in the statistics, keep it (`keep_steps`) and show it to the listeners."""
+        self.step_stats.add(record)
+        if self.keep_steps:
+            self.steps.append(record)
         for listener in self.step_listeners:
             listener(record)
 
@@ -283,18 +287,6 @@ class MetricsRecorder:
         useful_tokens = sum(
             sum(len(c.token_ids) for c in r.outputs()) for r in self.requests if r.abort_reason is None
         )
-        steps = self.steps
-        allocated_steps = [s.token_state_fraction for s in steps if s.num_allocated_blocks > 0]
-        step_time = sum(s.step_time_s for s in steps)
-        decode_rows = [float(s.num_decode_rows) for s in steps if s.num_decode_rows]
-        # the share of the KV memory in use that holds token states (the paper's Fig. 2), over the steps
-        # that use any; in use = 1 - free, summed from its parts so that it cannot fall below the token
-        # share by rounding (the ratio stays <= 1)
-        token_state_of_used = [
-            s.kv_token_state_fraction / used for s in steps
-            if (used := s.kv_token_state_fraction + s.kv_reserved_fraction + s.kv_internal_frag_fraction
-                + s.kv_external_frag_fraction) > 0
-        ]
         ttfts = [m.ttft_s for m in done if m.ttft_s is not None]
         tpots = [m.tpot_s for m in done if m.tpot_s is not None]
         e2els = [m.e2e_latency_s for m in done if m.e2e_latency_s is not None]
@@ -305,12 +297,7 @@ class MetricsRecorder:
         # the best completion's tokens, as vLLM's client counts one output per request
         output_tokens = sum(m.output_len for m in done)
         requests_per_s = len(done) / wall if wall > 0 else 0.0
-        # allocated KV bytes per token held, over the steps that hold any (KV groups lower it: a
-        # sliding-window group frees what leaves its window)
-        held = [s for s in steps if s.kv_tokens_held]
-        bytes_per_token = None
-        if bytes_per_block is not None and held:
-            bytes_per_token = _mean([s.num_allocated_blocks * bytes_per_block / s.kv_tokens_held for s in held])
+        steps = self.step_stats.summary(bytes_per_block)
         hit_rate = None
         if caches_prefixes and kv_end.num_queried_tokens > 0:
             hit_rate = kv_end.num_hit_tokens / kv_end.num_queried_tokens
@@ -321,7 +308,7 @@ class MetricsRecorder:
             "num_preemptions": sum(m.num_preemptions for m in per_request),
             "output_tokens": useful_tokens,
             "prompt_tokens": sum(m.prompt_len for m in per_request),
-            "computed_tokens": sum(s.num_computed_tokens for s in steps),
+            "computed_tokens": steps["computed_tokens"],
             "output_tokens_per_s": useful_tokens / wall if wall > 0 else 0.0,
             "requests_per_s": requests_per_s,
             **_latencies("ttft", ttfts),
@@ -331,27 +318,28 @@ class MetricsRecorder:
             "normalized_latency_s_per_token": _mean(
                 [m.normalized_latency_s_per_token for m in done if m.normalized_latency_s_per_token is not None]
             ),
-            "kv_usage_mean": _mean([s.kv_usage for s in steps]) or 0.0,
-            "kv_usage_max": max((s.kv_usage for s in steps), default=0.0),
-            "token_state_fraction_mean": _mean(allocated_steps) if allocated_steps else 1.0,
-            **{f"{key}_mean": _mean([getattr(s, key) for s in steps]) for key in BREAKDOWN_KEYS},
-            "kv_token_state_of_used_mean": _mean(token_state_of_used),
-            # over the steps in which sequences hold blocks, as the paper averages it
-            "kv_sharing_saving_mean": _mean([s.kv_sharing_saving for s in steps if s.num_logical_blocks]) or 0.0,
-            # how much the cache holds and batches: running sequences and tokens held per step
-            "num_running_mean": _mean([s.num_running for s in steps]),
-            "kv_tokens_held_mean": _mean([s.kv_tokens_held for s in steps]),
-            "kv_tokens_held_max": max((s.kv_tokens_held for s in steps), default=0),
-            "kv_bytes_per_token_mean": bytes_per_token,
+            "kv_usage_mean": steps["kv_usage_mean"],
+            "kv_usage_max": steps["kv_usage_max"],
+            "token_state_fraction_mean": steps["token_state_fraction_mean"],
+            "kv_token_state_fraction_mean": steps["kv_token_state_fraction_mean"],
+            "kv_reserved_fraction_mean": steps["kv_reserved_fraction_mean"],
+            "kv_internal_frag_fraction_mean": steps["kv_internal_frag_fraction_mean"],
+            "kv_external_frag_fraction_mean": steps["kv_external_frag_fraction_mean"],
+            "kv_free_fraction_mean": steps["kv_free_fraction_mean"],
+            "kv_token_state_of_used_mean": steps["kv_token_state_of_used_mean"],
+            "kv_sharing_saving_mean": steps["kv_sharing_saving_mean"],
+            "num_running_mean": steps["num_running_mean"],
+            "kv_tokens_held_mean": steps["kv_tokens_held_mean"],
+            "kv_tokens_held_max": steps["kv_tokens_held_max"],
+            "kv_bytes_per_token_mean": steps["kv_bytes_per_token_mean"],
             "prefix_cache_hit_rate": hit_rate,
             "wall_time_s": wall,
-            "num_engine_steps": len(steps),
-            # decode rows per step that has any (a chunked-prefill step also runs prompt chunks)
-            "mean_decode_batch_size": _mean(decode_rows),
-            "engine_overhead_fraction": (sum(s.overhead_s for s in steps) / step_time) if step_time > 0 else 0.0,
-            "decode_steps_v1": sum(s.attention_version == "v1" for s in steps),
-            "decode_steps_v2": sum(s.attention_version == "v2" for s in steps),
-            "decode_steps_v3": sum(s.attention_version == "v3" for s in steps),
+            "num_engine_steps": steps["num_engine_steps"],
+            "mean_decode_batch_size": steps["mean_decode_batch_size"],
+            "engine_overhead_fraction": steps["engine_overhead_fraction"],
+            "decode_steps_v1": steps["decode_steps_v1"],
+            "decode_steps_v2": steps["decode_steps_v2"],
+            "decode_steps_v3": steps["decode_steps_v3"],
             "client_service_ratio": self.client_service_ratio(),
             **goodput(((m.ttft_s, m.tpot_s) for m in done), len(self.requests), wall, slo_ttft_s, slo_tpot_s),
             **_transfer_summary(self.transfers),
