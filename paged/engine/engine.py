@@ -9,12 +9,17 @@ so that no caller reaches into the scheduler's block manager or allocator.
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import TYPE_CHECKING
 
 from paged.engine.metrics import MetricsRecorder
 from paged.executor.base import Executor
 from paged.request import Request
 from paged.scheduler.core import Scheduler, SchedulerCounters
 from paged.step import ExecutorOutput, KVStats
+
+if TYPE_CHECKING:
+    from paged.engine.fast_forward import FastForward
 
 
 class Engine:
@@ -23,6 +28,10 @@ class Engine:
         self.scheduler = scheduler
         self.metrics = metrics or MetricsRecorder()
         self.clock = executor.clock
+        # executor=sim's exact fast-forward over decode steps in which nothing can change (None: off)
+        self.fast_forward: FastForward | None = None
+        # the next arrival's time (the driver's): a fast-forwarded step starts before it
+        self.horizon = math.inf
 
     def add_request(self, request: Request) -> None:
         if request.params.max_tokens is None:
@@ -48,6 +57,8 @@ class Engine:
     def abort(self, request: Request, reason: str) -> None:
         """Abort `request` wherever it is (waiting, running, swapped), freeing its blocks; the next
         `step` returns it among the finished, with `reason` as its abort reason."""
+        if self.fast_forward is not None:
+            self.fast_forward.flush(self.metrics)
         self.scheduler.abort(request, reason)
 
     def abort_all(self, reason: str) -> list[Request]:
@@ -55,6 +66,8 @@ class Engine:
         until it holds none, so that it is as if they never came; returns them. Nothing is computed:
         the steps only return the aborted. The prefix cache keeps only blocks whose step completed
         (a block is published after `execute` returns), so a step that raised leaves none behind."""
+        if self.fast_forward is not None:
+            self.fast_forward.flush(self.metrics)
         s = self.scheduler
         held = list(dict.fromkeys(seq.request for seq in (*s.waiting, *s.running, *s.swapped)))
         for request in held:
@@ -68,7 +81,10 @@ class Engine:
         return self.scheduler.has_unfinished
 
     def step(self) -> list[Request]:
-        """Run one iteration; returns the requests that finished (or were aborted) in it."""
+        """Run one iteration; returns the requests that finished (or were aborted) in it. Under
+        fast-forward, hand out the next step of a window (`paged.engine.fast_forward`): none finish."""
+        if self.fast_forward is not None and self.fast_forward.step(self):
+            return []
         start = self.clock.now()
         sched = self.scheduler.schedule(start)
         self.metrics.on_scheduled(sched, self.scheduler.waiting)
@@ -79,6 +95,11 @@ class Engine:
         if sched.scheduled:
             self.metrics.on_step(sched, output, self.scheduler.stats(), start, self.clock.now())
         return finished
+
+    def next_step_time(self) -> float:
+        """When the next step starts: a fast-forwarded window's next queued step, else now."""
+        queued = self.fast_forward.next_start() if self.fast_forward is not None else None
+        return self.clock.now() if queued is None else queued
 
     # -- what callers ask ------------------------------------------------------------------------
 
@@ -92,8 +113,10 @@ class Engine:
         return self.scheduler.request_counts()
 
     def kv_usage(self) -> float:
-        """The fraction of the KV pool's blocks in use (a router's load signal)."""
-        return self.scheduler.kv_usage()
+        """The fraction of the KV pool's blocks in use (a router's load signal): after the latest
+        step handed out, while a fast-forwarded window's steps are queued."""
+        queued = self.fast_forward.kv_usage() if self.fast_forward is not None else None
+        return self.scheduler.kv_usage() if queued is None else queued
 
     @property
     def block_size(self) -> int:

@@ -208,22 +208,37 @@ class MetricsRecorder:
     def on_step(
         self, sched: SchedulerOutput, output: ExecutorOutput, stats: SchedulerStats, start: float, end: float
     ) -> None:
+        self.add_step(self.step_record(
+            sched.is_prefill, len(sched.scheduled), sched.num_decode_rows, sched.num_batched_tokens,
+            output.num_computed_tokens, sum(len(tokens) for tokens in output.sampled), output.model_time_s,
+            output.attention_version, len(sched.preempted),
+            len(sched.blocks_to_swap_out) + len(sched.blocks_to_swap_in), stats, start, end,
+        ))
+
+    @staticmethod
+    def step_record(
+        is_prefill: bool, batch_size: int, num_decode_rows: int, num_scheduled_tokens: int, num_computed_tokens: int,
+        num_sampled_tokens: int, model_time_s: float, attention_version: str | None, num_preempted: int,
+        num_swap_blocks: int, stats: SchedulerStats, start: float, end: float,
+    ) -> StepRecord:
+        """A step's record (numbered when `add_step` counts it): what ran, from `start` to `end`,
+        and the queues and cache after it (`stats`)."""
         kv = stats.kv
         shares = kv.breakdown()
-        record = StepRecord(
-            engine_step=self.step_stats.num_steps + 1,
+        return StepRecord(
+            engine_step=0,
             time_s=end,
-            is_prefill=sched.is_prefill,
-            batch_size=len(sched.scheduled),
-            num_decode_rows=sched.num_decode_rows,
-            num_scheduled_tokens=sched.num_batched_tokens,
-            num_computed_tokens=output.num_computed_tokens,
-            num_sampled_tokens=sum(len(tokens) for tokens in output.sampled),
+            is_prefill=is_prefill,
+            batch_size=batch_size,
+            num_decode_rows=num_decode_rows,
+            num_scheduled_tokens=num_scheduled_tokens,
+            num_computed_tokens=num_computed_tokens,
+            num_sampled_tokens=num_sampled_tokens,
             step_time_s=end - start,
-            overhead_s=max(0.0, end - start - output.model_time_s),
+            overhead_s=max(0.0, end - start - model_time_s),
             num_running=stats.num_running,
             num_waiting=stats.num_waiting,
-            num_preempted=len(sched.preempted),
+            num_preempted=num_preempted,
             kv_usage=kv.kv_usage,
             token_state_fraction=kv.token_state_fraction,
             kv_token_state_fraction=shares["token_state"],
@@ -234,18 +249,19 @@ class MetricsRecorder:
             kv_sharing_saving=kv.sharing_saving,
             num_logical_blocks=kv.num_logical_blocks,
             num_swapped=stats.num_swapped,
-            num_swap_blocks=len(sched.blocks_to_swap_out) + len(sched.blocks_to_swap_in),
+            num_swap_blocks=num_swap_blocks,
             num_allocated_blocks=kv.num_allocated_blocks,
             num_cached_free_blocks=kv.num_cached_free_blocks,
             prefix_queried_tokens=kv.num_queried_tokens,
             prefix_hit_tokens=kv.num_hit_tokens,
-            attention_version=output.attention_version,
+            attention_version=attention_version,
             kv_tokens_held=kv.tokens_held,
         )
-        self.add_step(record)
 
     def add_step(self, record: StepRecord) -> None:
-        """Count a step's record in the statistics, keep it (`keep_steps`) and show it to the listeners."""
+        """Number a step's record, count it in the statistics, keep it (`keep_steps`) and show it to
+        the listeners."""
+        record.engine_step = self.step_stats.num_steps + 1
         self.step_stats.add(record)
         if self.keep_steps:
             self.steps.append(record)
