@@ -207,6 +207,9 @@ def build_disaggregated_fleet(cfg: Any, router: Plugin) -> DisaggregatedFleet:
     for _ in range(c.prefill_replicas + c.decode_replicas):
         engine = build_engine(cfg)
         engine.metrics = metrics
+        # KV lands on a decode replica whenever a link delivers it: no window is free of events
+        # the fleet's heap does not show, so these engines step one iteration at a time
+        engine.fast_forward = None
         engines.append(engine)
     prefill = [PrefillReplica(i, e) for i, e in enumerate(engines[: c.prefill_replicas])]
     decode = [DecodeReplica(c.prefill_replicas + i, e) for i, e in enumerate(engines[c.prefill_replicas :])]

@@ -17,7 +17,6 @@ unnoticed.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
@@ -121,10 +120,7 @@ class RayReplica(Replica):
     def _absorb(self, report: StepReport) -> list[Request]:
         """Apply a report; returns the driver's requests that ended in it."""
         for record in report.steps:
-            record = dataclasses.replace(record, engine_step=len(self.metrics.steps) + 1)
-            self.metrics.steps.append(record)
-            for listener in self.metrics.step_listeners:
-                listener(record)
+            self.metrics.add_step(record)  # numbered in the driver's sequence
         service = self.metrics.client_service
         for client, total in report.client_service.items():
             service[client] = service.get(client, 0.0) + total - self._state.client_service.get(client, 0.0)

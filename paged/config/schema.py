@@ -256,6 +256,10 @@ class ExecutorConfig:
 
     name: str = MISSING
     _target_: str = MISSING
+    # advance the simulated clock over decode iterations in which nothing can change in one move,
+    # byte-identical to stepping them (paged/engine/fast_forward.py); executor=sim only (its YAML
+    # turns it on); false steps one iteration at a time
+    fast_forward: bool = False
 
 
 @dataclass

@@ -17,6 +17,7 @@ import torch
 from paged.config import AllocatorConfig, ByteSizes, ConfigError, ExecutorConfig, validate
 from paged.config.plugins import Plugin, check_plugin
 from paged.engine.engine import Engine
+from paged.engine.fast_forward import FastForward
 from paged.engine.offload import OffloadPlan, build_kv_tiers, check_offload, num_tier_blocks
 from paged.executor.base import Executor
 from paged.kv_layout import KVLayout
@@ -65,6 +66,11 @@ def check_config(cfg: Any, executor_cls: type[Executor] | None = None) -> Plugin
         cfg.executor, "executor", Executor, core=_core_keys(ExecutorConfig), provided=("model", "kernel", "seed"),
     )
     runs_on = executor_cls or executor.cls
+    if cfg.executor.fast_forward and not issubclass(runs_on, SimExecutor):
+        raise ConfigError(
+            f"executor.fast_forward=true advances a simulated clock; executor={cfg.executor.name} runs every step: "
+            "use executor=sim, or executor.fast_forward=false"
+        )
     sizes = validate(cfg, block_sizes=runs_on.block_sizes)
     check_inputs(cfg.workload, has_tokenizer=cfg.model.source != "spec", model_name=cfg.model.name)
     if cfg.model.device == "cuda" and not issubclass(runs_on, SimExecutor) and not torch.cuda.is_available():
@@ -329,4 +335,7 @@ def build_engine(cfg: Any, executor: Executor | None = None) -> Engine:
         num_blocks, block_size, num_blocks * block_size, num_cpu_blocks, plugins.allocator.path, plugins.policy.path,
         executor.description,
     )
-    return Engine(executor, scheduler, async_scheduling=plugins.async_scheduling)
+    engine = Engine(executor, scheduler, async_scheduling=plugins.async_scheduling)
+    if cfg.executor.fast_forward:
+        engine.fast_forward = FastForward()
+    return engine

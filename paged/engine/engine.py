@@ -11,6 +11,8 @@ previous one's tokens are applied.
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Protocol
 
 from paged.engine.async_step import AsyncStep
 from paged.engine.metrics import MetricsRecorder
@@ -18,6 +20,17 @@ from paged.executor.base import Executor
 from paged.request import Request
 from paged.scheduler.core import Scheduler, SchedulerCounters
 from paged.step import ExecutorOutput, KVStats
+
+
+class StepShortcut(Protocol):
+    """What hands out steps without running them one by one (`paged.engine.fast_forward`'s
+    `FastForward`: a window of decode steps in which nothing can change, computed at once)."""
+
+    def step(self, engine: Engine) -> bool:
+        """Hand out the engine's next step; False when the engine must run it itself."""
+
+    def flush(self, metrics: MetricsRecorder) -> None:
+        """Hand out every step already computed (before anything that is not a step)."""
 
 
 class Engine:
@@ -30,6 +43,10 @@ class Engine:
         self.metrics = metrics or MetricsRecorder()
         self.clock = executor.clock
         self.async_step = AsyncStep(scheduler, executor, self.metrics) if async_scheduling else None
+        # executor=sim's exact fast-forward over decode steps in which nothing can change (None: off)
+        self.fast_forward: StepShortcut | None = None
+        # the next arrival's time (the driver's): a fast-forwarded step starts before it
+        self.horizon = math.inf
 
     def add_request(self, request: Request) -> None:
         if request.params.max_tokens is None:
@@ -57,6 +74,8 @@ class Engine:
         `step` returns it among the finished, with `reason` as its abort reason. A step in flight is
         applied first, so that the request keeps every token computed for it; one that ends in it is
         not aborted."""
+        if self.fast_forward is not None:
+            self.fast_forward.flush(self.metrics)
         if self.async_step is not None and request in self.async_step.settle():
             return
         self.scheduler.abort(request, reason)
@@ -66,6 +85,8 @@ class Engine:
         until it holds none, so that it is as if they never came; returns them. Nothing is computed:
         the steps only return the aborted. The prefix cache keeps only blocks whose step completed
         (a block is published after `execute` returns), so a step that raised leaves none behind."""
+        if self.fast_forward is not None:
+            self.fast_forward.flush(self.metrics)
         if self.async_step is not None:
             self.async_step.settle()
         s = self.scheduler
@@ -81,9 +102,12 @@ class Engine:
         return self.scheduler.has_unfinished or (self.async_step is not None and self.async_step.busy)
 
     def step(self) -> list[Request]:
-        """Run one iteration; returns the requests that finished (or were aborted) in it."""
+        """Run one iteration; returns the requests that finished (or were aborted) in it. Under
+        fast-forward, hand out the next step of a window (`paged.engine.fast_forward`): none finish."""
         if self.async_step is not None:
             return self.async_step.step()
+        if self.fast_forward is not None and self.fast_forward.step(self):
+            return []
         start = self.clock.now()
         sched = self.scheduler.schedule(start)
         self.metrics.on_scheduled(sched, self.scheduler.waiting)
@@ -94,6 +118,11 @@ class Engine:
         if sched.scheduled:
             self.metrics.on_step(sched, output, self.scheduler.stats(), start, self.clock.now())
         return finished
+
+    def next_step_time(self) -> float:
+        """When the next step starts: a fast-forwarded window's next queued step, else now."""
+        queued = self.fast_forward.next_start() if self.fast_forward is not None else None
+        return self.clock.now() if queued is None else queued
 
     # -- what callers ask ------------------------------------------------------------------------
 
@@ -107,8 +136,10 @@ class Engine:
         return self.scheduler.request_counts()
 
     def kv_usage(self) -> float:
-        """The fraction of the KV pool's blocks in use (a router's load signal)."""
-        return self.scheduler.kv_usage()
+        """The fraction of the KV pool's blocks in use (a router's load signal): after the latest
+        step handed out, while a fast-forwarded window's steps are queued."""
+        queued = self.fast_forward.kv_usage() if self.fast_forward is not None else None
+        return self.scheduler.kv_usage() if queued is None else queued
 
     @property
     def block_size(self) -> int:

@@ -6,54 +6,16 @@ steps of both replicas rather than take part in one."""
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from paged.engine.slo import goodput
+from paged.engine.step_record import StepRecord
+from paged.engine.step_stats import StepStats
 from paged.request import FinishReason, Request, Sequence
 from paged.step import ExecutorOutput, KVStats, SchedulerOutput, SchedulerStats
-
-
-# slots: a long simulated fleet run keeps millions of these
-@dataclass(slots=True)
-class StepRecord:
-    engine_step: int
-    time_s: float
-    is_prefill: bool  # some row computes a prompt (with chunked prefill, decode rows may run beside it)
-    batch_size: int
-    num_decode_rows: int
-    num_scheduled_tokens: int
-    num_computed_tokens: int
-    num_sampled_tokens: int  # tokens generated: one per decode row, the first ones of each prompt completed
-    step_time_s: float
-    overhead_s: float
-    num_running: int
-    num_waiting: int
-    num_preempted: int
-    kv_usage: float
-    token_state_fraction: float
-    # the four-way breakdown of the whole KV pool (stats.KVStats.breakdown); with kv_free_fraction they sum to 1
-    kv_token_state_fraction: float
-    kv_reserved_fraction: float
-    kv_internal_frag_fraction: float
-    kv_external_frag_fraction: float
-    kv_free_fraction: float
-    # blocks saved by sharing / blocks without sharing (stats.KVStats.sharing_saving)
-    kv_sharing_saving: float
-    num_logical_blocks: int
-    num_swapped: int
-    num_swap_blocks: int  # blocks moved to or from the CPU pool before this step
-    num_allocated_blocks: int
-    num_cached_free_blocks: int
-    prefix_queried_tokens: int
-    prefix_hit_tokens: int
-    attention_version: str | None  # decode kernel that ran (v1/v2/v3); None in a step without decode rows
-    kv_tokens_held: int = 0  # tokens whose KV the sequences hold, each once (stats.KVStats.tokens_held)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass
@@ -156,13 +118,6 @@ def _benchmark_latencies(name: str, seconds: Values) -> dict[str, float | None]:
     }
 
 
-# StepRecord fields averaged into summary.json as `<key>_mean` (shares of the whole KV pool)
-BREAKDOWN_KEYS = (
-    "kv_token_state_fraction", "kv_reserved_fraction", "kv_internal_frag_fraction", "kv_external_frag_fraction",
-    "kv_free_fraction",
-)
-
-
 # VTC's service weights (OSDI'24): a prompt token costs 1, a generated token 2
 SERVICE_WEIGHTS = (1.0, 2.0)
 
@@ -174,9 +129,13 @@ class MetricsRecorder:
     service (prompt tokens + 2 x generated tokens) each client receives over the steps in which every
     client that has sent a request has one waiting (all are backlogged: each would take more)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_steps: bool = True) -> None:
         self.requests: list[Request] = []
+        # every step's record, kept while `keep_steps` (the API's and the tests' view of a run); the
+        # summary reads `step_stats`, which streams them, so a long run need not keep them
+        self.keep_steps = keep_steps
         self.steps: list[StepRecord] = []
+        self.step_stats = StepStats()
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         self.client_service: dict[str, float] = {}
         self.transfers: list[TransferRecord] = []
@@ -210,22 +169,37 @@ class MetricsRecorder:
     def on_step(
         self, sched: SchedulerOutput, output: ExecutorOutput, stats: SchedulerStats, start: float, end: float
     ) -> None:
+        self.add_step(self.step_record(
+            sched.is_prefill, len(sched.scheduled), sched.num_decode_rows, sched.num_batched_tokens,
+            output.num_computed_tokens, sum(len(tokens) for tokens in output.sampled), output.model_time_s,
+            output.attention_version, len(sched.preempted),
+            len(sched.blocks_to_swap_out) + len(sched.blocks_to_swap_in), stats, start, end,
+        ))
+
+    @staticmethod
+    def step_record(
+        is_prefill: bool, batch_size: int, num_decode_rows: int, num_scheduled_tokens: int, num_computed_tokens: int,
+        num_sampled_tokens: int, model_time_s: float, attention_version: str | None, num_preempted: int,
+        num_swap_blocks: int, stats: SchedulerStats, start: float, end: float,
+    ) -> StepRecord:
+        """A step's record (numbered when `add_step` counts it): what ran, from `start` to `end`,
+        and the queues and cache after it (`stats`)."""
         kv = stats.kv
         shares = kv.breakdown()
-        record = StepRecord(
-            engine_step=len(self.steps) + 1,
+        return StepRecord(
+            engine_step=0,
             time_s=end,
-            is_prefill=sched.is_prefill,
-            batch_size=len(sched.scheduled),
-            num_decode_rows=sched.num_decode_rows,
-            num_scheduled_tokens=sched.num_batched_tokens,
-            num_computed_tokens=output.num_computed_tokens,
-            num_sampled_tokens=sum(len(tokens) for tokens in output.sampled),
+            is_prefill=is_prefill,
+            batch_size=batch_size,
+            num_decode_rows=num_decode_rows,
+            num_scheduled_tokens=num_scheduled_tokens,
+            num_computed_tokens=num_computed_tokens,
+            num_sampled_tokens=num_sampled_tokens,
             step_time_s=end - start,
-            overhead_s=max(0.0, end - start - output.model_time_s),
+            overhead_s=max(0.0, end - start - model_time_s),
             num_running=stats.num_running,
             num_waiting=stats.num_waiting,
-            num_preempted=len(sched.preempted),
+            num_preempted=num_preempted,
             kv_usage=kv.kv_usage,
             token_state_fraction=kv.token_state_fraction,
             kv_token_state_fraction=shares["token_state"],
@@ -236,15 +210,22 @@ class MetricsRecorder:
             kv_sharing_saving=kv.sharing_saving,
             num_logical_blocks=kv.num_logical_blocks,
             num_swapped=stats.num_swapped,
-            num_swap_blocks=len(sched.blocks_to_swap_out) + len(sched.blocks_to_swap_in),
+            num_swap_blocks=num_swap_blocks,
             num_allocated_blocks=kv.num_allocated_blocks,
             num_cached_free_blocks=kv.num_cached_free_blocks,
             prefix_queried_tokens=kv.num_queried_tokens,
             prefix_hit_tokens=kv.num_hit_tokens,
-            attention_version=output.attention_version,
+            attention_version=attention_version,
             kv_tokens_held=kv.tokens_held,
         )
-        self.steps.append(record)
+
+    def add_step(self, record: StepRecord) -> None:
+        """Number a step's record, count it in the statistics, keep it (`keep_steps`) and show it to
+        the listeners."""
+        record.engine_step = self.step_stats.num_steps + 1
+        self.step_stats.add(record)
+        if self.keep_steps:
+            self.steps.append(record)
         for listener in self.step_listeners:
             listener(record)
 
@@ -283,18 +264,6 @@ class MetricsRecorder:
         useful_tokens = sum(
             sum(len(c.token_ids) for c in r.outputs()) for r in self.requests if r.abort_reason is None
         )
-        steps = self.steps
-        allocated_steps = [s.token_state_fraction for s in steps if s.num_allocated_blocks > 0]
-        step_time = sum(s.step_time_s for s in steps)
-        decode_rows = [float(s.num_decode_rows) for s in steps if s.num_decode_rows]
-        # the share of the KV memory in use that holds token states (the paper's Fig. 2), over the steps
-        # that use any; in use = 1 - free, summed from its parts so that it cannot fall below the token
-        # share by rounding (the ratio stays <= 1)
-        token_state_of_used = [
-            s.kv_token_state_fraction / used for s in steps
-            if (used := s.kv_token_state_fraction + s.kv_reserved_fraction + s.kv_internal_frag_fraction
-                + s.kv_external_frag_fraction) > 0
-        ]
         ttfts = [m.ttft_s for m in done if m.ttft_s is not None]
         tpots = [m.tpot_s for m in done if m.tpot_s is not None]
         e2els = [m.e2e_latency_s for m in done if m.e2e_latency_s is not None]
@@ -305,12 +274,7 @@ class MetricsRecorder:
         # the best completion's tokens, as vLLM's client counts one output per request
         output_tokens = sum(m.output_len for m in done)
         requests_per_s = len(done) / wall if wall > 0 else 0.0
-        # allocated KV bytes per token held, over the steps that hold any (KV groups lower it: a
-        # sliding-window group frees what leaves its window)
-        held = [s for s in steps if s.kv_tokens_held]
-        bytes_per_token = None
-        if bytes_per_block is not None and held:
-            bytes_per_token = _mean([s.num_allocated_blocks * bytes_per_block / s.kv_tokens_held for s in held])
+        steps = self.step_stats.summary(bytes_per_block)
         hit_rate = None
         if caches_prefixes and kv_end.num_queried_tokens > 0:
             hit_rate = kv_end.num_hit_tokens / kv_end.num_queried_tokens
@@ -321,7 +285,7 @@ class MetricsRecorder:
             "num_preemptions": sum(m.num_preemptions for m in per_request),
             "output_tokens": useful_tokens,
             "prompt_tokens": sum(m.prompt_len for m in per_request),
-            "computed_tokens": sum(s.num_computed_tokens for s in steps),
+            "computed_tokens": steps["computed_tokens"],
             "output_tokens_per_s": useful_tokens / wall if wall > 0 else 0.0,
             "requests_per_s": requests_per_s,
             **_latencies("ttft", ttfts),
@@ -331,27 +295,28 @@ class MetricsRecorder:
             "normalized_latency_s_per_token": _mean(
                 [m.normalized_latency_s_per_token for m in done if m.normalized_latency_s_per_token is not None]
             ),
-            "kv_usage_mean": _mean([s.kv_usage for s in steps]) or 0.0,
-            "kv_usage_max": max((s.kv_usage for s in steps), default=0.0),
-            "token_state_fraction_mean": _mean(allocated_steps) if allocated_steps else 1.0,
-            **{f"{key}_mean": _mean([getattr(s, key) for s in steps]) for key in BREAKDOWN_KEYS},
-            "kv_token_state_of_used_mean": _mean(token_state_of_used),
-            # over the steps in which sequences hold blocks, as the paper averages it
-            "kv_sharing_saving_mean": _mean([s.kv_sharing_saving for s in steps if s.num_logical_blocks]) or 0.0,
-            # how much the cache holds and batches: running sequences and tokens held per step
-            "num_running_mean": _mean([s.num_running for s in steps]),
-            "kv_tokens_held_mean": _mean([s.kv_tokens_held for s in steps]),
-            "kv_tokens_held_max": max((s.kv_tokens_held for s in steps), default=0),
-            "kv_bytes_per_token_mean": bytes_per_token,
+            "kv_usage_mean": steps["kv_usage_mean"],
+            "kv_usage_max": steps["kv_usage_max"],
+            "token_state_fraction_mean": steps["token_state_fraction_mean"],
+            "kv_token_state_fraction_mean": steps["kv_token_state_fraction_mean"],
+            "kv_reserved_fraction_mean": steps["kv_reserved_fraction_mean"],
+            "kv_internal_frag_fraction_mean": steps["kv_internal_frag_fraction_mean"],
+            "kv_external_frag_fraction_mean": steps["kv_external_frag_fraction_mean"],
+            "kv_free_fraction_mean": steps["kv_free_fraction_mean"],
+            "kv_token_state_of_used_mean": steps["kv_token_state_of_used_mean"],
+            "kv_sharing_saving_mean": steps["kv_sharing_saving_mean"],
+            "num_running_mean": steps["num_running_mean"],
+            "kv_tokens_held_mean": steps["kv_tokens_held_mean"],
+            "kv_tokens_held_max": steps["kv_tokens_held_max"],
+            "kv_bytes_per_token_mean": steps["kv_bytes_per_token_mean"],
             "prefix_cache_hit_rate": hit_rate,
             "wall_time_s": wall,
-            "num_engine_steps": len(steps),
-            # decode rows per step that has any (a chunked-prefill step also runs prompt chunks)
-            "mean_decode_batch_size": _mean(decode_rows),
-            "engine_overhead_fraction": (sum(s.overhead_s for s in steps) / step_time) if step_time > 0 else 0.0,
-            "decode_steps_v1": sum(s.attention_version == "v1" for s in steps),
-            "decode_steps_v2": sum(s.attention_version == "v2" for s in steps),
-            "decode_steps_v3": sum(s.attention_version == "v3" for s in steps),
+            "num_engine_steps": steps["num_engine_steps"],
+            "mean_decode_batch_size": steps["mean_decode_batch_size"],
+            "engine_overhead_fraction": steps["engine_overhead_fraction"],
+            "decode_steps_v1": steps["decode_steps_v1"],
+            "decode_steps_v2": steps["decode_steps_v2"],
+            "decode_steps_v3": steps["decode_steps_v3"],
             "client_service_ratio": self.client_service_ratio(),
             **goodput(((m.ttft_s, m.tpot_s) for m in done), len(self.requests), wall, slo_ttft_s, slo_tpot_s),
             **_transfer_summary(self.transfers),

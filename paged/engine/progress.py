@@ -58,13 +58,11 @@ class RunProgress:
         self._engine = engine
         # read when the bar opens, so that a test can set the module's to 0 for the bars `drive` opens
         self._mininterval = MININTERVAL_S if mininterval is None else mininterval
-        self._steps = engine.metrics.steps
-        self._seen = len(self._steps)  # the records before this run (an LLM's earlier calls) are not its own
+        # the totals before this run (an LLM's earlier calls) are not its own
+        self._stats = engine.metrics.step_stats
+        self._input_base, self._output_base = self._stats.input_tokens, self._stats.sampled_tokens
         self._start = engine.clock.now()
         self._speed = "simulated speed" if engine.clock.simulated else "est. speed"
-        self._input_tokens = 0
-        self._output_tokens = 0
-        self._latest = self._start  # the latest end of a step seen
         self._finished = 0  # finished since the last draw: the bar's count moves when it is drawn
         self._last_draw = time.monotonic()
         # miniters=0, mininterval=0: tqdm draws on every update, which `step` makes only when due
@@ -84,19 +82,16 @@ class RunProgress:
             self._draw()
 
     def _draw(self) -> None:
-        """Add up the steps since the last draw and redraw the bar with the count and postfix now."""
-        steps = self._steps
-        for record in steps[self._seen:]:
-            self._input_tokens += record.num_scheduled_tokens - record.num_decode_rows
-            self._output_tokens += record.num_sampled_tokens
-            self._latest = max(self._latest, record.time_s)
-        self._seen = len(steps)
+        """Redraw the bar with the count and the speeds of the steps' running totals now."""
+        stats = self._stats
+        input_tokens = stats.input_tokens - self._input_base
+        output_tokens = stats.sampled_tokens - self._output_base
         running, waiting = self._engine.request_counts()
         # a simulated fleet's clock is its next event's time: once no replica is busy it falls back
         # to the last idle time, behind the steps it ran, so the steps' own times count too
-        elapsed = max(self._engine.clock.now(), self._latest) - self._start
-        input_speed = self._input_tokens / elapsed if elapsed > 0 else 0.0
-        output_speed = self._output_tokens / elapsed if elapsed > 0 else 0.0
+        elapsed = max(self._engine.clock.now(), stats.latest_time_s) - self._start
+        input_speed = input_tokens / elapsed if elapsed > 0 else 0.0
+        output_speed = output_tokens / elapsed if elapsed > 0 else 0.0
         self._bar.set_postfix_str(
             f"running: {running}, waiting: {waiting}, {self._speed} input: {input_speed:.2f} toks/s, "
             f"output: {output_speed:.2f} toks/s",

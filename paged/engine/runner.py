@@ -73,10 +73,11 @@ def drive(
                 i += 1
             for request in follow_ups.due(now):
                 engine.add_request(request)
+            next_arrival = min(pending[i].arrival_time if i < len(pending) else math.inf, follow_ups.next_due)
             if not engine.has_unfinished:
-                next_arrival = min(pending[i].arrival_time if i < len(pending) else math.inf, follow_ups.next_due)
                 clock.wait_until(min(next_arrival, now + slice_s))
                 continue
+            engine.horizon = next_arrival  # a fast-forwarded step starts before it (paged/engine/fast_forward.py)
             finished = engine.step()
             bar.step(len(finished))
             for request in follow_ups.release(finished):

@@ -55,6 +55,8 @@ def run_experiment(
         simulated=engine.clock.simulated, tags=tags,
     )
     engine.metrics.step_listeners.append(wb.log_step)
+    # the summary streams the step records (`StepStats`): a fleet hour's millions are not kept
+    engine.metrics.keep_steps = False
     log.info("running %d request(s)%s", len(items), "; Ctrl-C stops and writes what finished" if interrupt else "")
     try:
         with interrupt.catching() if interrupt is not None else nullcontext():

@@ -43,6 +43,7 @@ DEFAULT_CLIENT = "default"
 
 
 class VTCPolicy(SchedulingPolicy):
+    step_invariant = False  # on_scheduled counts every step's service
     def __init__(self, input_weight: float = 1.0, output_weight: float = 2.0) -> None:
         for name, value in (("input_weight", input_weight), ("output_weight", output_weight)):
             if not value >= 0:

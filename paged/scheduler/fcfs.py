@@ -7,6 +7,7 @@ from paged.scheduler.policy import SchedulingPolicy
 
 
 class FCFSPolicy(SchedulingPolicy):
+    step_invariant = True
     def admission_key(self, seq: Sequence, now: float) -> tuple[float, int]:
         return (seq.request.arrival_time, seq.seq_id)
 

@@ -22,6 +22,7 @@ from paged.scheduler.policy import SchedulingPolicy
 
 
 class LPMPolicy(SchedulingPolicy):
+    step_invariant = True
     def __init__(self, fcfs_above: int = 128) -> None:
         if isinstance(fcfs_above, bool) or not isinstance(fcfs_above, int) or fcfs_above < 0:
             raise ValueError(f"fcfs_above must be an integer >= 0 (waiting sequences), got {fcfs_above!r}")

@@ -42,6 +42,7 @@ class _Level:
 
 
 class MLFQPolicy(SchedulingPolicy):
+    step_invariant = False  # on_scheduled moves a request down the levels as its iterations add up
     preemptive = True
 
     def __init__(

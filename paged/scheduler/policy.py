@@ -27,6 +27,12 @@ class SchedulingPolicy(ABC):
     # default that a policy may set per instance from a setting.
     preemptive: bool = False
 
+    # True: over decode steps in which nothing else changes (no arrival, finish or preemption) the
+    # policy's state does not change either (`on_scheduled` keeps none), so a simulated engine may
+    # fast-forward them (paged/engine/fast_forward.py); False: it must see every step; None (a policy
+    # that does not say): stepped one iteration at a time, and the log says so once
+    step_invariant: bool | None = None
+
     block_manager: BlockManager | None = None
 
     def bind(self, block_manager: BlockManager) -> None:

@@ -16,6 +16,7 @@ from paged.scheduler.policy import SchedulingPolicy
 
 
 class PriorityPolicy(SchedulingPolicy):
+    step_invariant = True
     def __init__(self, preempt: bool = True) -> None:
         if not isinstance(preempt, bool):
             raise ValueError(f"preempt must be true or false, got {preempt!r}")

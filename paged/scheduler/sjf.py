@@ -24,6 +24,7 @@ from paged.scheduler.policy import SchedulingPolicy
 
 
 class SJFPolicy(SchedulingPolicy):
+    step_invariant = True
     def __init__(self, predictor: str = "bucket-mean", aging_tokens_per_s: float = 256.0, prior: float = 128.0) -> None:
         if not aging_tokens_per_s >= 0:
             raise ValueError(f"aging_tokens_per_s must be >= 0, got {aging_tokens_per_s!r}")

@@ -32,7 +32,7 @@ from paged.config import ConfigError, HardwareConfig, KernelConfig, ModelConfig,
 from paged.executor.base import Executor, KVCacheSpec, Tokenizer
 from paged.kernels.features import BlockSparse, cache_dtype
 from paged.model.spec import model_spec
-from paged.sim.cost_model import CostModel, StepCost, step_shape
+from paged.sim.cost_model import CostModel, StepCost, StepShape, step_shape
 from paged.sim.hardware import Hardware, resolve_hardware
 from paged.sim.memory import check_parallelism, plan_memory
 from paged.sim.tier_disk import SimTierDisk
@@ -65,6 +65,12 @@ def _unit(*keys: int) -> float:
         x = ((x ^ (k & _MASK)) * 0xBF58476D1CE4E5B9) & _MASK
         x ^= x >> 31
     return (x >> 11) / float(1 << 53)
+
+def plain_token(last: int, length: int, vocab: int, greedy: bool, index: int) -> int:
+    """The placeholder token of a plain request's row (one sample, no beams), after `last` at `length`."""
+    base = last * 1103515245 + length * 12345
+    return base % vocab if greedy else (base + 7919 * (index + 1)) % vocab
+
 
 class SimExecutor(Executor):
     """Public state besides the `Executor` contract: `spec`, `hardware`, `cost_model`, `dtype_name` and
@@ -206,6 +212,22 @@ class SimExecutor(Executor):
             attention_version=cost.decode_version, logprobs=logprobs,
         )
 
+    def decode_cost(self, contexts: list[int]) -> StepCost | None:
+        """The cost of a step of decode rows only, attending to `contexts` tokens, with nothing to
+        swap or copy: `execute`'s cost of that step, to the bit (fast-forward). None where the step's
+        cost depends on more than its rows (layers of several windows, a disk tier's reads)."""
+        if self._window_layers or self.tier_disk is not None:
+            return None
+        window = self.sliding_window
+        n = len(contexts)
+        decode = contexts if window is None else [min(c, window) for c in contexts]
+        return self.cost_model.step(StepShape(n, n, n, decode_contexts=decode, block_size=self.block_size))
+
+    def advance(self, cost: StepCost) -> None:
+        """Account a step of `cost` run without `execute` (fast-forward): the clock and `last_cost`."""
+        self.last_cost = cost
+        self.clock.advance(cost.total_s)  # type: ignore[attr-defined]
+
     def _placeholders(self, sched: SchedulerOutput) -> tuple[list[list[int]], list[list[float]]]:
         """Tokens and their log-probabilities per scheduled sequence (module docstring)."""
         vocab = self.spec.vocab_size
@@ -224,7 +246,7 @@ class SimExecutor(Executor):
             params = seq.request.params
             if n == 1 and params.best_of == 1 and not params.use_beam_search:
                 # a plain request's row, nearly every row: the general case below with n = 1
-                sampled.append([base % vocab if params.greedy else (base + 7919 * (seq.index + 1)) % vocab])
+                sampled.append([plain_token(last, length, vocab, params.greedy, seq.index)])
                 logprobs.append([0.0])
                 continue
             if params.use_beam_search or params.greedy:

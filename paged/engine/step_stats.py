@@ -1,0 +1,117 @@
+"""The step statistics summary.json needs, streamed from each `StepRecord` as it is made.
+
+A fleet hour is millions of steps; one record object per step held them in gigabytes. Here a step
+costs a few numbers in typed arrays (about 100 bytes), and the summary is computed from them with
+the same arithmetic, in the same order, as from the records: np.mean over the same values, running
+sums in step order (Python 3.11's `sum` of floats is that plain left-to-right addition), so a
+summary is byte-identical whether the records were kept or not.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Any
+
+import numpy as np
+
+from paged.engine.step_record import StepRecord
+
+# StepRecord fields averaged into summary.json as `<key>_mean` (shares of the whole KV pool)
+BREAKDOWN_KEYS = (
+    "kv_token_state_fraction", "kv_reserved_fraction", "kv_internal_frag_fraction", "kv_external_frag_fraction",
+    "kv_free_fraction",
+)
+
+
+def _mean(values: Any) -> float | None:
+    return float(np.mean(values)) if len(values) else None
+
+
+class StepStats:
+    """Counts, sums, maxima and the value columns that summary.json's step keys are computed from;
+    plus the progress bar's running totals (input and sampled tokens, the latest step end)."""
+
+    def __init__(self) -> None:
+        self.num_steps = 0
+        self.computed_tokens = 0
+        self.step_time_s = 0.0
+        self.overhead_s = 0.0
+        self.kv_usage_max = 0.0
+        self.kv_tokens_held_max = 0
+        self.decode_versions = {"v1": 0, "v2": 0, "v3": 0}
+        self.input_tokens = 0
+        self.sampled_tokens = 0
+        self.latest_time_s = -np.inf
+        self._kv_usage = array("d")
+        self._breakdown = {key: array("d") for key in BREAKDOWN_KEYS}
+        self._token_state = array("d")  # over the steps that hold blocks
+        self._token_state_of_used = array("d")  # over the steps that use any KV memory
+        self._sharing_saving = array("d")  # over the steps whose sequences hold blocks
+        self._num_running = array("q")
+        self._tokens_held = array("q")
+        self._decode_rows = array("q")  # over the steps with decode rows
+        self._held_blocks = array("q")  # allocated blocks and tokens held, over the steps that hold tokens
+        self._held_tokens = array("q")
+
+    def add(self, s: StepRecord) -> None:
+        self.num_steps += 1
+        self.computed_tokens += s.num_computed_tokens
+        self.step_time_s += s.step_time_s
+        self.overhead_s += s.overhead_s
+        self.input_tokens += s.num_scheduled_tokens - s.num_decode_rows
+        self.sampled_tokens += s.num_sampled_tokens
+        self.latest_time_s = max(self.latest_time_s, s.time_s)
+        self._kv_usage.append(s.kv_usage)
+        self.kv_usage_max = max(self.kv_usage_max, s.kv_usage)
+        shares = (s.kv_token_state_fraction, s.kv_reserved_fraction, s.kv_internal_frag_fraction,
+                  s.kv_external_frag_fraction, s.kv_free_fraction)
+        for column, share in zip(self._breakdown.values(), shares):
+            column.append(share)
+        if s.num_allocated_blocks > 0:
+            self._token_state.append(s.token_state_fraction)
+        # in use = 1 - free, summed from its parts so that it cannot fall below the token share by
+        # rounding (the ratio stays <= 1)
+        used = s.kv_token_state_fraction + s.kv_reserved_fraction + s.kv_internal_frag_fraction \
+            + s.kv_external_frag_fraction
+        if used > 0:
+            self._token_state_of_used.append(s.kv_token_state_fraction / used)
+        if s.num_logical_blocks:
+            self._sharing_saving.append(s.kv_sharing_saving)
+        self._num_running.append(s.num_running)
+        self._tokens_held.append(s.kv_tokens_held)
+        self.kv_tokens_held_max = max(self.kv_tokens_held_max, s.kv_tokens_held)
+        if s.kv_tokens_held:
+            self._held_blocks.append(s.num_allocated_blocks)
+            self._held_tokens.append(s.kv_tokens_held)
+        if s.num_decode_rows:
+            self._decode_rows.append(s.num_decode_rows)
+        if s.attention_version in self.decode_versions:
+            self.decode_versions[s.attention_version] += 1
+
+    def summary(self, bytes_per_block: int | None) -> dict[str, Any]:
+        """summary.json's step keys (`MetricsRecorder.summary` places them)."""
+        bytes_per_token = None
+        if bytes_per_block is not None and len(self._held_tokens):
+            # as Python's int / int per step: both exact in a float64 (below 2**53), one correctly
+            # rounded division
+            held_bytes = np.frombuffer(self._held_blocks, dtype=np.int64) * bytes_per_block
+            if held_bytes.max() >= 2**53:
+                raise OverflowError(f"{held_bytes.max()} KV bytes held: past float64's exact integers")
+            bytes_per_token = _mean(held_bytes / np.frombuffer(self._held_tokens, dtype=np.int64))
+        return {
+            "computed_tokens": self.computed_tokens,
+            "kv_usage_mean": _mean(self._kv_usage) or 0.0,
+            "kv_usage_max": self.kv_usage_max,
+            "token_state_fraction_mean": _mean(self._token_state) if len(self._token_state) else 1.0,
+            **{f"{key}_mean": _mean(column) for key, column in self._breakdown.items()},
+            "kv_token_state_of_used_mean": _mean(self._token_state_of_used),
+            "kv_sharing_saving_mean": _mean(self._sharing_saving) or 0.0,
+            "num_running_mean": _mean(np.frombuffer(self._num_running, dtype=np.int64)),
+            "kv_tokens_held_mean": _mean(np.frombuffer(self._tokens_held, dtype=np.int64)),
+            "kv_tokens_held_max": self.kv_tokens_held_max,
+            "kv_bytes_per_token_mean": bytes_per_token,
+            "num_engine_steps": self.num_steps,
+            "mean_decode_batch_size": _mean(np.frombuffer(self._decode_rows, dtype=np.int64).astype(np.float64)),
+            "engine_overhead_fraction": self.overhead_s / self.step_time_s if self.step_time_s > 0 else 0.0,
+            **{f"decode_steps_{v}": n for v, n in self.decode_versions.items()},
+        }

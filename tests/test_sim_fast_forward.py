@@ -1,0 +1,82 @@
+"""executor.fast_forward: summary.json and requests.jsonl byte-identical to stepping one iteration
+at a time, over a reference set small enough for CI: every scheduler policy, chunked prefill on and
+off, prefix caching, beams, swap, eviction policies and a CPU tier, KV groups, fleets behind each
+router, disaggregation. And the bad input: fast-forward on a real executor."""
+
+from __future__ import annotations
+
+import pytest
+
+from paged.config import ConfigError, compose_config
+from paged.engine.builder import check_config
+from paged.experiment.run import run_experiment
+
+# the summary keys that time the host: the only ones two runs of one config may differ in
+HOST_KEYS = ('"host_time_s"', '"load_time_s"', '"sim_seconds_per_host_second"')
+
+BASE = ["executor=sim", "model=llama-3-8b", "hardware=h100-sxm", "kernel=vllm", "workload=sharegpt",
+        "workload.num_requests=24", "workload.arrival_rate=8", "workload.output_len_max=160",
+        "scheduler.max_model_len=2048", "logger=none", "progress=false"]
+TIGHT = ["allocator.num_blocks=120"]  # preemptions and admission waits
+FLEET = ["cluster.num_replicas=3", "workload.num_requests=36", "workload.arrival_rate=12"]
+
+CASES = {
+    **{f"policy-{p}": [f"scheduler={p}"] for p in
+       ("fcfs", "fair", "lpm", "mlfq", "prefill-first", "priority", "sjf", "sjf-oracle")},
+    "unchunked": ["scheduler.chunked_prefill=false"],
+    "chunked-tight": ["scheduler.chunked_prefill=true", "scheduler.max_num_batched_tokens=512", *TIGHT],
+    "prefix": ["allocator=prefix", "workload.shared_prefix_len=64", "workload.num_prefixes=3"],
+    "beam": ["workload.use_beam_search=true", "workload.n=3", "workload.best_of=3"],
+    "parallel-samples": ["workload.n=2"],
+    "swap": ["scheduler.preemption_mode=swap", *TIGHT],
+    "recompute": TIGHT,
+    "orca-max": ["allocator=orca-max"],
+    "eviction-lfu": ["allocator=prefix", "allocator/eviction=lfu", "workload.shared_prefix_len=64",
+                     "workload.num_prefixes=6", *TIGHT],
+    "eviction-s3fifo": ["allocator=prefix", "allocator/eviction=s3fifo", "workload.shared_prefix_len=64",
+                        "workload.num_prefixes=6", *TIGHT],
+    "cpu-tier": ["allocator=prefix", "allocator.offload.cpu_bytes=1GiB", "workload.shared_prefix_len=64",
+                 "workload.num_prefixes=6", *TIGHT],
+    "kv-groups": ["model=gemma-3-27b", "workload.num_requests=12"],
+    **{f"fleet-{r}": [*FLEET, f"router={r}"] for r in ("round-robin", "least-loaded", "prefix-aware", "session")},
+    "disaggregated": ["+deploy=1p3d", "workload.num_requests=24"],
+}
+
+
+def _outputs(overrides: list[str], path) -> dict[str, str]:
+    run_experiment(compose_config(overrides), path)
+    summary = "".join(line for line in (path / "summary.json").read_text().splitlines(keepends=True)
+                      if not line.lstrip().startswith(HOST_KEYS))
+    return {"summary.json": summary, "requests.jsonl": (path / "requests.jsonl").read_text()}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fast_forward_is_byte_identical(case: str, tmp_path) -> None:
+    overrides = [*BASE, *CASES[case]]
+    on = _outputs([*overrides, "executor.fast_forward=true"], tmp_path / "on")
+    off = _outputs([*overrides, "executor.fast_forward=false"], tmp_path / "off")
+    assert on["requests.jsonl"] == off["requests.jsonl"]
+    assert on["summary.json"] == off["summary.json"]
+
+
+def test_fast_forward_skips_steps() -> None:
+    """It does fast-forward: on a decode-heavy load most steps are windows' steps."""
+    from paged.engine.builder import build_engine
+    from paged.engine.runner import run_workload
+    from paged.experiment.run import workload_for
+
+    cfg = compose_config([*BASE, "executor.fast_forward=true"])
+    engine = build_engine(cfg)
+    windows = []
+    ff = engine.fast_forward
+    assert ff is not None
+    apply = ff._apply
+    ff._apply = lambda *args: windows.append(len(args[-1])) or apply(*args)  # type: ignore[method-assign]
+    run_workload(engine, workload_for(cfg, engine), progress=False)
+    assert sum(windows) > engine.metrics.step_stats.num_steps / 2
+
+
+def test_fast_forward_on_a_real_executor_is_a_config_error() -> None:
+    cfg = compose_config(["executor=model", "model=tiny-random", "executor.fast_forward=true"])
+    with pytest.raises(ConfigError, match="executor=sim"):
+        check_config(cfg)
