@@ -22,6 +22,7 @@ from paged.executor.base import Executor, KVCacheSpec
 from paged.executor.cuda_graphs import DecodeGraphs
 from paged.executor.device_tokens import DeviceTokens
 from paged.executor.dtype_checks import check_dtypes
+from paged.executor.kv_norms import held_kv_norms
 from paged.executor.kv_scales import KVScales
 from paged.executor.kv_tensors import allocate_kv, kv_block_spec
 from paged.executor.layer_types import LayerTypes, check_backend_serves, check_kv_layout
@@ -64,6 +65,7 @@ class ModelExecutor(TieredHostPool, Executor):
 
     supports_swap = True
     supports_async_scheduling = True
+    supports_kv_press = True
 
     def __init__(
         self, model: ModelConfig, kernel: KernelConfig, seed: int = 0, cuda_graphs: bool | None = None,
@@ -172,6 +174,7 @@ class ModelExecutor(TieredHostPool, Executor):
         # next step's inputs read them (`_forward`); None when off
         self.sampled_ids: torch.Tensor | None = None
         self.cuda_graph_steps = self.eager_decode_steps = self.eager_mixed_steps = 0
+        self.compaction_time_s = 0.0  # KV compaction copies since the last step's output (`_swap`)
         self.configure_kernel(kernel_cfg)
         log.info("model %s on %s (%s) loaded", model_cfg.name, self.device, str(self.dtype).removeprefix("torch."))
         self.num_prefill_tokens_computed = 0
@@ -351,11 +354,17 @@ class ModelExecutor(TieredHostPool, Executor):
             log.info("running %s", what)
 
     def _swap(self, step: RankStep) -> None:
-        """Out before in, so a swap-in may land in a device block that a swap-out just vacated."""
+        """Out before in, so a swap-in may land in a device block that a swap-out just vacated; KV
+        compaction between them: its sources are read before anything writes a block they left."""
         device = [*self.key_caches, *self.value_caches]
         host = [*self.cpu_key_caches, *self.cpu_value_caches]
         if step.blocks_to_swap_out:
             kernels.swap_blocks(device, host, step.blocks_to_swap_out, backend=self.backend)
+        if step.slots_to_compact is not None:
+            start = time.perf_counter()
+            kernels.copy_slots(self.key_caches, self.value_caches, torch.from_numpy(step.slots_to_compact),
+                               backend=self.backend)
+            self.compaction_time_s += time.perf_counter() - start
         if step.blocks_to_swap_in:
             kernels.swap_blocks(host, device, step.blocks_to_swap_in, backend=self.backend)
 
@@ -416,7 +425,7 @@ class ModelExecutor(TieredHostPool, Executor):
         # the prefix tiers' host blocks follow the swap pool's: their copies go out and in with the swaps
         ran = self.run_rank_step(RankStep(
             sched.blocks_to_offload + sched.blocks_to_swap_out, sched.blocks_to_swap_in + sched.blocks_to_onload,
-            sched.blocks_to_copy, host, version))
+            sched.blocks_to_copy, host, version, sched.slots_to_compact))
         if ran is None or host is None:
             return None
         return host, version, *ran, prep_time
@@ -440,7 +449,10 @@ class ModelExecutor(TieredHostPool, Executor):
         with torch.inference_mode():
             output = self._sample(sched, hidden, batch)
             output.prompt_logprobs = prompt_logprobs(sched, hidden, self.model.compute_logits)
+            if sched.press_norms and sched.press_rows:
+                output.kv_norms = held_kv_norms(sched, self.key_caches, self.value_caches, self.block_size)
         self._count_tokens(host)
+        output.compaction_time_s, self.compaction_time_s = self.compaction_time_s, 0.0
         output.num_computed_tokens, output.prep_time_s, output.attention_version = host.num_tokens, prep_time, version
         output.model_time_s = time.perf_counter() - start - prep_time
         return output
