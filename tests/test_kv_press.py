@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from paged import kernels
-from paged.config import ConfigError, compose_config
+from paged.config import CONF_DIR, ConfigError, compose_config
 from paged.engine.builder import build_engine, check_config
 from paged.engine.runner import drive
 from paged.executor.model_executor import ModelExecutor
@@ -141,10 +141,13 @@ def test_copy_slots_moves_each_token_in_every_layer(backend: str) -> None:
     before = [c.clone() for c in (*keys, *values)]
     pairs = [(3, 2 * BS), (17, 2 * BS + 1), (2 * BS + 1, 5)]  # a source that another pair overwrites
     kernels.copy_slots(keys, values, pairs, backend=backend)
+    def token(cache: torch.Tensor, slot: int) -> torch.Tensor:
+        block, offset = divmod(slot, BS)
+        return cache[block, :, :, offset] if cache.dim() == 4 else cache[block, :, :, offset, :]
+
     for src, dst in pairs:
         for cache, old in zip((*keys, *values), before, strict=True):
-            assert torch.equal(cache[dst // BS, ..., dst % BS, :] if cache.dim() == 5 else cache[dst // BS, ..., dst % BS],
-                               old[src // BS, ..., src % BS, :] if old.dim() == 5 else old[src // BS, ..., src % BS])
+            assert torch.equal(token(cache, dst), token(old, src))
     with pytest.raises(ValueError, match="slot_mapping slots must be in"):
         kernels.copy_slots(keys, values, [(0, 4 * BS)], backend=backend)
 
@@ -152,10 +155,18 @@ def test_copy_slots_moves_each_token_in_every_layer(backend: str) -> None:
 # -- config --------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("name", sorted(p.stem for p in (CONF_DIR / "kv_press").glob("*.yaml")))
+def test_every_kv_press_yaml_composes_and_builds_its_press(name: str) -> None:
+    plugins = check_config(compose_config(["model=tiny-random", "logger=none", f"kv_press={name}"]))
+    assert (plugins.press is None) == (name == "none")
+    if plugins.press is not None:
+        assert plugins.press.build().name == name
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     (["kv_press=sink-window", "kv_press.ratio=1"], "kv_press.ratio=1.0 must be > 1"),
     (["kv_press=sink-window", "kv_press.ratio=4096"], "kv_press.ratio=4096.0 is >= scheduler.max_model_len"),
-    (["kv_press=knorm", "kv_press.ratio=null", "kv_press.max_tokens=8"], "kv_press.window=16 is larger than the budget"),
+    (["kv_press=knorm", "kv_press.ratio=null", "kv_press.max_tokens=8"], "kv_press.window=16 is larger than"),
     (["kv_press=knorm", "kv_press.max_tokens=8"], "needs exactly one budget"),
     (["kv_press=sink-window", "kv_press.sink=-1"], "kv_press.sink=-1"),
     (["kv_press=knorm", "executor=sim"], "needs an executor that compacts KV blocks"),
