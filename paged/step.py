@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from paged.request import Request, SamplingParams, Sequence
 
 # token id -> (log-probability, rank in the distribution, 1 = most likely)
@@ -110,6 +112,15 @@ class SchedulerOutput:
     blocks_to_onload: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     aborted: list[Request] = field(default_factory=list)
+    # KV compression (`kv_press`; all three unset without a press): int64 [n, 2] (src, dst) token slots
+    # to copy after the swap-outs and tier offloads, before anything else writes a block (the kept
+    # tokens of sequences compacted last step); per scheduled row, the tokens evicted before its KV
+    # (None: none anywhere, so each row's KV index is its position); the rows whose sequences the press
+    # judges after this step, whose KV norms the executor returns when `press_norms`
+    slots_to_compact: np.ndarray | None = None
+    kv_offsets: list[int] | None = None
+    press_rows: list[int] = field(default_factory=list)
+    press_norms: bool = False
 
     @property
     def num_batched_tokens(self) -> int:
@@ -137,6 +148,10 @@ class ExecutorOutput:
     top_logprobs: list[list[TokenLogprobs] | None] | None = None
     # seq_id -> per prompt token (None for the first) for requests asking for prompt_logprobs
     prompt_logprobs: dict[int, list[TokenLogprobs | None]] = field(default_factory=dict)
+    # seq_id -> float32 L2 norms of its held keys and values, averaged over layers and KV heads, for the
+    # sequences of `SchedulerOutput.press_rows` when it asks for `press_norms`
+    kv_norms: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    compaction_time_s: float = 0.0  # copying `slots_to_compact`
 
     def samples(self, i: int) -> Samples:
         """What the i-th scheduled sequence sampled."""

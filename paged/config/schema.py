@@ -199,6 +199,21 @@ class WorkloadConfig:
 
 
 @dataclass
+class KVPressConfig:
+    """KV compression (paged.memory.press): `_target_` null is no press (`kv_press=none`). The budget is
+    `ratio` (keep 1/ratio of a sequence's tokens) or `max_tokens`; the last `window` tokens are always
+    kept; `interval` N > 0 judges a sequence again every N decode steps (0: only after its prompt). The
+    YAML's other keys are settings of the press class (sink-window's `sink`)."""
+
+    name: str = "none"
+    _target_: str | None = None
+    ratio: float | None = None
+    max_tokens: int | None = None
+    window: int = 0
+    interval: int = 0
+
+
+@dataclass
 class HardwareConfig:
     """The GPU that `executor=sim` simulates (conf/hardware/*.yaml documents each value's source).
 
@@ -325,6 +340,7 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     slo: SLOConfig = field(default_factory=SLOConfig)
+    kv_press: KVPressConfig = field(default_factory=KVPressConfig)
     seed: int = 0
     progress: bool = True
     # an index to sweep (`repeat=0,1,2`) for repeated measurements; the report folds it into median
@@ -335,7 +351,7 @@ class Config:
 # Nodes whose keys beyond the schema's are a plugin's own settings (checked against its class).
 PLUGIN_NODES = (
     "allocator", "allocator.reservation", "allocator.eviction", "scheduler.policy", "scheduler.preemption", "executor",
-    "router",
+    "router", "kv_press",
 )
 
 

@@ -21,9 +21,11 @@ from paged.engine.fast_forward import FastForward
 from paged.engine.offload import OffloadPlan, build_kv_tiers, check_offload, num_tier_blocks
 from paged.executor.base import Executor
 from paged.kv_layout import KVLayout
-from paged.memory import BlockAllocator, BlockManager, Reservation
+from paged.memory import BlockAllocator, BlockManager, ExactReservation, Reservation
+from paged.memory.compaction import CompactingBlockManager
 from paged.memory.eviction import POLICIES, EvictionPolicy, LRUPolicy
 from paged.memory.kv_groups import KVGroupManager
+from paged.memory.press import PRESSES, KVPress
 from paged.model.spec import model_spec
 from paged.scheduler.core import Scheduler
 from paged.scheduler.policy import SchedulingPolicy
@@ -56,6 +58,7 @@ class Plugins:
     offload: OffloadPlan | None = None  # allocator.offload's tiers (None: off)
     eviction: Plugin | None = None  # the prefix cache's eviction policy (None: the allocator caches no prefixes)
     async_scheduling: bool = False  # scheduler.async_scheduling resolved (`resolve_async_scheduling`)
+    press: Plugin | None = None  # kv_press (None: kv_press=none, no compression)
 
 
 def check_config(cfg: Any, executor_cls: type[Executor] | None = None) -> Plugins:
@@ -99,6 +102,7 @@ def check_config(cfg: Any, executor_cls: type[Executor] | None = None) -> Plugin
     plugins = dataclasses.replace(plugins, eviction=_check_eviction(cfg, plugins.allocator))
     plugins = dataclasses.replace(plugins, offload=check_offload(cfg, plugins.allocator.cls, runs_on))
     _precheck_kv_groups(cfg, plugins)
+    plugins = dataclasses.replace(plugins, press=_check_press(cfg, plugins, runs_on))
     plugins = dataclasses.replace(plugins, async_scheduling=resolve_async_scheduling(cfg, plugins.executor, runs_on))
     if plugins.reservation.cls.needs_output_lengths and not cfg.workload.ignore_eos:
         raise ConfigError(
@@ -115,6 +119,9 @@ def resolve_async_scheduling(cfg: Any, executor: Plugin, runs_on: type[Executor]
     workload whose sequence groups need each step's tokens before the next step is scheduled)."""
     asked = cfg.scheduler.async_scheduling
     refusal = runs_on.async_scheduling_refusal(executor.settings)
+    if refusal is None and cfg.kv_press.get("_target_") is not None:
+        refusal = (f"does not run with kv_press={cfg.kv_press.name}: a compression changes a sequence's block "
+                   "table after the step that the next one would be launched before")
     w = cfg.workload
     forks = {"n": w.n > 1, "best_of": (w.best_of or 1) > 1, "use_beam_search": w.use_beam_search}
     forking = {key: getattr(w, key) for key, forks_ in forks.items() if forks_}
@@ -128,6 +135,39 @@ def resolve_async_scheduling(cfg: Any, executor: Plugin, runs_on: type[Executor]
     if asked and refusal is not None:
         raise ConfigError(f"scheduler.async_scheduling=true {refusal}; use scheduler.async_scheduling=false or null")
     return bool(asked)
+
+
+def _check_press(cfg: Any, plugins: Plugins, runs_on: type[Executor]) -> Plugin | None:
+    """`kv_press`, built once here so that a bad budget fails before any weights load, and what it
+    cannot run with: a sliding window or KV groups, ALiBi (its distances are KV indices), swap,
+    contiguous extents, reservations, an executor that cannot compact (or give the norms it reads)."""
+    if cfg.kv_press.get("_target_") is None:
+        return None
+    builtin = f"the built-in presses: kv_press=none|{'|'.join(PRESSES)}"
+    try:
+        press = check_plugin(cfg.kv_press, "kv_press", KVPress, core=("name",))
+    except ConfigError as e:
+        raise ConfigError(f"{e}; {builtin}") from None
+    press.build().check_context(cfg.scheduler.max_model_len)
+    what = f"kv_press={cfg.kv_press.name}"
+    if not runs_on.supports_kv_press:
+        raise ConfigError(f"{what} needs an executor that compacts KV blocks; executor={cfg.executor.name} "
+                          f"({runs_on.__qualname__}) cannot; use executor=model or kv_press=none")
+    if plugins.preemption.cls.swaps:
+        raise ConfigError(f"{what} does not swap compressed sequences: use scheduler.preemption_mode=recompute")
+    if plugins.allocator.cls.contiguous or plugins.reservation.cls is not ExactReservation:
+        raise ConfigError(f"{what} needs a paged allocator with exact reservations (allocator=naive or prefix), "
+                          f"not allocator={cfg.allocator.name}")
+    if plugins.offload is not None:
+        raise ConfigError(f"{what} does not run with allocator.offload: use allocator.offload.cpu_bytes=0")
+    spec = model_spec(cfg.model)[0]
+    if any(w is not None for w in spec.layer_windows) or cfg.model.sliding_window is not None:
+        raise ConfigError(f"{what} does not run on model={cfg.model.name}, whose layers have a sliding window "
+                          "(KV compression of windowed layers is not supported yet)")
+    if spec.positions != "rope":
+        raise ConfigError(f"{what} needs a RoPE model: model={cfg.model.name}'s {spec.positions} positions "
+                          "would be read from KV indices, which compression shifts")
+    return press
 
 
 def _check_preemption(s: Any) -> Plugin:
@@ -315,7 +355,13 @@ def build_engine(cfg: Any, executor: Executor | None = None) -> Engine:
     tiers = build_kv_tiers(cfg, plugins.offload, executor, num_cpu_blocks)
     allocator = plugins.allocator.build(num_blocks=num_blocks, block_size=block_size, **eviction)
     block_manager: BlockManager | KVGroupManager
-    if layout.is_hybrid:
+    press = plugins.press.build() if plugins.press is not None else None
+    if press is not None:
+        block_manager = CompactingBlockManager(
+            allocator, watermark=cfg.allocator.watermark, reservation=reservation,
+            max_model_len=cfg.scheduler.max_model_len, share_blocks=cfg.allocator.share_blocks,
+        )
+    elif layout.is_hybrid:
         block_manager = KVGroupManager(
             allocator, layout, watermark=cfg.allocator.watermark, reservation=reservation,
             max_model_len=cfg.scheduler.max_model_len, share_blocks=cfg.allocator.share_blocks,
@@ -328,7 +374,7 @@ def build_engine(cfg: Any, executor: Executor | None = None) -> Engine:
         )
     scheduler = Scheduler(
         cfg.scheduler, block_manager, policy, preemption=preemption, eos_token_ids=executor.eos_token_ids,
-        tokenizer=executor.tokenizer, vocab_size=executor.vocab_size,
+        tokenizer=executor.tokenizer, vocab_size=executor.vocab_size, press=press,
     )
     log.info(
         "KV cache: %d blocks of %d tokens (%d tokens), %d CPU swap blocks; allocator %s, policy %s, executor %s",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Protocol
+from typing import Any, Protocol
 
 from paged.engine.async_step import AsyncStep
 from paged.engine.metrics import MetricsRecorder
@@ -162,6 +162,11 @@ class Engine:
     def counters(self) -> SchedulerCounters:
         """Preemptions, aborts and swaps so far."""
         return self.scheduler.counters
+
+    def kv_press_summary(self) -> dict[str, Any]:
+        """summary.json's kv_press_* keys (`paged.scheduler.press_step`); none without a press."""
+        press_step = self.scheduler.press_step
+        return press_step.summary() if press_step is not None else {}
 
     @property
     def num_swap_fallbacks(self) -> int:

@@ -73,6 +73,10 @@ class Executor(ABC):
         By default the step runs to its end (`execute`)."""
         return ReadyOutput(self.execute(sched))
 
+    # Whether it runs KV compression (`kv_press`): copies `SchedulerOutput.slots_to_compact`, attends to
+    # each row's held tokens (`kv_offsets`), and returns `ExecutorOutput.kv_norms` when asked
+    supports_kv_press: bool = False
+
     # Whether `launch` can leave a step's sampled tokens on the device (scheduler.async_scheduling)
     supports_async_scheduling: bool = False
     # Whether it does: the engine launches each step before it reads the previous one's tokens

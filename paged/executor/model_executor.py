@@ -19,7 +19,9 @@ from paged.config import KernelConfig, ModelConfig, resolve_dtype
 from paged.executor import memory_profile
 from paged.executor.attention import PagedAttention, layer_routes
 from paged.executor.base import Executor, KVCacheSpec
+from paged.executor.block_moves import move_blocks
 from paged.executor.dtype_checks import check_dtypes
+from paged.executor.kv_norms import held_kv_norms
 from paged.executor.kv_scales import KVScales
 from paged.executor.kv_tensors import allocate_kv, kv_block_spec
 from paged.executor.launch_ahead import LaunchAhead
@@ -63,6 +65,7 @@ class ModelExecutor(TieredHostPool, LaunchAhead, Executor):
     and `workers` the other ranks (None at size 1 and in a worker)."""
 
     supports_swap = True
+    supports_kv_press = True
 
     def __init__(
         self, model: ModelConfig, kernel: KernelConfig, seed: int = 0, cuda_graphs: bool | None = None,
@@ -157,6 +160,7 @@ class ModelExecutor(TieredHostPool, LaunchAhead, Executor):
         # async scheduling: the tokens the last launched step sampled, one per sampling row, where the
         # next step's inputs read them (`_forward`); None when off
         self.sampled_ids: torch.Tensor | None = None
+        self.compaction_time_s = 0.0  # KV compaction copies since the last step's output (`move_blocks`)
         self.configure_kernel(kernel_cfg)
         log.info("model %s on %s (%s) loaded", model_cfg.name, self.device, str(self.dtype).removeprefix("torch."))
         self.num_prefill_tokens_computed = self.num_decode_tokens_computed = 0
@@ -318,15 +322,6 @@ class ModelExecutor(TieredHostPool, LaunchAhead, Executor):
             self._announced.add(what)
             log.info("running %s", what)
 
-    def _swap(self, step: RankStep) -> None:
-        """Out before in, so a swap-in may land in a device block that a swap-out just vacated."""
-        device = [*self.key_caches, *self.value_caches]
-        host = [*self.cpu_key_caches, *self.cpu_value_caches]
-        if step.blocks_to_swap_out:
-            kernels.swap_blocks(device, host, step.blocks_to_swap_out, backend=self.backend)
-        if step.blocks_to_swap_in:
-            kernels.swap_blocks(host, device, step.blocks_to_swap_in, backend=self.backend)
-
     def _forward(self, batch: BatchInput, version: str | None) -> torch.Tensor:
         """The hidden states of a step's rows: attention planned once, which the layers' torch op runs."""
         if version:
@@ -356,9 +351,8 @@ class ModelExecutor(TieredHostPool, LaunchAhead, Executor):
         """This rank's part of a step: swaps, copies, then the forward over its heads; the hidden
         states and inputs of the batch (None for a step of swaps only)."""
         with torch.inference_mode():
-            self._swap(step)
-            if step.blocks_to_copy:
-                kernels.copy_blocks(self.key_caches, self.value_caches, step.blocks_to_copy, backend=self.backend)
+            self.compaction_time_s += move_blocks(step, self.key_caches, self.value_caches, self.cpu_key_caches,
+                                                  self.cpu_value_caches, self.backend)
             return None if step.batch is None else self._run(step.batch, step.decode_version)
 
     def _compute(self, sched: SchedulerOutput) -> tuple[HostBatch, str | None, torch.Tensor, BatchInput, float] | None:
@@ -375,7 +369,7 @@ class ModelExecutor(TieredHostPool, LaunchAhead, Executor):
         # the prefix tiers' host blocks follow the swap pool's: their copies go out and in with the swaps
         ran = self.run_rank_step(RankStep(
             sched.blocks_to_offload + sched.blocks_to_swap_out, sched.blocks_to_swap_in + sched.blocks_to_onload,
-            sched.blocks_to_copy, host, version))
+            sched.blocks_to_copy, host, version, sched.slots_to_compact))
         if ran is None or host is None:
             return None
         return host, version, *ran, prep_time
@@ -394,7 +388,10 @@ class ModelExecutor(TieredHostPool, LaunchAhead, Executor):
         with torch.inference_mode():
             output = sample_step(self.model, sched, hidden, batch, self.seed, self.eos_token_ids)
             output.prompt_logprobs = prompt_logprobs(sched, hidden, self.model.compute_logits)
+            if sched.press_norms and sched.press_rows:
+                output.kv_norms = held_kv_norms(sched, self.key_caches, self.value_caches, self.block_size)
         self._count_tokens(host)
+        output.compaction_time_s, self.compaction_time_s = self.compaction_time_s, 0.0
         output.num_computed_tokens, output.prep_time_s, output.attention_version = host.num_tokens, prep_time, version
         output.model_time_s = time.perf_counter() - start - prep_time
         return output

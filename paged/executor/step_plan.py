@@ -100,6 +100,10 @@ def plan_batch(sched: SchedulerOutput, block_size: int, num_groups: int = 1) -> 
     computed = np.fromiter(map(_COMPUTED, items), dtype=np.int64, count=num_seqs)
     num_new = np.fromiter(map(_NUM_NEW, items), dtype=np.int64, count=num_seqs)
     context = computed + num_new
+    # KV compression (`paged.memory.compaction`): a row's KV index is its position less the tokens
+    # evicted before it, and attention reads only the held ones
+    offsets = None if sched.kv_offsets is None else np.asarray(sched.kv_offsets, dtype=np.int64)
+    held = context if offsets is None else context - offsets
     ends = np.cumsum(num_new)
     starts = ends - num_new
     if bool((num_new == 1).all()):
@@ -120,16 +124,19 @@ def plan_batch(sched: SchedulerOutput, block_size: int, num_groups: int = 1) -> 
     prompt_lens = np.fromiter(map(_PROMPT_LEN, items), dtype=np.int64, count=num_seqs)
     extends = decode & (num_tokens > prompt_lens) & (context == num_tokens)
 
+    slot_positions = positions if offsets is None else positions - offsets[owner]
+
     def group(block_tables: list[list[int]]) -> HostGroup:
         table_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=num_seqs)
-        assert (table_lens * block_size >= context).all(), "a block table is shorter than its context"
+        assert (table_lens * block_size >= held).all(), "a block table is shorter than its context"
         tables = np.zeros((num_seqs, int(table_lens.max())), dtype=np.int32)
         # every table's entries in one pass, placed row-major by a mask: no numpy call per row
         entries = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int32, count=int(table_lens.sum()))
         tables[np.arange(tables.shape[1]) < table_lens[:, None]] = entries
-        slots = tables[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
-        return HostGroup(slots, _host_rows(decode, num_new, context, tables),
-                         _host_rows(~decode, num_new, context, tables))
+        slots = (tables[owner, slot_positions // block_size].astype(np.int64) * block_size
+                 + slot_positions % block_size)
+        return HostGroup(slots, _host_rows(decode, num_new, held, tables),
+                         _host_rows(~decode, num_new, held, tables))
 
     first = group(list(map(_TABLE, items)))
     others: tuple[HostGroup, ...] = ()

@@ -31,6 +31,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -62,6 +63,8 @@ class RankStep:
     blocks_to_copy: list[tuple[int, int]]
     batch: HostBatch | None  # None: a step of swaps only
     decode_version: str | None  # the decode kernel rank 0 chose for the batch's decode rows
+    # KV compression's (src, dst) token-slot copies (`SchedulerOutput.slots_to_compact`); None: none
+    slots_to_compact: np.ndarray | None = None
 
 
 def process_group(backend: str, store: dist.Store, rank: int, size: int) -> dist.ProcessGroup:

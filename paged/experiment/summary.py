@@ -85,6 +85,8 @@ def summarize(
         "num_replicas": len(engine.replicas) if isinstance(engine, Fleet) else 1,
         "router": cfg.router.name if isinstance(engine, Fleet) else None,
     }
+    if isinstance(engine, Engine):
+        summary |= engine.kv_press_summary()  # KV compression's counters, only when a press ran
     if isinstance(engine, Fleet):
         summary |= {"router_class": classes["router"], "replicas": engine.replica_rows()}
     if engine.clock.simulated:

@@ -233,6 +233,22 @@ def check_copy_blocks(
     return head_size, block_size
 
 
+def check_copy_slots(
+    key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], slot_mapping: torch.Tensor
+) -> tuple[int, int]:
+    """`check_copy_blocks` for a mapping of token slots; returns (head_size, block_size)."""
+    no_blocks = torch.empty((0, 2), dtype=torch.int64)
+    head_size, block_size = check_copy_blocks(key_caches, value_caches, no_blocks)
+    if slot_mapping.dtype != torch.int64 or slot_mapping.dim() != 2 or slot_mapping.shape[1] != 2:
+        raise TypeError(f"slot_mapping must be an int64 [num_pairs, 2] tensor, got {slot_mapping.dtype} "
+                        f"{tuple(slot_mapping.shape)}")
+    num_slots = key_caches[0].shape[0] * block_size
+    if slot_mapping.numel() and (int(slot_mapping.min()) < 0 or int(slot_mapping.max()) >= num_slots):
+        raise ValueError(f"slot_mapping slots must be in [0, {num_slots}), got min {int(slot_mapping.min())} and "
+                         f"max {int(slot_mapping.max())}")
+    return head_size, block_size
+
+
 def _block_geometry(name: str, cache: torch.Tensor) -> tuple[int, int]:
     """(head_size, block_size) of a key or a value cache."""
     if cache.dim() == 5:

@@ -17,6 +17,7 @@ from paged.kernels.features import FP8_DTYPES, NONE, AttentionFeatures, BlockSpa
 from paged.kernels.input_checks import (
     cache_scales,
     check_copy_blocks,
+    check_copy_slots,
     check_features,
     check_max_len,
     check_paged_attention,
@@ -229,6 +230,23 @@ def copy_blocks(
     head_size, block_size = check_copy_blocks(key_caches, value_caches, block_mapping)
     impl = serving_backend(backend, key_caches[0], head_size, block_size, cache_dtype=key_caches[0].dtype)
     impl.copy_blocks(key_caches, value_caches, block_mapping)
+
+
+def copy_slots(
+    key_caches: list[torch.Tensor],
+    value_caches: list[torch.Tensor],
+    slot_mapping: torch.Tensor | Sequence[tuple[int, int]],
+    *,
+    backend: str | KernelBackend = "torch",
+) -> None:
+    """KV compaction: for every `(src, dst)` pair of token slots (`block * block_size + offset`) copy
+    slot src's K and V to slot dst in every layer. Every source is read before any destination is
+    written; two pairs must not share a destination."""
+    if not isinstance(slot_mapping, torch.Tensor):
+        slot_mapping = _pairs(slot_mapping)
+    head_size, block_size = check_copy_slots(key_caches, value_caches, slot_mapping)
+    impl = serving_backend(backend, key_caches[0], head_size, block_size, cache_dtype=key_caches[0].dtype)
+    impl.copy_slots(key_caches, value_caches, slot_mapping)
 
 
 def _pairs(block_mapping: Sequence[tuple[int, int]]) -> torch.Tensor:

@@ -30,7 +30,9 @@ from typing import Any
 
 from paged.config import SchedulerConfig
 from paged.memory import AllocStatus, BlockManager
+from paged.memory.compaction import CompactingBlockManager
 from paged.memory.kv_groups import KVGroupManager
+from paged.memory.press import KVPress
 from paged.request import FinishReason, Request, SeqStatus, Sequence
 from paged.scheduler.budget import StepBudget, gang_of, grow, running_gangs, seats, seats_in_use
 from paged.scheduler.handoff import HandoffMixin
@@ -38,6 +40,7 @@ from paged.scheduler.kv_queries import KVQueriesMixin
 from paged.scheduler.lagged_update import LaggedUpdateMixin
 from paged.scheduler.policy import SchedulingPolicy
 from paged.scheduler.preemption import PreemptionMode, RecomputePreemption
+from paged.scheduler.press_step import PressStep
 from paged.scheduler.rejection import allocation_rejection, intake_rejection, swap_in_rejection
 from paged.scheduler.sequence_group import SequenceGroup, make_group
 from paged.scheduler.stop import watch_stop_strings
@@ -65,6 +68,7 @@ class Scheduler(UpdateMixin, LaggedUpdateMixin, HandoffMixin, KVQueriesMixin):
         eos_token_ids: Collection[int] = (),
         tokenizer: Any = None,
         vocab_size: int | None = None,
+        press: KVPress | None = None,
     ) -> None:
         self.cfg = cfg
         # plain ints: the per-token checks must not pay for a config-node lookup
@@ -80,6 +84,12 @@ class Scheduler(UpdateMixin, LaggedUpdateMixin, HandoffMixin, KVQueriesMixin):
         # with KV groups per layer type, every group's tables go to the executor; None: one group
         self._group_tables = block_manager.group_tables if isinstance(block_manager, KVGroupManager) else None
         self.policy = policy
+        # KV compression (`kv_press`): None without a press, whose steps then carry none of its fields
+        self.press_step: PressStep | None = None
+        if press is not None:
+            if not isinstance(block_manager, CompactingBlockManager):
+                raise ValueError(f"a KV press needs a CompactingBlockManager, got {type(block_manager).__name__}")
+            self.press_step = PressStep(press, block_manager)
         self.preemption = preemption or RecomputePreemption()
         # what a preemptive policy's preemptions use: the displaced request simply waits again
         self._recompute = RecomputePreemption()
@@ -194,6 +204,8 @@ class Scheduler(UpdateMixin, LaggedUpdateMixin, HandoffMixin, KVQueriesMixin):
         out.aborted, self._pending_aborts = self._pending_aborts, []
         if out.scheduled:
             self.policy.on_scheduled(out, now)
+        if self.press_step is not None:
+            self.press_step.plan(out)
         return out
 
     def _run(self, out: SchedulerOutput, budget: StepBudget, gangs: list[list[Sequence]], now: float) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from paged.memory import BlockManager
 from paged.request import FinishReason, Request, SeqStatus, Sequence
 from paged.scheduler.policy import SchedulingPolicy
+from paged.scheduler.press_step import PressStep
 from paged.scheduler.sequence_group import GroupUpdate, SequenceGroup
 from paged.scheduler.stop import check_stop
 from paged.step import ExecutorOutput, Samples, SchedulerOutput, TokenLogprobs
@@ -30,6 +31,7 @@ class UpdateMixin:
     _groups: dict[Request, SequenceGroup]
     _now: float
     hands_off: bool
+    press_step: PressStep | None
 
     def update_from_output(self, sched: SchedulerOutput, output: ExecutorOutput, now: float) -> list[Request]:
         """Apply one executed step; returns the requests that finished (or were aborted) in it."""
@@ -85,6 +87,8 @@ class UpdateMixin:
                 finished.append(self._complete(request))
         for request in finished:
             request.finish_time = now
+        if self.press_step is not None:
+            self.press_step.apply(sched, output)
         return finished
 
     def _complete(self, request: Request) -> Request:

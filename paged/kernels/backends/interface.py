@@ -15,6 +15,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from paged.kernels.backends import slot_copy
 from paged.kernels.features import FP8_DTYPES, NONE, AttentionFeatures
 from paged.kernels.limits import DTYPE_NAMES
 
@@ -211,3 +212,10 @@ class KernelBackend(ABC):
         self, src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], block_mapping: torch.Tensor
     ) -> None:
         """`paged.kernels.swap_blocks` with a non-empty int64 `[num_pairs, 2]` mapping on the CPU."""
+
+    def copy_slots(
+        self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], slot_mapping: torch.Tensor
+    ) -> None:
+        """`paged.kernels.copy_slots` with an int64 `[num_pairs, 2]` mapping: torch's gather and
+        scatter wherever the caches are, until a backend brings a kernel of its own."""
+        slot_copy.copy_slots(key_caches, value_caches, slot_mapping)

@@ -1,0 +1,76 @@
+"""When the KV press judges a sequence, and what its compressions did (the summary's kv_press_* keys).
+
+Before a step (`plan`): the slot copies the last step's compressions need go out first, every row
+gets its evicted-token count (its KV index is its position less it), and the rows that complete a
+prompt (or, with `interval` N, every N-th decode) while holding more than their budget are marked,
+so that the executor returns their KV norms when the press reads them. After the step (`apply`),
+each marked sequence still running is shown to the press and compressed by the block manager. A
+request's forked samples are judged at their own next due step (with `interval` > 0).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from paged.memory.compaction import CompactingBlockManager
+from paged.memory.press import KVPress, PressView
+from paged.request import SeqStatus
+from paged.step import ExecutorOutput, ScheduledSeq, SchedulerOutput
+
+
+class PressStep:
+    def __init__(self, press: KVPress, block_manager: CompactingBlockManager) -> None:
+        self.press = press
+        self.block_manager = block_manager
+        self._copies: list[np.ndarray] = []  # compactions decided after the last step
+        self.compaction_s = 0.0
+
+    def plan(self, out: SchedulerOutput) -> None:
+        """Fill the step's compaction copies, per-row evicted counts and the rows to judge after it."""
+        if self._copies:
+            out.slots_to_compact, self._copies = np.concatenate(self._copies), []
+        bm = self.block_manager
+        offsets = None
+        if bm.has_compressed:
+            offsets = out.kv_offsets = [bm.num_evicted(it.seq) for it in out.scheduled]
+        out.press_rows = [i for i, it in enumerate(out.scheduled) if self._due(it, offsets[i] if offsets else 0)]
+        out.press_norms = self.press.needs_norms
+
+    def _due(self, item: ScheduledSeq, evicted: int) -> bool:
+        seq, context = item.seq, item.context_len
+        if context != len(seq.token_ids):  # a prompt chunk that leaves some of it for later steps
+            return False
+        if item.is_decode and not (self.press.interval and seq.num_output_tokens % self.press.interval == 0):
+            return False
+        return context - evicted > self.press.budget(context)
+
+    def apply(self, sched: SchedulerOutput, output: ExecutorOutput) -> None:
+        """Judge the marked rows' sequences that still run, and compress those the press shrinks."""
+        self.compaction_s += output.compaction_time_s
+        bm = self.block_manager
+        for row in sched.press_rows:
+            seq = sched.scheduled[row].seq
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            key_norms, value_norms = output.kv_norms.get(seq.seq_id, (None, None))
+            view = PressView(bm.held_positions(seq), seq.num_computed_tokens, bm.block_size, key_norms, value_norms)
+            keep = self.press.keep(view)
+            if keep is None:
+                continue
+            copies = bm.compress(seq, keep)  # None: no room for the copies now; judged again when due
+            if copies is not None and copies.shape[0]:
+                self._copies.append(copies)
+
+    def summary(self) -> dict[str, Any]:
+        """The summary.json keys of a run with a press (a run without one has none of them)."""
+        bm = self.block_manager
+        return {
+            "kv_press": self.press.name,
+            "kv_press_num_compressions": bm.num_compressions,
+            "kv_press_tokens_kept": bm.num_tokens_kept,
+            "kv_press_tokens_evicted": bm.num_tokens_evicted,
+            "kv_press_blocks_freed": bm.num_blocks_freed,
+            "kv_press_compaction_s": self.compaction_s,
+        }
