@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -218,6 +219,12 @@ def test_server_config_is_checked_before_weights_load() -> None:
         validate(compose_config([f"model={MODEL}", "server.port=70000"]))
     with pytest.raises(ConfigError, match="executor=sim: the server runs a model on the wall clock"):
         check_server_config(compose_config(["executor=sim", "model=llama-13b", "hardware=a100-40g"]))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"server.port={port}: cannot listen there"):
+            check_server_config(compose_config([f"model={MODEL}", f"server.port={port}"]))
 
 
 @pytest.mark.subprocess

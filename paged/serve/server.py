@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import sys
 import threading
 import time
@@ -43,7 +44,8 @@ def limits_for(cfg: Any, engine: Engine) -> Limits:
 
 
 def check_server_config(cfg: Any) -> None:
-    """What a server cannot run, before any weights load: one engine with a real model."""
+    """What a server cannot run, before any weights load: one engine with a real model, on an
+    address it can bind."""
     plugins = check_config(cfg)
     if issubclass(plugins.executor.cls, SimExecutor):
         raise ConfigError("executor=sim: the server runs a model on the wall clock; use executor=model")
@@ -53,6 +55,19 @@ def check_server_config(cfg: Any) -> None:
             f"cluster.num_replicas={c.num_replicas}, cluster.prefill_replicas={c.prefill_replicas}: the server runs "
             "one engine (a fleet cannot yet abort one request); use cluster.num_replicas=1"
         )
+    _check_bindable(cfg.server.host, cfg.server.port)
+
+
+def _check_bindable(host: str, port: int) -> None:
+    """Bind and release the address now: uvicorn would find it taken only after the weights loaded."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(infos[0][4])
+    except OSError as err:
+        reason = err.strerror or err
+        raise ConfigError(f"server.host={host} server.port={port}: cannot listen there ({reason})") from err
 
 
 class _Uvicorn(uvicorn.Server):
