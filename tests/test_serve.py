@@ -255,3 +255,22 @@ def test_python_m_paged_serve_serves_until_sigint_then_writes_the_run(tmp_path: 
     (record,) = [json.loads(line) for line in (run_dir / "requests.jsonl").read_text().splitlines()]
     assert record["output_len"] == 3 and record["output_text"] == response.json()["choices"][0]["text"]
     assert "Traceback" not in "".join(lines)
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_over_http_equals_llm_generate_streamed_and_not() -> None:
+    smol = LLM("smollm2-135m", max_model_len=512, max_num_seqs=4)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    expected = [o.text for o in smol.generate(prompts, _greedy(16), use_tqdm=False)]
+    served = BackgroundServer(smol.engine, limits_for(smol.config, smol.engine)).start()
+    try:
+        client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+        whole = client.completions.create(model="smollm2-135m", prompt=prompts, **{**GREEDY, "max_tokens": 16})
+        assert [c.text for c in whole.choices] == expected
+        for prompt, text in zip(prompts, expected, strict=True):
+            chunks = client.completions.create(model="smollm2-135m", prompt=prompt, stream=True,
+                                               **{**GREEDY, "max_tokens": 16})
+            assert "".join(c.choices[0].text for c in chunks) == text
+    finally:
+        served.stop()
+        smol.executor.shutdown()

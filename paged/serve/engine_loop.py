@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from paged.engine.engine import Engine
 from paged.request import Request
-from paged.serve.choices import ChoiceStream, Update, final_deltas
+from paged.serve.deltas import ChoiceStream, Update, final_deltas
 from paged.serve.prometheus import EngineState, ServerMetrics
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from paged.serve.choices import ChoiceDelta, TokenLogprobs
+from paged.serve.deltas import ChoiceDelta, TokenLogprobs
 from paged.serve.protocol import GenerateCall
 
 
