@@ -228,7 +228,10 @@ def test_server_config_is_checked_before_weights_load() -> None:
 
 
 @pytest.mark.subprocess
-def test_python_m_paged_serve_serves_until_sigint_then_writes_the_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_python_m_paged_serve_stops_on_a_signal_aborts_what_runs_and_writes_the_run(
+    tmp_path: Path, sig: int, code: int
+) -> None:
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "paged.serve", f"model={MODEL}", "logger=none", "server.port=0",
            f"hydra.run.dir={run_dir}"]
@@ -241,19 +244,27 @@ def test_python_m_paged_serve_serves_until_sigint_then_writes_the_run(tmp_path: 
         _wait_for(lambda: any("serving on" in line for line in lines) or proc.poll() is not None, timeout=180)
         url = re.search(r"serving on (\S+)", "".join(lines))
         assert url is not None, "".join(lines)[-2000:]
-        response = httpx.post(f"{url.group(1)}/v1/completions", json={"prompt": "Hello", "max_tokens": 3}, timeout=60)
-        assert response.status_code == 200
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 130, "".join(lines)[-2000:]
+        done = httpx.post(f"{url.group(1)}/v1/completions", json={"prompt": "Hello", "max_tokens": 3}, timeout=60)
+        assert done.status_code == 200
+        # a stream in flight when the signal comes: it ends with finish_reason "abort", then [DONE]
+        body = {"prompt": "Hello", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url.group(1)}/v1/completions", json=body, timeout=60) as response:
+            events = response.iter_lines()
+            assert next(e for e in events if e.startswith("data: "))
+            proc.send_signal(sig)
+            rest = [e[len("data: "):] for e in events if e.startswith("data: ")]
+        assert rest[-1] == "[DONE]" and json.loads(rest[-2])["choices"][0]["finish_reason"] == "abort"
+        assert proc.wait(timeout=60) == code, "".join(lines)[-2000:]
     finally:
         if proc.poll() is None:
             proc.kill()
         reader.join(timeout=10)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert (summary["num_requests"], summary["num_finished"], summary["kv_blocks_in_use_end"]) == (1, 1, 0)
-    assert summary["interrupted"] is False  # nothing was in flight when the signal came
-    (record,) = [json.loads(line) for line in (run_dir / "requests.jsonl").read_text().splitlines()]
-    assert record["output_len"] == 3 and record["output_text"] == response.json()["choices"][0]["text"]
+    assert (summary["num_requests"], summary["num_finished"], summary["num_aborted"]) == (2, 1, 1)
+    assert summary["interrupted"] is True and summary["kv_blocks_in_use_end"] == 0
+    first, second = [json.loads(line) for line in (run_dir / "requests.jsonl").read_text().splitlines()]
+    assert first["output_len"] == 3 and first["output_text"] == done.json()["choices"][0]["text"]
+    assert second["abort_reason"] == "interrupted" and second["output_len"] < 1500
     assert "Traceback" not in "".join(lines)
 
 
