@@ -133,6 +133,9 @@ class EngineLoop:
                     self._publish(self.engine.step())
                     self._publish_state()
             self._publish_state()
+            # a call that passed the `accepting` check as the stop came: answered, not left waiting
+            closed = ServerClosed("the server is shutting down")
+            self._deliver([(command[1], closed) for command in self._take(block=False) if command[0] == "submit"])
         except BaseException as err:  # the server answers 503 from now on; each waiting handler hears why
             log.exception("the engine loop failed")
             self.error = err

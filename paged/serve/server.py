@@ -36,6 +36,8 @@ from paged.utils.interrupt import Interrupt
 log = logging.getLogger(__name__)
 
 SWITCH_INTERVAL_S = 0.0005
+# once stopped, how long uvicorn waits for the open responses (each aborted, so ending) before cutting them
+GRACEFUL_SHUTDOWN_S = 30
 
 
 def limits_for(cfg: Any, engine: Engine) -> Limits:
@@ -105,7 +107,8 @@ class _Uvicorn(uvicorn.Server):
 def _uvicorn(engine_loop: EngineLoop, limits: Limits, host: str, port: int, interrupt: Interrupt | None) -> _Uvicorn:
     app = build_app(engine_loop, limits)
     # no lifespan (the app has no startup work); keep-alive long enough for a benchmark client's pool
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", timeout_keep_alive=30)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", timeout_keep_alive=30,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     return _Uvicorn(config, engine_loop, interrupt)
 
 
