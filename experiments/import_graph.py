@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine",),
     ("cluster",),
     ("api",),
-    ("experiment", "report", "__init__"),
+    ("experiment", "report", "serve", "__init__"),
 )
 LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 

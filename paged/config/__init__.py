@@ -21,6 +21,7 @@ from paged.config.schema import (
     ReportConfig,
     RouterConfig,
     SchedulerConfig,
+    ServerConfig,
     WorkloadConfig,
     register_configs,
 )
@@ -30,7 +31,7 @@ from paged.config.validate import ByteSizes, validate
 __all__ = [
     "CONF_DIR", "PLUGIN_NODES", "AllocatorConfig", "ByteSizes", "ClusterConfig", "Config", "ConfigError",
     "ExecutorConfig", "HardwareConfig", "KernelConfig", "LoggerConfig", "ModelConfig", "OptionalPluginConfig",
-    "PluginConfig", "ReportConfig", "RouterConfig", "SchedulerConfig", "WorkloadConfig", "check_command_line",
-    "check_keys", "check_overrides", "compose_config", "config_groups", "did_you_mean", "parse_bytes",
-    "register_configs", "resolve_dtype", "validate",
+    "PluginConfig", "ReportConfig", "RouterConfig", "SchedulerConfig", "ServerConfig", "WorkloadConfig",
+    "check_command_line", "check_keys", "check_overrides", "compose_config", "config_groups", "did_you_mean",
+    "parse_bytes", "register_configs", "resolve_dtype", "validate",
 ]

