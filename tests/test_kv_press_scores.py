@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from paged.config import ConfigError, compose_config
+from paged.engine.builder import check_config
 from paged.kernels.attention_mass import attention_mass
 from paged.kernels.backends.interface import CacheView
 from paged.memory.press import H2OPress, PressView, SnapKVPress
@@ -161,3 +163,14 @@ def test_h2o_frees_the_blocks_its_budget_says(executor, interval) -> None:  # no
     else:  # judged again every 4 decodes (the 20-token prompt too, once it outgrows 32), each time back to 32
         assert summary["kv_press_num_compressions"] > 3
         assert summary["kv_press_tokens_kept"] == 32 * summary["kv_press_num_compressions"]
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["kv_press=snapkv", "executor.tensor_parallel_size=2"], "executor.tensor_parallel_size=1"),
+    (["kv_press=snapkv", "kv_press.queries=0"], "kv_press.queries=0"),
+    (["kv_press=snapkv", "kv_press.kernel=0"], "kv_press.kernel=0"),
+    (["kv_press=h2o", "kv_press.ratio=1"], "kv_press.ratio=1"),
+])
+def test_bad_scoring_press_settings_fail_before_any_weights_load(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        check_config(compose_config(["model=tiny-random", "logger=none", *overrides]))

@@ -160,6 +160,9 @@ def _check_press(cfg: Any, plugins: Plugins, runs_on: type[Executor]) -> Plugin 
                           f"not allocator={cfg.allocator.name}")
     if plugins.offload is not None:
         raise ConfigError(f"{what} does not run with allocator.offload: use allocator.offload.cpu_bytes=0")
+    if press.cls.needs_scores and (cfg.executor.get("tensor_parallel_size") or 1) > 1:
+        raise ConfigError(f"{what} reads attention mass, which one rank's heads do not give: use "
+                          "executor.tensor_parallel_size=1 or a press without scores (sink-window, knorm, block-norm)")
     spec = model_spec(cfg.model)[0]
     if any(w is not None for w in spec.layer_windows) or cfg.model.sliding_window is not None:
         raise ConfigError(f"{what} does not run on model={cfg.model.name}, whose layers have a sliding window "
