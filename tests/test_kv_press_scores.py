@@ -12,7 +12,7 @@ import torch
 
 from paged.config import ConfigError, compose_config
 from paged.engine.builder import check_config
-from paged.kernels.attention_mass import attention_mass
+from paged.kernels.backends import cpu, torch_ref
 from paged.kernels.backends.interface import CacheView
 from paged.memory.press import H2OPress, PressView, SnapKVPress
 from paged.memory.press.snapkv import pooled
@@ -55,8 +55,9 @@ def reference_mass(q: torch.Tensor, k: torch.Tensor, scale: float, last: int | N
     return total
 
 
+@pytest.mark.parametrize("backend", [torch_ref.BACKEND, cpu.BACKEND], ids=["torch", "cpu"])
 @pytest.mark.parametrize("last", [None, 3])
-def test_attention_mass_equals_the_float64_reference(last: int | None) -> None:
+def test_attention_mass_equals_the_float64_reference(backend, last: int | None) -> None:
     torch.manual_seed(1)
     heads, kv_heads, d, x, bs = 4, 2, 16, 4, 8
     lengths, num_queries = [21, 8, 33], [21, 1, 5]  # a prompt, a decode row, a chunk after a prefix hit
@@ -66,7 +67,7 @@ def test_attention_mass_equals_the_float64_reference(last: int | None) -> None:
     value_cache = torch.zeros(key_cache.shape[0], kv_heads, d, bs)
     cache = CacheView(key_cache, value_cache, tables, torch.tensor(lengths, dtype=torch.int32))
     starts = np.concatenate([[0], np.cumsum(num_queries)])
-    mass = attention_mass(torch.cat(queries), cache, starts, 0.3, last)
+    mass = backend.attention_mass(torch.cat(queries), cache, starts, 0.3, last)
     assert mass.shape == (3, kv_heads, max(lengths)) and mass.dtype == torch.float32
     for i, n in enumerate(lengths):
         expected = reference_mass(queries[i], keys[i], 0.3, last)

@@ -1,14 +1,13 @@
 """What a scoring press reads of a step's attention (`paged.memory.press`: snapkv, h2o): each held
 token's attention mass, summed over the KV heads and averaged over the layers, for the rows the
 scheduler marks (`SchedulerOutput.score_rows`). The model's attention (`PagedAttention`) hands every
-layer's queries and cache here after running its ops (`paged.kernels.attention_mass`)."""
+layer's queries and cache here after running its ops (`KernelBackend.attention_mass`)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from paged.kernels.attention_mass import attention_mass
 from paged.kernels.backends.interface import CacheView
 from paged.kernels.planned import AttentionSettings, Rows
 from paged.step import SchedulerOutput
@@ -48,8 +47,8 @@ class StepScores:
         local_starts = np.concatenate([[0], np.cumsum([starts[i + 1] - starts[i] for i in picked])])
         view = CacheView(cache.key_cache, cache.value_cache, rows.block_tables[index], rows.seq_lens[index],
                          cache.k_scale, cache.v_scale)
-        mass = attention_mass(query[token_index], view, local_starts, settings.scale, self.last_queries,
-                              settings.soft_cap).sum(dim=1)
+        mass = settings.backend.attention_mass(query[token_index], view, local_starts, settings.scale,
+                                               self.last_queries, settings.soft_cap).sum(dim=1)
         for j, i in enumerate(picked):
             length = int(rows.host_seq_lens[i])
             row = mapping[i]

@@ -5,7 +5,7 @@ the scheduler shows the press what it can see of the sequence (`PressView`): the
 of every token it holds, and for a press that asks, the norms of their keys and values. The press
 returns the held indices to keep; the block manager compacts them into fewer blocks and frees the
 rest (`paged.memory.compaction`). A press that `needs_scores` also sees each held token's attention
-mass (`paged.kernels.attention_mass`): from the last `score_queries` queries of the step that judges
+mass (`KernelBackend.attention_mass`): from the last `score_queries` queries of the step that judges
 it, or, for a press that `accumulates`, summed over every step since the token was cached.
 
 A press has a budget: `ratio` r keeps ceil(L / r) of a sequence's L tokens, `max_tokens` at most

@@ -1,12 +1,13 @@
-"""Attention mass: how much attention each cached token draws, per KV head, for the presses that score
-tokens by it (`paged.memory.press`: snapkv, h2o).
+"""Attention mass in torch, the reference of `KernelBackend.attention_mass`: how much attention each
+cached token draws, per KV head, for the presses that score tokens by it (`paged.memory.press`:
+snapkv, h2o).
 
-The attention ops (`paged_attention`, `prefill_attention`) return outputs only, on every backend, so
-that the default step stays as fast as it is; when a press asks, the step also runs this op over
-the same queries and the same paged cache: the softmax weights of each sequence's last
-`last_queries` queries (all of them with None), causal, summed over those queries and over the query
-heads of each KV group. A token the window or the sequence's length leaves out draws 0. It is torch
-on whatever device the cache is on, so every backend's cache can be scored.
+The attention ops (`paged_attention`, `prefill_attention`) return outputs only, so that the default
+step stays as fast as it is; when a press asks, the step also runs this op over the same queries and
+the same paged cache: the softmax weights of each sequence's last `last_queries` queries (all of
+them with None), causal in KV index, summed over those queries and over the query heads of each KV
+group. A token past the sequence's length draws 0. Torch on whatever device the cache is on, so the
+cuda and emu backends score with it (the cpu backend has a native kernel).
 """
 
 from __future__ import annotations
