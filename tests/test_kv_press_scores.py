@@ -117,11 +117,21 @@ class RecordingSnapKV(SnapKVPress):
         return super().keep(view)
 
 
+class RecordingH2O(H2OPress):
+    """h2o, keeping every view it judged."""
+
+    views: ClassVar[list[PressView]] = []
+
+    def keep(self, view: PressView) -> np.ndarray | None:
+        RecordingH2O.views.append(view)
+        return super().keep(view)
+
+
 class MassAttention:
     """Dense float64 attention over each layer's K/V so far, recording the mass of the last `last`
     queries of each call (summed over KV heads) per layer."""
 
-    def __init__(self, scale: float, last: int) -> None:
+    def __init__(self, scale: float, last: int | None) -> None:
         self.scale, self.last = scale, last
         self.mass: list[torch.Tensor] = []
 
@@ -151,6 +161,26 @@ def test_snapkv_reads_the_float64_mass_of_the_prompts_last_queries(executor, bac
     assert summary["kv_press_blocks_freed"] == 8 and summary["kv_press_tokens_kept"] == 64  # 7 -> 2, 5 -> 2
     plain, _ = press_run(executor, f"kernel.backend={backend}")
     assert [o[0] for o in outputs] == [o[0] for o in plain] and outputs[2] == plain[2]
+
+
+def test_h2o_sums_the_mass_of_every_prompt_query_then_every_decode(executor) -> None:  # noqa: F811
+    RecordingH2O.views.clear()
+    press_run(executor, "kv_press=h2o", f"kv_press._target_={__name__}.RecordingH2O", "kv_press.ratio=null",
+              "kv_press.max_tokens=32", "kv_press.window=8", "kv_press.interval=4", max_tokens=9)
+    first = RecordingH2O.views[:2]  # after the 100- and 70-token prompts
+    for view, prompt in zip(first, PROMPTS, strict=False):
+        attn = MassAttention(executor.scale, None)
+        with torch.inference_mode():
+            executor.model.forward(torch.tensor(prompt), torch.arange(len(prompt)), attn)
+        np.testing.assert_allclose(view.scores, torch.stack(attn.mass).mean(dim=0).numpy(), rtol=1e-4, atol=1e-4)
+    heads = first[0].scores.sum() / 100  # each query's weights sum to 1 per head
+    for view in first:
+        kept = H2OPress(max_tokens=32, window=8).keep(view)
+        # judged again 4 decodes later: the 32 kept sums carried on, plus 4 queries' mass over 36 tokens
+        later = next(v for v in RecordingH2O.views[2:]
+                     if v.num_held == 36 and np.array_equal(v.positions[:32], view.positions[kept]))
+        assert (later.scores[:32] >= view.scores[kept] - 1e-6).all()
+        assert later.scores.sum() == pytest.approx(view.scores[kept].sum() + 4 * heads, rel=1e-4)
 
 
 @pytest.mark.parametrize("interval", [0, 4])
