@@ -121,6 +121,10 @@ class SchedulerOutput:
     kv_offsets: list[int] | None = None
     press_rows: list[int] = field(default_factory=list)
     press_norms: bool = False
+    # the rows whose attention mass a scoring press reads (`paged.executor.attention_scores`), from each
+    # row's last `score_queries` queries (None: all of the step's)
+    score_rows: list[int] = field(default_factory=list)
+    score_queries: int | None = None
 
     @property
     def num_batched_tokens(self) -> int:
@@ -151,6 +155,9 @@ class ExecutorOutput:
     # seq_id -> float32 L2 norms of its held keys and values, averaged over layers and KV heads, for the
     # sequences of `SchedulerOutput.press_rows` when it asks for `press_norms`
     kv_norms: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    # seq_id -> float32 attention mass on each held token (summed over KV heads, averaged over layers),
+    # for the sequences of `SchedulerOutput.score_rows`
+    attention_scores: dict[int, np.ndarray] = field(default_factory=dict)
     compaction_time_s: float = 0.0  # copying `slots_to_compact`
 
     def samples(self, i: int) -> Samples:

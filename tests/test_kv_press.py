@@ -169,7 +169,7 @@ def test_every_kv_press_yaml_composes_and_builds_its_press(name: str) -> None:
     (["kv_press=knorm", "kv_press.ratio=null", "kv_press.max_tokens=8"], "kv_press.window=16 is larger than"),
     (["kv_press=knorm", "kv_press.max_tokens=8"], "needs exactly one budget"),
     (["kv_press=sink-window", "kv_press.sink=-1"], "kv_press.sink=-1"),
-    (["kv_press=knorm", "executor=sim"], "needs an executor that compacts KV blocks"),
+    (["kv_press=knorm", "executor=sim"], "which executor=sim does not hold"),
     (["kv_press=sink-window", "scheduler.async_scheduling=true"], "does not run with kv_press=sink-window"),
     (["kv_press=sink-window", "scheduler.preemption_mode=swap"], "scheduler.preemption_mode=recompute"),
     (["kv_press=sink-window", "model.sliding_window=32"], "sliding window"),

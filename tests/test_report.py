@@ -121,6 +121,10 @@ def test_summaries_of_different_schemas_name_the_files(tmp_path: Path) -> None:
     # a simulated job's own keys (sim_time_s, hardware, ...) are no different schema
     (tmp_path / "2_old" / "summary.json").write_text(json.dumps(metrics(3, 0.1, sim_time_s=1.0, hardware="a100")))
     assert len(build_report(tmp_path).rows) == 3
+    # nor are a KV press's (kv_press=none writes none of them)
+    (tmp_path / "2_old" / "summary.json").write_text(json.dumps(metrics(3, 0.1, kv_press="sink-window",
+                                                                        kv_press_blocks_freed=8)))
+    assert len(build_report(tmp_path).rows) == 3
     (tmp_path / "2_old" / "summary.json").write_text("[1, 2]")
     with pytest.raises(ReportError, match="2_old/summary.json: a summary is a JSON object"):
         build_report(tmp_path)

@@ -30,6 +30,7 @@
 // (as vLLM's kernel does). A v2 partition may then hold nothing a head sees: its max logit stays
 // -inf and its weight 0.
 
+#include "attention_mass.h"
 #include "cache_convert.h"
 #include "common.h"
 #include "decode_v3.h"
@@ -413,6 +414,33 @@ extern "C" int prefill_attention_cpu(PAGED_CPU_COMMON_ARGS, const int32_t *query
                                      int num_threads) {
   const Args a{PAGED_CPU_COMMON_FIELDS, query_start_loc, 0, 0, max_query_len, num_threads};
   return paged_cpu::run(paged_cpu::kPrefill, a);
+}
+
+// Attention mass (attention_mass.h) into `out`, fp32 [num_seqs, num_kv_heads, max_seq_len] the caller
+// zeroed, from each sequence's last `last_queries` rows of `query_start_loc` (0: all of them).
+extern "C" int attention_mass_cpu(PAGED_CPU_COMMON_ARGS, const int32_t *query_start_loc, int last_queries,
+                                  int max_seq_len, int num_threads) {
+  const Args a{PAGED_CPU_COMMON_FIELDS, query_start_loc, 0, max_seq_len, 0, num_threads};
+  if (a.block_size <= 0) return 1;
+  if (a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads) return 2;
+  if (a.dtype != paged_cpu::kF32 && a.dtype != paged_cpu::kF16 && a.dtype != paged_cpu::kBF16) return 7;
+  if (num_threads <= 0) return 6;
+  float *mass = static_cast<float *>(out);
+  switch (a.cache_dtype) {
+    case paged_cpu::kF32: paged_cpu::run_attention_mass<paged_cpu::F32>(a, mass, last_queries, max_seq_len); break;
+    case paged_cpu::kF16: paged_cpu::run_attention_mass<paged_cpu::F16>(a, mass, last_queries, max_seq_len); break;
+    case paged_cpu::kBF16: paged_cpu::run_attention_mass<paged_cpu::BF16>(a, mass, last_queries, max_seq_len); break;
+    case paged_cpu::kE4M3:
+      if (!a.k_scale) return 8;
+      paged_cpu::run_attention_mass<paged_cpu::E4M3>(a, mass, last_queries, max_seq_len);
+      break;
+    case paged_cpu::kE5M2:
+      if (!a.k_scale) return 8;
+      paged_cpu::run_attention_mass<paged_cpu::E5M2>(a, mass, last_queries, max_seq_len);
+      break;
+    default: return 8;
+  }
+  return 0;
 }
 
 extern "C" int swap_blocks_cpu(int num_caches, const int64_t *src_caches, const int64_t *dst_caches,

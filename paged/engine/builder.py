@@ -153,6 +153,9 @@ def _check_press(cfg: Any, plugins: Plugins, runs_on: type[Executor]) -> Plugin 
     if not runs_on.supports_kv_press:
         raise ConfigError(f"{what} needs an executor that compacts KV blocks; executor={cfg.executor.name} "
                           f"({runs_on.__qualname__}) cannot; use executor=model or kv_press=none")
+    if issubclass(runs_on, SimExecutor) and (press.cls.needs_norms or press.cls.needs_scores):
+        raise ConfigError(f"{what} reads the cache's K/V, which executor=sim does not hold: use kv_press=sink-window "
+                          "there, or executor=model")
     if plugins.preemption.cls.swaps:
         raise ConfigError(f"{what} does not swap compressed sequences: use scheduler.preemption_mode=recompute")
     if plugins.allocator.cls.contiguous or plugins.reservation.cls is not ExactReservation:
@@ -160,6 +163,9 @@ def _check_press(cfg: Any, plugins: Plugins, runs_on: type[Executor]) -> Plugin 
                           f"not allocator={cfg.allocator.name}")
     if plugins.offload is not None:
         raise ConfigError(f"{what} does not run with allocator.offload: use allocator.offload.cpu_bytes=0")
+    if press.cls.needs_scores and (cfg.executor.get("tensor_parallel_size") or 1) > 1:
+        raise ConfigError(f"{what} reads attention mass, which one rank's heads do not give: use "
+                          "executor.tensor_parallel_size=1 or a press without scores (sink-window, knorm, block-norm)")
     spec = model_spec(cfg.model)[0]
     if any(w is not None for w in spec.layer_windows) or cfg.model.sliding_window is not None:
         raise ConfigError(f"{what} does not run on model={cfg.model.name}, whose layers have a sliding window "
@@ -382,6 +388,6 @@ def build_engine(cfg: Any, executor: Executor | None = None) -> Engine:
         executor.description,
     )
     engine = Engine(executor, scheduler, async_scheduling=plugins.async_scheduling)
-    if cfg.executor.fast_forward:
+    if cfg.executor.fast_forward and press is None:  # a press changes held lengths mid-window: stepped
         engine.fast_forward = FastForward()
     return engine

@@ -22,8 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
+from paged.executor.attention_scores import StepScores
 from paged.executor.kv_scales import KVScales
 from paged.executor.step_plan import BatchInput
+from paged.kernels.backends.interface import CacheView
 from paged.kernels.planned import AttentionSettings, CacheWrite, DecodeAttention, PrefillAttention
 from paged.kv_layout import KVLayout
 
@@ -64,6 +66,7 @@ class PagedAttention:
         num_heads: int,
         kv_scales: KVScales | None = None,
         routes: Sequence[LayerRoute] | None = None,
+        scores: StepScores | None = None,
     ) -> None:
         assert (decode_version is None) == (batch.decode is None), "decode rows need a version, and only they"
         kinds = [settings] if isinstance(settings, AttentionSettings) else list(settings)
@@ -73,6 +76,7 @@ class PagedAttention:
         self.key_caches = key_caches
         self.value_caches = value_caches
         self.kv_scales = kv_scales
+        self.scores = scores
         num_blocks, num_kv_heads, head_size, block_size = value_caches[0].shape
         writes: dict[int, CacheWrite] = {}
         ops: dict[tuple[int, int], tuple[DecodeAttention | None, PrefillAttention | None]] = {}
@@ -102,6 +106,8 @@ class PagedAttention:
         if self.kv_scales is not None:
             scales = self.kv_scales.for_layer(layer, k, v)
         write(k, v, *caches, *scales)
+        if self.scores is not None:
+            self._score(layer, q, caches, scales)
         if prefill is None:
             assert decode is not None
             return decode(q, *caches, *scales, out=out)
@@ -112,3 +118,17 @@ class PagedAttention:
         out[b.decode_tokens] = decode(q[b.decode_tokens], *caches, *scales)
         out[b.prefill_tokens] = prefill(q[b.prefill_tokens], *caches, *scales)
         return out
+
+    def _score(self, layer: int, q: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor],
+               scales: tuple[torch.Tensor | None, torch.Tensor | None]) -> None:
+        """The layer's attention mass for the press (`StepScores`), beside (not inside) its ops, so
+        that a step no press scores runs exactly as before."""
+        assert self.scores is not None
+        b = self.batch
+        _, decode, prefill, _ = self.layers[layer]
+        for op, tokens, is_decode in ((decode, b.decode_tokens, True), (prefill, b.prefill_tokens, False)):
+            if op is not None:
+                rows_q = q if tokens is None or decode is None or prefill is None else q[tokens]
+                cache = CacheView(*caches, op.rows.block_tables, op.rows.seq_lens, *scales)
+                self.scores.add(rows_q, cache, op.rows, op.settings, is_decode)
+        self.scores.end_layer(layer)

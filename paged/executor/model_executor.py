@@ -18,6 +18,7 @@ from paged import kernels, threads
 from paged.config import KernelConfig, ModelConfig, resolve_dtype
 from paged.executor import memory_profile
 from paged.executor.attention import PagedAttention, layer_routes
+from paged.executor.attention_scores import StepScores
 from paged.executor.base import Executor, KVCacheSpec
 from paged.executor.block_moves import move_blocks
 from paged.executor.dtype_checks import check_dtypes
@@ -161,6 +162,7 @@ class ModelExecutor(TieredHostPool, LaunchAhead, Executor):
         # next step's inputs read them (`_forward`); None when off
         self.sampled_ids: torch.Tensor | None = None
         self.compaction_time_s = 0.0  # KV compaction copies since the last step's output (`move_blocks`)
+        self.step_scores: StepScores | None = None  # the attention mass a scoring press reads of this step
         self.configure_kernel(kernel_cfg)
         log.info("model %s on %s (%s) loaded", model_cfg.name, self.device, str(self.dtype).removeprefix("torch."))
         self.num_prefill_tokens_computed = self.num_decode_tokens_computed = 0
@@ -335,12 +337,12 @@ class ModelExecutor(TieredHostPool, LaunchAhead, Executor):
             input_ids = torch.where(input_ids < 0, self.sampled_ids[(-1 - input_ids).clamp_(min=0)], input_ids)
         with forward_context(PagedAttention(batch, self.key_caches, self.value_caches, self.attention,
                                             decode_version=version, num_heads=self.shard.num_heads,
-                                            kv_scales=self.kv_scales, routes=self.routes)):
+                                            kv_scales=self.kv_scales, routes=self.routes, scores=self.step_scores)):
             return self.model.forward(input_ids, batch.positions)
 
     def _run(self, host: HostBatch, version: str | None) -> tuple[torch.Tensor, BatchInput]:
         """A step from its CUDA graph where one replays it, else eagerly."""
-        replayed = self.step_graphs.replay(host, version)
+        replayed = None if self.step_scores else self.step_graphs.replay(host, version)  # graphs score nothing
         if replayed is not None:
             return replayed
         batch = self.inputs.upload(host)
@@ -359,8 +361,7 @@ class ModelExecutor(TieredHostPool, LaunchAhead, Executor):
         """Plan the step, then its swaps, copies and forward: the batch, its decode kernel, the hidden
         states, the inputs on the device and the planning time; None for a step of swaps only."""
         assert self.block_size, "init_kv_cache must run before execute"
-        start = time.perf_counter()
-        host, version = None, None
+        start, host, version, self.step_scores = time.perf_counter(), None, None, StepScores.of(sched)
         if not sched.is_empty:
             host = plan_batch(sched, self.block_size, self.kv_layout.num_groups)
             check_positions(host, self.arch)
@@ -390,6 +391,7 @@ class ModelExecutor(TieredHostPool, LaunchAhead, Executor):
             output.prompt_logprobs = prompt_logprobs(sched, hidden, self.model.compute_logits)
             if sched.press_norms and sched.press_rows:
                 output.kv_norms = held_kv_norms(sched, self.key_caches, self.value_caches, self.block_size)
+            output.attention_scores = self.step_scores.scores(sched) if self.step_scores else {}
         self._count_tokens(host)
         output.compaction_time_s, self.compaction_time_s = self.compaction_time_s, 0.0
         output.num_computed_tokens, output.prep_time_s, output.attention_version = host.num_tokens, prep_time, version

@@ -14,6 +14,10 @@ from paged.report.sweep import REPEAT_KEY, parse_overrides
 
 # keys only a simulated run's summary has; a sweep over `executor=model,sim` mixes both kinds
 SIM_ONLY_KEYS = frozenset({"sim_time_s", "sim_seconds_per_host_second", "hardware", "num_gpus"})
+# written only by a run with a KV press (`paged.scheduler.press_step`): a sweep over kv_press=none and a press
+# compares runs with and without them
+KV_PRESS_KEYS = frozenset({"kv_press", "kv_press_num_compressions", "kv_press_tokens_kept", "kv_press_tokens_evicted",
+                           "kv_press_blocks_freed", "kv_press_compaction_s"})
 
 
 class ReportError(ValueError):
@@ -99,12 +103,12 @@ def _read_job(root: Path, job_dir: Path) -> Job:
 
 
 def _check_schemas(root: Path, jobs: list[Job]) -> None:
-    """Every summary must carry the same metrics (the simulator's own keys aside); one written by
+    """Every summary must carry the same metrics (the simulator's and a KV press's own keys aside); one written by
     another version of paged, or a stray JSON file, would silently leave holes in the table."""
     by_keys: dict[frozenset[str], list[Job]] = defaultdict(list)
     for job in jobs:
         assert job.summary is not None
-        by_keys[frozenset(job.summary) - SIM_ONLY_KEYS].append(job)
+        by_keys[frozenset(job.summary) - SIM_ONLY_KEYS - KV_PRESS_KEYS].append(job)
     if len(by_keys) < 2:
         return
     groups = sorted(by_keys.items(), key=lambda kv: -len(kv[1]))

@@ -26,6 +26,7 @@ class PressStep:
         self.block_manager = block_manager
         self._copies: list[np.ndarray] = []  # compactions decided after the last step
         self.compaction_s = 0.0
+        self._mass: dict[int, np.ndarray] = {}  # seq_id -> accumulated mass per held token (`accumulates`)
 
     def plan(self, out: SchedulerOutput) -> None:
         """Fill the step's compaction copies, per-row evicted counts and the rows to judge after it."""
@@ -37,6 +38,9 @@ class PressStep:
             offsets = out.kv_offsets = [bm.num_evicted(it.seq) for it in out.scheduled]
         out.press_rows = [i for i, it in enumerate(out.scheduled) if self._due(it, offsets[i] if offsets else 0)]
         out.press_norms = self.press.needs_norms
+        if self.press.needs_scores:
+            out.score_rows = list(range(len(out.scheduled))) if self.press.accumulates else out.press_rows
+            out.score_queries = self.press.score_queries
 
     def _due(self, item: ScheduledSeq, evicted: int) -> bool:
         seq, context = item.seq, item.context_len
@@ -50,18 +54,40 @@ class PressStep:
         """Judge the marked rows' sequences that still run, and compress those the press shrinks."""
         self.compaction_s += output.compaction_time_s
         bm = self.block_manager
+        if self.press.accumulates:
+            self._accumulate(sched, output)
         for row in sched.press_rows:
             seq = sched.scheduled[row].seq
             if seq.status is not SeqStatus.RUNNING:
                 continue
             key_norms, value_norms = output.kv_norms.get(seq.seq_id, (None, None))
-            view = PressView(bm.held_positions(seq), seq.num_computed_tokens, bm.block_size, key_norms, value_norms)
+            scores = self._mass.get(seq.seq_id) if self.press.accumulates else output.attention_scores.get(seq.seq_id)
+            view = PressView(bm.held_positions(seq), seq.num_computed_tokens, bm.block_size, key_norms, value_norms,
+                             scores)
             keep = self.press.keep(view)
             if keep is None:
                 continue
             copies = bm.compress(seq, keep)  # None: no room for the copies now; judged again when due
+            if copies is not None and self.press.accumulates:
+                self._mass[seq.seq_id] = self._mass[seq.seq_id][keep]
             if copies is not None and copies.shape[0]:
                 self._copies.append(copies)
+
+    def _accumulate(self, sched: SchedulerOutput, output: ExecutorOutput) -> None:
+        """Adds the step's mass to each running sequence's sum (H2O's heavy hitters): a token cached
+        this step starts at its first mass; a sequence that holds fewer tokens than its sum (recomputed
+        after a preemption) starts over."""
+        for row in sched.score_rows:
+            seq = sched.scheduled[row].seq
+            mass = output.attention_scores.get(seq.seq_id)
+            if seq.status is not SeqStatus.RUNNING or mass is None:
+                self._mass.pop(seq.seq_id, None)
+                continue
+            total = self._mass.get(seq.seq_id)
+            if total is not None and total.shape[0] <= mass.shape[0]:
+                mass = mass.copy()
+                mass[: total.shape[0]] += total
+            self._mass[seq.seq_id] = mass
 
     def summary(self) -> dict[str, Any]:
         """The summary.json keys of a run with a press (a run without one has none of them)."""

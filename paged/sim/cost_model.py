@@ -66,6 +66,8 @@ class StepShape:
     # blocks a prefix hit brings back from it
     num_offload_blocks: int = 0
     num_onload_blocks: int = 0
+    # KV compression (`kv_press`): token slots whose K and V are copied within the pool before the step
+    num_compact_slots: int = 0
 
 
 @dataclass(frozen=True)
@@ -99,13 +101,15 @@ def _attended_pairs(num_positions: int, window: int | None) -> int:
 
 def step_shape(sched: SchedulerOutput, block_size: int = 16, sliding_window: int | None = None) -> StepShape:
     """The cost-relevant shape of a scheduled step; a row with one new token is a decode row, as
-    in the real executor. With a `sliding_window` each query attends to at most that many keys."""
+    in the real executor. With a `sliding_window` each query attends to at most that many keys. A
+    compressed sequence (`kv_press`) attends to the tokens it holds: its context less those evicted."""
     # summed in locals, the record built once: this runs every step of every simulated replica
     num_tokens = num_sampled = prefill_pairs = prefill_queries = prefill_context = num_prefill_rows = 0
     decode: list[int] = []
-    for item in sched.scheduled:
+    offsets = sched.kv_offsets
+    for i, item in enumerate(sched.scheduled):
         new = item.num_new_tokens
-        context = item.seq.num_computed_tokens + new
+        context = item.seq.num_computed_tokens + new - (offsets[i] if offsets is not None else 0)
         num_tokens += new
         num_sampled += item.num_samples
         if new == 1:
@@ -120,6 +124,7 @@ def step_shape(sched: SchedulerOutput, block_size: int = 16, sliding_window: int
         num_tokens, num_sampled, len(sched.scheduled), prefill_pairs, prefill_queries, prefill_context,
         num_prefill_rows, decode, len(sched.blocks_to_swap_out) + len(sched.blocks_to_swap_in), block_size,
         len(sched.blocks_to_offload), len(sched.blocks_to_onload),
+        0 if sched.slots_to_compact is None else sched.slots_to_compact.shape[0],
     )
 
 
@@ -243,7 +248,7 @@ class CostModel:
         overhead = hw.step_overhead_s + hw.seq_overhead_s * shape.num_seqs
         cost = StepCost(
             L * linear, attention_s, L * elementwise, launch_bound, communication, head, overhead, version,
-            self._swap(shape),
+            self._swap(shape) + self.compaction_s(shape),
         )
         return self._with_tier_copies(cost, shape) if shape.num_offload_blocks or shape.num_onload_blocks else cost
 
@@ -273,6 +278,14 @@ class CostModel:
         copies = 2 * self.spec.num_layers * shape.num_swap_blocks
         copy_bytes = shape.block_size * self.kv_size * self.kv_b
         return copies * (hw.pcie_latency_s + copy_bytes / (hw.pcie_bandwidth * hw.memory_efficiency))
+
+    def compaction_s(self, shape: StepShape) -> float:
+        """KV compression's slot copies (`paged.kernels.copy_slots`): one kernel per layer reading and
+        writing each moved token's K and V in device memory."""
+        if not shape.num_compact_slots:
+            return 0.0
+        moved = 2 * 2 * self.spec.num_layers * shape.num_compact_slots * self.kv_size * self.kv_b  # K, V; in, out
+        return self.spec.num_layers * self.hw.kernel_launch_s + moved / self.bw
 
     def _read(self, context: int) -> float:
         """Context tokens one decode row's kernel reads: all of them, or with block-sparse attention

@@ -79,6 +79,9 @@ class SimExecutor(Executor):
 
     runs_spec_models = True
     supports_swap = True
+    # KV compression (`kv_press`): the block manager frees what a press evicts; the cost model prices the
+    # compaction copies and the shorter reads (it has no K/V: presses that read norms or scores cannot run)
+    supports_kv_press = True
     supports_kv_tiers = True
     # the paper's block-size sweeps (Fig. 18, 19) go from 1 to 256 tokens
     block_sizes = tuple(1 << i for i in range(9))
@@ -210,6 +213,7 @@ class SimExecutor(Executor):
         return ExecutorOutput(
             sampled, shape.num_tokens, model_time_s=cost.total_s - cost.overhead_s,
             attention_version=cost.decode_version, logprobs=logprobs,
+            compaction_time_s=self.cost_model.compaction_s(shape) if shape.num_compact_slots else 0.0,
         )
 
     def decode_cost(self, contexts: list[int]) -> StepCost | None:

@@ -7,7 +7,8 @@ of `paged.kernels.features`. Decode v3 splits each (sequence, KV head) into the 
 `paged.kernels.split_plan` plan, made once per step for the OpenMP threads (`decode_workspace`).
 The library is built with the host compiler (`$CXX`, else `g++`) into the on-disk kernel cache,
 keyed by the sources' hash, the compiler, the flags and the CPU, and loaded once per process
-through ctypes. Attention reads any float cache dtype under any query dtype (a bf16 model over an fp32
+through ctypes. `attention_mass` (for the KV presses that score tokens) is native too. Attention reads any
+float cache dtype under any query dtype (a bf16 model over an fp32
 cache, `kernel.kv_cache_dtype`). `reshape_and_cache` is native for float caches, a copy in the
 activations' dtype or a converting write into another (fp8 caches use the torch reference's
 quantising writer), `copy_blocks` is the torch reference's. The same library
@@ -25,6 +26,7 @@ import threading
 from functools import cache
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from paged.kernels.backends.interface import CACHE_DTYPES, KERNEL_FEATURES, CacheView, require_contiguous
@@ -79,6 +81,8 @@ _SIGNATURES = {
     "paged_attention_v3_cpu": [*_COMMON_ARGS, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int],
     # query_start_loc, max_query_len, num_threads
     "prefill_attention_cpu": [*_COMMON_ARGS, ctypes.c_void_p, ctypes.c_int, ctypes.c_int],
+    # query_start_loc, last_queries (0: all), max_seq_len, num_threads; `out` is the fp32 mass
+    "attention_mass_cpu": [*_COMMON_ARGS, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int],
     # num_caches, src cache addresses, dst cache addresses, bytes per block, mapping, num_pairs, num_threads
     "swap_blocks_cpu": [ctypes.c_int, _Int64s, _Int64s, _Int64s, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int],
     # Layer ops (paged/kernels/layer_ops.py). out, out row stride, x, x row stride, weight, rows, hidden, eps,
@@ -172,9 +176,10 @@ def _load_failure() -> str | None:
 
 def _call(
     entry: str, query: torch.Tensor, cache: CacheView, scale: float, sliding_window: int | None,
-    features: AttentionFeatures, *tail: object,
+    features: AttentionFeatures, *tail: object, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Runs a library entry point on `PAGED_CPU_COMMON_ARGS` followed by `tail`."""
+    """Runs a library entry point on `PAGED_CPU_COMMON_ARGS` followed by `tail`, into `out` (a new
+    tensor like the query when not given)."""
     # No-op copies for the executor's tensors: caches are allocated contiguous, index tensors fresh.
     key_cache, value_cache, block_tables, seq_lens = (
         t.contiguous() for t in (cache.key_cache, cache.value_cache, cache.block_tables, cache.seq_lens)
@@ -186,7 +191,8 @@ def _call(
     sparse_ints = (0, 0, 0, 0) if sparse is None else (
         sparse.local_blocks, sparse.vert_stride, sparse.block_size, sparse.head_sliding_step
     )
-    out = torch.empty(query.shape, dtype=query.dtype)
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype)
     status = getattr(load(), entry)(
         _DTYPES[query.dtype], _DTYPES[key_cache.dtype], out.data_ptr(), query.data_ptr(), *query.stride(),
         key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
@@ -260,6 +266,20 @@ class CpuBackend(TorchBackend):
         # `query_start_loc` must outlive the call: `_call` only holds its address.
         return _call("prefill_attention_cpu", query, cache, scale, sliding_window, features,
                      query_start_loc.data_ptr(), max_query_len, torch.get_num_threads())
+
+    def attention_mass(
+        self, query: torch.Tensor, cache: CacheView, query_start_loc: np.ndarray, scale: float,
+        last_queries: int | None = None, soft_cap: float | None = None,
+    ) -> torch.Tensor:
+        """Native over the paged cache in place, in parallel over (sequence, KV head); a soft-capped
+        model's goes to the torch reference (the native kernels do not soft-cap)."""
+        if soft_cap is not None:
+            return super().attention_mass(query, cache, query_start_loc, scale, last_queries, soft_cap)
+        max_seq_len = int(cache.seq_lens.max())
+        mass = torch.zeros(cache.seq_lens.shape[0], cache.num_kv_heads, max_seq_len, dtype=torch.float32)
+        starts = torch.from_numpy(np.ascontiguousarray(query_start_loc, dtype=np.int32))
+        return _call("attention_mass_cpu", query, cache, scale, None, NONE, starts.data_ptr(), last_queries or 0,
+                     max_seq_len, torch.get_num_threads(), out=mass)
 
     def reshape_and_cache(
         self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

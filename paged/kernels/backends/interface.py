@@ -213,6 +213,16 @@ class KernelBackend(ABC):
     ) -> None:
         """`paged.kernels.swap_blocks` with a non-empty int64 `[num_pairs, 2]` mapping on the CPU."""
 
+    def attention_mass(
+        self, query: torch.Tensor, cache: CacheView, query_start_loc: np.ndarray, scale: float,
+        last_queries: int | None = None, soft_cap: float | None = None,
+    ) -> torch.Tensor:
+        """fp32 `[num_seqs, num_kv_heads, max_seq_len]`: each row's mass on each of its `seq_lens[i]`
+        cached tokens from its last `last_queries` queries (None: all), summed over them and over the
+        query heads of each KV group (`paged.kernels.backends.torch_mass`, the reference). Only asked
+        when a KV press scores tokens; never part of the attention ops' default path."""
+        raise NotImplementedError(f"backend={self.name!r} gives no attention mass, which kv_press=snapkv|h2o read")
+
     def copy_slots(
         self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], slot_mapping: torch.Tensor
     ) -> None:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from paged.kernels.backends.interface import CACHE_DTYPES, FEATURES, CacheView, KernelBackend, window_span
+from paged.kernels.backends.torch_mass import attention_mass
 from paged.kernels.backends.torch_prefill_plan import PrefillGroup, PrefillPlan, plan_prefill
 from paged.kernels.features import FP8_DTYPES, NONE, AttentionFeatures, quantize
 
@@ -333,6 +334,7 @@ class TorchBackend(KernelBackend):
 
     reshape_and_cache = staticmethod(reshape_and_cache)
     copy_blocks = staticmethod(copy_blocks)
+    attention_mass = staticmethod(attention_mass)
     swap_blocks = staticmethod(swap_blocks)
 
 

@@ -4,7 +4,9 @@ After a sequence's prompt is computed (and, with `interval` N > 0, every N decod
 the scheduler shows the press what it can see of the sequence (`PressView`): the original position
 of every token it holds, and for a press that asks, the norms of their keys and values. The press
 returns the held indices to keep; the block manager compacts them into fewer blocks and frees the
-rest (`paged.memory.compaction`). A press never sees attention scores yet.
+rest (`paged.memory.compaction`). A press that `needs_scores` also sees each held token's attention
+mass (`KernelBackend.attention_mass`): from the last `score_queries` queries of the step that judges
+it, or, for a press that `accumulates`, summed over every step since the token was cached.
 
 A press has a budget: `ratio` r keeps ceil(L / r) of a sequence's L tokens, `max_tokens` at most
 that many; the last `window` held tokens are always kept. A sequence that holds no more than its
@@ -34,6 +36,7 @@ class PressView:
     block_size: int
     key_norms: np.ndarray | None = None  # float32 [n]
     value_norms: np.ndarray | None = None  # float32 [n]
+    scores: np.ndarray | None = None  # float32 [n], attention mass, when the press `needs_scores`
 
     @property
     def num_held(self) -> int:
@@ -47,6 +50,15 @@ class KVPress(ABC):
     name: ClassVar[str]
     # whether `select` reads `PressView.key_norms` / `value_norms` (the executor must compute them)
     needs_norms: ClassVar[bool] = False
+    # whether `select` reads `PressView.scores` (the executor must compute the attention mass), and whether
+    # they are summed over every step (H2O) rather than taken from the judging step's queries alone
+    needs_scores: ClassVar[bool] = False
+    accumulates: ClassVar[bool] = False
+
+    @property
+    def score_queries(self) -> int | None:
+        """How many of a row's last queries score its tokens (None: every query of the step)."""
+        return None
 
     def __init__(
         self, ratio: float | None = None, max_tokens: int | None = None, window: int = 0, interval: int = 0
