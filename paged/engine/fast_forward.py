@@ -3,31 +3,34 @@
 
 A window is the run of steps, from now, in which every running sequence decodes one token and
 nothing else can happen: no request waits, is swapped out, aborted or received; the batch fits the
-token budget (so the running order is the batch order, whatever the policy); no step starts at or
-after the next arrival (`Engine.horizon`: an arrival is submitted before a step that starts at its
-time); no sequence reaches its length, a stop token or EOS (the finishing step is stepped); the
-free blocks cover every block the window's growth takes (so no preemption); and the policy says
-it is step-invariant (`SchedulingPolicy.step_invariant`). Anything outside that (beams and
-samples, stop strings, logprobs, sliding windows, KV groups, prefix tiers, no-sharing copies,
-disaggregated pools) is stepped.
+token budget (so the running order is the batch order, whatever the policy); no sequence reaches
+its length, a stop token or EOS (the finishing step is stepped); the free blocks cover every block
+the window's growth takes (so no preemption); and the policy says it is step-invariant
+(`SchedulingPolicy.step_invariant`). Anything outside that (beams and samples, stop strings,
+logprobs, sliding windows, KV groups, prefix tiers, no-sharing copies, disaggregated pools) is
+stepped.
 
-Inside a window the engine does what stepping would, with the same arithmetic in the same order,
-and skips what cannot change: the scheduler's queue walk, the policy, the batch objects. Each
-step's cost is the sim's cost model on the step's context lengths (`SimExecutor.decode_cost`); the
-blocks are grown by the block manager as a step grows them (so the same blocks, in the same order);
-tokens are the executor's placeholders and their times the step ends. Each step's record is queued
-and handed to the metrics one per `Engine.step` call, so that a fleet's replicas interleave their
-records (and the router sees their KV usage) exactly as when they step (`Engine.next_step_time`).
+A window is planned when it starts (its last step, from the sequences' lengths and the free
+blocks) and run one step per `Engine.step` call, so that at every call the engine is exactly where
+stepping would have it: its clock, its blocks and prefix cache, what a router reads of it. What
+arrives ends the window (`cut`, from `Engine.add_request` and the aborts) before its next step,
+which the engine then schedules as it would have. So a fleet's replica runs its window past the
+arrivals its router sends elsewhere, whatever the router asks of it, and the single engine past
+none. Inside a window a step does what stepping would, with the same arithmetic in the same
+order, and skips what cannot change: the scheduler's queue walk, the policy, the batch objects.
+Each step's cost is the sim's cost model on the step's context lengths (`SimExecutor.decode_cost`);
+a sequence's slot goes into the private block the previous step wrote, and only at a block's edge
+(or the window's first step) does the block manager grow the sequence and publish full blocks as
+a step would (so the same blocks, in the same order); tokens are the executor's placeholders and
+their times the step ends.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from paged.engine.metrics import MetricsRecorder, StepRecord
 from paged.memory import BlockManager
 from paged.memory.reservation import ExactReservation, MaxReservation, OracleReservation, Pow2Reservation
 from paged.request import Sequence
@@ -44,54 +47,44 @@ _RESERVATIONS = (ExactReservation, MaxReservation, Pow2Reservation, OracleReserv
 
 
 @dataclass(slots=True)
-class _Step:
-    """A fast-forwarded step waiting to be handed to the metrics: its start, its record, and the
-    KV usage a router reads after it (`Scheduler.kv_usage`'s arithmetic)."""
+class _Window:
+    """A planned window: its sequences, their lengths when it started, the steps run and the most
+    it may run; per sequence its stop tokens (empty: none can stop it) and min-token floor."""
 
-    start: float
-    record: StepRecord
-    kv_usage: float
+    seqs: list[Sequence]
+    lengths: list[int]
+    limit: int
+    stops: list[frozenset[int]]
+    done: int = 0
 
 
 class FastForward:
-    """One engine's fast-forward: finds and runs windows, then hands their records out in order."""
+    """One engine's fast-forward: plans windows and runs them a step per `Engine.step`."""
 
     def __init__(self) -> None:
-        self._pending: deque[_Step] = deque()
-        self._kv_usage: float | None = None  # after the latest step handed out, while a window drains
+        self._window: _Window | None = None
         self._said: set[str] = set()  # policy classes already logged as stepped
-
-    @property
-    def pending(self) -> bool:
-        return bool(self._pending)
-
-    def next_start(self) -> float | None:
-        """The start of the next queued step; None when none is queued."""
-        return self._pending[0].start if self._pending else None
-
-    def kv_usage(self) -> float | None:
-        """The KV usage after the latest step handed out, while a window's steps are queued."""
-        return self._kv_usage if self._pending else None
+        self.num_windows = 0  # windows that ran a step
+        self.num_steps = 0  # steps run in windows
 
     def step(self, engine: Engine) -> bool:
-        """Hand out the next queued step, or run a window and hand out its first; False when no
-        window can start now (the engine steps)."""
-        if not self._pending and not self._run(engine):
+        """Run the window's next step (planning a window if none is open); False when no window
+        step can run now (the engine steps)."""
+        window = self._window or self._plan(engine)
+        if window is None:
             return False
-        self._emit(engine.metrics)
+        if not self._run_step(engine, window):
+            self._window = None
+            return False
+        self.num_windows += window.done == 1
+        self.num_steps += 1
         return True
 
-    def flush(self, metrics: MetricsRecorder) -> None:
-        """Hand out every queued step (before anything that is not a step: an abort)."""
-        while self._pending:
-            self._emit(metrics)
+    def cut(self) -> None:
+        """Something other than a step happened (an arrival, an abort): end the window here."""
+        self._window = None
 
-    def _emit(self, metrics: MetricsRecorder) -> None:
-        step = self._pending.popleft()
-        self._kv_usage = step.kv_usage
-        metrics.add_step(step.record)
-
-    # -- a window ------------------------------------------------------------------------------------
+    # -- planning ------------------------------------------------------------------------------------
 
     def _batch(self, engine: Engine) -> list[Sequence] | None:
         """The running sequences when every one decodes a plain token and nothing else can run; else None."""
@@ -112,7 +105,7 @@ class FastForward:
                     or seq.logprobs is not None or len(seq.token_ids) - seq.num_computed_tokens != 1
                     or len(seq.token_ids) <= seq.num_prompt_tokens):
                 return None
-        return s.running
+        return list(s.running)
 
     def _policy_allows(self, policy: object) -> bool:
         invariant = getattr(policy, "step_invariant", None)
@@ -124,14 +117,13 @@ class FastForward:
                          "(SchedulingPolicy.step_invariant): its engine steps one iteration at a time", name)
         return bool(invariant)
 
-    def _run(self, engine: Engine) -> bool:
-        """Run the window that starts now, queueing its steps; False when it is empty."""
-        executor = engine.executor
-        if not isinstance(executor, SimExecutor):
-            return False
+    def _plan(self, engine: Engine) -> _Window | None:
+        """The window that starts now; None when it would be empty."""
+        if not isinstance(engine.executor, SimExecutor):
+            return None
         seqs = self._batch(engine)
         if seqs is None:
-            return False
+            return None
         s = engine.scheduler
         max_model_len = s.max_model_len
         # the finishing step is stepped: the window ends before the first sequence's last token
@@ -141,18 +133,20 @@ class FastForward:
             for seq in seqs
         ) - 1
         if limit < 1:
-            return False
+            return None
         lengths = [len(seq.token_ids) for seq in seqs]
-        bm = s.block_manager
         # the blocks the window's growth takes (what `try_append_slots` adds, ExactReservation or a
         # larger reservation alike), which the free blocks must cover: else a step could preempt
-        limit = self._block_limit(bm, seqs, lengths, limit)
-        costs = self._costs(executor, lengths, limit, engine.clock.now(), engine.horizon)
-        num_steps = self._stop_limit(executor, s.eos_token_ids, seqs, len(costs))
-        if num_steps < 1:
-            return False
-        self._apply(engine, executor, seqs, costs[:num_steps])
-        return True
+        limit = self._block_limit(s.block_manager, seqs, lengths, limit)
+        if limit < 1:
+            return None
+        eos = s.eos_token_ids
+        stops = []
+        for seq in seqs:
+            params = seq.request.params
+            stops.append(frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos))
+        self._window = _Window(seqs, lengths, limit, stops)
+        return self._window
 
     @staticmethod
     def _block_limit(bm: BlockManager, seqs: list[Sequence], lengths: list[int], limit: int) -> int:
@@ -182,68 +176,64 @@ class FastForward:
                 hi = mid - 1
         return lo
 
-    @staticmethod
-    def _costs(executor: SimExecutor, lengths: list[int], limit: int, now: float, horizon: float) -> list:
-        """The window's step costs, each step starting before `horizon` (at most `limit` steps)."""
-        costs = []
-        start = now
-        for k in range(limit):
-            if start >= horizon:
-                break
-            cost = executor.decode_cost([n + k for n in lengths])
-            if cost is None:
-                break
-            costs.append(cost)
-            start += cost.total_s
-        return costs
+    # -- a step ----------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _stop_limit(executor: SimExecutor, eos: frozenset[int], seqs: list[Sequence], limit: int) -> int:
-        """The steps (at most `limit`) before the first token that a stop token or EOS would end on."""
+    def _run_step(self, engine: Engine, window: _Window) -> bool:
+        """Run the window's next step as stepping would; False (nothing changed) when the window is
+        over: its last planned step ran, a token would stop a sequence, or the cost model cannot
+        price the step from its rows alone."""
+        k = window.done
+        if k >= window.limit:
+            return False
+        executor = engine.executor
+        assert isinstance(executor, SimExecutor)
+        seqs, lengths = window.seqs, window.lengths
         vocab = executor.vocab_size
-        for seq in seqs:
+        tokens = []
+        for seq, length, stops in zip(seqs, lengths, window.stops):
             params = seq.request.params
-            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))
-            if not stops:
-                continue
-            last, length = seq.token_ids[-1], len(seq.token_ids)
-            num_output = length - seq.num_prompt_tokens
-            for k in range(limit):
-                token = plain_token(last, length + k, vocab, params.greedy, seq.index)
-                if token in stops and num_output + k + 1 >= params.min_tokens:
-                    limit = k
-                    break
-                last = token
-        return limit
-
-    def _apply(self, engine: Engine, executor: SimExecutor, seqs: list[Sequence], costs: list) -> None:
-        """Run the window's steps as stepping would, queueing their records."""
+            token = plain_token(seq.token_ids[-1], length + k, vocab, params.greedy, seq.index)
+            if stops and token in stops and length + k + 1 - seq.num_prompt_tokens >= params.min_tokens:
+                return False
+            tokens.append(token)
+        cost = executor.decode_cost([length + k for length in lengths])
+        if cost is None:
+            return False
         s = engine.scheduler
         bm = s.block_manager
+        bs, ledger = bm.block_size, bm.ledger
         clock, metrics = engine.clock, engine.metrics
-        try_append, mark_computed = bm.try_append_slots, bm.mark_computed
-        allocator = bm.allocator
-        vocab, n = executor.vocab_size, len(seqs)
-        rows = [(seq, seq.request, seq.request.params.greedy, seq.index) for seq in seqs]
-        for cost in costs:
-            start = clock.now()
-            s._blocked_blocks = 0
-            for seq in seqs:
-                if try_append(seq) != []:
+        start = clock.now()
+        s._blocked_blocks = 0
+        # the slot of each sequence's newest token: into the private block the previous step wrote,
+        # unless it opens a block or fills one (or the window just started), where the block
+        # manager grows and publishes as a step does (`try_append_slots`' common path, unchecked)
+        edges = []
+        for seq, length in zip(seqs, lengths):
+            num_tokens = length + k
+            if k == 0 or (num_tokens - 1) % bs == 0 or num_tokens % bs == 0:
+                if bm.try_append_slots(seq) != []:
                     raise AssertionError(f"fast-forward: sequence {seq.seq_id} could not grow as planned")
-            executor.advance(cost)
-            now = clock.now()
-            s._now = now
-            for seq, request, greedy, index in rows:
-                token_ids = seq.token_ids
-                token = plain_token(token_ids[-1], len(token_ids), vocab, greedy, index)
-                seq.num_computed_tokens += 1
+                edges.append(True)
+            else:
+                blocks = bm.seq_blocks(seq)
+                ledger.append_token(blocks.table[(num_tokens - 1) // bs])
+                blocks.num_slots = num_tokens
+                edges.append(False)
+        executor.advance(cost)
+        now = clock.now()
+        s._now = now
+        mark_computed = bm.mark_computed
+        for seq, token, edge in zip(seqs, tokens, edges):
+            seq.num_computed_tokens += 1
+            if edge:
                 mark_computed(seq)
-                request.token_times.append(now)
-                token_ids.append(token)
-                seq.cumulative_logprob += 0.0
-            total = cost.total_s
-            record = metrics.step_record(
-                False, n, n, n, n, n, total - cost.overhead_s, cost.decode_version, 0, 0, s.stats(), start, now,
-            )
-            self._pending.append(_Step(start, record, 1.0 - allocator.num_free_blocks / allocator.num_blocks))
+            seq.request.token_times.append(now)
+            seq.token_ids.append(token)
+            seq.cumulative_logprob += 0.0
+        n = len(seqs)
+        metrics.add_step(metrics.step_record(
+            False, n, n, n, n, n, cost.total_s - cost.overhead_s, cost.decode_version, 0, 0, s.stats(), start, now,
+        ))
+        window.done = k + 1
+        return True

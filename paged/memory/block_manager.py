@@ -322,6 +322,11 @@ class BlockManager:
     def block_table(self, seq: Sequence) -> list[int]:
         return self._seqs[seq.seq_id].table
 
+    def seq_blocks(self, seq: Sequence) -> _SeqBlocks:
+        """`seq`'s table and slot counts: fast-forward writes a decode token's slot through them
+        where `try_append_slots` would take its common path (paged/engine/fast_forward.py)."""
+        return self._seqs[seq.seq_id]
+
     def has_blocks(self, seq: Sequence) -> bool:
         """Whether `seq` holds blocks, on the device or swapped out."""
         return seq.seq_id in self._seqs or self.swap_space.holds(seq)
