@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from paged.memory import BlockManager
+from paged.memory.block_manager import _SeqBlocks
 from paged.memory.reservation import ExactReservation, MaxReservation, OracleReservation, Pow2Reservation
 from paged.request import Sequence
 from paged.sim.executor import SimExecutor, plain_token
@@ -48,14 +49,31 @@ _RESERVATIONS = (ExactReservation, MaxReservation, Pow2Reservation, OracleReserv
 
 @dataclass(slots=True)
 class _Window:
-    """A planned window: its sequences, their lengths when it started, the steps run and the most
-    it may run; per sequence its stop tokens (empty: none can stop it) and min-token floor."""
+    """A planned window: its sequences and, per sequence, what its steps read and write (`_Row`);
+    the steps run and the most it may run; the rows that a stop token or EOS could end."""
 
     seqs: list[Sequence]
-    lengths: list[int]
+    rows: list[_Row]
     limit: int
-    stops: list[frozenset[int]]
+    stoppable: list[_Row]
+    contexts: list[int]  # the next step's context lengths: each row's tokens so far
     done: int = 0
+
+
+@dataclass(slots=True)
+class _Row:
+    """One sequence of a window: its length when the window started, its token list and times, its
+    placeholder's inputs, its blocks, and its stop tokens with the length from which they stop it."""
+
+    seq: Sequence
+    length: int
+    token_ids: list[int]
+    token_times: list[float]
+    greedy: bool
+    index: int
+    blocks: _SeqBlocks
+    stops: frozenset[int]
+    stop_from: int
 
 
 class FastForward:
@@ -140,12 +158,16 @@ class FastForward:
         limit = self._block_limit(s.block_manager, seqs, lengths, limit)
         if limit < 1:
             return None
-        eos = s.eos_token_ids
-        stops = []
-        for seq in seqs:
-            params = seq.request.params
-            stops.append(frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos))
-        self._window = _Window(seqs, lengths, limit, stops)
+        eos, bm = s.eos_token_ids, s.block_manager
+        rows = []
+        for seq, length in zip(seqs, lengths):
+            request = seq.request
+            params = request.params
+            stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos)
+            # a stop token ends the sequence once its output, the token included, reaches min_tokens
+            rows.append(_Row(seq, length, seq.token_ids, request.token_times, params.greedy, seq.index,
+                             bm.seq_blocks(seq), stops, seq.num_prompt_tokens + params.min_tokens - 1))
+        self._window = _Window(seqs, rows, limit, [row for row in rows if row.stops], lengths)
         return self._window
 
     @staticmethod
@@ -187,21 +209,21 @@ class FastForward:
             return False
         executor = engine.executor
         assert isinstance(executor, SimExecutor)
-        seqs, lengths = window.seqs, window.lengths
         vocab = executor.vocab_size
-        tokens = []
-        for seq, length, stops in zip(seqs, lengths, window.stops):
-            params = seq.request.params
-            token = plain_token(seq.token_ids[-1], length + k, vocab, params.greedy, seq.index)
-            if stops and token in stops and length + k + 1 - seq.num_prompt_tokens >= params.min_tokens:
+        for row in window.stoppable:
+            token_ids = row.token_ids
+            length = len(token_ids)
+            if length >= row.stop_from and (
+                plain_token(token_ids[-1], length, vocab, row.greedy, row.index) in row.stops
+            ):
                 return False
-            tokens.append(token)
-        cost = executor.decode_cost([length + k for length in lengths])
+        contexts = window.contexts
+        cost = executor.decode_cost(contexts)
         if cost is None:
             return False
         s = engine.scheduler
         bm = s.block_manager
-        bs, ledger = bm.block_size, bm.ledger
+        bs, append_token = bm.block_size, bm.ledger.append_token
         clock, metrics = engine.clock, engine.metrics
         start = clock.now()
         s._blocked_blocks = 0
@@ -209,29 +231,33 @@ class FastForward:
         # unless it opens a block or fills one (or the window just started), where the block
         # manager grows and publishes as a step does (`try_append_slots`' common path, unchecked)
         edges = []
-        for seq, length in zip(seqs, lengths):
-            num_tokens = length + k
+        for row in window.rows:
+            num_tokens = len(row.token_ids)
             if k == 0 or (num_tokens - 1) % bs == 0 or num_tokens % bs == 0:
-                if bm.try_append_slots(seq) != []:
-                    raise AssertionError(f"fast-forward: sequence {seq.seq_id} could not grow as planned")
-                edges.append(True)
+                if bm.try_append_slots(row.seq) != []:
+                    raise AssertionError(f"fast-forward: sequence {row.seq.seq_id} could not grow as planned")
+                edges.append(row)
             else:
-                blocks = bm.seq_blocks(seq)
-                ledger.append_token(blocks.table[(num_tokens - 1) // bs])
+                blocks = row.blocks
+                append_token(blocks.table[(num_tokens - 1) // bs])
                 blocks.num_slots = num_tokens
-                edges.append(False)
         executor.advance(cost)
         now = clock.now()
         s._now = now
-        mark_computed = bm.mark_computed
-        for seq, token, edge in zip(seqs, tokens, edges):
-            seq.num_computed_tokens += 1
-            if edge:
-                mark_computed(seq)
-            seq.request.token_times.append(now)
-            seq.token_ids.append(token)
-            seq.cumulative_logprob += 0.0
-        n = len(seqs)
+        for row in window.rows:
+            token_ids = row.token_ids
+            length = len(token_ids)
+            row.seq.num_computed_tokens = length
+            row.token_times.append(now)
+            token_ids.append(plain_token(token_ids[-1], length, vocab, row.greedy, row.index))
+        for row in edges:
+            # the token is appended first here, which publishing ignores (it covers computed slots only)
+            bm.mark_computed(row.seq)
+        if k == 0:  # a log-probability of -0.0 becomes 0.0 once, as the first step adds 0.0
+            for row in window.rows:
+                row.seq.cumulative_logprob += 0.0
+        window.contexts = [n + 1 for n in contexts]
+        n = len(contexts)
         metrics.add_step(metrics.step_record(
             False, n, n, n, n, n, cost.total_s - cost.overhead_s, cost.decode_version, 0, 0, s.stats(), start, now,
         ))
