@@ -74,6 +74,9 @@ class _Row:
     blocks: _SeqBlocks
     stops: frozenset[int]
     stop_from: int
+    # whether the window's first step must go through the block manager (else its slot is the
+    # common path's and publishing has nothing new, as on any step off a block's edge)
+    first_edge: bool
 
 
 class FastForward:
@@ -159,14 +162,24 @@ class FastForward:
         if limit < 1:
             return None
         eos, bm = s.eos_token_ids, s.block_manager
+        bs, refcount, reservation = bm.block_size, bm.allocator.refcount, bm.reservation
+        publishes = bm.prefix_index.enabled
         rows = []
         for seq, length in zip(seqs, lengths):
             request = seq.request
             params = request.params
             stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos)
+            blocks = bm.seq_blocks(seq)
+            # `try_append_slots`' common-path test and `mark_computed`'s early return, as they ask them
+            common = (
+                (length - 1) % bs and length % bs and blocks.num_slots == length - 1 == seq.num_computed_tokens
+                and refcount(blocks.table[(length - 1) // bs]) == 1
+                and reservation.growth_slots(seq) <= len(blocks.table) * bs
+                and (not publishes or length // bs <= blocks.num_published)
+            )
             # a stop token ends the sequence once its output, the token included, reaches min_tokens
-            rows.append(_Row(seq, length, seq.token_ids, request.token_times, params.greedy, seq.index,
-                             bm.seq_blocks(seq), stops, seq.num_prompt_tokens + params.min_tokens - 1))
+            rows.append(_Row(seq, length, seq.token_ids, request.token_times, params.greedy, seq.index, blocks,
+                             stops, seq.num_prompt_tokens + params.min_tokens - 1, not common))
         self._window = _Window(seqs, rows, limit, [row for row in rows if row.stops], lengths)
         return self._window
 
@@ -228,12 +241,12 @@ class FastForward:
         start = clock.now()
         s._blocked_blocks = 0
         # the slot of each sequence's newest token: into the private block the previous step wrote,
-        # unless it opens a block or fills one (or the window just started), where the block
-        # manager grows and publishes as a step does (`try_append_slots`' common path, unchecked)
+        # unless it opens a block or fills one (or, on the window's first step, the common path's
+        # test fails), where the block manager grows and publishes as a step does
         edges = []
         for row in window.rows:
             num_tokens = len(row.token_ids)
-            if k == 0 or (num_tokens - 1) % bs == 0 or num_tokens % bs == 0:
+            if (num_tokens - 1) % bs == 0 or num_tokens % bs == 0 or (k == 0 and row.first_edge):
                 if bm.try_append_slots(row.seq) != []:
                     raise AssertionError(f"fast-forward: sequence {row.seq.seq_id} could not grow as planned")
                 edges.append(row)
