@@ -7,8 +7,8 @@ token budget (so the running order is the batch order, whatever the policy); no 
 its length, a stop token or EOS (the finishing step is stepped); the free blocks cover every block
 the window's growth takes (so no preemption); and the policy says it is step-invariant
 (`SchedulingPolicy.step_invariant`). Anything outside that (beams and samples, stop strings,
-logprobs, sliding windows, KV groups, prefix tiers, no-sharing copies, disaggregated pools) is
-stepped.
+logprobs, sliding windows, KV groups, prefix tiers, no-sharing copies, disaggregated pools, a KV
+press) is stepped.
 
 A window is planned when it starts (its last step, from the sequences' lengths and the free
 blocks) and run one step per `Engine.step` call, so that at every call the engine is exactly where
@@ -110,7 +110,8 @@ class FastForward:
     def _batch(self, engine: Engine) -> list[Sequence] | None:
         """The running sequences when every one decodes a plain token and nothing else can run; else None."""
         s = engine.scheduler
-        if s.waiting or s.swapped or s.receiving or s._pending_aborts or s.hands_off or not s.running:
+        if (s.waiting or s.swapped or s.receiving or s._pending_aborts or s.hands_off or not s.running
+                or s.press_step is not None):  # a KV press plans compaction every step
             return None
         bm = s.block_manager
         if (not isinstance(bm, BlockManager) or bm.sliding_window is not None or not bm.share_blocks
