@@ -28,6 +28,7 @@ their times the step ends.
 from __future__ import annotations
 
 import logging
+from array import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -49,10 +50,9 @@ _RESERVATIONS = (ExactReservation, MaxReservation, Pow2Reservation, OracleReserv
 
 @dataclass(slots=True)
 class _Window:
-    """A planned window: its sequences and, per sequence, what its steps read and write (`_Row`);
-    the steps run and the most it may run; the rows that a stop token or EOS could end."""
+    """A planned window: per sequence, what its steps read and write (`_Row`); the steps run and
+    the most it may run; the rows that a stop token or EOS could end."""
 
-    seqs: list[Sequence]
     rows: list[_Row]
     limit: int
     stoppable: list[_Row]
@@ -62,13 +62,12 @@ class _Window:
 
 @dataclass(slots=True)
 class _Row:
-    """One sequence of a window: its length when the window started, its token list and times, its
-    placeholder's inputs, its blocks, and its stop tokens with the length from which they stop it."""
+    """One sequence of a window: its token list and times, its placeholder's inputs, its blocks, and
+    its stop tokens with the length from which they stop it."""
 
     seq: Sequence
-    length: int
     token_ids: list[int]
-    token_times: list[float]
+    token_times: array[float]
     greedy: bool
     index: int
     blocks: _SeqBlocks
@@ -179,9 +178,9 @@ class FastForward:
                 and (not publishes or length // bs <= blocks.num_published)
             )
             # a stop token ends the sequence once its output, the token included, reaches min_tokens
-            rows.append(_Row(seq, length, seq.token_ids, request.token_times, params.greedy, seq.index, blocks,
+            rows.append(_Row(seq, seq.token_ids, request.token_times, params.greedy, seq.index, blocks,
                              stops, seq.num_prompt_tokens + params.min_tokens - 1, not common))
-        self._window = _Window(seqs, rows, limit, [row for row in rows if row.stops], lengths)
+        self._window = _Window(rows, limit, [row for row in rows if row.stops], lengths)
         return self._window
 
     @staticmethod
