@@ -9,6 +9,7 @@ import pytest
 
 from paged.config import ConfigError, compose_config
 from paged.engine.builder import check_config
+from paged.engine.fast_forward import FastForward
 from paged.experiment.run import run_experiment
 
 # the summary keys that time the host: the only ones two runs of one config may differ in
@@ -67,16 +68,41 @@ def test_fast_forward_skips_steps() -> None:
 
     cfg = compose_config([*BASE, "executor.fast_forward=true"])
     engine = build_engine(cfg)
-    windows = []
     ff = engine.fast_forward
-    assert ff is not None
-    apply = ff._apply
-    ff._apply = lambda *args: windows.append(len(args[-1])) or apply(*args)  # type: ignore[method-assign]
+    assert isinstance(ff, FastForward)
     run_workload(engine, workload_for(cfg, engine), progress=False)
-    assert sum(windows) > engine.metrics.step_stats.num_steps / 2
+    assert ff.num_steps > engine.metrics.step_stats.num_steps / 2
 
 
 def test_fast_forward_on_a_real_executor_is_a_config_error() -> None:
     cfg = compose_config(["executor=model", "model=tiny-random", "executor.fast_forward=true"])
     with pytest.raises(ConfigError, match="executor=sim"):
         check_config(cfg)
+
+
+def test_fleet_windows_run_past_arrivals_routed_elsewhere() -> None:
+    """A replica's window is cut only by what reaches it: between two arrivals that its router sent
+    elsewhere, it keeps running the window it had open (more steps, no new window)."""
+    from paged.cluster.fleet_builder import build_fleet
+    from paged.engine.runner import run_workload
+    from paged.experiment.run import workload_for
+
+    cfg = compose_config([*BASE, *FLEET, "router=round-robin", "executor.fast_forward=true"])
+    fleet = build_fleet(cfg)
+    forwards = [replica.engine.fast_forward for replica in fleet.replicas]
+    assert all(isinstance(ff, FastForward) for ff in forwards)
+    route = fleet.router.route
+    seen: list[tuple[list[tuple[int, int]], int]] = []  # per arrival: each replica's (windows, steps), the chosen
+
+    def spy(request, replicas):
+        chosen = route(request, replicas)
+        seen.append(([(ff.num_windows, ff.num_steps) for ff in forwards], chosen.index))
+        return chosen
+
+    fleet.router.route = spy  # type: ignore[method-assign]
+    run_workload(fleet, workload_for(cfg, fleet), progress=False)
+    past = sum(
+        1 for (before, chosen), (after, _) in zip(seen, seen[1:]) for i in range(len(forwards))
+        if i != chosen and after[i][0] == before[i][0] and after[i][1] > before[i][1]
+    )
+    assert past > 0

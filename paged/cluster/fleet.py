@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import math
 from typing import Any
 
 from paged.cluster.replica import Replica
@@ -71,8 +70,6 @@ class Fleet:
         self.metrics = metrics or MetricsRecorder()
         self.clock: Clock = FleetClock(self, simulated=replicas[0].clock.simulated)
         self._turn = 0
-        # the next arrival's time, set by the driver: a replica's fast-forwarded steps start before it
-        self.horizon = math.inf
         self._queue: list[tuple[float, int]] = []  # simulated: (clock, index) of each busy replica
 
     @property
@@ -102,10 +99,9 @@ class Fleet:
         if self.clock.simulated:
             _, index = heapq.heappop(self._queue)
             replica = self.replicas[index]
-            replica.horizon = self.horizon
             finished = replica.step()
             if replica.has_unfinished:
-                heapq.heappush(self._queue, (replica.next_step_time(), index))
+                heapq.heappush(self._queue, (replica.clock.now(), index))
             return finished
         busy = [r for r in self.live if r.has_unfinished]
         replica = busy[self._turn % len(busy)]

@@ -7,7 +7,6 @@ prefix cache already holds. `Replica` adds what the fleet does with it: submit, 
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -73,20 +72,6 @@ class Replica(ReplicaView):
     @property
     @abstractmethod
     def clock(self) -> Clock: ...
-
-    def next_step_time(self) -> float:
-        """When its next step starts on a simulated clock (its clock, unless its engine queued
-        fast-forwarded steps)."""
-        return self.clock.now()
-
-    @property
-    def horizon(self) -> float:
-        """The next arrival's time: a fast-forwarded step starts before it (inf: no bound)."""
-        return math.inf
-
-    @horizon.setter
-    def horizon(self, t: float) -> None:
-        """Only an engine that fast-forwards needs it."""
 
     @property
     def has_unfinished(self) -> bool:
@@ -200,17 +185,6 @@ class LocalReplica(Replica):
     @property
     def clock(self) -> Clock:
         return self.engine.clock
-
-    def next_step_time(self) -> float:
-        return self.engine.next_step_time()
-
-    @property
-    def horizon(self) -> float:
-        return self.engine.horizon
-
-    @horizon.setter
-    def horizon(self, t: float) -> None:
-        self.engine.horizon = t
 
     def _submit(self, request: Request) -> None:
         clock = self.engine.clock

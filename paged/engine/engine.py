@@ -11,7 +11,6 @@ previous one's tokens are applied.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Protocol
 
 from paged.engine.async_step import AsyncStep
@@ -29,8 +28,8 @@ class StepShortcut(Protocol):
     def step(self, engine: Engine) -> bool:
         """Hand out the engine's next step; False when the engine must run it itself."""
 
-    def flush(self, metrics: MetricsRecorder) -> None:
-        """Hand out every step already computed (before anything that is not a step)."""
+    def cut(self) -> None:
+        """Something other than a step happened (an arrival, an abort): end the window here."""
 
 
 class Engine:
@@ -45,12 +44,12 @@ class Engine:
         self.async_step = AsyncStep(scheduler, executor, self.metrics) if async_scheduling else None
         # executor=sim's exact fast-forward over decode steps in which nothing can change (None: off)
         self.fast_forward: StepShortcut | None = None
-        # the next arrival's time (the driver's): a fast-forwarded step starts before it
-        self.horizon = math.inf
 
     def add_request(self, request: Request) -> None:
         if request.params.max_tokens is None:
             self._resolve_max_tokens(request)
+        if self.fast_forward is not None:
+            self.fast_forward.cut()
         self.metrics.on_add(request)
         self.scheduler.add_request(request)
 
@@ -75,7 +74,7 @@ class Engine:
         applied first, so that the request keeps every token computed for it; one that ends in it is
         not aborted."""
         if self.fast_forward is not None:
-            self.fast_forward.flush(self.metrics)
+            self.fast_forward.cut()
         if self.async_step is not None and request in self.async_step.settle():
             return
         self.scheduler.abort(request, reason)
@@ -86,7 +85,7 @@ class Engine:
         the steps only return the aborted. The prefix cache keeps only blocks whose step completed
         (a block is published after `execute` returns), so a step that raised leaves none behind."""
         if self.fast_forward is not None:
-            self.fast_forward.flush(self.metrics)
+            self.fast_forward.cut()
         if self.async_step is not None:
             self.async_step.settle()
         s = self.scheduler
@@ -103,7 +102,7 @@ class Engine:
 
     def step(self) -> list[Request]:
         """Run one iteration; returns the requests that finished (or were aborted) in it. Under
-        fast-forward, hand out the next step of a window (`paged.engine.fast_forward`): none finish."""
+        fast-forward, run the next step of a window (`paged.engine.fast_forward`): none finish."""
         if self.async_step is not None:
             return self.async_step.step()
         if self.fast_forward is not None and self.fast_forward.step(self):
@@ -119,11 +118,6 @@ class Engine:
             self.metrics.on_step(sched, output, self.scheduler.stats(), start, self.clock.now())
         return finished
 
-    def next_step_time(self) -> float:
-        """When the next step starts: a fast-forwarded window's next queued step, else now."""
-        queued = self.fast_forward.next_start() if self.fast_forward is not None else None
-        return self.clock.now() if queued is None else queued
-
     # -- what callers ask ------------------------------------------------------------------------
 
     def kv_stats(self) -> KVStats:
@@ -136,10 +130,8 @@ class Engine:
         return self.scheduler.request_counts()
 
     def kv_usage(self) -> float:
-        """The fraction of the KV pool's blocks in use (a router's load signal): after the latest
-        step handed out, while a fast-forwarded window's steps are queued."""
-        queued = self.fast_forward.kv_usage() if self.fast_forward is not None else None
-        return self.scheduler.kv_usage() if queued is None else queued
+        """The fraction of the KV pool's blocks in use (a router's load signal)."""
+        return self.scheduler.kv_usage()
 
     @property
     def block_size(self) -> int:

@@ -3,32 +3,37 @@
 
 A window is the run of steps, from now, in which every running sequence decodes one token and
 nothing else can happen: no request waits, is swapped out, aborted or received; the batch fits the
-token budget (so the running order is the batch order, whatever the policy); no step starts at or
-after the next arrival (`Engine.horizon`: an arrival is submitted before a step that starts at its
-time); no sequence reaches its length, a stop token or EOS (the finishing step is stepped); the
-free blocks cover every block the window's growth takes (so no preemption); and the policy says
-it is step-invariant (`SchedulingPolicy.step_invariant`). Anything outside that (beams and
-samples, stop strings, logprobs, sliding windows, KV groups, prefix tiers, no-sharing copies,
-disaggregated pools) is stepped.
+token budget (so the running order is the batch order, whatever the policy); no sequence reaches
+its length, a stop token or EOS (the finishing step is stepped); the free blocks cover every block
+the window's growth takes (so no preemption); and the policy says it is step-invariant
+(`SchedulingPolicy.step_invariant`). Anything outside that (beams and samples, stop strings,
+logprobs, sliding windows, KV groups, prefix tiers, no-sharing copies, disaggregated pools, a KV
+press) is stepped.
 
-Inside a window the engine does what stepping would, with the same arithmetic in the same order,
-and skips what cannot change: the scheduler's queue walk, the policy, the batch objects. Each
-step's cost is the sim's cost model on the step's context lengths (`SimExecutor.decode_cost`); the
-blocks are grown by the block manager as a step grows them (so the same blocks, in the same order);
-tokens are the executor's placeholders and their times the step ends. Each step's record is queued
-and handed to the metrics one per `Engine.step` call, so that a fleet's replicas interleave their
-records (and the router sees their KV usage) exactly as when they step (`Engine.next_step_time`).
+A window is planned when it starts (its last step, from the sequences' lengths and the free
+blocks) and run one step per `Engine.step` call, so that at every call the engine is exactly where
+stepping would have it: its clock, its blocks and prefix cache, what a router reads of it. What
+arrives ends the window (`cut`, from `Engine.add_request` and the aborts) before its next step,
+which the engine then schedules as it would have. So a fleet's replica runs its window past the
+arrivals its router sends elsewhere, whatever the router asks of it, and the single engine past
+none. Inside a window a step does what stepping would, with the same arithmetic in the same
+order, and skips what cannot change: the scheduler's queue walk, the policy, the batch objects.
+Each step's cost is the sim's cost model on the step's context lengths (`SimExecutor.decode_cost`);
+a sequence's slot goes into the private block the previous step wrote, and only at a block's edge
+(or the window's first step) does the block manager grow the sequence and publish full blocks as
+a step would (so the same blocks, in the same order); tokens are the executor's placeholders and
+their times the step ends.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
+from array import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from paged.engine.metrics import MetricsRecorder, StepRecord
 from paged.memory import BlockManager
+from paged.memory.block_manager import _SeqBlocks
 from paged.memory.reservation import ExactReservation, MaxReservation, OracleReservation, Pow2Reservation
 from paged.request import Sequence
 from paged.sim.executor import SimExecutor, plain_token
@@ -44,59 +49,68 @@ _RESERVATIONS = (ExactReservation, MaxReservation, Pow2Reservation, OracleReserv
 
 
 @dataclass(slots=True)
-class _Step:
-    """A fast-forwarded step waiting to be handed to the metrics: its start, its record, and the
-    KV usage a router reads after it (`Scheduler.kv_usage`'s arithmetic)."""
+class _Window:
+    """A planned window: per sequence, what its steps read and write (`_Row`); the steps run and
+    the most it may run; the rows that a stop token or EOS could end."""
 
-    start: float
-    record: StepRecord
-    kv_usage: float
+    rows: list[_Row]
+    limit: int
+    stoppable: list[_Row]
+    contexts: list[int]  # the next step's context lengths: each row's tokens so far
+    done: int = 0
+
+
+@dataclass(slots=True)
+class _Row:
+    """One sequence of a window: its token list and times, its placeholder's inputs, its blocks, and
+    its stop tokens with the length from which they stop it."""
+
+    seq: Sequence
+    token_ids: list[int]
+    token_times: array[float]
+    greedy: bool
+    index: int
+    blocks: _SeqBlocks
+    stops: frozenset[int]
+    stop_from: int
+    # whether the window's first step must go through the block manager (else its slot is the
+    # common path's and publishing has nothing new, as on any step off a block's edge)
+    first_edge: bool
 
 
 class FastForward:
-    """One engine's fast-forward: finds and runs windows, then hands their records out in order."""
+    """One engine's fast-forward: plans windows and runs them a step per `Engine.step`."""
 
     def __init__(self) -> None:
-        self._pending: deque[_Step] = deque()
-        self._kv_usage: float | None = None  # after the latest step handed out, while a window drains
+        self._window: _Window | None = None
         self._said: set[str] = set()  # policy classes already logged as stepped
-
-    @property
-    def pending(self) -> bool:
-        return bool(self._pending)
-
-    def next_start(self) -> float | None:
-        """The start of the next queued step; None when none is queued."""
-        return self._pending[0].start if self._pending else None
-
-    def kv_usage(self) -> float | None:
-        """The KV usage after the latest step handed out, while a window's steps are queued."""
-        return self._kv_usage if self._pending else None
+        self.num_windows = 0  # windows that ran a step
+        self.num_steps = 0  # steps run in windows
 
     def step(self, engine: Engine) -> bool:
-        """Hand out the next queued step, or run a window and hand out its first; False when no
-        window can start now (the engine steps)."""
-        if not self._pending and not self._run(engine):
+        """Run the window's next step (planning a window if none is open); False when no window
+        step can run now (the engine steps)."""
+        window = self._window or self._plan(engine)
+        if window is None:
             return False
-        self._emit(engine.metrics)
+        if not self._run_step(engine, window):
+            self._window = None
+            return False
+        self.num_windows += window.done == 1
+        self.num_steps += 1
         return True
 
-    def flush(self, metrics: MetricsRecorder) -> None:
-        """Hand out every queued step (before anything that is not a step: an abort)."""
-        while self._pending:
-            self._emit(metrics)
+    def cut(self) -> None:
+        """Something other than a step happened (an arrival, an abort): end the window here."""
+        self._window = None
 
-    def _emit(self, metrics: MetricsRecorder) -> None:
-        step = self._pending.popleft()
-        self._kv_usage = step.kv_usage
-        metrics.add_step(step.record)
-
-    # -- a window ------------------------------------------------------------------------------------
+    # -- planning ------------------------------------------------------------------------------------
 
     def _batch(self, engine: Engine) -> list[Sequence] | None:
         """The running sequences when every one decodes a plain token and nothing else can run; else None."""
         s = engine.scheduler
-        if s.waiting or s.swapped or s.receiving or s._pending_aborts or s.hands_off or not s.running:
+        if (s.waiting or s.swapped or s.receiving or s._pending_aborts or s.hands_off or not s.running
+                or s.press_step is not None):  # a KV press plans compaction every step
             return None
         bm = s.block_manager
         if (not isinstance(bm, BlockManager) or bm.sliding_window is not None or not bm.share_blocks
@@ -112,7 +126,7 @@ class FastForward:
                     or seq.logprobs is not None or len(seq.token_ids) - seq.num_computed_tokens != 1
                     or len(seq.token_ids) <= seq.num_prompt_tokens):
                 return None
-        return s.running
+        return list(s.running)
 
     def _policy_allows(self, policy: object) -> bool:
         invariant = getattr(policy, "step_invariant", None)
@@ -124,14 +138,13 @@ class FastForward:
                          "(SchedulingPolicy.step_invariant): its engine steps one iteration at a time", name)
         return bool(invariant)
 
-    def _run(self, engine: Engine) -> bool:
-        """Run the window that starts now, queueing its steps; False when it is empty."""
-        executor = engine.executor
-        if not isinstance(executor, SimExecutor):
-            return False
+    def _plan(self, engine: Engine) -> _Window | None:
+        """The window that starts now; None when it would be empty."""
+        if not isinstance(engine.executor, SimExecutor):
+            return None
         seqs = self._batch(engine)
         if seqs is None:
-            return False
+            return None
         s = engine.scheduler
         max_model_len = s.max_model_len
         # the finishing step is stepped: the window ends before the first sequence's last token
@@ -141,18 +154,34 @@ class FastForward:
             for seq in seqs
         ) - 1
         if limit < 1:
-            return False
+            return None
         lengths = [len(seq.token_ids) for seq in seqs]
-        bm = s.block_manager
         # the blocks the window's growth takes (what `try_append_slots` adds, ExactReservation or a
         # larger reservation alike), which the free blocks must cover: else a step could preempt
-        limit = self._block_limit(bm, seqs, lengths, limit)
-        costs = self._costs(executor, lengths, limit, engine.clock.now(), engine.horizon)
-        num_steps = self._stop_limit(executor, s.eos_token_ids, seqs, len(costs))
-        if num_steps < 1:
-            return False
-        self._apply(engine, executor, seqs, costs[:num_steps])
-        return True
+        limit = self._block_limit(s.block_manager, seqs, lengths, limit)
+        if limit < 1:
+            return None
+        eos, bm = s.eos_token_ids, s.block_manager
+        bs, refcount, reservation = bm.block_size, bm.allocator.refcount, bm.reservation
+        publishes = bm.prefix_index.enabled
+        rows = []
+        for seq, length in zip(seqs, lengths):
+            request = seq.request
+            params = request.params
+            stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos)
+            blocks = bm.seq_blocks(seq)
+            # `try_append_slots`' common-path test and `mark_computed`'s early return, as they ask them
+            common = (
+                (length - 1) % bs and length % bs and blocks.num_slots == length - 1 == seq.num_computed_tokens
+                and refcount(blocks.table[(length - 1) // bs]) == 1
+                and reservation.growth_slots(seq) <= len(blocks.table) * bs
+                and (not publishes or length // bs <= blocks.num_published)
+            )
+            # a stop token ends the sequence once its output, the token included, reaches min_tokens
+            rows.append(_Row(seq, seq.token_ids, request.token_times, params.greedy, seq.index, blocks,
+                             stops, seq.num_prompt_tokens + params.min_tokens - 1, not common))
+        self._window = _Window(rows, limit, [row for row in rows if row.stops], lengths)
+        return self._window
 
     @staticmethod
     def _block_limit(bm: BlockManager, seqs: list[Sequence], lengths: list[int], limit: int) -> int:
@@ -182,68 +211,68 @@ class FastForward:
                 hi = mid - 1
         return lo
 
-    @staticmethod
-    def _costs(executor: SimExecutor, lengths: list[int], limit: int, now: float, horizon: float) -> list:
-        """The window's step costs, each step starting before `horizon` (at most `limit` steps)."""
-        costs = []
-        start = now
-        for k in range(limit):
-            if start >= horizon:
-                break
-            cost = executor.decode_cost([n + k for n in lengths])
-            if cost is None:
-                break
-            costs.append(cost)
-            start += cost.total_s
-        return costs
+    # -- a step ----------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _stop_limit(executor: SimExecutor, eos: frozenset[int], seqs: list[Sequence], limit: int) -> int:
-        """The steps (at most `limit`) before the first token that a stop token or EOS would end on."""
+    def _run_step(self, engine: Engine, window: _Window) -> bool:
+        """Run the window's next step as stepping would; False (nothing changed) when the window is
+        over: its last planned step ran, a token would stop a sequence, or the cost model cannot
+        price the step from its rows alone."""
+        k = window.done
+        if k >= window.limit:
+            return False
+        executor = engine.executor
+        assert isinstance(executor, SimExecutor)
         vocab = executor.vocab_size
-        for seq in seqs:
-            params = seq.request.params
-            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))
-            if not stops:
-                continue
-            last, length = seq.token_ids[-1], len(seq.token_ids)
-            num_output = length - seq.num_prompt_tokens
-            for k in range(limit):
-                token = plain_token(last, length + k, vocab, params.greedy, seq.index)
-                if token in stops and num_output + k + 1 >= params.min_tokens:
-                    limit = k
-                    break
-                last = token
-        return limit
-
-    def _apply(self, engine: Engine, executor: SimExecutor, seqs: list[Sequence], costs: list) -> None:
-        """Run the window's steps as stepping would, queueing their records."""
+        for row in window.stoppable:
+            token_ids = row.token_ids
+            length = len(token_ids)
+            if length >= row.stop_from and (
+                plain_token(token_ids[-1], length, vocab, row.greedy, row.index) in row.stops
+            ):
+                return False
+        contexts = window.contexts
+        cost = executor.decode_cost(contexts)
+        if cost is None:
+            return False
         s = engine.scheduler
         bm = s.block_manager
+        bs, append_token = bm.block_size, bm.ledger.append_token
         clock, metrics = engine.clock, engine.metrics
-        try_append, mark_computed = bm.try_append_slots, bm.mark_computed
-        allocator = bm.allocator
-        vocab, n = executor.vocab_size, len(seqs)
-        rows = [(seq, seq.request, seq.request.params.greedy, seq.index) for seq in seqs]
-        for cost in costs:
-            start = clock.now()
-            s._blocked_blocks = 0
-            for seq in seqs:
-                if try_append(seq) != []:
-                    raise AssertionError(f"fast-forward: sequence {seq.seq_id} could not grow as planned")
-            executor.advance(cost)
-            now = clock.now()
-            s._now = now
-            for seq, request, greedy, index in rows:
-                token_ids = seq.token_ids
-                token = plain_token(token_ids[-1], len(token_ids), vocab, greedy, index)
-                seq.num_computed_tokens += 1
-                mark_computed(seq)
-                request.token_times.append(now)
-                token_ids.append(token)
-                seq.cumulative_logprob += 0.0
-            total = cost.total_s
-            record = metrics.step_record(
-                False, n, n, n, n, n, total - cost.overhead_s, cost.decode_version, 0, 0, s.stats(), start, now,
-            )
-            self._pending.append(_Step(start, record, 1.0 - allocator.num_free_blocks / allocator.num_blocks))
+        start = clock.now()
+        s._blocked_blocks = 0
+        # the slot of each sequence's newest token: into the private block the previous step wrote,
+        # unless it opens a block or fills one (or, on the window's first step, the common path's
+        # test fails), where the block manager grows and publishes as a step does
+        edges = []
+        for row in window.rows:
+            num_tokens = len(row.token_ids)
+            if (num_tokens - 1) % bs == 0 or num_tokens % bs == 0 or (k == 0 and row.first_edge):
+                if bm.try_append_slots(row.seq) != []:
+                    raise AssertionError(f"fast-forward: sequence {row.seq.seq_id} could not grow as planned")
+                edges.append(row)
+            else:
+                blocks = row.blocks
+                append_token(blocks.table[(num_tokens - 1) // bs])
+                blocks.num_slots = num_tokens
+        executor.advance(cost)
+        now = clock.now()
+        s._now = now
+        for row in window.rows:
+            token_ids = row.token_ids
+            length = len(token_ids)
+            row.seq.num_computed_tokens = length
+            row.token_times.append(now)
+            token_ids.append(plain_token(token_ids[-1], length, vocab, row.greedy, row.index))
+        for row in edges:
+            # the token is appended first here, which publishing ignores (it covers computed slots only)
+            bm.mark_computed(row.seq)
+        if k == 0:  # a log-probability of -0.0 becomes 0.0 once, as the first step adds 0.0
+            for row in window.rows:
+                row.seq.cumulative_logprob += 0.0
+        window.contexts = [n + 1 for n in contexts]
+        n = len(contexts)
+        metrics.add_step(metrics.step_record(
+            False, n, n, n, n, n, cost.total_s - cost.overhead_s, cost.decode_version, 0, 0, s.stats(), start, now,
+        ))
+        window.done = k + 1
+        return True

@@ -77,7 +77,6 @@ def drive(
             if not engine.has_unfinished:
                 clock.wait_until(min(next_arrival, now + slice_s))
                 continue
-            engine.horizon = next_arrival  # a fast-forwarded step starts before it (paged/engine/fast_forward.py)
             finished = engine.step()
             bar.step(len(finished))
             for request in follow_ups.release(finished):

@@ -1,6 +1,6 @@
-"""Maps sequences to KV blocks: admission, growth, copy-on-write, sliding-window recycling and the
-memory breakdown. Prefix lookups (`PrefixIndex`), swap to a CPU pool (`SwapSpace`) and the per-block
-slot counts (`SlotLedger`) are the classes it delegates to."""
+"""Maps sequences to KV blocks: admission, growth, copy-on-write, sliding-window recycling and the memory breakdown.
+Prefix lookups (`PrefixIndex`), swap to a CPU pool (`SwapSpace`) and the per-block slot counts (`SlotLedger`) are
+the classes it delegates to."""
 
 from __future__ import annotations
 
@@ -29,30 +29,27 @@ class _SeqBlocks:
     num_slots: int  # token slots filled, i.e. seq.num_tokens at the last allocate/append
     final: int  # slots the sequence fills before its length limit: what its reservation is for
     num_published: int = 0  # leading blocks already inserted into the prefix cache
-    # Leading blocks freed because they lie wholly before the sliding window; their table entries
-    # are stale ids that the attention kernels never read.
+    # leading blocks freed as wholly before the sliding window (stale ids the kernels never read)
     num_dropped: int = 0
-    # Leading blocks whose hashes were announced as being computed (from `num_published` on, until
-    # published or freed): what waiting requests with the same prefix can wait for.
+    # leading blocks announced as being computed (from `num_published` on, until published or
+    # freed): what waiting requests with the same prefix can wait for
     num_announced: int = 0
 
 
 class BlockManager:
     """The scheduler's view of KV memory; the allocator below it only knows block ids.
 
-    Contract with the caller: after `allocate` returns h, the caller sets
-    `seq.num_computed_tokens = h`; after a step writes KV it advances `num_computed_tokens` and
-    calls `mark_computed`. Writes only ever go to positions >= `num_computed_tokens`, which is
-    what `append_slots` makes private (copy-on-write) before a step.
+    Contract with the caller: after `allocate` returns h, the caller sets `seq.num_computed_tokens = h`; after a
+    step writes KV it advances `num_computed_tokens` and calls `mark_computed`. Writes only ever go to positions >=
+    `num_computed_tokens`, which is what `append_slots` makes private (copy-on-write) before a step.
 
-    How many slots a table covers beyond the tokens (none for paged allocation) is the
-    `reservation`'s decision, at admission and before each growth step. With `num_cpu_blocks`, a
-    sequence can be swapped out to a CPU pool and back (`swap_out` / `swap_in` return the block
-    pairs the executor moves). With a `sliding_window`, blocks wholly before every future query's
-    window are freed as the sequence grows. `max_model_len` caps the length a reservation counts on.
-    `share_blocks=False` is the no-sharing baseline of the paper's sharing study: a forked sequence
-    (or a prefix-cache hit) copies every block it shares before its next step. With `tiers`, evicted
-    prefix blocks go to a CPU (and disk) tier and come back as hits by copy (`paged.memory.kv_tiers`).
+    How many slots a table covers beyond the tokens (none for paged allocation) is the `reservation`'s decision, at
+    admission and before each growth step. With `num_cpu_blocks`, a sequence can be swapped out to a CPU pool and
+    back (`swap_out` / `swap_in` return the block pairs the executor moves). With a `sliding_window`, blocks wholly
+    before every future query's window are freed as the sequence grows. `max_model_len` caps the length a
+    reservation counts on. `share_blocks=False` is the no-sharing baseline of the paper's sharing study: a forked
+    sequence (or a prefix-cache hit) copies every block it shares before its next step. With `tiers`, evicted prefix
+    blocks go to a CPU (and disk) tier and come back as hits by copy (`paged.memory.kv_tiers`).
     """
 
     def __init__(
@@ -322,6 +319,10 @@ class BlockManager:
     def block_table(self, seq: Sequence) -> list[int]:
         return self._seqs[seq.seq_id].table
 
+    def seq_blocks(self, seq: Sequence) -> _SeqBlocks:
+        """`seq`'s table and slot counts, which fast-forward's decode steps fill (`paged.engine.fast_forward`)."""
+        return self._seqs[seq.seq_id]
+
     def has_blocks(self, seq: Sequence) -> bool:
         """Whether `seq` holds blocks, on the device or swapped out."""
         return seq.seq_id in self._seqs or self.swap_space.holds(seq)
@@ -329,8 +330,7 @@ class BlockManager:
     # -- swap ------------------------------------------------------------------------------------
 
     def can_swap_out(self, *seqs: Sequence) -> bool:
-        """Whether the CPU pool can take the filled blocks of `seqs` (one request's running
-        sequences: a block they share moves once) now."""
+        """Whether the CPU pool can take the filled blocks of `seqs` (one request's running sequences) now."""
         return self.swap_space.can_swap_out(self._filled_blocks(self._seqs[s.seq_id]) for s in seqs)
 
     def swap_out(self, *seqs: Sequence) -> list[tuple[int, int]]:
