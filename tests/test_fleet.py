@@ -192,3 +192,31 @@ def test_tenant_prefixes_give_each_client_its_own_prefix():
     assert len(set().union(*prefix_of.values())) == 4
     with pytest.raises(ConfigError, match="tenant_prefixes=true .* needs workload.num_clients > 0"):
         build_fleet(compose_config([*SIM, "cluster.num_replicas=2", "workload.tenant_prefixes=true"]))
+
+
+def test_fleet_abort_frees_the_request_on_its_replica_and_the_others_finish():
+    fleet = build_fleet(compose_config([*SIM, "cluster.num_replicas=2", "router=round-robin"]))
+    requests = [Request(str(i), list(range(100 * i + 1, 100 * i + 301)), SamplingParams(max_tokens=40, ignore_eos=True))
+                for i in range(4)]
+    fleet.clock.reset()
+    for request in requests:
+        fleet.add_request(request)
+    for _ in range(6):
+        fleet.step()
+    victim = requests[0]
+    home, other = fleet.replicas
+    assert victim in home.held and victim.finish_time is None
+    held_before = home.engine.kv_stats().num_allocated_blocks
+    untouched = other.engine.kv_stats().num_allocated_blocks
+    fleet.abort(victim, "client disconnected")
+    # its blocks are freed on its replica at once; the other replica is not touched
+    assert home.engine.kv_stats().num_allocated_blocks < held_before
+    assert other.engine.kv_stats().num_allocated_blocks == untouched
+    while fleet.has_unfinished:
+        fleet.step()
+    assert victim.abort_reason == "client disconnected" and len(victim.outputs()[0].token_ids) < 40
+    assert all(r.abort_reason is None and len(r.outputs()[0].token_ids) == 40 for r in requests[1:])
+    assert [(r["num_finished"], r["num_aborted"]) for r in fleet.replica_rows()] == [(1, 1), (2, 0)]
+    assert fleet.kv_stats().num_allocated_blocks == 0
+    fleet.abort(victim, "again")  # a request no replica holds any more: nothing to do
+    assert victim.abort_reason == "client disconnected"

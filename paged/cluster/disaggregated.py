@@ -165,6 +165,11 @@ class DisaggregatedFleet(Fleet):
         )
         self._push(_Event(end, next(self._order), request, decode, record))
 
+    def abort(self, request: Request, reason: str) -> None:
+        raise NotImplementedError(
+            "a disaggregated fleet aborts only all its requests: one may be between pools (its KV in transfer)"
+        )
+
     def abort_all(self, reason: str) -> list[Request]:
         """Every request anywhere: queued, computing, handed off, waiting for decode blocks or for
         its KV. A request not yet routed to a decode replica is aborted on its prefill replica

@@ -113,6 +113,14 @@ class Fleet:
         counts = [r.request_counts() for r in self.live]
         return sum(running for running, _ in counts), sum(waiting for _, waiting in counts)
 
+    def abort(self, request: Request, reason: str) -> None:
+        """Abort `request` on the replica it was routed to (the one whose `held` has it), freeing its
+        blocks there; that replica's next step returns it, with `reason` (`Engine.abort`). A request
+        no replica holds (finished, or never submitted) is left as it is."""
+        replica = next((r for r in self.live if request in r.held), None)
+        if replica is not None:
+            replica.abort(request, reason)
+
     def abort_all(self, reason: str) -> list[Request]:
         self._queue.clear()
         return [request for replica in self.live for request in replica.abort_all(reason)]

@@ -90,6 +90,10 @@ class Replica(ReplicaView):
         self._record(finished)
         return finished
 
+    def abort(self, request: Request, reason: str) -> None:
+        """Abort `request`, one it holds: its blocks are freed now and its next `step` returns it."""
+        self._abort(request, reason)
+
     def abort_all(self, reason: str) -> list[Request]:
         """Abort every request it holds, with `reason`; returns them."""
         aborted = self._abort_all(reason)
@@ -124,6 +128,9 @@ class Replica(ReplicaView):
 
     @abstractmethod
     def _step(self) -> list[Request]: ...
+
+    def _abort(self, request: Request, reason: str) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot abort one request (only all of them)")
 
     @abstractmethod
     def _abort_all(self, reason: str) -> list[Request]: ...
@@ -194,6 +201,9 @@ class LocalReplica(Replica):
 
     def _step(self) -> list[Request]:
         return self.engine.step()
+
+    def _abort(self, request: Request, reason: str) -> None:
+        self.engine.abort(request, reason)
 
     def _abort_all(self, reason: str) -> list[Request]:
         return self.engine.abort_all(reason)
