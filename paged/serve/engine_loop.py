@@ -16,6 +16,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from paged.cluster.fleet import Fleet
 from paged.engine.engine import Engine
 from paged.request import Request
 from paged.serve.deltas import ChoiceStream, Update, final_deltas
@@ -73,10 +74,11 @@ class _Tracked:
 
 
 class EngineLoop:
-    """Runs `engine` in a thread once `start`ed. `requests` lists every request submitted, in order
+    """Runs `engine` (one engine, or a `Fleet` in this process: it steps and aborts as one) in a
+    thread once `start`ed. `requests` lists every request submitted, in order
     (the run's requests.jsonl); `metrics` is what /metrics shows."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine | Fleet) -> None:
         self.engine = engine
         self.tokenizer = engine.executor.tokenizer
         self.decode = self.tokenizer.decode if self.tokenizer is not None else None

@@ -1,5 +1,6 @@
-"""A server run: build the engine from a composed config, serve it over HTTP until a signal, and
-leave the run's summary.json and requests.jsonl behind, as `run.py` leaves a workload's.
+"""A server run: build the engine (or a fleet of them in this process) from a composed config, serve
+it over HTTP until a signal, and leave the run's summary.json and requests.jsonl behind, as `run.py`
+leaves a workload's.
 
 SIGINT or SIGTERM (`paged.utils.interrupt`) stops admitting (new calls get 503), aborts what runs
 with reason "interrupted" (their streams end with finish_reason "abort"), lets uvicorn close the
@@ -22,6 +23,8 @@ from typing import Any
 import uvicorn
 
 from paged.api.outputs import print_summary, write_outputs
+from paged.cluster.fleet import Fleet
+from paged.cluster.fleet_builder import build_fleet, check_fleet, uses_fleet
 from paged.config import ConfigError
 from paged.engine.builder import build_engine, check_config
 from paged.engine.engine import Engine
@@ -40,7 +43,7 @@ SWITCH_INTERVAL_S = 0.0005
 GRACEFUL_SHUTDOWN_S = 30
 
 
-def limits_for(cfg: Any, engine: Engine) -> Limits:
+def limits_for(cfg: Any, engine: Engine | Fleet) -> Limits:
     """What `engine`, built from `cfg`, accepts, and the model name it is served under."""
     s = cfg.scheduler
     name = cfg.server.served_model_name or cfg.model.name
@@ -48,17 +51,21 @@ def limits_for(cfg: Any, engine: Engine) -> Limits:
 
 
 def check_server_config(cfg: Any) -> None:
-    """What a server cannot run, before any weights load: one engine with a real model, on an
+    """What a server cannot run, before any weights load: a real model on the wall clock, one engine
+    or a fleet in this process (whose `Fleet.abort` frees a request that a client left), on an
     address it can bind."""
+    if uses_fleet(cfg):
+        _, backend = check_fleet(cfg)
+        c = cfg.cluster
+        if c.prefill_replicas > 0:  # check_fleet allows it with executor=sim only, refused below anyway
+            raise ConfigError(f"cluster.prefill_replicas={c.prefill_replicas}: the server cannot run a disaggregated "
+                              "fleet (it aborts only all its requests); use cluster.prefill_replicas=0")
+        if backend != "local":
+            raise ConfigError(f"cluster.backend={c.backend} (resolved: {backend}): the server runs a fleet in this "
+                              "process only (a Ray replica cannot abort one request); use cluster.backend=local")
     plugins = check_config(cfg)
     if issubclass(plugins.executor.cls, SimExecutor):
         raise ConfigError("executor=sim: the server runs a model on the wall clock; use executor=model")
-    c = cfg.cluster
-    if c.num_replicas > 1 or c.prefill_replicas > 0:
-        raise ConfigError(
-            f"cluster.num_replicas={c.num_replicas}, cluster.prefill_replicas={c.prefill_replicas}: the server runs "
-            "one engine (a fleet cannot yet abort one request); use cluster.num_replicas=1"
-        )
     _check_bindable(cfg.server.host, cfg.server.port)
 
 
@@ -121,7 +128,7 @@ def serve(cfg: Any, run_dir: Path, interrupt: Interrupt) -> dict[str, Any]:
     # (tiny-random at 8 streams: 66% of offline tok/s over HTTP at 5 ms, 79% at 0.5 ms; one run each).
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     start = time.perf_counter()
-    engine = build_engine(cfg)
+    engine = build_fleet(cfg) if uses_fleet(cfg) else build_engine(cfg)
     load_time = time.perf_counter() - start
     engine_loop = EngineLoop(engine)
     try:
@@ -139,17 +146,25 @@ def serve(cfg: Any, run_dir: Path, interrupt: Interrupt) -> dict[str, Any]:
             )
             write_outputs(run_dir, summary, requests, [RequestMetrics.of(r) for r in requests], engine_loop.decode)
     finally:
-        engine.executor.shutdown()
+        _shutdown(engine)
     print_summary(summary, f"paged.serve: {cfg.allocator.name} | {cfg.scheduler.name} | {engine.executor.description}")
     log.info("wrote %s", run_dir)
     return summary
+
+
+def _shutdown(engine: Engine | Fleet) -> None:
+    """Release what `engine` holds outside this process (tensor-parallel workers)."""
+    if isinstance(engine, Fleet):
+        engine.shutdown()
+    else:
+        engine.executor.shutdown()
 
 
 class BackgroundServer:
     """The server on an already built `engine`, in a thread of this process, on 127.0.0.1 and a free
     port by default: `url` once `start` returned. The engine must not be driven elsewhere meanwhile."""
 
-    def __init__(self, engine: Engine, limits: Limits, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, engine: Engine | Fleet, limits: Limits, host: str = "127.0.0.1", port: int = 0) -> None:
         self.engine_loop = EngineLoop(engine)
         self._server = _uvicorn(self.engine_loop, limits, host, port, None)
         self._thread = threading.Thread(target=self._server.run, name="http-server", daemon=True)
@@ -175,5 +190,5 @@ class BackgroundServer:
         self.engine.metrics.step_listeners.remove(self.engine_loop.metrics.on_step)
 
     @property
-    def engine(self) -> Engine:
+    def engine(self) -> Engine | Fleet:
         return self.engine_loop.engine
