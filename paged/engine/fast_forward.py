@@ -18,7 +18,9 @@ which the engine then schedules as it would have. So a fleet's replica runs its 
 arrivals its router sends elsewhere, whatever the router asks of it, and the single engine past
 none. Inside a window a step does what stepping would, with the same arithmetic in the same
 order, and skips what cannot change: the scheduler's queue walk, the policy, the batch objects.
-Each step's cost is the sim's cost model on the step's context lengths (`SimExecutor.decode_cost`);
+Each step's cost is the sim's cost model on the step's context lengths (`SimExecutor.decode_cost`,
+whose batch-size parts are computed once per size), and its statistics are counted without a step
+record where none is kept or listened to (`MetricsRecorder.add_decode_step`);
 a sequence's slot goes into the private block the previous step wrote, and only at a block's edge
 (or the window's first step) does the block manager grow the sequence and publish full blocks as
 a step would (so the same blocks, in the same order); tokens are the executor's placeholders and
@@ -270,9 +272,7 @@ class FastForward:
             for row in window.rows:
                 row.seq.cumulative_logprob += 0.0
         window.contexts = [n + 1 for n in contexts]
-        n = len(contexts)
-        metrics.add_step(metrics.step_record(
-            False, n, n, n, n, n, cost.total_s - cost.overhead_s, cost.decode_version, 0, 0, s.stats(), start, now,
-        ))
+        metrics.add_decode_step(len(contexts), cost.total_s - cost.overhead_s, cost.decode_version, s.stats(), start,
+                                now)
         window.done = k + 1
         return True
