@@ -229,16 +229,11 @@ class MetricsRecorder:
         for listener in self.step_listeners:
             listener(record)
 
-    def add_decode_step(self, num_rows: int, model_time_s: float, attention_version: str | None,
-                        stats: SchedulerStats, start: float, end: float) -> None:
-        """A step of `num_rows` decode rows only (fast-forward's): counted without a record object
-        where nothing keeps or reads one, else `add_step` of its record."""
-        if self.keep_steps or self.step_listeners:
-            self.add_step(self.step_record(False, num_rows, num_rows, num_rows, num_rows, num_rows, model_time_s,
-                                           attention_version, 0, 0, stats, start, end))
-        else:
-            self.step_stats.add_decode(num_rows, stats.num_running, model_time_s, attention_version, stats.kv,
-                                       start, end)
+    @property
+    def records_steps(self) -> bool:
+        """Whether a step needs its `StepRecord` (kept or listened to), else `step_stats` counts it
+        (`StepStats.add_decode`, fast-forward's)."""
+        return self.keep_steps or bool(self.step_listeners)
 
     def on_transfer(self, record: TransferRecord) -> None:
         """A request's KV reached its decode replica."""

@@ -64,17 +64,21 @@ class StepStats:
             s.num_running, s.kv_tokens_held, s.num_decode_rows, s.attention_version,
         )
 
-    def add_decode(self, num_rows: int, num_running: int, model_time_s: float, attention_version: str | None,
-                   kv: KVStats, start: float, end: float) -> None:
-        """A step of `num_rows` decode rows only, counted as `add` counts its record
-        (`MetricsRecorder.step_record`'s values, computed the same way), without the record."""
-        shares = kv.breakdown()
+    def add_decode(self, num_rows: int, model_time_s: float, attention_version: str | None, kv: KVStats,
+                   used: int, reserved: int, start: float, end: float) -> None:
+        """A step of `num_rows` decode rows only (fast-forward's), counted as `add` counts its record,
+        without the record: the cache is `kv`'s blocks (one KV group) with `used` and `reserved`
+        slots, as a window step off a block's edge changes only the slots (`kv` is the latest
+        edge's). `KVStats`' values with the same integer operations and one division each."""
+        bs, total_blocks, allocated = kv.block_size, kv.num_total_blocks, kv.num_allocated_blocks
+        unassigned, stranded = kv.num_unassigned_blocks, kv.num_stranded_free_blocks
+        total = total_blocks * bs
+        shares = (used / total, reserved / total, ((allocated - unassigned) * bs - used - reserved) / total,
+                  (unassigned + stranded) * bs / total, (kv.num_free_blocks - stranded) * bs / total)
         self._count(
-            num_rows, end - start, max(0.0, end - start - model_time_s), 0, num_rows, end, kv.kv_usage,
-            (shares["token_state"], shares["reserved"], shares["internal_frag"], shares["external_frag"],
-             shares["free"]),
-            kv.num_allocated_blocks, kv.token_state_fraction, kv.num_logical_blocks, kv.sharing_saving,
-            num_running, kv.tokens_held, num_rows, attention_version,
+            num_rows, end - start, max(0.0, end - start - model_time_s), 0, num_rows, end, allocated / total_blocks,
+            shares, allocated, used / (allocated * bs) if allocated else 1.0, kv.num_logical_blocks,
+            kv.sharing_saving, num_rows, used, num_rows, attention_version,
         )
 
     def _count(
