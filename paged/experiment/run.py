@@ -123,7 +123,8 @@ def _run(
     # them (at paper or fleet scale millions of objects, 5-15% of a simulated run's host time).
     gc.freeze()
     try:
-        stopped = drive(engine, requests, progress=progress, label=label, stop=stop)
+        # the run reads finished requests only for requests.jsonl and the metrics: compact tokens
+        stopped = drive(engine, requests, progress=progress, label=label, stop=stop, compact=True)
     finally:
         gc.unfreeze()
         if isinstance(engine, Fleet):
