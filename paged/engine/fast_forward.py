@@ -18,7 +18,10 @@ which the engine then schedules as it would have. So a fleet's replica runs its 
 arrivals its router sends elsewhere, whatever the router asks of it, and the single engine past
 none. Inside a window a step does what stepping would, with the same arithmetic in the same
 order, and skips what cannot change: the scheduler's queue walk, the policy, the batch objects.
-Each step's cost is the sim's cost model on the step's context lengths (`SimExecutor.decode_cost`);
+Each step's cost is the sim's cost model on the step's context lengths (`SimExecutor.decode_cost`,
+whose batch-size parts are computed once per size), and its statistics are counted without a step
+record where none is kept or listened to (`StepStats.add_decode`, from the cache's blocks as the
+latest step that grew a table left them and the ledger's slots now);
 a sequence's slot goes into the private block the previous step wrote, and only at a block's edge
 (or the window's first step) does the block manager grow the sequence and publish full blocks as
 a step would (so the same blocks, in the same order); tokens are the executor's placeholders and
@@ -37,6 +40,7 @@ from paged.memory.block_manager import _SeqBlocks
 from paged.memory.reservation import ExactReservation, MaxReservation, OracleReservation, Pow2Reservation
 from paged.request import Sequence
 from paged.sim.executor import SimExecutor, plain_token
+from paged.step import KVStats
 
 if TYPE_CHECKING:
     from paged.engine.engine import Engine
@@ -58,6 +62,7 @@ class _Window:
     stoppable: list[_Row]
     contexts: list[int]  # the next step's context lengths: each row's tokens so far
     done: int = 0
+    kv: KVStats | None = None  # the cache after the latest step that grew a block table (statistics only)
 
 
 @dataclass(slots=True)
@@ -270,9 +275,18 @@ class FastForward:
             for row in window.rows:
                 row.seq.cumulative_logprob += 0.0
         window.contexts = [n + 1 for n in contexts]
-        n = len(contexts)
-        metrics.add_step(metrics.step_record(
-            False, n, n, n, n, n, cost.total_s - cost.overhead_s, cost.decode_version, 0, 0, s.stats(), start, now,
-        ))
+        n, model_time = len(contexts), cost.total_s - cost.overhead_s
+        if metrics.records_steps:
+            metrics.add_step(metrics.step_record(
+                False, n, n, n, n, n, model_time, cost.decode_version, 0, 0, s.stats(), start, now,
+            ))
+        else:
+            # off a block's edge a step changes only the ledger's slots: the blocks are the last edge's
+            if k == 0 or edges:
+                window.kv = bm.stats()
+            ledger = bm.ledger
+            assert window.kv is not None
+            metrics.step_stats.add_decode(n, model_time, cost.decode_version, window.kv, ledger.num_used,
+                                          ledger.num_reserved, start, now)
         window.done = k + 1
         return True

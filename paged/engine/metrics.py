@@ -229,6 +229,12 @@ class MetricsRecorder:
         for listener in self.step_listeners:
             listener(record)
 
+    @property
+    def records_steps(self) -> bool:
+        """Whether a step needs its `StepRecord` (kept or listened to), else `step_stats` counts it
+        (`StepStats.add_decode`, fast-forward's)."""
+        return self.keep_steps or bool(self.step_listeners)
+
     def on_transfer(self, record: TransferRecord) -> None:
         """A request's KV reached its decode replica."""
         self.transfers.append(record)

@@ -44,6 +44,7 @@ def drive(
     progress: bool = False,
     label: str = "requests",
     stop: Interrupt | None = None,
+    compact: bool = False,
 ) -> bool:
     """Submit each of `requests` once the engine's clock reaches its arrival time, idling until the
     next arrival while nothing runs, and step until every request is done: these and any submitted
@@ -54,7 +55,9 @@ def drive(
     `stop` is checked between steps, never inside one: once it is requested, no more requests are
     submitted and every unfinished one is aborted with reason "interrupted" (those already finished
     keep their outputs), and so are the follow-ups of those. Returns True when it stopped so, with
-    work left; False when all was done. `progress` draws a bar labelled `label` (`RunProgress`)."""
+    work left; False when all was done. `progress` draws a bar labelled `label` (`RunProgress`).
+    `compact` holds each finished request's token ids compactly (`Request.compact`), once its
+    follow-ups have read them: for runs read afterwards only through `outputs()` and lengths."""
     follow_ups = FollowUps(requests)
     pending = sorted((r for r in requests if r.follows is None), key=lambda r: r.arrival_time)
     clock = engine.clock
@@ -81,6 +84,9 @@ def drive(
             bar.step(len(finished))
             for request in follow_ups.release(finished):
                 engine.add_request(request)
+            if compact:
+                for request in finished:
+                    request.compact()
     return False
 
 

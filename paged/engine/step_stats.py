@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from paged.engine.step_record import StepRecord
+from paged.step import KVStats
 
 # StepRecord fields averaged into summary.json as `<key>_mean` (shares of the whole KV pool)
 BREAKDOWN_KEYS = (
@@ -54,39 +55,68 @@ class StepStats:
         self._held_tokens = array("q")
 
     def add(self, s: StepRecord) -> None:
+        self._count(
+            s.num_computed_tokens, s.step_time_s, s.overhead_s, s.num_scheduled_tokens - s.num_decode_rows,
+            s.num_sampled_tokens, s.time_s, s.kv_usage,
+            (s.kv_token_state_fraction, s.kv_reserved_fraction, s.kv_internal_frag_fraction,
+             s.kv_external_frag_fraction, s.kv_free_fraction),
+            s.num_allocated_blocks, s.token_state_fraction, s.num_logical_blocks, s.kv_sharing_saving,
+            s.num_running, s.kv_tokens_held, s.num_decode_rows, s.attention_version,
+        )
+
+    def add_decode(self, num_rows: int, model_time_s: float, attention_version: str | None, kv: KVStats,
+                   used: int, reserved: int, start: float, end: float) -> None:
+        """A step of `num_rows` decode rows only (fast-forward's), counted as `add` counts its record,
+        without the record: the cache is `kv`'s blocks (one KV group) with `used` and `reserved`
+        slots, as a window step off a block's edge changes only the slots (`kv` is the latest
+        edge's). `KVStats`' values with the same integer operations and one division each."""
+        bs, total_blocks, allocated = kv.block_size, kv.num_total_blocks, kv.num_allocated_blocks
+        unassigned, stranded = kv.num_unassigned_blocks, kv.num_stranded_free_blocks
+        total = total_blocks * bs
+        shares = (used / total, reserved / total, ((allocated - unassigned) * bs - used - reserved) / total,
+                  (unassigned + stranded) * bs / total, (kv.num_free_blocks - stranded) * bs / total)
+        self._count(
+            num_rows, end - start, max(0.0, end - start - model_time_s), 0, num_rows, end, allocated / total_blocks,
+            shares, allocated, used / (allocated * bs) if allocated else 1.0, kv.num_logical_blocks,
+            kv.sharing_saving, num_rows, used, num_rows, attention_version,
+        )
+
+    def _count(
+        self, computed_tokens: int, step_time_s: float, overhead_s: float, input_tokens: int, sampled_tokens: int,
+        time_s: float, kv_usage: float, shares: tuple[float, float, float, float, float], num_allocated_blocks: int,
+        token_state_fraction: float, num_logical_blocks: int, sharing_saving: float, num_running: int,
+        tokens_held: int, num_decode_rows: int, attention_version: str | None,
+    ) -> None:
         self.num_steps += 1
-        self.computed_tokens += s.num_computed_tokens
-        self.step_time_s += s.step_time_s
-        self.overhead_s += s.overhead_s
-        self.input_tokens += s.num_scheduled_tokens - s.num_decode_rows
-        self.sampled_tokens += s.num_sampled_tokens
-        self.latest_time_s = max(self.latest_time_s, s.time_s)
-        self._kv_usage.append(s.kv_usage)
-        self.kv_usage_max = max(self.kv_usage_max, s.kv_usage)
-        shares = (s.kv_token_state_fraction, s.kv_reserved_fraction, s.kv_internal_frag_fraction,
-                  s.kv_external_frag_fraction, s.kv_free_fraction)
+        self.computed_tokens += computed_tokens
+        self.step_time_s += step_time_s
+        self.overhead_s += overhead_s
+        self.input_tokens += input_tokens
+        self.sampled_tokens += sampled_tokens
+        self.latest_time_s = max(self.latest_time_s, time_s)
+        self._kv_usage.append(kv_usage)
+        self.kv_usage_max = max(self.kv_usage_max, kv_usage)
         for column, share in zip(self._breakdown.values(), shares):
             column.append(share)
-        if s.num_allocated_blocks > 0:
-            self._token_state.append(s.token_state_fraction)
+        if num_allocated_blocks > 0:
+            self._token_state.append(token_state_fraction)
         # in use = 1 - free, summed from its parts so that it cannot fall below the token share by
         # rounding (the ratio stays <= 1)
-        used = s.kv_token_state_fraction + s.kv_reserved_fraction + s.kv_internal_frag_fraction \
-            + s.kv_external_frag_fraction
+        used = shares[0] + shares[1] + shares[2] + shares[3]
         if used > 0:
-            self._token_state_of_used.append(s.kv_token_state_fraction / used)
-        if s.num_logical_blocks:
-            self._sharing_saving.append(s.kv_sharing_saving)
-        self._num_running.append(s.num_running)
-        self._tokens_held.append(s.kv_tokens_held)
-        self.kv_tokens_held_max = max(self.kv_tokens_held_max, s.kv_tokens_held)
-        if s.kv_tokens_held:
-            self._held_blocks.append(s.num_allocated_blocks)
-            self._held_tokens.append(s.kv_tokens_held)
-        if s.num_decode_rows:
-            self._decode_rows.append(s.num_decode_rows)
-        if s.attention_version in self.decode_versions:
-            self.decode_versions[s.attention_version] += 1
+            self._token_state_of_used.append(shares[0] / used)
+        if num_logical_blocks:
+            self._sharing_saving.append(sharing_saving)
+        self._num_running.append(num_running)
+        self._tokens_held.append(tokens_held)
+        self.kv_tokens_held_max = max(self.kv_tokens_held_max, tokens_held)
+        if tokens_held:
+            self._held_blocks.append(num_allocated_blocks)
+            self._held_tokens.append(tokens_held)
+        if num_decode_rows:
+            self._decode_rows.append(num_decode_rows)
+        if attention_version in self.decode_versions:
+            self.decode_versions[attention_version] += 1
 
     def summary(self, bytes_per_block: int | None) -> dict[str, Any]:
         """summary.json's step keys (`MetricsRecorder.summary` places them)."""

@@ -54,7 +54,8 @@ def run_experiment(
         job_type=f"{cfg.allocator.name}/{cfg.scheduler.name}/{cfg.kernel.name}",
         simulated=engine.clock.simulated, tags=tags,
     )
-    engine.metrics.step_listeners.append(wb.log_step)
+    if wb.run is not None:  # a listener makes every step build its record
+        engine.metrics.step_listeners.append(wb.log_step)
     # the summary streams the step records (`StepStats`): a fleet hour's millions are not kept
     engine.metrics.keep_steps = False
     log.info("running %d request(s)%s", len(items), "; Ctrl-C stops and writes what finished" if interrupt else "")
@@ -122,7 +123,8 @@ def _run(
     # them (at paper or fleet scale millions of objects, 5-15% of a simulated run's host time).
     gc.freeze()
     try:
-        stopped = drive(engine, requests, progress=progress, label=label, stop=stop)
+        # the run reads finished requests only for requests.jsonl and the metrics: compact tokens
+        stopped = drive(engine, requests, progress=progress, label=label, stop=stop, compact=True)
     finally:
         gc.unfreeze()
         if isinstance(engine, Fleet):

@@ -183,6 +183,8 @@ class CostModel:
         self._efficiency: dict[int, float] = {}
         # the decode kernels' shape per cache block size (one in practice): built once, not every step
         self._attention_shapes: dict[int, AttentionShape] = {}
+        # `decode_step`'s parts that depend on the batch size alone, per size
+        self._decode_parts: dict[int, tuple[float, float, float, float, float]] = {}
         self.kernel_table: dict[tuple[str, str], Entry] = decode_table(hardware)
 
     def _matmul_efficiency(self, tokens: int) -> float:
@@ -214,13 +216,8 @@ class CostModel:
         """The step's cost. `layer_shapes`: for layers of several attention windows, each window's
         shape of the same step (`step_shape` with that window) and its number of layers; the first
         one's decode kernel is the one reported. Empty: every layer attends as `shape`."""
-        hw, b, s, L = self.hw, self.b, self.spec, self.spec.num_layers
-        t = shape.num_tokens
-        linear = max(
-            2 * t * self.linear_weights / (self.flops * self._matmul_efficiency(t)),
-            (self.linear_weights + t * self.linear_act) * b / self.bw,
-        )
-        elementwise = t * (self.elementwise * b + self.cache_write_bytes) / self.bw
+        hw, L = self.hw, self.spec.num_layers
+        linear, elementwise, communication, head = self._dense(shape.num_tokens, shape.num_sampled)
         attention_s = launch_bound = 0.0
         version = None
         for part, num_layers in layer_shapes or ((shape, L),):
@@ -233,24 +230,55 @@ class CostModel:
             layer = max(linear + attention + elementwise, kernels * hw.kernel_launch_s)
             attention_s += num_layers * attention
             launch_bound += num_layers * (layer - linear - attention - elementwise)
-        communication = 0.0
-        if hw.num_gpus > 1:
-            ring = 2 * (hw.num_gpus - 1) / hw.num_gpus
-            communication = 2 * L * (hw.allreduce_latency_s + ring * t * s.hidden_size * b / hw.interconnect_bandwidth)
-        head = t * s.hidden_size * b / self.bw  # embedding gather
-        n = shape.num_sampled
-        if n:
-            head += max(
-                2 * n * self.lm_head_weights / (self.flops * self._matmul_efficiency(n)),
-                (self.lm_head_weights * b + n * s.vocab_size * 4) / self.bw,
-            )
-            head += 2 * n * s.vocab_size * 4 / self.bw  # softmax / argmax over fp32 logits
         overhead = hw.step_overhead_s + hw.seq_overhead_s * shape.num_seqs
         cost = StepCost(
             L * linear, attention_s, L * elementwise, launch_bound, communication, head, overhead, version,
             self._swap(shape) + self.compaction_s(shape),
         )
         return self._with_tier_copies(cost, shape) if shape.num_offload_blocks or shape.num_onload_blocks else cost
+
+    def decode_step(self, contexts: list[int], block_size: int) -> StepCost:
+        """`step`'s cost of a step of decode rows only (one per context, every layer alike, nothing
+        swapped, copied or tiered), to the bit: the same operations in the same order (0.0 + x is x),
+        with what depends on the batch size alone computed once per size (fast-forward's windows run
+        thousands of steps of one size)."""
+        n = len(contexts)
+        parts = self._decode_parts.get(n)
+        if parts is None:
+            hw = self.hw
+            parts = (*self._dense(n, n), hw.step_overhead_s + hw.seq_overhead_s * n)
+            self._decode_parts[n] = parts
+        linear, elementwise, communication, head, overhead = parts
+        L = self.spec.num_layers
+        attention, version = self._decode_attention(contexts, block_size)
+        kernels = _KERNELS_PER_LAYER + (version == "v2")
+        layer = max(linear + attention + elementwise, kernels * self.hw.kernel_launch_s)
+        return StepCost(
+            L * linear, L * attention, L * elementwise, L * (layer - linear - attention - elementwise),
+            communication, head, overhead, version, 0.0,
+        )
+
+    def _dense(self, t: int, n: int) -> tuple[float, float, float, float]:
+        """A layer's linear and elementwise time, the step's communication and its embedding and
+        LM head, for `t` tokens computed and `n` rows sampled."""
+        hw, b, s, L = self.hw, self.b, self.spec, self.spec.num_layers
+        linear = max(
+            2 * t * self.linear_weights / (self.flops * self._matmul_efficiency(t)),
+            (self.linear_weights + t * self.linear_act) * b / self.bw,
+        )
+        elementwise = t * (self.elementwise * b + self.cache_write_bytes) / self.bw
+        communication = 0.0
+        if hw.num_gpus > 1:
+            ring = 2 * (hw.num_gpus - 1) / hw.num_gpus
+            communication = 2 * L * (hw.allreduce_latency_s + ring * t * s.hidden_size * b / hw.interconnect_bandwidth)
+        head = t * s.hidden_size * b / self.bw  # embedding gather
+        if n:
+            head += max(
+                2 * n * self.lm_head_weights / (self.flops * self._matmul_efficiency(n)),
+                (self.lm_head_weights * b + n * s.vocab_size * 4) / self.bw,
+            )
+            head += 2 * n * s.vocab_size * 4 / self.bw  # softmax / argmax over fp32 logits
+        return linear, elementwise, communication, head
 
     def _with_tier_copies(self, cost: StepCost, shape: StepShape) -> StepCost:
         """A prefix tier's copies, priced as tiered KV caches move them (LMCache, vLLM's offloading
@@ -314,14 +342,21 @@ class CostModel:
         contexts = shape.decode_contexts
         if not contexts:
             return time, None
+        attention, version = self._decode_attention(contexts, shape.block_size)
+        return time + attention, version
+
+    def _decode_attention(self, contexts: list[int], block_size: int) -> tuple[float, str]:
+        """The decode rows' attention time and kernel version."""
+        hw = self.hw
         num, longest = len(contexts), max(contexts)
         version = step_version(self.version, longest, num, self.heads, self.partition_size, backend=self.backend)
-        attention = self._attention_shapes.get(shape.block_size)
+        attention = self._attention_shapes.get(block_size)
         if attention is None:
-            attention = AttentionShape(self.heads, self.kv_heads, d, b, kv_b, shape.block_size, self.partition_size)
-            self._attention_shapes[shape.block_size] = attention
+            attention = AttentionShape(self.heads, self.kv_heads, self.spec.head_dim, self.b, self.kv_b, block_size,
+                                       self.partition_size)
+            self._attention_shapes[block_size] = attention
         # dense attention reads every context token (`_read` is the identity then)
         read = sum(contexts) if self.blocksparse is None else sum(map(self._read, contexts))
         work = decode_bytes(version, contexts, read, attention, hw.num_sms)
         efficiency = self.kernel_table[version, shape_class(num, longest)].efficiency
-        return time + work / (hw.memory_bandwidth * efficiency), version
+        return work / (hw.memory_bandwidth * efficiency), version

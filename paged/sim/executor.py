@@ -32,7 +32,7 @@ from paged.config import ConfigError, HardwareConfig, KernelConfig, ModelConfig,
 from paged.executor.base import Executor, KVCacheSpec, Tokenizer
 from paged.kernels.features import BlockSparse, cache_dtype
 from paged.model.spec import model_spec
-from paged.sim.cost_model import CostModel, StepCost, StepShape, step_shape
+from paged.sim.cost_model import CostModel, StepCost, step_shape
 from paged.sim.hardware import Hardware, resolve_hardware
 from paged.sim.memory import check_parallelism, plan_memory
 from paged.sim.tier_disk import SimTierDisk
@@ -223,9 +223,8 @@ class SimExecutor(Executor):
         if self._window_layers or self.tier_disk is not None:
             return None
         window = self.sliding_window
-        n = len(contexts)
         decode = contexts if window is None else [min(c, window) for c in contexts]
-        return self.cost_model.step(StepShape(n, n, n, decode_contexts=decode, block_size=self.block_size))
+        return self.cost_model.decode_step(decode, self.block_size)
 
     def advance(self, cost: StepCost) -> None:
         """Account a step of `cost` run without `execute` (fast-forward): the clock and `last_cost`."""

@@ -1,0 +1,47 @@
+"""A finished request's token ids held compactly (`Request.compact`, `drive(compact=True)`, which
+`run_experiment` uses): the same outputs, prompts, follow-ups and times as lists give, in 4 bytes a
+token."""
+
+from __future__ import annotations
+
+from array import array
+
+import pytest
+
+from paged.cluster.fleet_builder import build_fleet, uses_fleet
+from paged.config import compose_config
+from paged.engine.builder import build_engine
+from paged.engine.runner import drive, to_request
+from paged.experiment.run import workload_for
+from paged.request import Request
+
+SIM = ["executor=sim", "model=llama-3-8b", "hardware=h100-sxm", "logger=none", "progress=false"]
+
+
+def _run(overrides: list[str], compact: bool) -> list[Request]:
+    cfg = compose_config(overrides)
+    engine = build_fleet(cfg) if uses_fleet(cfg) else build_engine(cfg)
+    requests = [to_request(item) for item in workload_for(cfg, engine)]
+    engine.clock.reset()
+    drive(engine, requests, compact=compact)
+    return requests
+
+
+def _view(requests: list[Request]) -> list[tuple]:
+    return [(r.request_id, list(r.prompt_token_ids), [(c.token_ids, c.finish_reason) for c in r.outputs()],
+             r.arrival_time, r.finish_time, r.token_times.tolist()) for r in requests]
+
+
+@pytest.mark.parametrize("overrides", [
+    ["workload=multiturn"],  # follow-ups: the next turn's prompt holds the reply
+    ["workload=agent", "cluster.num_replicas=2", "router=session"],
+    ["workload.num_requests=12"],
+])
+def test_compacted_requests_read_as_lists_do(overrides):
+    plain = _run([*SIM, *overrides], compact=False)
+    compacted = _run([*SIM, *overrides], compact=True)
+    assert _view(compacted) == _view(plain)
+    finished = [r for r in compacted if r.finish_time is not None]
+    assert finished and all(isinstance(r.prompt_token_ids, array) for r in finished)
+    assert all(isinstance(seq.token_ids, array) and seq.token_ids.itemsize == 4 for r in finished for seq in r.seqs)
+    assert all(type(c.token_ids) is list for r in finished for c in r.outputs())

@@ -1,0 +1,49 @@
+"""`CostModel.decode_step` (fast-forward's cost of a decode-only step) is `CostModel.step` of that
+step to the bit, whatever the model, GPUs, kernel version, block size or block-sparse pattern, and
+on the batch size's second step (its parts cached) as on its first."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from paged.config import compose_config
+from paged.kernels.features import BlockSparse
+from paged.sim.cost_model import CostModel, StepShape
+from paged.sim.executor import SimExecutor
+from paged.sim.hardware import resolve_hardware
+
+QUIET = ["logger=none", "progress=false"]
+
+
+def _model(model: str, hardware: str, num_gpus: int, version: str, blocksparse: BlockSparse | None) -> CostModel:
+    cfg = compose_config(["executor=sim", *QUIET, f"model={model}", f"hardware={hardware}",
+                          f"hardware.num_gpus={num_gpus}"])
+    spec = SimExecutor(cfg.model, cfg.kernel, hardware=cfg.hardware).spec
+    return CostModel(spec, resolve_hardware(cfg.hardware), 2, version=version, blocksparse=blocksparse)
+
+
+@pytest.mark.parametrize(("model", "hardware", "num_gpus", "version", "sparse"), [
+    ("llama-2-7b", "a100-80g", 1, "auto", False),
+    ("llama-3-8b", "h100-sxm", 1, "v1", False),
+    ("llama-3-70b", "h100-sxm", 4, "v2", False),
+    ("opt-13b", "a100-40g", 2, "v3", False),
+    ("llama-2-7b", "a100-80g", 1, "auto", True),
+])
+def test_decode_step_is_step_to_the_bit(model, hardware, num_gpus, version, sparse):
+    blocksparse = BlockSparse(local_blocks=4, vert_stride=8, block_size=16) if sparse else None
+    cost_model = _model(model, hardware, num_gpus, version, blocksparse)
+    rng = random.Random(45)
+    versions = set()
+    for block_size in (16, 32):
+        for n in (1, 2, 5, 64, 256):
+            for _ in range(2):  # the second of a size reads its cached parts
+                contexts = [rng.randint(1, 16384 if n < 8 else 2048) for _ in range(n)]
+                shape = StepShape(n, n, n, decode_contexts=list(contexts), block_size=block_size)
+                expected = cost_model.step(shape)
+                got = cost_model.decode_step(contexts, block_size)
+                assert got == expected and repr(got) == repr(expected)
+                versions.add(got.decode_version)
+    if version != "auto":
+        assert versions == {version}
