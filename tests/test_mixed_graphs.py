@@ -164,3 +164,25 @@ def test_the_simulator_reports_no_step_counts() -> None:
     drive(engine)
     counts = summarize(cfg, engine)
     assert (counts["cuda_graph_steps"], counts["eager_decode_steps"], counts["eager_mixed_steps"]) == (None,) * 3
+
+
+def test_the_graph_table_captures_a_key_once_keeps_a_failed_key_eager_and_holds_its_limit(monkeypatch) -> None:
+    """`GraphTable` (decode and mixed graphs alike): the capture itself needs a GPU, so it is replaced
+    by one that records its keys and fails for one of them."""
+    from paged.executor import cuda_graphs
+
+    captured = []
+
+    def fake_capture(forward, inputs, version, device, pool):
+        if inputs == "bad":
+            raise RuntimeError("operation not permitted when stream is capturing")
+        captured.append(inputs)
+        return cuda_graphs.Captured(graph=None, hidden=inputs)
+
+    monkeypatch.setattr(cuda_graphs, "capture", fake_capture)
+    table = cuda_graphs.GraphTable(forward=None, device=None, pool=(0, 0), limit=2)
+    assert table.graph("a", None, "a", "a") is table.graph("a", None, "other", "a")  # captured once
+    assert table.graph("b", None, "bad", "b") is None and not table.replays("b")  # failed: eager from then on
+    assert table.graph("c", None, "c", "c") is not None
+    assert captured == ["a", "c"]
+    assert table.replays("a") and not table.replays("d")  # at its limit: only held keys replay

@@ -15,7 +15,7 @@ size run eagerly; a capture that fails is logged and its size runs eagerly from 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -68,14 +68,43 @@ def capture(forward: Forward, inputs: BatchInput, version: str | None, device: t
     return Captured(graph, hidden)
 
 
+class GraphTable:
+    """Graphs of `forward` captured into `pool` the first time a key needs one; a key whose capture
+    failed (logged) runs eagerly from then on, as does a new key once `limit` graphs are held."""
+
+    def __init__(self, forward: Forward, device: torch.device, pool: tuple[int, int], limit: int | None = None) -> None:
+        self.forward, self.device, self.pool, self.limit = forward, device, pool, limit
+        self.graphs: dict[Hashable, Captured] = {}
+        self.failed: set[Hashable] = set()
+
+    def replays(self, key: Hashable) -> bool:
+        """Whether a step of `key` replays a graph (one held, or one it may capture)."""
+        full = self.limit is not None and len(self.graphs) >= self.limit
+        return key not in self.failed and (key in self.graphs or not full)
+
+    def graph(self, key: Hashable, version: str | None, inputs: BatchInput, what: str) -> Captured | None:
+        """`key`'s graph, captured now over `inputs` if it has none; None when the capture failed
+        (`what` names the step in the log)."""
+        if key in self.graphs:
+            return self.graphs[key]
+        try:
+            captured = capture(self.forward, inputs, version, self.device, self.pool)
+        except (RuntimeError, ValueError) as e:
+            log.warning("capturing a CUDA graph for %s failed, so those steps run eagerly: %s", what, e)
+            self.failed.add(key)
+            return None
+        self.graphs[key] = captured
+        full = self.limit is not None and len(self.graphs) >= self.limit
+        log.info("captured a CUDA graph for %s%s", what, "; later shapes run eagerly" if full else "")
+        return captured
+
+
 class DecodeGraphs:
     """Captures and replays `forward` for decode batches. `table_width` block-table columns and
     `max_seq_len` tokens bound the rows a graph takes."""
 
     def __init__(self, forward: Forward, device: torch.device, max_num_seqs: int, table_width: int,
                  block_size: int) -> None:
-        self.forward = forward
-        self.device = device
         self.sizes = capture_sizes(max_num_seqs)
         self.table_width = table_width
         self.max_seq_len = table_width * block_size
@@ -83,8 +112,7 @@ class DecodeGraphs:
         # per row: ids, positions, slots and a sample row (int64); a table row, a length, an offset (int32)
         self.buffers = InputBuffers(device, capacity=largest * (table_width + 4) + 1, fixed=True)
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple[int, str], Captured] = {}
-        self.failed: set[tuple[int, str]] = set()
+        self.table = GraphTable(forward, device, self.pool)
 
     def replayable(self, batch: HostBatch) -> int | None:
         """The capture size this batch replays at; `None` when it must run eagerly."""
@@ -97,23 +125,11 @@ class DecodeGraphs:
         """The hidden states of the batch's rows and the inputs as the device holds them, from a
         replay; `None` when this batch runs eagerly."""
         size = self.replayable(batch)
-        if size is None or (size, version) in self.failed:
+        if size is None or not self.table.replays((size, version)):
             return None
         inputs = self.buffers.upload(pad_decode(batch, size, self.table_width, self.max_seq_len))
-        graph = self.graphs.get((size, version)) or self._capture(size, version, inputs)
+        graph = self.table.graph((size, version), version, inputs, f"{size} decode rows ({version})")
         if graph is None:
             return None
         graph.graph.replay()
         return graph.hidden[: batch.num_tokens], inputs
-
-    def _capture(self, size: int, version: str, inputs: BatchInput) -> Captured | None:
-        try:
-            captured = capture(self.forward, inputs, version, self.device, self.pool)
-        except (RuntimeError, ValueError) as e:
-            log.warning("capturing a CUDA graph for %d decode rows (%s) failed, so those steps run eagerly: %s",
-                        size, version, e)
-            self.failed.add((size, version))
-            return None
-        log.info("captured a CUDA graph for %d decode rows (%s)", size, version)
-        self.graphs[(size, version)] = captured
-        return captured

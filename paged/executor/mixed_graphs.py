@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from paged.executor.cuda_graphs import Captured, Forward, capture
+from paged.executor.cuda_graphs import Forward, GraphTable
 from paged.executor.step_plan import BatchInput, HostBatch, InputBuffers, pad_mixed
 
 log = logging.getLogger(__name__)
@@ -101,43 +101,24 @@ class MixedGraphs:
 
     def __init__(self, forward: Forward, device: torch.device, pool: tuple[int, int], max_num_seqs: int,
                  max_num_batched_tokens: int, table_width: int, block_size: int) -> None:
-        self.forward, self.device, self.pool = forward, device, pool
         self.shapes = MixedShapes(max_num_seqs, max_num_batched_tokens, table_width)
         self.max_seq_len = table_width * block_size
         most_tokens, most_rows = self.shapes.tokens[-1], 2 * self.shapes.rows[-1]
         # int64: ids, positions, slots, both ops' query indices, sample rows; int32: tables, lengths, offsets
         capacity = max(4 * most_tokens + most_rows, most_rows * (table_width + 2) + 2)
         self.buffers = InputBuffers(device, capacity=capacity, fixed=True)
-        self.graphs: dict[tuple[MixedShape, str | None], Captured] = {}
-        self.failed: set[tuple[MixedShape, str | None]] = set()
+        self.table = GraphTable(forward, device, pool, limit=MAX_GRAPHS)
 
     def run(self, batch: HostBatch, version: str | None) -> tuple[torch.Tensor, BatchInput] | None:
         """The hidden states of the batch's tokens and the inputs as the device holds them, from a
         replay; `None` when this batch runs eagerly."""
         shape = self.shapes.of(batch)
-        key = (shape, version)
-        if shape is None or key in self.failed:
-            return None
-        graph = self.graphs.get(key)
-        if graph is None and len(self.graphs) >= MAX_GRAPHS:
+        if shape is None or not self.table.replays((shape, version)):
             return None
         inputs = self.buffers.upload(pad_mixed(batch, shape.tokens, shape.decode_rows, shape.prefill_rows,
                                                self.shapes.table_width, self.max_seq_len))
-        graph = graph or self._capture(shape, version, inputs)
+        graph = self.table.graph((shape, version), version, inputs, f"{shape} (decode kernel {version})")
         if graph is None:
             return None
         graph.graph.replay()
         return graph.hidden[: batch.num_tokens], inputs
-
-    def _capture(self, shape: MixedShape, version: str | None, inputs: BatchInput) -> Captured | None:
-        try:
-            captured = capture(self.forward, inputs, version, self.device, self.pool)
-        except (RuntimeError, ValueError) as e:
-            log.warning("capturing a CUDA graph for %s (decode kernel %s) failed, so those steps run eagerly: %s",
-                        shape, version, e)
-            self.failed.add((shape, version))
-            return None
-        self.graphs[(shape, version)] = captured
-        log.info("captured a CUDA graph for %s (decode kernel %s)%s", shape, version,
-                 "; later shapes run eagerly" if len(self.graphs) == MAX_GRAPHS else "")
-        return captured
