@@ -42,8 +42,9 @@ def hf_greedy(model: PreTrainedModel, prompts: list[list[int]], max_new: int = M
 
 
 def serve(model: str, *overrides: str) -> LLM:
-    return LLM(model, allocator="naive", overrides=["model.device=cpu", "allocator.block_size=16",
-                                                    "allocator.num_blocks=96", *overrides])
+    # float32 as transformers runs them: `auto` is bfloat16 on a CPU with bf16 arithmetic
+    return LLM(model, allocator="naive", overrides=["model.device=cpu", "model.dtype=float32",
+                                                    "allocator.block_size=16", "allocator.num_blocks=96", *overrides])
 
 
 def greedy(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:

@@ -14,6 +14,7 @@ import logging
 import pytest
 import torch
 
+import paged.config.dtype
 from paged.config import CONF_DIR, ConfigError, KernelConfig, ModelConfig, compose_config, resolve_dtype, validate
 from paged.engine.builder import DEFAULT_NUM_BLOCKS, build_engine, num_blocks_for
 from paged.executor.base import Executor, KVCacheSpec
@@ -120,10 +121,21 @@ def test_the_real_model_on_a_cpu_has_no_device_share_and_gets_the_default():
 # -- model.dtype=auto -------------------------------------------------------------------------------
 
 
-def test_auto_is_bfloat16_on_cuda_and_float32_elsewhere():
+@pytest.fixture
+def bf16_cpu(monkeypatch):
+    """Set whether this CPU has bf16 arithmetic (AVX512-BF16 or AMX), as `auto` reads it."""
+    def set_to(native: bool) -> None:
+        monkeypatch.setattr(paged.config.dtype, "bf16_arithmetic_supported", lambda: native)
+    return set_to
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_auto_is_bfloat16_on_cuda_and_on_a_cpu_with_bf16_arithmetic(bf16_cpu, native: bool):
+    bf16_cpu(native)
     assert resolve_dtype("auto", "cuda") == "bfloat16"
-    assert resolve_dtype("auto", "cpu") == "float32"
+    assert resolve_dtype("auto", "cpu") == ("bfloat16" if native else "float32")
     assert resolve_dtype("float16", "cuda") == "float16" and resolve_dtype("bfloat16", "cpu") == "bfloat16"
+    assert resolve_dtype("float32", "cpu") == "float32"
 
 
 def test_the_served_models_default_to_auto_and_the_tiny_ones_stay_float32():
@@ -133,31 +145,46 @@ def test_the_served_models_default_to_auto_and_the_tiny_ones_stay_float32():
         assert compose_config([f"model={tiny}"]).model.dtype == "float32"
 
 
-def test_the_real_model_resolves_auto_on_its_device():
+@pytest.mark.parametrize("native", [False, True])
+def test_the_real_model_resolves_auto_on_its_device_and_says_why(bf16_cpu, native: bool):
+    bf16_cpu(native)
     ex = ModelExecutor(ModelConfig(name="tiny-random", source="random", dtype="auto", device="cpu"),
                        KernelConfig(name="t"))
-    assert ex.dtype == torch.float32 and ex.model.embed.dtype == torch.float32
+    dtype = torch.bfloat16 if native else torch.float32
+    assert ex.dtype == dtype and ex.model.embed.dtype == dtype
+    why = "bf16 arithmetic on this CPU" if native else "no bf16 arithmetic on this CPU"
+    assert f"({str(dtype)[6:]}, auto: {why})" in ex.description
+    named = ModelExecutor(ModelConfig(name="tiny-random", source="random", dtype="float32", device="cpu"),
+                          KernelConfig(name="t"))
+    assert "(float32)" in named.description
 
 
-def test_the_simulator_resolves_auto_for_the_hardware_it_simulates():
+def test_the_simulator_resolves_auto_for_the_hardware_it_simulates(bf16_cpu):
     def sim(*overrides: str) -> SimExecutor:
         cfg = compose_config(["executor=sim", "model=tiny-random", "model.dtype=auto", *overrides])
         return SimExecutor(cfg.model, cfg.kernel, hardware=cfg.hardware)
 
+    bf16_cpu(False)
     gpu = sim("hardware=a100-40g")
     assert (gpu.dtype_name, gpu.dtype_bytes, gpu.kv_cache_dtype) == ("bfloat16", 2, "bfloat16")
     assert "(bfloat16) simulated" in gpu.description
-    # a calibrated hardware is this machine's CPU (cpu-local), where the real model runs float32
+    # a calibrated hardware is this machine's CPU (cpu-local), where the real model runs as `auto` says there
     assert sim("hardware=a100-40g", "hardware.calibrated=true").dtype_name == "float32"
     assert sim("hardware=a100-40g", "model.dtype=float16").dtype_name == "float16"
+    bf16_cpu(True)
+    assert sim("hardware=a100-40g", "hardware.calibrated=true").dtype_name == "bfloat16"
 
 
-def test_auto_on_cpu_local_reuses_the_float32_calibration():
+@pytest.mark.parametrize("native", [False, True])
+def test_auto_on_cpu_local_reuses_the_calibration_of_the_dtype_it_resolves_to(bf16_cpu, native: bool):
+    bf16_cpu(native)
+
     def path(dtype: str) -> str:
         return cache_path(compose_config(["executor=sim", "hardware=cpu-local", "model=tiny-random",
                                           f"model.dtype={dtype}"])).name
 
-    assert path("auto") == path("float32") and "-float32-" in path("auto")
+    resolved = "bfloat16" if native else "float32"
+    assert path("auto") == path(resolved) and f"-{resolved}-" in path("auto")
 
 
 # -- on a GPU -------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ composing a config from overrides (`compose`), and what `model.dtype` means on a
 Imports nothing of the model or the kernels."""
 
 from paged.config.compose import CONF_DIR, check_command_line, compose_config, config_groups
-from paged.config.dtype import resolve_dtype
+from paged.config.dtype import dtype_note, resolve_dtype
 from paged.config.keys import check_keys, check_overrides, did_you_mean
 from paged.config.schema import (
     PLUGIN_NODES,
@@ -33,5 +33,5 @@ __all__ = [
     "ExecutorConfig", "HardwareConfig", "KernelConfig", "LoggerConfig", "ModelConfig", "OptionalPluginConfig",
     "PluginConfig", "ReportConfig", "RouterConfig", "SchedulerConfig", "ServerConfig", "WorkloadConfig",
     "check_command_line", "check_keys", "check_overrides", "compose_config", "config_groups", "did_you_mean",
-    "parse_bytes", "register_configs", "resolve_dtype", "validate",
+    "dtype_note", "parse_bytes", "register_configs", "resolve_dtype", "validate",
 ]

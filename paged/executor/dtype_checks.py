@@ -4,7 +4,8 @@ the device is resolved and before any weights load, so a bad pair fails at once.
 On a CPU, float32 runs everywhere. bfloat16 does too, but only a CPU with AVX512-BF16 or AMX multiplies
 bf16 natively (oneDNN's bf16 GEMMs); elsewhere its matmuls widen to fp32 and narrow back, slower than
 a float32 run, and the run says so once. float16 is refused: no CPU path here is built or tuned for
-it, and `auto` never picks it on a CPU (the kernels still take fp16 tensors when called directly, as
+it, and `auto` never picks it on a CPU (it picks bfloat16 where the CPU has bf16 arithmetic, else float32:
+`paged.config.dtype`) (the kernels still take fp16 tensors when called directly, as
 the tests against the torch reference do).
 
 `kernel.kv_cache_dtype` may name a float dtype other than the model's (a bf16 model over an fp32
@@ -20,17 +21,13 @@ import torch
 
 from paged import kernels
 from paged.config import ConfigError, KernelConfig
+from paged.config.dtype import bf16_arithmetic_supported
 from paged.kernels.features import cache_dtype
 
 log = logging.getLogger(__name__)
 
 # model.dtype values (auto resolved) a model may run in on a CPU
 CPU_DTYPES = ("float32", "bfloat16")
-
-
-def bf16_arithmetic_supported() -> bool:
-    """Whether this CPU has bf16 arithmetic: AVX512-BF16, or AMX (whose tiles multiply bf16)."""
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def _name(dtype: torch.dtype) -> str:

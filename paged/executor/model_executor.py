@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from paged import kernels, threads
-from paged.config import KernelConfig, ModelConfig, resolve_dtype
+from paged.config import KernelConfig, ModelConfig, dtype_note, resolve_dtype
 from paged.executor import memory_profile
 from paged.executor.attention import PagedAttention, layer_routes
 from paged.executor.attention_scores import StepScores
@@ -105,6 +105,7 @@ class ModelExecutor(TieredHostPool, LaunchAhead, Executor):
         # before the weights load, which runs on these threads too
         self.threads = threads.configure(model_cfg.num_threads, ranks=size)
         self.dtype: torch.dtype = getattr(torch, resolve_dtype(model_cfg.dtype, self.device.type))
+        self.dtype_note = dtype_note(model_cfg.dtype, self.device.type)
         self.seed = seed
         # checked before the weights load, so a bad value fails at once (dtypes on rank 0: it warns once per run)
         if rank == 0:
@@ -173,7 +174,7 @@ class ModelExecutor(TieredHostPool, LaunchAhead, Executor):
 
     @property
     def description(self) -> str:
-        dtype = str(self.dtype).removeprefix("torch.")
+        dtype = str(self.dtype).removeprefix("torch.") + self.dtype_note
         kv = f", KV cache {self.kv_cache_dtype_name}" if self.cache_dtype != self.dtype else ""
         # BLOOM keeps F.linear and its own norms: only a Llama model has these choices
         layers = f"; gemm {self.gemm}, {self.model.ops.name} norms/RoPE/SwiGLU" if isinstance(
