@@ -224,7 +224,7 @@ def print_vllm_table(bench: dict) -> None:
         ("mean / p99 TTFT ms", f"{v['mean_ttft_ms']:.0f} / {v['p99_ttft_ms']:.0f}", "-"),
         ("mean TPOT / ITL ms", f"{v['mean_tpot_ms']:.1f} / {v['mean_itl_ms']:.1f}", "-"),
     ]
-    print("| | vLLM bench serve -> paged.serve | offline LLM.generate |\n|---|---|---|")
+    print("\n| | vLLM bench serve -> paged.serve | offline LLM.generate |\n|---|---|---|")
     for name, a, b in rows:
         print(f"| {name} | {a} | {b} |")
     print(f"HTTP / offline output tok/s {bench['ratio_to_offline']:.1%}; greedy texts identical "
