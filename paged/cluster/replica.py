@@ -129,8 +129,8 @@ class Replica(ReplicaView):
     @abstractmethod
     def _step(self) -> list[Request]: ...
 
-    def _abort(self, request: Request, reason: str) -> None:
-        raise NotImplementedError(f"{type(self).__name__} cannot abort one request (only all of them)")
+    @abstractmethod
+    def _abort(self, request: Request, reason: str) -> None: ...
 
     @abstractmethod
     def _abort_all(self, reason: str) -> list[Request]: ...

@@ -4,8 +4,9 @@ A `Request` is not sent as it is: its sequences carry ids from this process's co
 collide with the ids the actor's own forks draw. The actor gets a `Submission` (the request's inputs)
 and builds its own `Request`; what comes back for a request that ended is an `Outcome` (its outputs
 and timestamps), which the driver applies to the `Request` it holds, the one the runner, the metrics
-and the outputs read. A step comes back as a `StepReport`: the requests it ended, its new step
-records and the replica's state after it (what the router and the summary ask of the replica).
+and the outputs read. A step comes back as a `StepReport`: the requests it ended, the others' new
+tokens (`Progress`), its new step records and the replica's state after it (what the router and the
+summary ask of the replica).
 """
 
 from __future__ import annotations
@@ -91,6 +92,24 @@ class Outcome:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """A running request's new output since the last report, so that the driver's copy grows as the
+    replica's does (a server streams it): the new tokens of its one sequence and their logprobs when
+    it asks for them. Sent for single-sequence requests only, whose tokens only grow; the others'
+    output arrives with their `Outcome`."""
+
+    key: int
+    token_ids: list[int]
+    logprobs: list[dict[int, tuple[float, int]]] | None
+
+    def apply(self, request: Request) -> None:
+        seq = request.seqs[0]
+        seq.token_ids.extend(self.token_ids)
+        if self.logprobs is not None and seq.logprobs is not None:
+            seq.logprobs.extend(self.logprobs)
+
+
+@dataclass(frozen=True)
 class StepReport:
     """One step of a replica (or its abort of everything): what ended, the step records it added, and
     its state after it. `kv_usage` is the allocator's allocated share, as `LocalReplica.load` reads it."""
@@ -105,6 +124,7 @@ class StepReport:
     num_swap_fallbacks: int
     decode_step_counts: dict[str, int | None]
     client_service: dict[str, float]  # the replica's own VTC service per client, cumulative
+    progress: list[Progress]  # the running requests' new tokens
 
 
 @dataclass(frozen=True)

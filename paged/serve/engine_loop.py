@@ -74,7 +74,7 @@ class _Tracked:
 
 
 class EngineLoop:
-    """Runs `engine` (one engine, or a `Fleet` in this process: it steps and aborts as one) in a
+    """Runs `engine` (one engine, or a `Fleet`, local or on Ray: it steps and aborts as one) in a
     thread once `start`ed. `requests` lists every request submitted, in order
     (the run's requests.jsonl); `metrics` is what /metrics shows."""
 

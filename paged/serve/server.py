@@ -52,17 +52,14 @@ def limits_for(cfg: Any, engine: Engine | Fleet) -> Limits:
 
 def check_server_config(cfg: Any) -> None:
     """What a server cannot run, before any weights load: a real model on the wall clock, one engine
-    or a fleet in this process (whose `Fleet.abort` frees a request that a client left), on an
-    address it can bind."""
+    or a fleet of replicas (in this process or on Ray: `Fleet.abort` frees a request that a client
+    left), on an address it can bind."""
     if uses_fleet(cfg):
-        _, backend = check_fleet(cfg)
+        check_fleet(cfg)
         c = cfg.cluster
         if c.prefill_replicas > 0:  # check_fleet allows it with executor=sim only, refused below anyway
             raise ConfigError(f"cluster.prefill_replicas={c.prefill_replicas}: the server cannot run a disaggregated "
                               "fleet (it aborts only all its requests); use cluster.prefill_replicas=0")
-        if backend != "local":
-            raise ConfigError(f"cluster.backend={c.backend} (resolved: {backend}): the server runs a fleet in this "
-                              "process only (a Ray replica cannot abort one request); use cluster.backend=local")
     plugins = check_config(cfg)
     if issubclass(plugins.executor.cls, SimExecutor):
         raise ConfigError("executor=sim: the server runs a model on the wall clock; use executor=model")
