@@ -11,6 +11,7 @@ same app in a thread of this process on an engine already built (the tests, the 
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import socket
 import sys
@@ -128,6 +129,9 @@ def serve(cfg: Any, run_dir: Path, interrupt: Interrupt) -> dict[str, Any]:
     engine = build_fleet(cfg) if uses_fleet(cfg) else build_engine(cfg)
     load_time = time.perf_counter() - start
     engine_loop = EngineLoop(engine)
+    # the weights and the engine live as long as the server: frozen, the collector stops re-scanning
+    # them at every collection, a pause of the engine's step that a stream shows as a late chunk (vLLM freezes so)
+    gc.freeze()
     try:
         with interrupt.catching():
             engine_loop.start()
@@ -143,6 +147,7 @@ def serve(cfg: Any, run_dir: Path, interrupt: Interrupt) -> dict[str, Any]:
             )
             write_outputs(run_dir, summary, requests, [RequestMetrics.of(r) for r in requests], engine_loop.decode)
     finally:
+        gc.unfreeze()
         _shutdown(engine)
     print_summary(summary, f"paged.serve: {cfg.allocator.name} | {cfg.scheduler.name} | {engine.executor.description}")
     log.info("wrote %s", run_dir)
