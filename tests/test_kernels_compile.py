@@ -196,7 +196,7 @@ def test_build_cli_prints_the_resource_report(capsys: pytest.CaptureFixture[str]
     row = next(line for line in out.splitlines() if line.startswith(v1_default))
     regs, spill_st, spill_ld, smem, seconds = row.split()[-5:]
     assert int(regs) > 0 and (spill_st, spill_ld) == ("0", "0") and int(smem) > 0 and float(seconds) > 0
-    assert "26 units (54 kernels) for sm_90" in out
+    assert "26 units (58 kernels) for sm_90" in out
 
 
 def test_build_cli_refuses_an_unknown_arch(capsys: pytest.CaptureFixture[str]) -> None:
