@@ -249,6 +249,7 @@ def plot(args: argparse.Namespace, rows: list[dict], path: Path) -> None:
     right.set(xscale="log", xlabel="compression ratio", ylabel="greedy agreement with full cache",
               xticks=args.ratios, ylim=(0, 1.05))
     for ax in (left, right):
+        ax.minorticks_off()  # the log axis' minor labels (3x10^0) would sit between the ratios
         ax.set_xticklabels([f"{x}x" for x in args.ratios])
     left.legend()
     fig.suptitle(f"SmolLM2-135M, {args.length}-token inputs")
