@@ -73,17 +73,18 @@ class DenseAttention:
         for start in range(0, t, self.chunk):
             qs = q[start : start + self.chunk].float()
             c = qs.shape[0]
+            seen = n - t + start + c  # the chunk's last query sees keys 0 .. seen - 1: later ones are skipped
             qs = qs.view(c, kv_heads, group, -1).permute(1, 2, 0, 3).reshape(kv_heads, group * c, -1)
-            logits = torch.matmul(qs, keys.transpose(0, 1).transpose(1, 2)) * self.scale  # [Hk, G*c, n]
+            logits = torch.matmul(qs, keys[:seen].transpose(0, 1).transpose(1, 2)) * self.scale  # [Hk, G*c, seen]
             query_index = (n - t + start + torch.arange(c)).repeat(group)
-            logits.masked_fill_(torch.arange(n)[None, None, :] > query_index[None, :, None], float("-inf"))
+            logits.masked_fill_(torch.arange(seen)[None, None, :] > query_index[None, :, None], float("-inf"))
             weights = torch.softmax(logits, dim=-1)
-            heads = torch.matmul(weights, values.transpose(0, 1))  # [Hk, G*c, D]
+            heads = torch.matmul(weights, values[:seen].transpose(0, 1))  # [Hk, G*c, D]
             out[start : start + c] = heads.view(kv_heads, group, c, -1).permute(2, 0, 1, 3).reshape(c, q.shape[1], -1)
             if self.recording:
-                per_query = weights.view(kv_heads, group, c, n).sum(dim=(0, 1))  # [c, n]
-                mass_all += per_query.sum(dim=0)
-                mass_last += per_query[query_index[:c] >= n - self.last_queries].sum(dim=0)
+                per_query = weights.view(kv_heads, group, c, seen).sum(dim=(0, 1))  # [c, seen]
+                mass_all[:seen] += per_query.sum(dim=0)
+                mass_last[:seen] += per_query[query_index[:c] >= n - self.last_queries].sum(dim=0)
         if self.recording:
             self.sums["all"] = self.sums["all"] + mass_all
             self.sums["last"] = self.sums["last"] + mass_last
@@ -248,6 +249,7 @@ def plot(args: argparse.Namespace, rows: list[dict], path: Path) -> None:
     right.set(xscale="log", xlabel="compression ratio", ylabel="greedy agreement with full cache",
               xticks=args.ratios, ylim=(0, 1.05))
     for ax in (left, right):
+        ax.minorticks_off()  # the log axis' minor labels (3x10^0) would sit between the ratios
         ax.set_xticklabels([f"{x}x" for x in args.ratios])
     left.legend()
     fig.suptitle(f"SmolLM2-135M, {args.length}-token inputs")

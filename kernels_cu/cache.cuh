@@ -1,4 +1,5 @@
-// KV cache writes (reshape_and_cache) and copy-on-write block copies (copy_blocks).
+// KV cache writes (reshape_and_cache), copy-on-write block copies (copy_blocks) and the token slot
+// copies of KV compression (copy_slots, as move_slots launches).
 #pragma once
 
 #include "compat.cuh"
@@ -53,6 +54,36 @@ __global__ void copy_blocks_kernel(const int64* __restrict__ key_cache_ptrs, con
   for (int i = threadIdx.x; i < numel_per_block; i += blockDim.x) {
     key_cache[dst + i] = key_cache[src + i];
     value_cache[dst + i] = value_cache[src + i];
+  }
+}
+
+// Grid (num_pairs): one half of copy_slots on one layer. `scatter` 0 gathers the K and V of each pair's
+// source slot (slot_mapping[2 * pair]) into row `pair` of the buffers ([num_pairs, num_heads * head_size]);
+// 1 writes row `pair` into its destination slot (slot_mapping[2 * pair + 1]). A gather launch then a
+// scatter launch on one stream read every source before any destination is written, so a destination
+// may be another pair's source.
+template <typename CACHE_T>
+__global__ void move_slots_kernel(CACHE_T* __restrict__ key_cache, CACHE_T* __restrict__ value_cache,
+                                  CACHE_T* __restrict__ key_buffer, CACHE_T* __restrict__ value_buffer,
+                                  const int64* __restrict__ slot_mapping, int num_heads, int head_size,
+                                  int block_size, int x, int scatter) {
+  const int64 pair = blockIdx.x;
+  const int64 slot = slot_mapping[2 * pair + scatter];
+  const int64 block = slot / block_size;
+  const int offset = static_cast<int>(slot % block_size);
+  const int n = num_heads * head_size;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const int head = i / head_size;
+    const int dim = i % head_size;
+    const int64 key_at = (((block * num_heads + head) * (head_size / x) + dim / x) * block_size + offset) * x + dim % x;
+    const int64 value_at = ((block * num_heads + head) * head_size + dim) * block_size + offset;
+    if (scatter) {
+      key_cache[key_at] = key_buffer[pair * n + i];
+      value_cache[value_at] = value_buffer[pair * n + i];
+    } else {
+      key_buffer[pair * n + i] = key_cache[key_at];
+      value_buffer[pair * n + i] = value_cache[value_at];
+    }
   }
 }
 

@@ -3,6 +3,7 @@
 #include "compat.cuh"
 
 #include "attention.cuh"
+#include "attention_mass.cuh"
 #include "cache.cuh"
 #include "decode_v3.cuh"
 #include "layer_ops.cuh"

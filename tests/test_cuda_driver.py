@@ -214,7 +214,7 @@ def test_driver_gets_an_fp8_cache_write_with_its_scales(launches: fake_driver.Ru
     r, calls = _case(launches, "cache-fp8")
     assert all(r["scales"]) and r["x"] == 16
     assert r["kernels"] == ["paged::reshape_and_cache_kernel<__half, __nv_fp8_e5m2>",
-                            "paged::copy_blocks_kernel<__nv_fp8_e5m2>"]
+                            "paged::copy_blocks_kernel<__nv_fp8_e5m2>", "paged::move_slots_kernel<__nv_fp8_e5m2>"]
     _check_cache_ops(r, calls)
 
 

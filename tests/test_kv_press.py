@@ -253,7 +253,7 @@ def press_run(ex: ModelExecutor, *overrides: str, max_tokens: int = 24) -> tuple
     return [r.seqs[0].output_token_ids for r in requests], engine.kv_press_summary()
 
 
-@pytest.mark.parametrize(("backend", "interval"), [("torch", 0), ("cpu", 0), ("cpu", 5)])
+@pytest.mark.parametrize(("backend", "interval"), [("torch", 0), ("cpu", 0), ("cpu", 5), ("emu", 5)])
 def test_sink_window_tokens_equal_attention_over_exactly_the_kept_tokens(executor, backend, interval) -> None:
     settings = dict(sink=4, max_tokens=40, interval=interval)
     outputs, summary = press_run(

@@ -144,7 +144,7 @@ class MassAttention:
         return torch.einsum("htk,khd->thd", weights, v.repeat_interleave(group, dim=1).double()).to(q.dtype)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", "cpu", "emu"])  # emu: the CUDA mass and slot-copy kernels
 def test_snapkv_reads_the_float64_mass_of_the_prompts_last_queries(executor, backend) -> None:  # noqa: F811
     RecordingSnapKV.views.clear()
     outputs, summary = press_run(

@@ -1,7 +1,8 @@
 // Attention mass for the KV presses that score tokens by it (paged/kernels/attention_mass.py, the
 // torch reference): for every sequence and KV head, each cached token's softmax weight summed over
 // the sequence's last `last_queries` query rows (all rows with 0) and over the G query heads of the
-// head's group. Causal in KV index: query row j of n sits at index seq_len - n + j. Written into
+// head's group, of logits soft-capped when soft_cap > 0. Causal in KV index: query row j of n sits at
+// index seq_len - n + j. Written into
 // `mass` fp32 [num_seqs, num_kv_heads, max_seq_len], zero where no query reaches. No window,
 // ALiBi or block-sparse pattern (a press refuses them): plain scaled dot products, read from the
 // paged cache in place (fp8 dequantised by its head's scale).
@@ -12,7 +13,7 @@
 namespace paged_cpu {
 
 template <typename C>
-void run_attention_mass(const Args& a, float* mass, int last_queries, int max_seq_len) {
+void run_attention_mass(const Args& a, float* mass, int last_queries, int max_seq_len, float soft_cap) {
   const int G = a.num_heads / a.num_kv_heads, D = a.head_size, BS = a.block_size;
   constexpr int x = x_of<C>();
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(a.num_threads)
@@ -39,6 +40,7 @@ void run_attention_mass(const Args& a, float* mass, int last_queries, int max_se
             float dot = 0.f;
             for (int d = 0; d < D; ++d) dot += q[d] * dequant<C>(tile[((d / x) * BS + slot) * x + d % x], ks);
             logits[k] = dot * a.scale;
+            if (soft_cap > 0.f) logits[k] = std::tanh(logits[k] / soft_cap) * soft_cap;
             top = std::max(top, logits[k]);
           }
           float sum = 0.f;

@@ -36,6 +36,7 @@
 #include "decode_v3.h"
 #include "layer_ops.h"
 #include "prefill.h"
+#include "slots.h"
 #include "swap.h"
 
 namespace paged_cpu {
@@ -417,29 +418,51 @@ extern "C" int prefill_attention_cpu(PAGED_CPU_COMMON_ARGS, const int32_t *query
 }
 
 // Attention mass (attention_mass.h) into `out`, fp32 [num_seqs, num_kv_heads, max_seq_len] the caller
-// zeroed, from each sequence's last `last_queries` rows of `query_start_loc` (0: all of them).
+// zeroed, from each sequence's last `last_queries` rows of `query_start_loc` (0: all of them), logits
+// soft-capped when soft_cap > 0.
 extern "C" int attention_mass_cpu(PAGED_CPU_COMMON_ARGS, const int32_t *query_start_loc, int last_queries,
-                                  int max_seq_len, int num_threads) {
+                                  int max_seq_len, float soft_cap, int num_threads) {
   const Args a{PAGED_CPU_COMMON_FIELDS, query_start_loc, 0, max_seq_len, 0, num_threads};
   if (a.block_size <= 0) return 1;
   if (a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads) return 2;
   if (a.dtype != paged_cpu::kF32 && a.dtype != paged_cpu::kF16 && a.dtype != paged_cpu::kBF16) return 7;
   if (num_threads <= 0) return 6;
   float *mass = static_cast<float *>(out);
+  const auto run = [&](auto cache) {
+    paged_cpu::run_attention_mass<decltype(cache)>(a, mass, last_queries, max_seq_len, soft_cap);
+  };
   switch (a.cache_dtype) {
-    case paged_cpu::kF32: paged_cpu::run_attention_mass<paged_cpu::F32>(a, mass, last_queries, max_seq_len); break;
-    case paged_cpu::kF16: paged_cpu::run_attention_mass<paged_cpu::F16>(a, mass, last_queries, max_seq_len); break;
-    case paged_cpu::kBF16: paged_cpu::run_attention_mass<paged_cpu::BF16>(a, mass, last_queries, max_seq_len); break;
+    case paged_cpu::kF32: run(paged_cpu::F32{}); break;
+    case paged_cpu::kF16: run(paged_cpu::F16{}); break;
+    case paged_cpu::kBF16: run(paged_cpu::BF16{}); break;
     case paged_cpu::kE4M3:
       if (!a.k_scale) return 8;
-      paged_cpu::run_attention_mass<paged_cpu::E4M3>(a, mass, last_queries, max_seq_len);
+      run(paged_cpu::E4M3{});
       break;
     case paged_cpu::kE5M2:
       if (!a.k_scale) return 8;
-      paged_cpu::run_attention_mass<paged_cpu::E5M2>(a, mass, last_queries, max_seq_len);
+      run(paged_cpu::E5M2{});
       break;
     default: return 8;
   }
+  return 0;
+}
+
+// Token slot copies (slots.h) in caches of `element_size`-byte elements; 3 when head_size is not a multiple
+// of x = 16 / element_size, 7 for another element size.
+extern "C" int copy_slots_cpu(int element_size, int num_layers, const int64_t *key_caches,
+                              const int64_t *value_caches, const int64_t *slot_mapping, int64_t num_pairs,
+                              int num_heads, int head_size, int block_size, int num_threads) {
+  if (num_threads <= 0) return 6;
+  if (element_size != 1 && element_size != 2 && element_size != 4) return 7;
+  if (head_size <= 0 || head_size % (16 / element_size)) return 3;
+  const auto run = [&](auto element) {
+    paged_cpu::copy_slots<decltype(element)>(num_layers, key_caches, value_caches, slot_mapping, num_pairs,
+                                             num_heads, head_size, block_size, num_threads);
+  };
+  if (element_size == 1) run(uint8_t{});
+  else if (element_size == 2) run(uint16_t{});
+  else run(uint32_t{});
   return 0;
 }
 

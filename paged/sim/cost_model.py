@@ -308,12 +308,14 @@ class CostModel:
         return copies * (hw.pcie_latency_s + copy_bytes / (hw.pcie_bandwidth * hw.memory_efficiency))
 
     def compaction_s(self, shape: StepShape) -> float:
-        """KV compression's slot copies (`paged.kernels.copy_slots`): one kernel per layer reading and
-        writing each moved token's K and V in device memory."""
+        """KV compression's slot copies (`paged.kernels.copy_slots`, kernels_cu/cache.cuh's
+        move_slots_kernel): per layer a gather launch into a buffer and a scatter launch out of it,
+        each reading and writing every moved token's K and V in device memory."""
         if not shape.num_compact_slots:
             return 0.0
-        moved = 2 * 2 * self.spec.num_layers * shape.num_compact_slots * self.kv_size * self.kv_b  # K, V; in, out
-        return self.spec.num_layers * self.hw.kernel_launch_s + moved / self.bw
+        # K and V; gather and scatter; read and written
+        moved = 2 * 2 * 2 * self.spec.num_layers * shape.num_compact_slots * self.kv_size * self.kv_b
+        return 2 * self.spec.num_layers * self.hw.kernel_launch_s + moved / self.bw
 
     def _read(self, context: int) -> float:
         """Context tokens one decode row's kernel reads: all of them, or with block-sparse attention

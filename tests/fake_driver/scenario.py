@@ -388,7 +388,7 @@ def main() -> None:
     log = os.environ.get("FAKE_CUDA_LOG")
     # cuda.core deprecates launching on a foreign stream object; the runner must wrap it first.
     warnings.simplefilter("error", DeprecationWarning)
-    if scenario in ("launches", "swaps", "layer"):
+    if scenario in ("launches", "swaps", "layer", "press"):
         from cuda.core import Device
 
         Device(0).set_current()
@@ -398,6 +398,10 @@ def main() -> None:
             from tests.fake_driver.layer_scenario import layer_cases
 
             cases = layer_cases(arch)
+        elif scenario == "press":  # the KV presses' kernels (press_scenario.py)
+            from tests.fake_driver.press_scenario import press_cases
+
+            cases = press_cases(arch)
         else:
             cases = launch_cases(arch) if scenario == "launches" else swap_cases()
     else:

@@ -7,7 +7,7 @@ of `paged.kernels.features`. Decode v3 splits each (sequence, KV head) into the 
 `paged.kernels.split_plan` plan, made once per step for the OpenMP threads (`decode_workspace`).
 The library is built with the host compiler (`$CXX`, else `g++`) into the on-disk kernel cache,
 keyed by the sources' hash, the compiler, the flags and the CPU, and loaded once per process
-through ctypes. `attention_mass` (for the KV presses that score tokens) is native too. Attention reads any
+through ctypes. `attention_mass` and `copy_slots` (for the KV presses) are native too. Attention reads any
 float cache dtype under any query dtype (a bf16 model over an fp32
 cache, `kernel.kv_cache_dtype`). `reshape_and_cache` is native for float caches, a copy in the
 activations' dtype or a converting write into another (fp8 caches use the torch reference's
@@ -81,8 +81,12 @@ _SIGNATURES = {
     "paged_attention_v3_cpu": [*_COMMON_ARGS, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int],
     # query_start_loc, max_query_len, num_threads
     "prefill_attention_cpu": [*_COMMON_ARGS, ctypes.c_void_p, ctypes.c_int, ctypes.c_int],
-    # query_start_loc, last_queries (0: all), max_seq_len, num_threads; `out` is the fp32 mass
-    "attention_mass_cpu": [*_COMMON_ARGS, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int],
+    # query_start_loc, last_queries (0: all), max_seq_len, soft_cap (0: none), num_threads; `out` is the fp32 mass
+    "attention_mass_cpu": [*_COMMON_ARGS, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int],
+    # element size, num_layers, key cache addresses, value cache addresses, slot_mapping, num_pairs, num_heads,
+    # head_size, block_size, num_threads
+    "copy_slots_cpu": [ctypes.c_int, ctypes.c_int, _Int64s, _Int64s, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_int, ctypes.c_int],
     # num_caches, src cache addresses, dst cache addresses, bytes per block, mapping, num_pairs, num_threads
     "swap_blocks_cpu": [ctypes.c_int, _Int64s, _Int64s, _Int64s, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int],
     # Layer ops (paged/kernels/layer_ops.py). out, out row stride, x, x row stride, weight, rows, hidden, eps,
@@ -214,8 +218,8 @@ def _addresses(values: list[int]) -> ctypes.Array[ctypes.c_int64]:
 
 
 class CpuBackend(TorchBackend):
-    """Native decode and prefill attention, swaps and (non-fp8) cache writes; `copy_blocks` and fp8
-    cache writes are the torch reference's."""
+    """Native decode and prefill attention, swaps, slot copies, attention mass and (non-fp8) cache
+    writes; `copy_blocks` and fp8 cache writes are the torch reference's."""
 
     name = "cpu"
     description = "native C++/OpenMP"
@@ -271,15 +275,29 @@ class CpuBackend(TorchBackend):
         self, query: torch.Tensor, cache: CacheView, query_start_loc: np.ndarray, scale: float,
         last_queries: int | None = None, soft_cap: float | None = None,
     ) -> torch.Tensor:
-        """Native over the paged cache in place, in parallel over (sequence, KV head); a soft-capped
-        model's goes to the torch reference (the native kernels do not soft-cap)."""
-        if soft_cap is not None:
-            return super().attention_mass(query, cache, query_start_loc, scale, last_queries, soft_cap)
+        """Native over the paged cache in place, in parallel over (sequence, KV head)."""
         max_seq_len = int(cache.seq_lens.max())
         mass = torch.zeros(cache.seq_lens.shape[0], cache.num_kv_heads, max_seq_len, dtype=torch.float32)
         starts = torch.from_numpy(np.ascontiguousarray(query_start_loc, dtype=np.int32))
         return _call("attention_mass_cpu", query, cache, scale, None, NONE, starts.data_ptr(), last_queries or 0,
-                     max_seq_len, torch.get_num_threads(), out=mass)
+                     max_seq_len, soft_cap or 0.0, torch.get_num_threads(), out=mass)
+
+    def copy_slots(
+        self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], slot_mapping: torch.Tensor
+    ) -> None:
+        """Native, the layers in parallel: each layer's sources gathered, then its destinations written."""
+        if slot_mapping.numel() == 0:
+            return
+        for i, (k, v) in enumerate(zip(key_caches, value_caches)):
+            require_contiguous(**{f"key_caches[{i}]": k, f"value_caches[{i}]": v})
+        mapping = slot_mapping.contiguous()
+        _, num_heads, _, block_size, _ = key_caches[0].shape
+        status = load().copy_slots_cpu(
+            key_caches[0].element_size(), len(key_caches), _addresses([c.data_ptr() for c in key_caches]),
+            _addresses([c.data_ptr() for c in value_caches]), mapping.data_ptr(), mapping.shape[0], num_heads,
+            value_caches[0].shape[2], block_size, torch.get_num_threads(),
+        )
+        _check_status("copy_slots_cpu", status)
 
     def reshape_and_cache(
         self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

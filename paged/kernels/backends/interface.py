@@ -227,5 +227,5 @@ class KernelBackend(ABC):
         self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], slot_mapping: torch.Tensor
     ) -> None:
         """`paged.kernels.copy_slots` with an int64 `[num_pairs, 2]` mapping: torch's gather and
-        scatter wherever the caches are, until a backend brings a kernel of its own."""
+        scatter wherever the caches are (the torch backend's; cpu, cuda and emu have kernels)."""
         slot_copy.copy_slots(key_caches, value_caches, slot_mapping)

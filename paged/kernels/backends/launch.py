@@ -22,6 +22,7 @@ from paged.kernels.backends.interface import (
 )
 from paged.kernels.backends.launch_api import VECTOR_BYTES, Arg, Copy, Launch, Ptr, Runner
 from paged.kernels.backends.layer_plans import FusedLayerOpsMixin
+from paged.kernels.backends.mass_plan import run_attention_mass, unsupported
 from paged.kernels.backends.torch_ref import TorchBackend
 from paged.kernels.backends.v3_plans import DeviceLimits, V3Workspace, v3_launches, v3_unit, v3_workspace
 from paged.kernels.features import NONE, AttentionFeatures
@@ -341,6 +342,44 @@ class RunnerBackend(FusedLayerOpsMixin, TorchBackend):
         grid = (len(key_caches), mapping.shape[0], 1)
         args = (_ptr(key_ptrs), _ptr(value_ptrs), _ptr(mapping), np.int32(numel_per_block))
         runner.run(unit, [Launch(unit.kernels[1], grid, min(numel_per_block, MAX_COPY_THREADS), 0, args)])
+
+    def copy_slots(
+        self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], slot_mapping: torch.Tensor
+    ) -> None:
+        """Per layer a gather of the source slots into a buffer, then a scatter into the destinations
+        (kernels_cu/cache.cuh's move_slots_kernel): a destination may be another pair's source."""
+        if slot_mapping.numel() == 0:
+            return
+        runner = self.runner(key_caches[0])
+        device = key_caches[0].device
+        mapping = slot_mapping if slot_mapping.device == device else to_device(slot_mapping.numpy(), device)
+        mapping = mapping.contiguous()
+        _, num_heads, _, block_size, x = key_caches[0].shape
+        head_size = value_caches[0].shape[2]
+        buffers = [torch.empty(mapping.shape[0], num_heads * head_size, dtype=key_caches[0].dtype, device=device)
+                   for _ in range(2)]
+        unit = cache_unit(key_caches[0].dtype)
+        threads = min(num_heads * head_size, MAX_CACHE_THREADS)
+        launches = []
+        for layer, (k, v) in enumerate(zip(key_caches, value_caches)):
+            _require_in_place_layout(**{f"key_caches[{layer}]": k, f"value_caches[{layer}]": v})
+            common = (_ptr(k), _ptr(v), *map(_ptr, buffers), _ptr(mapping), *map(np.int32, (num_heads, head_size,
+                                                                                           block_size, x)))
+            launches += [Launch(unit.kernels[2], (mapping.shape[0], 1, 1), threads, 0, (*common, np.int32(phase)))
+                         for phase in (0, 1)]
+        # the buffers may go when this returns: torch's allocator hands their memory only to later work
+        # on the stream the launches are queued on
+        runner.run(unit, launches)
+
+    def attention_mass(
+        self, query: torch.Tensor, cache: CacheView, query_start_loc: np.ndarray, scale: float,
+        last_queries: int | None = None, soft_cap: float | None = None,
+    ) -> torch.Tensor:
+        """kernels_cu/attention_mass.cuh (`mass_plan`); what it cannot read (a cache of another dtype
+        than the queries', a head over 256) is scored by the torch reference."""
+        if unsupported(query, cache) is not None:
+            return super().attention_mass(query, cache, query_start_loc, scale, last_queries, soft_cap)
+        return run_attention_mass(self.runner(query), query, cache, query_start_loc, scale, last_queries, soft_cap)
 
     def swap_blocks(
         self, src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], block_mapping: torch.Tensor

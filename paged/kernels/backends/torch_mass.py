@@ -6,8 +6,9 @@ The attention ops (`paged_attention`, `prefill_attention`) return outputs only, 
 step stays as fast as it is; when a press asks, the step also runs this op over the same queries and
 the same paged cache: the softmax weights of each sequence's last `last_queries` queries (all of
 them with None), causal in KV index, summed over those queries and over the query heads of each KV
-group. A token past the sequence's length draws 0. Torch on whatever device the cache is on, so the
-cuda and emu backends score with it (the cpu backend has a native kernel).
+group. A token past the sequence's length draws 0. Torch on whatever device the cache is on; the cpu
+backend has a native kernel (kernels_cu/cpu/attention_mass.h), the cuda and emu backends a CUDA one
+(kernels_cu/attention_mass.cuh, `mass_plan`).
 """
 
 from __future__ import annotations

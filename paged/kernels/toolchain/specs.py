@@ -17,7 +17,7 @@ from paged.kernels.limits import BLOCK_SIZES, DEFAULT_PARTITION_SIZE, NATIVE_HEA
 NUM_THREADS = 128
 CXX_TYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
 CXX_CACHE_TYPES = {torch.float8_e4m3fn: "__nv_fp8_e4m3", torch.float8_e5m2: "__nv_fp8_e5m2"}
-OPS = ("attention_v1", "attention_v2", "attention_v3", "cache", "prefill", "layer")
+OPS = ("attention_v1", "attention_v2", "attention_v3", "cache", "prefill", "layer", "mass")
 # v3 CTAs hold this many query heads of a GQA group: the smallest tile that holds the group, else 8
 # (larger groups take several head chunks).
 GROUP_TILES = (1, 2, 4, 8)
@@ -39,7 +39,7 @@ class Unit:
         assert self.dtype in CXX_TYPES.values(), self.dtype
         assert self.cache in ("", *CXX_CACHE_TYPES.values()), self.cache
         assert (self.op == "attention_v2") == (self.partition_size > 0), self
-        assert not (self.features and self.op in ("cache", "layer")), self
+        assert not (self.features and self.op in ("cache", "layer", "mass")), self
         assert (self.op == "attention_v3") == (self.group_tile in GROUP_TILES), self
 
     @functools.cached_property  # read per launch, per layer
@@ -63,12 +63,15 @@ class Unit:
             return (f"paged::prefill_attention_kernel<{t}, {c}, {h}, {b}, {f}>",)
         if self.op == "layer":
             return layer_kernels(t)
-        return (f"paged::reshape_and_cache_kernel<{t}, {c}>", f"paged::copy_blocks_kernel<{c}>")
+        if self.op == "mass":
+            return (f"paged::attention_mass_lse_kernel<{t}, {c}>", f"paged::attention_mass_kernel<{t}, {c}>")
+        return (f"paged::reshape_and_cache_kernel<{t}, {c}>", f"paged::copy_blocks_kernel<{c}>",
+                f"paged::move_slots_kernel<{c}>")
 
     @property
     def label(self) -> str:
         cache = f"/{self.cache}" if self.cache else ""
-        if self.op in ("cache", "layer"):
+        if self.op in ("cache", "layer", "mass"):
             return f"{self.op} {self.dtype}{cache}"
         label = f"{self.op.removeprefix('attention_')} {self.dtype}{cache} h{self.head_size} b{self.block_size}"
         label += f" p{self.partition_size}" if self.partition_size else ""
@@ -140,10 +143,17 @@ def attention_unit(
     return Unit("attention_v2", CXX_TYPES[dtype], head_size, block_size, partition_size, cache, features)
 
 
+@functools.cache
+def mass_unit(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> Unit:
+    """The attention mass kernels (kernels_cu/attention_mass.cuh) of `dtype` queries over a cache of
+    `dtype` or fp8; head and block size are run-time arguments (a press scores rarely)."""
+    return Unit("mass", CXX_TYPES[dtype], cache=_cache_type(dtype, cache_dtype))
+
+
 def cache_unit(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> Unit:
     """The cache write kernel of `dtype` activations into a `cache_dtype` cache, with the block
-    copy kernel of that cache. `copy_blocks` alone knows only the cache, so it takes an fp8 cache's
-    unit with float activations."""
+    and slot copy kernels of that cache. `copy_blocks` and `copy_slots` know only the cache, so they
+    take an fp8 cache's unit with float activations."""
     if dtype in FP8_DTYPES:
         dtype, cache_dtype = torch.float32, dtype
     return Unit("cache", CXX_TYPES[dtype], cache=_cache_type(dtype, cache_dtype))
@@ -155,6 +165,7 @@ def dispatchable_units(partition_size: int = DEFAULT_PARTITION_SIZE) -> list[Uni
     the features, and each dtype's layer ops."""
     caches = (None, *FP8_DTYPES)
     units = [cache_unit(dtype, cache) for dtype in CXX_TYPES for cache in caches]
+    units += [mass_unit(dtype, cache) for dtype in CXX_TYPES for cache in caches]
     for dtype in CXX_TYPES:
         for cache in caches:
             for head in NATIVE_HEAD_SIZES:
