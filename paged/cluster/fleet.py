@@ -93,7 +93,7 @@ class Fleet:
         if self.clock.simulated and not was_busy:
             heapq.heappush(self._queue, (replica.clock.now(), replica.index))
 
-    def step(self) -> list[Request]:
+    def step(self, until: float | None = None) -> list[Request]:
         """Step the replica whose turn it is: the earliest busy one on a simulated clock, else the
         next busy one in turn. Returns the requests it finished."""
         if self.clock.simulated:

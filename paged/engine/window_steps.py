@@ -1,0 +1,249 @@
+"""A fast-forward window's steps run many at a time (`paged.engine.fast_forward` plans the window).
+
+`run_steps` runs, in one call, the window's steps that start before a horizon (the next event its
+caller knows of: an arrival), as stepping would run them one by one, to the bit:
+
+- costs: the cost model's, per step, on the step's context lengths; the clock advanced by each in
+  turn (the same additions in the same order), token times the steps' ends;
+- tokens: `plain_token`'s recurrence over every row at once (int64: a token is below the vocabulary
+  and a length below 2**31, so the products stay far below 2**63); the window ends before the first
+  step whose token would stop a row;
+- blocks: the block manager is called only at a row's block edges (a step that opens or fills a
+  block, or the window's first step where the common path's test fails), in stepping's (step, row)
+  order, so the same blocks go to the same rows; before each such call, and at the end, the steps a
+  row ran off an edge are booked in the ledger in one call (`SlotLedger.append_tokens`), and its
+  token list, computed count and slots brought to where that step finds them;
+- statistics: each step's `StepStats.add_decode`, from the ledger's slots after it (the used and
+  reserved counts rebuilt from each run's and each edge call's changes) and the blocks as the latest
+  table-growing step left them. A run that keeps step records runs one step a call, its record
+  made from the scheduler's stats as before.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from paged.memory.block_manager import _SeqBlocks
+from paged.request import Sequence
+from paged.sim.cost_model import StepCost
+from paged.sim.executor import SimExecutor
+from paged.step import KVStats
+
+if TYPE_CHECKING:
+    from paged.engine.engine import Engine
+
+# plain_token's multipliers (paged.sim.executor.plain_token): base = last * A + length * B
+_A, _B, _SAMPLE = 1103515245, 12345, 7919
+
+
+@dataclass(slots=True)
+class Row:
+    """One sequence of a window: its token list and times, its placeholder's inputs, its blocks, and
+    its stop tokens with the length from which they stop it."""
+
+    seq: Sequence
+    token_ids: list[int]
+    token_times: array[float]
+    greedy: bool
+    index: int
+    blocks: _SeqBlocks
+    stops: frozenset[int]
+    stop_from: int
+    # whether the window's first step must go through the block manager (else its slot is the
+    # common path's and publishing has nothing new, as on any step off a block's edge)
+    first_edge: bool
+
+
+@dataclass(slots=True)
+class Window:
+    """A planned window: per sequence, what its steps read and write (`Row`); the steps run and the
+    most it may run."""
+
+    rows: list[Row]
+    limit: int
+    contexts: list[int]  # the next step's context lengths: each row's tokens so far
+    done: int = 0
+    kv: KVStats | None = None  # the cache after the latest step that grew a block table (statistics only)
+
+
+def _costs(executor: SimExecutor, contexts: list[int], cap: int, start: float, until: float
+           ) -> tuple[list[StepCost], list[float]]:
+    """The costs and end times of the next steps (at most `cap`): the first, then those that start
+    before `until`; fewer where the cost model cannot price a step from its rows alone."""
+    costs: list[StepCost] = []
+    ends: list[float] = []
+    t = start
+    for j in range(cap):
+        if j and t >= until:
+            break
+        cost = executor.decode_cost([c + j for c in contexts] if j else contexts)
+        if cost is None:
+            break
+        costs.append(cost)
+        t += cost.total_s  # VirtualClock.advance's addition
+        ends.append(t)
+    return costs, ends
+
+
+def _tokens(window: Window, vocab: int, k: int) -> tuple[list[list[int]], int]:
+    """Per row, the tokens its next steps sample (`plain_token`'s recurrence), and how many steps
+    run: at most `k`, ending before the first step whose token would stop a row (a stop token once
+    its length reaches `stop_from`). The rows that could stop are walked first, each only as far as
+    the earliest stop found so far."""
+    rows, contexts = window.rows, window.contexts
+    order = sorted(range(len(rows)), key=lambda r: not rows[r].stops)
+    tokens: list[list[int]] = [[] for _ in rows]
+    for r in order:
+        row, length = rows[r], contexts[r]
+        last, salt = row.token_ids[-1], 0 if row.greedy else _SAMPLE * (row.index + 1)
+        out = tokens[r]
+        stops, stop_from = row.stops, row.stop_from
+        for j in range(k):
+            last = (last * _A + (length + j) * _B + salt) % vocab
+            if last in stops and length + j >= stop_from:
+                k = j
+                break
+            out.append(last)
+    return tokens, k
+
+
+def _edges(window: Window, bs: int, k: int) -> dict[int, tuple[list[int], list[int]]]:
+    """step -> the rows (in row order) whose slot there the block manager must give (the step opens
+    a block: (tokens - 1) % bs == 0, or it is the window's first step and the common path's test
+    fails), and those whose computed blocks it must publish (those, and the steps that fill a
+    block: tokens % bs == 0); step 0 of a window is always listed (its cache is counted)."""
+    edges: dict[int, tuple[list[int], list[int]]] = {}
+    first = window.done == 0
+    if first:
+        edges[0] = ([], [])
+    for r, (row, length) in enumerate(zip(window.rows, window.contexts)):
+        opens = range((1 - length) % bs, k, bs)
+        fills = range((-length) % bs, k, bs) if bs > 1 else range(0)
+        grow = first and row.first_edge
+        if grow and (opens.start != 0 or not opens):
+            edges[0][0].append(r)
+            edges[0][1].append(r)
+        for j in opens:
+            entry = edges.setdefault(j, ([], []))
+            entry[0].append(r)
+            entry[1].append(r)
+        for j in fills:
+            if not (grow and j == 0):
+                edges.setdefault(j, ([], []))[1].append(r)
+    for _, published in edges.values():
+        published.sort()
+    return dict(sorted(edges.items()))
+
+
+def run_steps(engine: Engine, window: Window, until: float | None) -> int:
+    """Run the window's next steps: the first, and with a horizon `until` every later one that
+    starts before it (None: the first only). Returns how many ran; 0 (nothing changed) when the
+    window is over: its last planned step ran, a token would stop a row, or the cost model cannot
+    price the next step from its rows alone."""
+    metrics = engine.metrics
+    records = metrics.records_steps
+    cap = window.limit - window.done
+    if until is None or records:
+        cap = min(cap, 1)
+    if cap <= 0:
+        return 0
+    executor = engine.executor
+    assert isinstance(executor, SimExecutor)
+    start = engine.clock.now()
+    costs, ends = _costs(executor, window.contexts, cap, start, float("-inf") if until is None else until)
+    if not costs:
+        return 0
+    token_lists, k = _tokens(window, executor.vocab_size, len(costs))
+    if k == 0:
+        return 0
+    s = engine.scheduler
+    bm = s.block_manager
+    ledger, bs, publishes = bm.ledger, bm.block_size, bm.prefix_index.enabled
+    rows, contexts, n = window.rows, window.contexts, len(window.rows)
+    used0, reserved0 = ledger.num_used, ledger.num_reserved
+    # per step: the ledger's change in used and reserved slots
+    d_used = [n] * k
+    d_reserved = [0] * k
+    ran = [0] * n  # steps of each row booked so far
+
+    def book(r: int, upto: int) -> None:
+        """Book row r's steps from the last booked to `upto` (exclusive), all in one block."""
+        row, first = rows[r], ran[r]
+        count = upto - first
+        if count <= 0:
+            return
+        length = contexts[r]
+        blocks = row.blocks
+        reserved = ledger.append_tokens(blocks.table[(length + first - 1) // bs], count)
+        for j in range(first, first + reserved):
+            d_reserved[j] -= 1
+        row.token_ids.extend(token_lists[r][first:upto])
+        row.seq.num_computed_tokens = blocks.num_slots = length + upto - 1
+        ran[r] = upto
+
+    kvs: dict[int, KVStats] = {}
+    for j, (grown, published) in _edges(window, bs, k).items():
+        for r in grown:
+            book(r, j)
+            used, reserved = ledger.num_used, ledger.num_reserved
+            if bm.try_append_slots(rows[r].seq) != []:
+                raise AssertionError(f"fast-forward: sequence {rows[r].seq.seq_id} could not grow as planned")
+            d_used[j] += ledger.num_used - used - 1
+            d_reserved[j] += ledger.num_reserved - reserved
+            # the step's token is appended first here, which publishing ignores (computed slots only)
+            rows[r].token_ids.append(token_lists[r][j])
+            rows[r].seq.num_computed_tokens = contexts[r] + j
+            ran[r] = j + 1
+        if publishes:
+            for r in published:
+                book(r, j + 1)
+            used, reserved = ledger.num_used, ledger.num_reserved
+            for r in published:
+                bm.mark_computed(rows[r].seq)
+            d_used[j] += ledger.num_used - used
+            d_reserved[j] += ledger.num_reserved - reserved
+        if not records and (grown or j == 0):
+            kvs[j] = bm.stats()
+    for r in range(n):
+        book(r, k)
+    s._blocked_blocks = 0
+    for cost in costs[:k]:
+        executor.advance(cost)
+    s._now = ends[k - 1]
+    times = array("d", ends[:k])
+    for row in rows:
+        row.token_times.extend(times)
+    if window.done == 0:  # a log-probability of -0.0 becomes 0.0 once, as the first step adds 0.0
+        for row in rows:
+            row.seq.cumulative_logprob += 0.0
+    window.contexts = [c + k for c in contexts]
+    _count(engine, window, costs[:k], start, ends, kvs, used0, reserved0, d_used, d_reserved)
+    window.done += k
+    return k
+
+
+def _count(engine: Engine, window: Window, costs: list[StepCost], start: float, ends: list[float],
+           kvs: dict[int, KVStats], used: int, reserved: int, d_used: list[int], d_reserved: list[int]) -> None:
+    """Each step's statistics, in step order: its record where records are kept (one step a call),
+    else `StepStats.add_decode` with the ledger's slots after it."""
+    metrics = engine.metrics
+    n = len(window.rows)
+    if metrics.records_steps:
+        cost = costs[0]
+        metrics.add_step(metrics.step_record(
+            False, n, n, n, n, n, cost.total_s - cost.overhead_s, cost.decode_version, 0, 0,
+            engine.scheduler.stats(), start, ends[0],
+        ))
+        return
+    add = metrics.step_stats.add_decode
+    for j, cost in enumerate(costs):
+        used += d_used[j]
+        reserved += d_reserved[j]
+        kv = kvs.get(j)
+        if kv is not None:
+            window.kv = kv
+        assert window.kv is not None
+        add(n, cost.total_s - cost.overhead_s, cost.decode_version, window.kv, used, reserved, start, ends[j])
+        start = ends[j]
