@@ -154,9 +154,11 @@ class FastForward:
                 and (not publishes or length // bs <= blocks.num_published)
             )
             # a stop token ends the sequence once its output, the token included, reaches min_tokens
-            rows.append(Row(seq, seq.token_ids, request.token_times, params.greedy, seq.index, blocks,
-                             stops, seq.num_prompt_tokens + params.min_tokens - 1, not common))
-        self._window = Window(rows, limit, lengths)
+            rows.append(Row(seq, seq.token_ids, request.token_times, 0 if params.greedy else seq.index + 1,
+                            blocks, stops, seq.num_prompt_tokens + params.min_tokens - 1, not common))
+        # the rows a token could stop first: the steps' tokens are walked only as far as the first stop
+        order = sorted(range(len(rows)), key=lambda r: not rows[r].stops)
+        self._window = Window(rows, limit, lengths, order)
         return self._window
 
     @staticmethod

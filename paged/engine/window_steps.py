@@ -46,8 +46,7 @@ class Row:
     seq: Sequence
     token_ids: list[int]
     token_times: array[float]
-    greedy: bool
-    index: int
+    sample: int  # plain_token's sample term over 7919: 0 for a greedy row, else its index + 1
     blocks: _SeqBlocks
     stops: frozenset[int]
     stop_from: int
@@ -64,6 +63,7 @@ class Window:
     rows: list[Row]
     limit: int
     contexts: list[int]  # the next step's context lengths: each row's tokens so far
+    order: list[int]  # the rows, those a stop token or EOS could end first
     done: int = 0
     kv: KVStats | None = None  # the cache after the latest step that grew a block table (statistics only)
 
@@ -93,13 +93,17 @@ def _tokens(window: Window, vocab: int, k: int) -> tuple[list[list[int]], int]:
     its length reaches `stop_from`). The rows that could stop are walked first, each only as far as
     the earliest stop found so far."""
     rows, contexts = window.rows, window.contexts
-    order = sorted(range(len(rows)), key=lambda r: not rows[r].stops)
     tokens: list[list[int]] = [[] for _ in rows]
-    for r in order:
+    for r in window.order:
         row, length = rows[r], contexts[r]
-        last, salt = row.token_ids[-1], 0 if row.greedy else _SAMPLE * (row.index + 1)
+        last, salt, stops = row.token_ids[-1], _SAMPLE * row.sample, row.stops
         out = tokens[r]
-        stops, stop_from = row.stops, row.stop_from
+        if not stops:
+            for j in range(k):
+                last = (last * _A + (length + j) * _B + salt) % vocab
+                out.append(last)
+            continue
+        stop_from = row.stop_from
         for j in range(k):
             last = (last * _A + (length + j) * _B + salt) % vocab
             if last in stops and length + j >= stop_from:
@@ -119,9 +123,14 @@ def _edges(window: Window, bs: int, k: int) -> dict[int, tuple[list[int], list[i
     if first:
         edges[0] = ([], [])
     for r, (row, length) in enumerate(zip(window.rows, window.contexts)):
-        opens = range((1 - length) % bs, k, bs)
-        fills = range((-length) % bs, k, bs) if bs > 1 else range(0)
+        fill = (-length) % bs
         grow = first and row.first_edge
+        if (fill + 1) % bs >= k and not grow:  # no block opens in these steps (most rows); one may fill
+            if fill < k:
+                edges.setdefault(fill, ([], []))[1].append(r)
+            continue
+        opens = range((fill + 1) % bs, k, bs)
+        fills = range(fill, k, bs) if bs > 1 else range(0)
         if grow and (opens.start != 0 or not opens):
             edges[0][0].append(r)
             edges[0][1].append(r)
@@ -206,8 +215,19 @@ def run_steps(engine: Engine, window: Window, until: float | None) -> int:
             d_reserved[j] += ledger.num_reserved - reserved
         if not records and (grown or j == 0):
             kvs[j] = bm.stats()
-    for r in range(n):
-        book(r, k)
+    for r in range(n):  # `book(r, k)`, inlined: most rows of a call have no edge
+        count = k - ran[r]
+        if count:
+            row = rows[r]
+            blocks, length = row.blocks, contexts[r]
+            reserved = ledger.append_tokens(blocks.table[(length + k - count - 1) // bs], count)
+            for j in range(k - count, k - count + reserved):
+                d_reserved[j] -= 1
+            if count == 1:
+                row.token_ids.append(token_lists[r][k - 1])
+            else:
+                row.token_ids.extend(token_lists[r][k - count:k])
+            row.seq.num_computed_tokens = blocks.num_slots = length + k - 1
     s._blocked_blocks = 0
     for cost in costs[:k]:
         executor.advance(cost)
