@@ -167,6 +167,9 @@ def run_steps(engine: Engine, window: Window, until: float | None) -> int:
     token_lists, k = _tokens(window, executor.vocab_size, len(costs))
     if k == 0:
         return 0
+    if k == 1:
+        _one_step(engine, window, costs[0], token_lists)
+        return 1
     s = engine.scheduler
     bm = s.block_manager
     ledger, bs, publishes = bm.ledger, bm.block_size, bm.prefix_index.enabled
@@ -213,7 +216,7 @@ def run_steps(engine: Engine, window: Window, until: float | None) -> int:
                 bm.mark_computed(rows[r].seq)
             d_used[j] += ledger.num_used - used
             d_reserved[j] += ledger.num_reserved - reserved
-        if not records and (grown or j == 0):
+        if grown or j == 0:
             kvs[j] = bm.stats()
     for r in range(n):  # `book(r, k)`, inlined: most rows of a call have no edge
         count = k - ran[r]
@@ -246,18 +249,9 @@ def run_steps(engine: Engine, window: Window, until: float | None) -> int:
 
 def _count(engine: Engine, window: Window, costs: list[StepCost], start: float, ends: list[float],
            kvs: dict[int, KVStats], used: int, reserved: int, d_used: list[int], d_reserved: list[int]) -> None:
-    """Each step's statistics, in step order: its record where records are kept (one step a call),
-    else `StepStats.add_decode` with the ledger's slots after it."""
-    metrics = engine.metrics
+    """Each step's statistics, in step order (`StepStats.add_decode`), with the ledger's slots after it."""
     n = len(window.rows)
-    if metrics.records_steps:
-        cost = costs[0]
-        metrics.add_step(metrics.step_record(
-            False, n, n, n, n, n, cost.total_s - cost.overhead_s, cost.decode_version, 0, 0,
-            engine.scheduler.stats(), start, ends[0],
-        ))
-        return
-    add = metrics.step_stats.add_decode
+    add = engine.metrics.step_stats.add_decode
     for j, cost in enumerate(costs):
         used += d_used[j]
         reserved += d_reserved[j]
@@ -267,3 +261,58 @@ def _count(engine: Engine, window: Window, costs: list[StepCost], start: float, 
         assert window.kv is not None
         add(n, cost.total_s - cost.overhead_s, cost.decode_version, window.kv, used, reserved, start, ends[j])
         start = ends[j]
+
+
+def _one_step(engine: Engine, window: Window, cost: StepCost, token_lists: list[list[int]]) -> None:
+    """`run_steps` for a single step (a fleet's replica, a window's last step before an arrival),
+    without its bookkeeping for many: a row's slot goes into the private block the previous step
+    wrote, unless it opens a block or fills one (or, on the window's first step, the common path's
+    test fails), where the block manager grows and publishes as a step does."""
+    executor = engine.executor
+    assert isinstance(executor, SimExecutor)
+    s = engine.scheduler
+    bm = s.block_manager
+    bs, append_token = bm.block_size, bm.ledger.append_token
+    first = window.done == 0
+    start = engine.clock.now()
+    s._blocked_blocks = 0
+    edges = []
+    for row in window.rows:
+        num_tokens = len(row.token_ids)
+        if (num_tokens - 1) % bs == 0 or num_tokens % bs == 0 or (first and row.first_edge):
+            if bm.try_append_slots(row.seq) != []:
+                raise AssertionError(f"fast-forward: sequence {row.seq.seq_id} could not grow as planned")
+            edges.append(row)
+        else:
+            blocks = row.blocks
+            append_token(blocks.table[(num_tokens - 1) // bs])
+            blocks.num_slots = num_tokens
+    executor.advance(cost)
+    now = engine.clock.now()
+    s._now = now
+    for row, tokens in zip(window.rows, token_lists):
+        row.seq.num_computed_tokens = len(row.token_ids)
+        row.token_times.append(now)
+        row.token_ids.append(tokens[0])
+    for row in edges:
+        # the token is appended first here, which publishing ignores (it covers computed slots only)
+        bm.mark_computed(row.seq)
+    if first:  # a log-probability of -0.0 becomes 0.0 once, as the first step adds 0.0
+        for row in window.rows:
+            row.seq.cumulative_logprob += 0.0
+    window.contexts = [c + 1 for c in window.contexts]
+    window.done += 1
+    metrics = engine.metrics
+    n, model_time = len(window.rows), cost.total_s - cost.overhead_s
+    if metrics.records_steps:
+        metrics.add_step(metrics.step_record(
+            False, n, n, n, n, n, model_time, cost.decode_version, 0, 0, s.stats(), start, now,
+        ))
+        return
+    # off a block's edge a step changes only the ledger's slots: the blocks are the last edge's
+    if first or edges:
+        window.kv = bm.stats()
+    ledger = bm.ledger
+    assert window.kv is not None
+    metrics.step_stats.add_decode(n, model_time, cost.decode_version, window.kv, ledger.num_used,
+                                  ledger.num_reserved, start, now)
