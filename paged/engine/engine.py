@@ -101,11 +101,13 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished or (self.async_step is not None and self.async_step.busy)
 
-    def step(self, until: float | None = None) -> list[Request]:
+    def step(self, until: float | None = None, releases: bool = False) -> list[Request]:
         """Run one iteration; returns the requests that finished (or were aborted) in it. Under
         fast-forward, run the next step of a window (`paged.engine.fast_forward`), and with a
         horizon `until` (the time of the next arrival its caller knows of: nothing reaches the
-        engine before it) every later step of the window that starts before it: none finish."""
+        engine before it) every later step of the window that starts before it: none finish.
+        `releases` (a finishing step may release follow-ups) changes nothing here: a window holds
+        no finishing step."""
         if self.async_step is not None:
             return self.async_step.step()
         if self.fast_forward is not None and self.fast_forward.step(self, until):

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from paged.engine.window_steps import Row, Window, run_steps
+from paged.engine.window_steps import Hold, Row, Window, run_steps
 from paged.memory import BlockManager
 from paged.memory.reservation import ExactReservation, MaxReservation, OracleReservation, Pow2Reservation
 from paged.request import Sequence
@@ -58,19 +58,25 @@ class FastForward:
         self.num_windows = 0  # windows that ran a step
         self.num_steps = 0  # steps run in windows
         self.num_calls = 0  # calls that ran window steps (several steps a call up to a horizon)
+        # a fleet's replica: where the steps after a call's first wait for their turn (`HeldSteps`)
+        self.hold: Hold | None = None
+        # the free blocks after each step of the latest call but its last (a replica's per-step record)
+        self.free_blocks: list[int] = []
 
     def step(self, engine: Engine, until: float | None = None) -> bool:
         """Run the window's next step (planning a window if none is open), and with a horizon
         `until` every later one of the window that starts before it (`run_steps`); False when no
         window step can run now (the engine steps)."""
+        self.free_blocks = []
         window = self._window or self._plan(engine)
         if window is None:
             return False
         first = window.done == 0
-        ran = run_steps(engine, window, until)
+        ran = run_steps(engine, window, until, self.hold)
         if not ran:
             self._window = None
             return False
+        self.free_blocks = window.free_blocks[:-1]
         self.num_windows += first
         self.num_steps += ran
         self.num_calls += 1

@@ -22,9 +22,11 @@ caller knows of: an arrival), as stepping would run them one by one, to the bit:
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
+from paged.engine.step_stats import decode_step
 from paged.memory.block_manager import _SeqBlocks
 from paged.request import Sequence
 from paged.sim.cost_model import StepCost
@@ -33,6 +35,9 @@ from paged.step import KVStats
 
 if TYPE_CHECKING:
     from paged.engine.engine import Engine
+
+# takes a step's statistics (its start, its `decode_step`) to count later, in its turn
+Hold = Callable[[float, tuple[Any, ...]], None]
 
 # plain_token's multipliers (paged.sim.executor.plain_token): base = last * A + length * B
 _A, _B, _SAMPLE = 1103515245, 12345, 7919
@@ -66,6 +71,7 @@ class Window:
     order: list[int]  # the rows, those a stop token or EOS could end first
     done: int = 0
     kv: KVStats | None = None  # the cache after the latest step that grew a block table (statistics only)
+    free_blocks: list[int] = field(default_factory=list)  # the free blocks after each step of the latest call
 
 
 def _costs(executor: SimExecutor, contexts: list[int], cap: int, start: float, until: float
@@ -146,11 +152,12 @@ def _edges(window: Window, bs: int, k: int) -> dict[int, tuple[list[int], list[i
     return dict(sorted(edges.items()))
 
 
-def run_steps(engine: Engine, window: Window, until: float | None) -> int:
+def run_steps(engine: Engine, window: Window, until: float | None, hold: Hold | None = None) -> int:
     """Run the window's next steps: the first, and with a horizon `until` every later one that
     starts before it (None: the first only). Returns how many ran; 0 (nothing changed) when the
     window is over: its last planned step ran, a token would stop a row, or the cost model cannot
-    price the next step from its rows alone."""
+    price the next step from its rows alone. `hold` takes the statistics of every step after the
+    first (its start, its `decode_step`) instead of counting them now (a fleet's `HeldSteps`)."""
     metrics = engine.metrics
     records = metrics.records_steps
     cap = window.limit - window.done
@@ -242,16 +249,20 @@ def run_steps(engine: Engine, window: Window, until: float | None) -> int:
         for row in rows:
             row.seq.cumulative_logprob += 0.0
     window.contexts = [c + k for c in contexts]
-    _count(engine, window, costs[:k], start, ends, kvs, used0, reserved0, d_used, d_reserved)
+    window.free_blocks = _count(engine, window, costs[:k], start, ends, kvs, used0, reserved0, d_used, d_reserved,
+                                hold)
     window.done += k
     return k
 
 
 def _count(engine: Engine, window: Window, costs: list[StepCost], start: float, ends: list[float],
-           kvs: dict[int, KVStats], used: int, reserved: int, d_used: list[int], d_reserved: list[int]) -> None:
-    """Each step's statistics, in step order (`StepStats.add_decode`), with the ledger's slots after it."""
+           kvs: dict[int, KVStats], used: int, reserved: int, d_used: list[int], d_reserved: list[int],
+           hold: Hold | None) -> list[int]:
+    """Each step's statistics, in step order (`decode_step`), with the ledger's slots after it;
+    returns the free blocks after each step."""
     n = len(window.rows)
-    add = engine.metrics.step_stats.add_decode
+    count = engine.metrics.step_stats.count
+    free_blocks = []
     for j, cost in enumerate(costs):
         used += d_used[j]
         reserved += d_reserved[j]
@@ -259,8 +270,15 @@ def _count(engine: Engine, window: Window, costs: list[StepCost], start: float, 
         if kv is not None:
             window.kv = kv
         assert window.kv is not None
-        add(n, cost.total_s - cost.overhead_s, cost.decode_version, window.kv, used, reserved, start, ends[j])
+        step = decode_step(n, cost.total_s - cost.overhead_s, cost.decode_version, window.kv, used, reserved, start,
+                           ends[j])
+        if j and hold is not None:
+            hold(start, step)
+        else:
+            count(step)
+        free_blocks.append(window.kv.num_free_blocks)
         start = ends[j]
+    return free_blocks
 
 
 def _one_step(engine: Engine, window: Window, cost: StepCost, token_lists: list[list[int]]) -> None:
@@ -302,6 +320,7 @@ def _one_step(engine: Engine, window: Window, cost: StepCost, token_lists: list[
             row.seq.cumulative_logprob += 0.0
     window.contexts = [c + 1 for c in window.contexts]
     window.done += 1
+    window.free_blocks = []
     metrics = engine.metrics
     n, model_time = len(window.rows), cost.total_s - cost.overhead_s
     if metrics.records_steps:
