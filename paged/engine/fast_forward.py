@@ -11,21 +11,16 @@ logprobs, sliding windows, KV groups, prefix tiers, no-sharing copies, disaggreg
 press) is stepped.
 
 A window is planned when it starts (its last step, from the sequences' lengths and the free
-blocks) and run one step per `Engine.step` call, so that at every call the engine is exactly where
-stepping would have it: its clock, its blocks and prefix cache, what a router reads of it. What
-arrives ends the window (`cut`, from `Engine.add_request` and the aborts) before its next step,
-which the engine then schedules as it would have. So a fleet's replica runs its window past the
-arrivals its router sends elsewhere, whatever the router asks of it, and the single engine past
-none. Inside a window a step does what stepping would, with the same arithmetic in the same
-order, and skips what cannot change: the scheduler's queue walk, the policy, the batch objects.
-Each step's cost is the sim's cost model on the step's context lengths (`SimExecutor.decode_cost`,
-whose batch-size parts are computed once per size), and its statistics are counted without a step
-record where none is kept or listened to (`StepStats.add_decode`, from the cache's blocks as the
-latest step that grew a table left them and the ledger's slots now);
-a sequence's slot goes into the private block the previous step wrote, and only at a block's edge
-(or the window's first step) does the block manager grow the sequence and publish full blocks as
-a step would (so the same blocks, in the same order); tokens are the executor's placeholders and
-their times the step ends.
+blocks) and run, in one `Engine.step` call, up to the horizon its caller passes (the next arrival
+it knows of: nothing reaches the engine before it), or one step a call without one
+(`paged.engine.window_steps`, where the steps' bulk arithmetic is, to the bit stepping's). So at
+every arrival the engine is exactly where stepping would have it: its clock, its blocks and prefix
+cache, what a router reads of it. What arrives ends the window (`cut`, from `Engine.add_request`
+and the aborts) before its next step, which the engine then schedules as it would have. So a
+fleet's replica runs its window past the arrivals its router sends elsewhere, whatever the router
+asks of it (`Fleet.step`), and the single engine up to its next arrival. Inside a window a step
+does what stepping would, with the same arithmetic in the same order, and skips what cannot
+change: the scheduler's queue walk, the policy, the batch objects.
 """
 
 from __future__ import annotations
