@@ -80,13 +80,17 @@ def _costs(executor: SimExecutor, contexts: list[int], cap: int, start: float, u
     before `until`; fewer where the cost model cannot price a step from its rows alone."""
     costs: list[StepCost] = []
     ends: list[float] = []
+    if cap == 1:  # one step: no sums to keep
+        cost = executor.decode_cost(contexts)
+        return ([cost], [start + cost.total_s]) if cost is not None else ([], [])
+    steps = executor.decode_costs(contexts)
+    if steps is None:
+        return costs, ends
     t = start
     for j in range(cap):
         if j and t >= until:
             break
-        cost = executor.decode_cost([c + j for c in contexts] if j else contexts)
-        if cost is None:
-            break
+        cost = next(steps)
         costs.append(cost)
         t += cost.total_s  # VirtualClock.advance's addition
         ends.append(t)
