@@ -22,7 +22,7 @@ caller knows of: an arrival), as stepping would run them one by one, to the bit:
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +39,9 @@ if TYPE_CHECKING:
 # takes a step's statistics (its start, its `decode_step`) to count later, in its turn
 Hold = Callable[[float, tuple[Any, ...]], None]
 
+# below this many rows a window's step costs are taken from each step's contexts (`decode_cost`),
+# from this many on from sums kept as they grow (`decode_costs`): both are the same to the bit
+_FEW_ROWS = 16
 # plain_token's multipliers (paged.sim.executor.plain_token): base = last * A + length * B
 _A, _B, _SAMPLE = 1103515245, 12345, 7919
 
@@ -80,10 +83,11 @@ def _costs(executor: SimExecutor, contexts: list[int], cap: int, start: float, u
     before `until`; fewer where the cost model cannot price a step from its rows alone."""
     costs: list[StepCost] = []
     ends: list[float] = []
-    if cap == 1:  # one step: no sums to keep
-        cost = executor.decode_cost(contexts)
-        return ([cost], [start + cost.total_s]) if cost is not None else ([], [])
-    steps = executor.decode_costs(contexts)
+    steps: Iterator[StepCost | None] | None
+    if cap == 1 or len(contexts) < _FEW_ROWS:  # summing a few rows each step costs less than keeping sums
+        steps = (executor.decode_cost([c + j for c in contexts] if j else contexts) for j in range(cap))
+    else:
+        steps = executor.decode_costs(contexts)
     if steps is None:
         return costs, ends
     t = start
@@ -91,6 +95,8 @@ def _costs(executor: SimExecutor, contexts: list[int], cap: int, start: float, u
         if j and t >= until:
             break
         cost = next(steps)
+        if cost is None:
+            break
         costs.append(cost)
         t += cost.total_s  # VirtualClock.advance's addition
         ends.append(t)
