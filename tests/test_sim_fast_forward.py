@@ -47,6 +47,11 @@ CASES = {
     "block-size-4": ["allocator=prefix", "allocator.block_size=4", "workload.shared_prefix_len=64",
                      "workload.num_prefixes=3"],
     "follow-ups": ["workload=multiturn", "workload.num_requests=24"],  # the horizon is a follow-up's due time
+    # a replica's finishing step releases a follow-up due almost at once, routed by the others' load:
+    # while follow-ups are held a replica runs only up to the next busy replica's clock
+    "fleet-follow-ups": ["cluster.num_replicas=3", "router=least-loaded", "workload=multiturn",
+                         "workload.num_requests=48", "workload.think_time_s=0.001", "workload.num_sessions=12",
+                         "workload.arrival_rate=4"],
 }
 
 
