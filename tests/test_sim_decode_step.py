@@ -1,6 +1,7 @@
 """`CostModel.decode_step` (fast-forward's cost of a decode-only step) is `CostModel.step` of that
 step to the bit, whatever the model, GPUs, kernel version, block size or block-sparse pattern, and
-on the batch size's second step (its parts cached) as on its first."""
+on the batch size's second step (its parts cached) as on its first; `decode_steps` (a window's
+steps, its sums kept as the contexts grow) is `decode_step` of each step to the bit."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from paged.config import compose_config
 from paged.kernels.features import BlockSparse
 from paged.sim.cost_model import CostModel, StepShape
+from paged.sim.decode_steps import decode_steps
 from paged.sim.executor import SimExecutor
 from paged.sim.hardware import resolve_hardware
 
@@ -47,3 +49,28 @@ def test_decode_step_is_step_to_the_bit(model, hardware, num_gpus, version, spar
                 versions.add(got.decode_version)
     if version != "auto":
         assert versions == {version}
+
+
+@pytest.mark.parametrize(("model", "hardware", "num_gpus", "version", "sparse"), [
+    ("llama-2-7b", "a100-80g", 1, "auto", False),
+    ("llama-3-8b", "h100-sxm", 1, "v1", False),
+    ("llama-3-70b", "h100-sxm", 4, "v2", False),
+    ("opt-13b", "a100-40g", 2, "v3", False),
+    ("llama-3-8b", "h100-sxm", 1, "vllm", False),
+    ("llama-2-7b", "a100-80g", 1, "auto", True),
+])
+def test_decode_steps_are_decode_step_to_the_bit(model, hardware, num_gpus, version, sparse):
+    blocksparse = BlockSparse(local_blocks=4, vert_stride=8, block_size=16) if sparse else None
+    cost_model = _model(model, hardware, num_gpus, version, blocksparse)
+    rng = random.Random(46)
+    versions = set()
+    for block_size in (16, 32):
+        for n in (1, 3, 8, 64):
+            # contexts across partition and split edges, and past the lengths where v3's split changes
+            contexts = [rng.randint(1, 9000 if n < 8 else 1500) for _ in range(n)]
+            for j, got in zip(range(600), decode_steps(cost_model, contexts, block_size)):
+                expected = cost_model.decode_step([c + j for c in contexts], block_size)
+                assert got == expected and repr(got) == repr(expected), (n, j)
+                versions.add(got.decode_version)
+    if version == "vllm":
+        assert versions == {"v1", "v2"}  # the rule's choice changes along the way

@@ -41,6 +41,17 @@ CASES = {
     "kv-groups": ["model=gemma-3-27b", "workload.num_requests=12"],
     **{f"fleet-{r}": [*FLEET, f"router={r}"] for r in ("round-robin", "least-loaded", "prefix-aware", "session")},
     "disaggregated": ["+deploy=1p3d", "workload.num_requests=24"],
+    # block edges at every step, and every fourth: the block manager's calls inside a bulk of steps
+    "block-size-1": ["allocator=prefix", "allocator.block_size=1", "workload.shared_prefix_len=64",
+                     "workload.num_prefixes=3"],
+    "block-size-4": ["allocator=prefix", "allocator.block_size=4", "workload.shared_prefix_len=64",
+                     "workload.num_prefixes=3"],
+    "follow-ups": ["workload=multiturn", "workload.num_requests=24"],  # the horizon is a follow-up's due time
+    # a replica's finishing step releases a follow-up due almost at once, routed by the others' load:
+    # while follow-ups are held a replica runs only up to the next busy replica's clock
+    "fleet-follow-ups": ["cluster.num_replicas=3", "router=least-loaded", "workload=multiturn",
+                         "workload.num_requests=48", "workload.think_time_s=0.001", "workload.num_sessions=12",
+                         "workload.arrival_rate=4"],
 }
 
 
@@ -70,8 +81,45 @@ def test_fast_forward_skips_steps() -> None:
     engine = build_engine(cfg)
     ff = engine.fast_forward
     assert isinstance(ff, FastForward)
+    engine.metrics.keep_steps = False  # as run_experiment's: a run that keeps records runs a step a call
     run_workload(engine, workload_for(cfg, engine), progress=False)
     assert ff.num_steps > engine.metrics.step_stats.num_steps / 2
+    # drive's horizon (the next arrival) lets a call run many of a window's steps
+    assert ff.num_calls < ff.num_steps / 4
+
+
+def _stop_run(fast_forward: bool, stops: dict[int, int]) -> tuple[list, dict]:
+    """The BASE workload with request i stopping at token stops[i]: each request's tokens, times and
+    finish reason, and the step statistics."""
+    import dataclasses
+
+    from paged.engine.builder import build_engine
+    from paged.engine.runner import drive, to_request
+    from paged.experiment.run import workload_for
+
+    cfg = compose_config([*BASE, f"executor.fast_forward={str(fast_forward).lower()}"])
+    engine = build_engine(cfg)
+    engine.metrics.keep_steps = False
+    items = workload_for(cfg, engine)
+    requests = [to_request(dataclasses.replace(item, params=dataclasses.replace(
+        item.params, stop_token_ids=[stops[i]] if i in stops else []))) for i, item in enumerate(items)]
+    engine.clock.reset()
+    drive(engine, requests)
+    outcome = [(r.outputs()[0].token_ids, list(r.token_times), r.finish_reason) for r in requests]
+    return outcome, engine.metrics.step_stats.summary(None)
+
+
+def test_a_stop_token_ends_a_bulk_of_steps_where_stepping_ends_it() -> None:
+    """A stop token sampled inside a window ends it before that step (the finishing step is
+    stepped): tokens, times and statistics as stepping has them."""
+    plain, _ = _stop_run(False, {})
+    # a token from the middle of some outputs: the request stops at its first occurrence
+    stops = {i: plain[i][0][len(plain[i][0]) // 2] for i in range(0, len(plain), 3) if len(plain[i][0]) > 8}
+    on, on_stats = _stop_run(True, stops)
+    off, off_stats = _stop_run(False, stops)
+    assert on == off and on_stats == off_stats
+    stopped = [i for i in stops if on[i][2].value == "stop"]
+    assert stopped and all(len(on[i][0]) < len(plain[i][0]) for i in stopped)
 
 
 def test_fast_forward_on_a_real_executor_is_a_config_error() -> None:
@@ -100,7 +148,9 @@ def test_fleet_windows_run_past_arrivals_routed_elsewhere() -> None:
         return chosen
 
     fleet.router.route = spy  # type: ignore[method-assign]
+    fleet.metrics.keep_steps = False  # as run_experiment's: a call runs a replica's steps up to the next arrival
     run_workload(fleet, workload_for(cfg, fleet), progress=False)
+    assert sum(ff.num_calls for ff in forwards) < sum(ff.num_steps for ff in forwards) / 2
     past = sum(
         1 for (before, chosen), (after, _) in zip(seen, seen[1:]) for i in range(len(forwards))
         if i != chosen and after[i][0] == before[i][0] and after[i][1] > before[i][1]

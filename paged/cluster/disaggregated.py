@@ -101,9 +101,10 @@ class DisaggregatedFleet(Fleet):
             request.abort_reason = ONE_SEQUENCE  # the prefill replica's intake aborts it
         self.router.route(request, [r for r in self.prefill if r.alive]).add_request(request)
 
-    def step(self) -> list[Request]:
+    def step(self, until: float | None = None, releases: bool = False) -> list[Request]:
         """The next event: a hand-off or an arrival when it comes first, else the earliest busy
-        replica's step. Returns the requests it finished."""
+        replica's step. Returns the requests it finished. `until` (the next arrival) and
+        `releases` are not used: the replicas here step one iteration at a time."""
         busy = [r for r in self.live if r.has_unfinished]
         replica = min(busy, key=lambda r: r.clock.now()) if busy else None
         if self._events and (replica is None or self._events[0].time <= replica.clock.now()):

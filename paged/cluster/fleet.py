@@ -18,6 +18,7 @@ from typing import Any
 
 from paged.cluster.replica import Replica
 from paged.cluster.router import Router
+from paged.engine.held_steps import HeldSteps
 from paged.engine.metrics import MetricsRecorder
 from paged.executor.base import Executor
 from paged.request import Request
@@ -71,6 +72,9 @@ class Fleet:
         self.clock: Clock = FleetClock(self, simulated=replicas[0].clock.simulated)
         self._turn = 0
         self._queue: list[tuple[float, int]] = []  # simulated: (clock, index) of each busy replica
+        self._held = HeldSteps(self.metrics.step_stats)
+        for replica in replicas:
+            replica.hold_steps(self._held)
 
     @property
     def live(self) -> list[Replica]:
@@ -93,15 +97,27 @@ class Fleet:
         if self.clock.simulated and not was_busy:
             heapq.heappush(self._queue, (replica.clock.now(), replica.index))
 
-    def step(self) -> list[Request]:
+    def step(self, until: float | None = None, releases: bool = False) -> list[Request]:
         """Step the replica whose turn it is: the earliest busy one on a simulated clock, else the
-        next busy one in turn. Returns the requests it finished."""
+        next busy one in turn. Returns the requests it finished.
+
+        On a simulated clock, `until` is the next arrival (nothing is routed before it): the
+        replica runs every fast-forward step that starts before it, since the routers read the
+        replicas only at arrivals, and a replica changes only by its own steps and what is routed
+        to it. With `releases` (a finishing step may release a follow-up, due at its end or later),
+        only the steps that start before the next busy replica's clock, as stepping would run
+        them. The steps run ahead of others' are counted in their turn (`HeldSteps`)."""
         if self.clock.simulated:
-            _, index = heapq.heappop(self._queue)
+            start, index = heapq.heappop(self._queue)
+            self._held.release(start, index)
             replica = self.replicas[index]
-            finished = replica.step()
+            if until is not None and releases:
+                until = min(until, self._queue[0][0]) if self._queue else until
+            finished = replica.step(until)
             if replica.has_unfinished:
                 heapq.heappush(self._queue, (replica.clock.now(), index))
+            elif not self._queue:
+                self._held.release_all()
             return finished
         busy = [r for r in self.live if r.has_unfinished]
         replica = busy[self._turn % len(busy)]
@@ -123,6 +139,7 @@ class Fleet:
 
     def abort_all(self, reason: str) -> list[Request]:
         self._queue.clear()
+        self._held.release_all()
         return [request for replica in self.live for request in replica.abort_all(reason)]
 
     def shutdown(self) -> None:

@@ -52,9 +52,10 @@ class RayFleet(Fleet):
             dead = ", ".join(str(r.index) for r in self.replicas)
             request.abort_reason = f"every replica died ({dead}); none was left to take it"
 
-    def step(self) -> list[Request]:
+    def step(self, until: float | None = None, releases: bool = False) -> list[Request]:
         """Send a step to every busy replica without one in flight, then collect the first to finish;
-        returns the requests it ended (or those a dead replica's loss aborted)."""
+        returns the requests it ended (or those a dead replica's loss aborted). `until` (the next
+        arrival) and `releases` are not used: real replicas run every step."""
         busy = [r for r in self.live if r.has_unfinished]
         for replica in busy:
             replica.launch()

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from paged.engine.engine import Engine
+from paged.engine.fast_forward import FastForward
+from paged.engine.held_steps import HeldSteps
 from paged.executor.base import Executor
 from paged.request import Request
 from paged.scheduler.core import SchedulerCounters
@@ -84,11 +86,27 @@ class Replica(ReplicaView):
         self.num_routed += 1
         self._submit(request)
 
-    def step(self) -> list[Request]:
-        """Run one step; returns the requests it finished or aborted."""
-        finished = self._step()
+    def step(self, until: float | None = None) -> list[Request]:
+        """Run one step, and with a horizon `until` (the fleet's next arrival) the fast-forward
+        steps after it that start before it; returns the requests they finished or aborted."""
+        finished = self._step() if until is None else self._step_until(until)
+        for usage in self._usages_before_last():  # each step's record, the last one's below
+            self.num_steps += 1
+            self.kv_usage_sum += usage
+            self.kv_usage_max = max(self.kv_usage_max, usage)
         self._record(finished)
         return finished
+
+    def hold_steps(self, held: HeldSteps) -> None:  # noqa: B027 - optional hook
+        """Count the statistics of the steps a call runs after its first through `held` (they run
+        ahead of other replicas' steps); nothing to do where a call runs one step."""
+
+    def _step_until(self, until: float) -> list[Request]:
+        return self._step()
+
+    def _usages_before_last(self) -> list[float]:
+        """`kv_usage()` after each step of the latest call but its last."""
+        return []
 
     def abort(self, request: Request, reason: str) -> None:
         """Abort `request`, one it holds: its blocks are freed now and its next `step` returns it."""
@@ -201,6 +219,23 @@ class LocalReplica(Replica):
 
     def _step(self) -> list[Request]:
         return self.engine.step()
+
+    def _step_until(self, until: float) -> list[Request]:
+        return self.engine.step(until)
+
+    def hold_steps(self, held: HeldSteps) -> None:
+        ff = self.engine.fast_forward
+        if isinstance(ff, FastForward):
+            index = self.index
+            ff.hold = lambda start, step: held.hold(start, index, step)
+
+    def _usages_before_last(self) -> list[float]:
+        ff = self.engine.fast_forward
+        if not isinstance(ff, FastForward) or not ff.free_blocks:
+            return []
+        # `Scheduler.kv_usage`'s arithmetic on each step's free blocks
+        num_blocks = self.engine.scheduler.block_manager.allocator.num_blocks
+        return [1.0 - free / num_blocks for free in ff.free_blocks]
 
     def _abort(self, request: Request, reason: str) -> None:
         self.engine.abort(request, reason)

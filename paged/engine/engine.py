@@ -25,8 +25,9 @@ class StepShortcut(Protocol):
     """What hands out steps without running them one by one (`paged.engine.fast_forward`'s
     `FastForward`: a window of decode steps in which nothing can change, computed at once)."""
 
-    def step(self, engine: Engine) -> bool:
-        """Hand out the engine's next step; False when the engine must run it itself."""
+    def step(self, engine: Engine, until: float | None = None) -> bool:
+        """Hand out the engine's next step, and with a horizon `until` (the next event the caller
+        knows of) the steps after it that start before it; False when the engine must run it itself."""
 
     def cut(self) -> None:
         """Something other than a step happened (an arrival, an abort): end the window here."""
@@ -100,12 +101,16 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished or (self.async_step is not None and self.async_step.busy)
 
-    def step(self) -> list[Request]:
+    def step(self, until: float | None = None, releases: bool = False) -> list[Request]:
         """Run one iteration; returns the requests that finished (or were aborted) in it. Under
-        fast-forward, run the next step of a window (`paged.engine.fast_forward`): none finish."""
+        fast-forward, run the next step of a window (`paged.engine.fast_forward`), and with a
+        horizon `until` (the time of the next arrival its caller knows of: nothing reaches the
+        engine before it) every later step of the window that starts before it: none finish.
+        `releases` (a finishing step may release follow-ups) changes nothing here: a window holds
+        no finishing step."""
         if self.async_step is not None:
             return self.async_step.step()
-        if self.fast_forward is not None and self.fast_forward.step(self):
+        if self.fast_forward is not None and self.fast_forward.step(self, until):
             return []
         start = self.clock.now()
         sched = self.scheduler.schedule(start)

@@ -11,36 +11,28 @@ logprobs, sliding windows, KV groups, prefix tiers, no-sharing copies, disaggreg
 press) is stepped.
 
 A window is planned when it starts (its last step, from the sequences' lengths and the free
-blocks) and run one step per `Engine.step` call, so that at every call the engine is exactly where
-stepping would have it: its clock, its blocks and prefix cache, what a router reads of it. What
-arrives ends the window (`cut`, from `Engine.add_request` and the aborts) before its next step,
-which the engine then schedules as it would have. So a fleet's replica runs its window past the
-arrivals its router sends elsewhere, whatever the router asks of it, and the single engine past
-none. Inside a window a step does what stepping would, with the same arithmetic in the same
-order, and skips what cannot change: the scheduler's queue walk, the policy, the batch objects.
-Each step's cost is the sim's cost model on the step's context lengths (`SimExecutor.decode_cost`,
-whose batch-size parts are computed once per size), and its statistics are counted without a step
-record where none is kept or listened to (`StepStats.add_decode`, from the cache's blocks as the
-latest step that grew a table left them and the ledger's slots now);
-a sequence's slot goes into the private block the previous step wrote, and only at a block's edge
-(or the window's first step) does the block manager grow the sequence and publish full blocks as
-a step would (so the same blocks, in the same order); tokens are the executor's placeholders and
-their times the step ends.
+blocks) and run, in one `Engine.step` call, up to the horizon its caller passes (the next arrival
+it knows of: nothing reaches the engine before it), or one step a call without one
+(`paged.engine.window_steps`, where the steps' bulk arithmetic is, to the bit stepping's). So at
+every arrival the engine is exactly where stepping would have it: its clock, its blocks and prefix
+cache, what a router reads of it. What arrives ends the window (`cut`, from `Engine.add_request`
+and the aborts) before its next step, which the engine then schedules as it would have. So a
+fleet's replica runs its window past the arrivals its router sends elsewhere, whatever the router
+asks of it (`Fleet.step`), and the single engine up to its next arrival. Inside a window a step
+does what stepping would, with the same arithmetic in the same order, and skips what cannot
+change: the scheduler's queue walk, the policy, the batch objects.
 """
 
 from __future__ import annotations
 
 import logging
-from array import array
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from paged.engine.window_steps import Hold, Row, Window, run_steps
 from paged.memory import BlockManager
-from paged.memory.block_manager import _SeqBlocks
 from paged.memory.reservation import ExactReservation, MaxReservation, OracleReservation, Pow2Reservation
 from paged.request import Sequence
-from paged.sim.executor import SimExecutor, plain_token
-from paged.step import KVStats
+from paged.sim.executor import SimExecutor
 
 if TYPE_CHECKING:
     from paged.engine.engine import Engine
@@ -52,57 +44,37 @@ log = logging.getLogger(__name__)
 _RESERVATIONS = (ExactReservation, MaxReservation, Pow2Reservation, OracleReservation)
 
 
-@dataclass(slots=True)
-class _Window:
-    """A planned window: per sequence, what its steps read and write (`_Row`); the steps run and
-    the most it may run; the rows that a stop token or EOS could end."""
-
-    rows: list[_Row]
-    limit: int
-    stoppable: list[_Row]
-    contexts: list[int]  # the next step's context lengths: each row's tokens so far
-    done: int = 0
-    kv: KVStats | None = None  # the cache after the latest step that grew a block table (statistics only)
-
-
-@dataclass(slots=True)
-class _Row:
-    """One sequence of a window: its token list and times, its placeholder's inputs, its blocks, and
-    its stop tokens with the length from which they stop it."""
-
-    seq: Sequence
-    token_ids: list[int]
-    token_times: array[float]
-    greedy: bool
-    index: int
-    blocks: _SeqBlocks
-    stops: frozenset[int]
-    stop_from: int
-    # whether the window's first step must go through the block manager (else its slot is the
-    # common path's and publishing has nothing new, as on any step off a block's edge)
-    first_edge: bool
-
-
 class FastForward:
     """One engine's fast-forward: plans windows and runs them a step per `Engine.step`."""
 
     def __init__(self) -> None:
-        self._window: _Window | None = None
+        self._window: Window | None = None
         self._said: set[str] = set()  # policy classes already logged as stepped
         self.num_windows = 0  # windows that ran a step
         self.num_steps = 0  # steps run in windows
+        self.num_calls = 0  # calls that ran window steps (several steps a call up to a horizon)
+        # a fleet's replica: where the steps after a call's first wait for their turn (`HeldSteps`)
+        self.hold: Hold | None = None
+        # the free blocks after each step of the latest call but its last (a replica's per-step record)
+        self.free_blocks: list[int] = []
 
-    def step(self, engine: Engine) -> bool:
-        """Run the window's next step (planning a window if none is open); False when no window
-        step can run now (the engine steps)."""
+    def step(self, engine: Engine, until: float | None = None) -> bool:
+        """Run the window's next step (planning a window if none is open), and with a horizon
+        `until` every later one of the window that starts before it (`run_steps`); False when no
+        window step can run now (the engine steps)."""
+        self.free_blocks = []
         window = self._window or self._plan(engine)
         if window is None:
             return False
-        if not self._run_step(engine, window):
+        first = window.done == 0
+        ran = run_steps(engine, window, until, self.hold)
+        if not ran:
             self._window = None
             return False
-        self.num_windows += window.done == 1
-        self.num_steps += 1
+        self.free_blocks = window.free_blocks[:-1]
+        self.num_windows += first
+        self.num_steps += ran
+        self.num_calls += 1
         return True
 
     def cut(self) -> None:
@@ -143,7 +115,7 @@ class FastForward:
                          "(SchedulingPolicy.step_invariant): its engine steps one iteration at a time", name)
         return bool(invariant)
 
-    def _plan(self, engine: Engine) -> _Window | None:
+    def _plan(self, engine: Engine) -> Window | None:
         """The window that starts now; None when it would be empty."""
         if not isinstance(engine.executor, SimExecutor):
             return None
@@ -183,9 +155,11 @@ class FastForward:
                 and (not publishes or length // bs <= blocks.num_published)
             )
             # a stop token ends the sequence once its output, the token included, reaches min_tokens
-            rows.append(_Row(seq, seq.token_ids, request.token_times, params.greedy, seq.index, blocks,
-                             stops, seq.num_prompt_tokens + params.min_tokens - 1, not common))
-        self._window = _Window(rows, limit, [row for row in rows if row.stops], lengths)
+            rows.append(Row(seq, seq.token_ids, request.token_times, 0 if params.greedy else seq.index + 1,
+                            blocks, stops, seq.num_prompt_tokens + params.min_tokens - 1, not common))
+        # the rows a token could stop first: the steps' tokens are walked only as far as the first stop
+        order = sorted(range(len(rows)), key=lambda r: not rows[r].stops)
+        self._window = Window(rows, limit, lengths, order)
         return self._window
 
     @staticmethod
@@ -215,78 +189,3 @@ class FastForward:
             else:
                 hi = mid - 1
         return lo
-
-    # -- a step ----------------------------------------------------------------------------------------
-
-    def _run_step(self, engine: Engine, window: _Window) -> bool:
-        """Run the window's next step as stepping would; False (nothing changed) when the window is
-        over: its last planned step ran, a token would stop a sequence, or the cost model cannot
-        price the step from its rows alone."""
-        k = window.done
-        if k >= window.limit:
-            return False
-        executor = engine.executor
-        assert isinstance(executor, SimExecutor)
-        vocab = executor.vocab_size
-        for row in window.stoppable:
-            token_ids = row.token_ids
-            length = len(token_ids)
-            if length >= row.stop_from and (
-                plain_token(token_ids[-1], length, vocab, row.greedy, row.index) in row.stops
-            ):
-                return False
-        contexts = window.contexts
-        cost = executor.decode_cost(contexts)
-        if cost is None:
-            return False
-        s = engine.scheduler
-        bm = s.block_manager
-        bs, append_token = bm.block_size, bm.ledger.append_token
-        clock, metrics = engine.clock, engine.metrics
-        start = clock.now()
-        s._blocked_blocks = 0
-        # the slot of each sequence's newest token: into the private block the previous step wrote,
-        # unless it opens a block or fills one (or, on the window's first step, the common path's
-        # test fails), where the block manager grows and publishes as a step does
-        edges = []
-        for row in window.rows:
-            num_tokens = len(row.token_ids)
-            if (num_tokens - 1) % bs == 0 or num_tokens % bs == 0 or (k == 0 and row.first_edge):
-                if bm.try_append_slots(row.seq) != []:
-                    raise AssertionError(f"fast-forward: sequence {row.seq.seq_id} could not grow as planned")
-                edges.append(row)
-            else:
-                blocks = row.blocks
-                append_token(blocks.table[(num_tokens - 1) // bs])
-                blocks.num_slots = num_tokens
-        executor.advance(cost)
-        now = clock.now()
-        s._now = now
-        for row in window.rows:
-            token_ids = row.token_ids
-            length = len(token_ids)
-            row.seq.num_computed_tokens = length
-            row.token_times.append(now)
-            token_ids.append(plain_token(token_ids[-1], length, vocab, row.greedy, row.index))
-        for row in edges:
-            # the token is appended first here, which publishing ignores (it covers computed slots only)
-            bm.mark_computed(row.seq)
-        if k == 0:  # a log-probability of -0.0 becomes 0.0 once, as the first step adds 0.0
-            for row in window.rows:
-                row.seq.cumulative_logprob += 0.0
-        window.contexts = [n + 1 for n in contexts]
-        n, model_time = len(contexts), cost.total_s - cost.overhead_s
-        if metrics.records_steps:
-            metrics.add_step(metrics.step_record(
-                False, n, n, n, n, n, model_time, cost.decode_version, 0, 0, s.stats(), start, now,
-            ))
-        else:
-            # off a block's edge a step changes only the ledger's slots: the blocks are the last edge's
-            if k == 0 or edges:
-                window.kv = bm.stats()
-            ledger = bm.ledger
-            assert window.kv is not None
-            metrics.step_stats.add_decode(n, model_time, cost.decode_version, window.kv, ledger.num_used,
-                                          ledger.num_reserved, start, now)
-        window.done = k + 1
-        return True

@@ -69,17 +69,12 @@ class StepStats:
         """A step of `num_rows` decode rows only (fast-forward's), counted as `add` counts its record,
         without the record: the cache is `kv`'s blocks (one KV group) with `used` and `reserved`
         slots, as a window step off a block's edge changes only the slots (`kv` is the latest
-        edge's). `KVStats`' values with the same integer operations and one division each."""
-        bs, total_blocks, allocated = kv.block_size, kv.num_total_blocks, kv.num_allocated_blocks
-        unassigned, stranded = kv.num_unassigned_blocks, kv.num_stranded_free_blocks
-        total = total_blocks * bs
-        shares = (used / total, reserved / total, ((allocated - unassigned) * bs - used - reserved) / total,
-                  (unassigned + stranded) * bs / total, (kv.num_free_blocks - stranded) * bs / total)
-        self._count(
-            num_rows, end - start, max(0.0, end - start - model_time_s), 0, num_rows, end, allocated / total_blocks,
-            shares, allocated, used / (allocated * bs) if allocated else 1.0, kv.num_logical_blocks,
-            kv.sharing_saving, num_rows, used, num_rows, attention_version,
-        )
+        edge's)."""
+        self.count(decode_step(num_rows, model_time_s, attention_version, kv, used, reserved, start, end))
+
+    def count(self, step: tuple[Any, ...]) -> None:
+        """Count a step given as `decode_step` gives it (one held back, `HeldSteps`)."""
+        self._count(*step)
 
     def _count(
         self, computed_tokens: int, step_time_s: float, overhead_s: float, input_tokens: int, sampled_tokens: int,
@@ -145,3 +140,19 @@ class StepStats:
             "engine_overhead_fraction": self.overhead_s / self.step_time_s if self.step_time_s > 0 else 0.0,
             **{f"decode_steps_{v}": n for v, n in self.decode_versions.items()},
         }
+
+
+def decode_step(num_rows: int, model_time_s: float, attention_version: str | None, kv: KVStats, used: int,
+                reserved: int, start: float, end: float) -> tuple[Any, ...]:
+    """`StepStats.add_decode`'s step as `_count`'s arguments: `KVStats`' values with the same
+    integer operations and one division each."""
+    bs, total_blocks, allocated = kv.block_size, kv.num_total_blocks, kv.num_allocated_blocks
+    unassigned, stranded = kv.num_unassigned_blocks, kv.num_stranded_free_blocks
+    total = total_blocks * bs
+    shares = (used / total, reserved / total, ((allocated - unassigned) * bs - used - reserved) / total,
+              (unassigned + stranded) * bs / total, (kv.num_free_blocks - stranded) * bs / total)
+    return (
+        num_rows, end - start, max(0.0, end - start - model_time_s), 0, num_rows, end, allocated / total_blocks,
+        shares, allocated, used / (allocated * bs) if allocated else 1.0, kv.num_logical_blocks,
+        kv.sharing_saving, num_rows, used, num_rows, attention_version,
+    )

@@ -48,6 +48,17 @@ class SlotLedger:
             self._future[block_id] -= 1
             self.num_reserved -= 1
 
+    def append_tokens(self, block_id: int, count: int) -> int:
+        """`count` more slots of `block_id` filled, as `count` calls of `append_token` leave it (a
+        fast-forward window's run of steps off a block's edge); returns how many of them were
+        reserved, which are the first ones."""
+        self._fill[block_id] += count
+        self.num_used += count
+        reserved = min(self._future[block_id], count)
+        self._future[block_id] -= reserved
+        self.num_reserved -= reserved
+        return reserved
+
     def copy(self, src: int, dst: int, index: int, final: int) -> None:
         """`dst` became a private copy of `src`, the `index`-th block of a sequence filling `final` slots."""
         self.account(dst, self._fill[src], self._cap(index, final))

@@ -242,7 +242,11 @@ class CostModel:
         swapped, copied or tiered), to the bit: the same operations in the same order (0.0 + x is x),
         with what depends on the batch size alone computed once per size (fast-forward's windows run
         thousands of steps of one size)."""
-        n = len(contexts)
+        attention, version = self._decode_attention(contexts, block_size)
+        return self.decode_cost_of(len(contexts), attention, version)
+
+    def decode_cost_of(self, n: int, attention: float, version: str) -> StepCost:
+        """`decode_step`'s cost of `n` decode rows whose attention takes `attention` seconds a layer."""
         parts = self._decode_parts.get(n)
         if parts is None:
             hw = self.hw
@@ -250,7 +254,6 @@ class CostModel:
             self._decode_parts[n] = parts
         linear, elementwise, communication, head, overhead = parts
         L = self.spec.num_layers
-        attention, version = self._decode_attention(contexts, block_size)
         kernels = _KERNELS_PER_LAYER + (version == "v2")
         layer = max(linear + attention + elementwise, kernels * self.hw.kernel_launch_s)
         return StepCost(
@@ -347,16 +350,21 @@ class CostModel:
         attention, version = self._decode_attention(contexts, shape.block_size)
         return time + attention, version
 
-    def _decode_attention(self, contexts: list[int], block_size: int) -> tuple[float, str]:
-        """The decode rows' attention time and kernel version."""
-        hw = self.hw
-        num, longest = len(contexts), max(contexts)
-        version = step_version(self.version, longest, num, self.heads, self.partition_size, backend=self.backend)
+    def attention_shape(self, block_size: int) -> AttentionShape:
+        """The decode kernels' shape at `block_size`, built once."""
         attention = self._attention_shapes.get(block_size)
         if attention is None:
             attention = AttentionShape(self.heads, self.kv_heads, self.spec.head_dim, self.b, self.kv_b, block_size,
                                        self.partition_size)
             self._attention_shapes[block_size] = attention
+        return attention
+
+    def _decode_attention(self, contexts: list[int], block_size: int) -> tuple[float, str]:
+        """The decode rows' attention time and kernel version."""
+        hw = self.hw
+        num, longest = len(contexts), max(contexts)
+        version = step_version(self.version, longest, num, self.heads, self.partition_size, backend=self.backend)
+        attention = self.attention_shape(block_size)
         # dense attention reads every context token (`_read` is the identity then)
         read = sum(contexts) if self.blocksparse is None else sum(map(self._read, contexts))
         work = decode_bytes(version, contexts, read, attention, hw.num_sms)

@@ -48,14 +48,21 @@ def _units(variant: str, contexts: Sequence[int], shape: AttentionShape, num_sms
     """Context tokens of the variant's largest work unit, and the partial rows per query head it
     writes and merges: v2 one per partition, v3 one per split where a sequence has several, v1 none."""
     longest = max(contexts)
+    unit, divisor = unit_split(variant, len(contexts), longest, shape, num_sms)
+    return unit, sum(-(-c // divisor) for c in contexts) if divisor else 0
+
+
+def unit_split(variant: str, num: int, longest: int, shape: AttentionShape, num_sms: int) -> tuple[int, int]:
+    """The variant's largest unit's tokens, and the tokens a context is cut into partial rows by
+    (each context gives ceil(context / it)); 0 where nothing is merged."""
     if variant == "v1":
         return longest, 0
     if variant == "v2":
         p = shape.partition_size
-        return min(longest, p), sum(-(-c // p) for c in contexts)
-    plan = plan_splits(len(contexts), shape.kv_heads, longest, shape.block_size, SplitHardware(num_sms))
+        return min(longest, p), p
+    plan = plan_splits(num, shape.kv_heads, longest, shape.block_size, SplitHardware(num_sms))
     split = plan.split_tokens
-    return min(longest, split), sum(-(-c // split) for c in contexts) if plan.num_splits > 1 else 0
+    return min(longest, split), split if plan.num_splits > 1 else 0
 
 
 def decode_bytes(variant: str, contexts: Sequence[int], read_tokens: float, shape: AttentionShape,
@@ -63,9 +70,15 @@ def decode_bytes(variant: str, contexts: Sequence[int], read_tokens: float, shap
     """The batch's decode-attention work in bytes: the larger of its traffic (K/V of `read_tokens`
     context tokens at the cache's element size, queries in and outputs out at the model's) and the
     largest unit's floor, plus the merge's partials. `contexts` are the rows' context lengths."""
-    num, d, b = len(contexts), shape.head_dim, shape.dtype_bytes
-    traffic = 2 * read_tokens * shape.kv_heads * d * shape.kv_bytes + 2 * num * shape.heads * d * b
     unit, partials = _units(variant, contexts, shape, num_sms)
+    return decode_work(len(contexts), unit, partials, read_tokens, shape, num_sms)
+
+
+def decode_work(num: int, unit: int, partials: int, read_tokens: float, shape: AttentionShape, num_sms: int) -> float:
+    """`decode_bytes` of `num` rows from its largest unit's tokens and the partial rows per query
+    head (`unit_split`'s, fast-forward's steps keep them incrementally)."""
+    d, b = shape.head_dim, shape.dtype_bytes
+    traffic = 2 * read_tokens * shape.kv_heads * d * shape.kv_bytes + 2 * num * shape.heads * d * b
     work = max(traffic, 2 * unit * d * shape.kv_bytes * num_sms)
     if partials:
         work += shape.heads * (partials * (2 + d) * _PARTIAL_FLOAT_BYTES + num * d * b)

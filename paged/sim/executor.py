@@ -21,8 +21,10 @@ paper's Alpaca beam savings (a geometric tail, tried first, let width 6 coalesce
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
+from collections.abc import Iterator
 from functools import cached_property
 
 import torch
@@ -33,6 +35,7 @@ from paged.executor.base import Executor, KVCacheSpec, Tokenizer
 from paged.kernels.features import BlockSparse, cache_dtype
 from paged.model.spec import model_spec
 from paged.sim.cost_model import CostModel, StepCost, step_shape
+from paged.sim.decode_steps import decode_steps
 from paged.sim.hardware import Hardware, resolve_hardware
 from paged.sim.memory import check_parallelism, plan_memory
 from paged.sim.tier_disk import SimTierDisk
@@ -225,6 +228,17 @@ class SimExecutor(Executor):
         window = self.sliding_window
         decode = contexts if window is None else [min(c, window) for c in contexts]
         return self.cost_model.decode_step(decode, self.block_size)
+
+    def decode_costs(self, contexts: list[int]) -> Iterator[StepCost] | None:
+        """`decode_cost` of `contexts + j` for j = 0, 1, ... (a window's steps), endless; None where
+        `decode_cost` is."""
+        if self._window_layers or self.tier_disk is not None:
+            return None
+        window = self.sliding_window
+        if window is not None:
+            return (self.cost_model.decode_step([min(c + j, window) for c in contexts], self.block_size)
+                    for j in itertools.count())
+        return decode_steps(self.cost_model, contexts, self.block_size)
 
     def advance(self, cost: StepCost) -> None:
         """Account a step of `cost` run without `execute` (fast-forward): the clock and `last_cost`."""
