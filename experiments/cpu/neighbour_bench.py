@@ -18,7 +18,8 @@ Settings (`paged.utils.threads`):
 - `new`: paged's default (OMP_WAIT_POLICY=PASSIVE, one thread per core);
 - `one-thread`: paged's default with `model.num_threads=1`, for reference;
 - `short-spin`: a short spin before sleeping (GOMP_SPINCOUNT=10000, ~0.1-0.5 ms), the alternative
-  to PASSIVE should sleeping at once cost a quiet machine too much.
+  to PASSIVE should sleeping at once cost a quiet machine too much; `spin-3k` and `spin-1k` shorter
+  still (GOMP_SPINCOUNT=3000, 1000).
 
 Runs alternate: every round runs each model and setting quiet, then beside each neighbour. The
 table shows medians, busy / quiet, and "others" (cores that processes other than the run and its
@@ -68,6 +69,9 @@ def settings() -> dict[str, tuple[dict[str, str], list[str]]]:
         "new": ({}, []),
         "one-thread": ({}, ["model.num_threads=1"]),
         "short-spin": ({"GOMP_SPINCOUNT": "10000"}, []),
+        # issue 47's bounded spin, shorter still: does any spin keep >= 0.5 of quiet beside a neighbour?
+        "spin-3k": ({"GOMP_SPINCOUNT": "3000"}, []),
+        "spin-1k": ({"GOMP_SPINCOUNT": "1000"}, []),
     }
 
 
