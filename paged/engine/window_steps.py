@@ -32,7 +32,7 @@ from paged.engine.step_stats import decode_step
 from paged.memory.block_manager import _SeqBlocks
 from paged.request import Sequence
 from paged.sim.cost_model import StepCost
-from paged.sim.executor import SimExecutor
+from paged.sim.executor import LENGTH_MUL, SAMPLE_MUL, TOKEN_MUL, SimExecutor
 from paged.step import KVStats
 
 if TYPE_CHECKING:
@@ -44,8 +44,6 @@ Hold = Callable[[float, tuple[Any, ...]], None]
 # below this many rows a window's step costs are taken from each step's contexts (`decode_cost`),
 # from this many on from sums kept as they grow (`decode_costs`): both are the same to the bit
 _FEW_ROWS = 16
-# plain_token's multipliers (paged.sim.executor.plain_token): base = last * A + length * B
-_A, _B, _SAMPLE = 1103515245, 12345, 7919
 
 
 @dataclass(slots=True)
@@ -56,7 +54,7 @@ class Row:
     seq: Sequence
     token_ids: list[int]
     token_times: array[float]
-    sample: int  # plain_token's sample term over 7919: 0 for a greedy row, else its index + 1
+    sample: int  # plain_token's sample term over SAMPLE_MUL: 0 for a greedy row, else its index + 1
     blocks: _SeqBlocks
     stops: frozenset[int]
     stop_from: int
@@ -114,16 +112,16 @@ def _tokens(window: Window, vocab: int, k: int) -> tuple[list[list[int]], int]:
     tokens: list[list[int]] = [[] for _ in rows]
     for r in window.order:
         row, length = rows[r], contexts[r]
-        last, salt, stops = row.token_ids[-1], _SAMPLE * row.sample, row.stops
+        last, salt, stops = row.token_ids[-1], SAMPLE_MUL * row.sample, row.stops
         out = tokens[r]
         if not stops:
             for j in range(k):
-                last = (last * _A + (length + j) * _B + salt) % vocab
+                last = (last * TOKEN_MUL + (length + j) * LENGTH_MUL + salt) % vocab
                 out.append(last)
             continue
         stop_from = row.stop_from
         for j in range(k):
-            last = (last * _A + (length + j) * _B + salt) % vocab
+            last = (last * TOKEN_MUL + (length + j) * LENGTH_MUL + salt) % vocab
             if last in stops and length + j >= stop_from:
                 k = j
                 break

@@ -69,10 +69,14 @@ def _unit(*keys: int) -> float:
         x ^= x >> 31
     return (x >> 11) / float(1 << 53)
 
+# a placeholder token's hash: last * TOKEN_MUL + length * LENGTH_MUL, plus SAMPLE_MUL per sample index
+TOKEN_MUL, LENGTH_MUL, SAMPLE_MUL = 1103515245, 12345, 7919
+
+
 def plain_token(last: int, length: int, vocab: int, greedy: bool, index: int) -> int:
     """The placeholder token of a plain request's row (one sample, no beams), after `last` at `length`."""
-    base = last * 1103515245 + length * 12345
-    return base % vocab if greedy else (base + 7919 * (index + 1)) % vocab
+    base = last * TOKEN_MUL + length * LENGTH_MUL
+    return base % vocab if greedy else (base + SAMPLE_MUL * (index + 1)) % vocab
 
 
 class SimExecutor(Executor):
@@ -259,7 +263,7 @@ class SimExecutor(Executor):
             seq = item.seq
             token_ids = seq.token_ids
             last, length = token_ids[-1], len(token_ids)
-            base = last * 1103515245 + length * 12345
+            base = last * TOKEN_MUL + length * LENGTH_MUL
             params = seq.request.params
             if n == 1 and params.best_of == 1 and not params.use_beam_search:
                 # a plain request's row, nearly every row: the general case below with n = 1
@@ -268,9 +272,10 @@ class SimExecutor(Executor):
                 continue
             if params.use_beam_search or params.greedy:
                 # distinct candidates, most likely first (a greedy row repeats its first)
-                tokens = [(base + 7919 * j) % vocab for j in range(n)] if params.use_beam_search else [base % vocab] * n
+                tokens = ([(base + SAMPLE_MUL * j) % vocab for j in range(n)] if params.use_beam_search
+                          else [base % vocab] * n)
             else:  # samples differ between a request's sequences, as sampling would make them
-                tokens = [(base + 7919 * (seq.index + i + 1)) % vocab for i in range(n)]
+                tokens = [(base + SAMPLE_MUL * (seq.index + i + 1)) % vocab for i in range(n)]
             sampled.append(tokens)
             if params.best_of == 1:  # nothing ranks a lone sample by its log-probability
                 logprobs.append([0.0])
