@@ -19,6 +19,22 @@ PAGED_DEVICE CACHE_T to_cache(T x, const float* scales, int head) {
   }
 }
 
+// Where element `i` (head * head_size + dim) of the token in `slot` lives in vLLM's paged layout:
+// K [blocks, heads, head_size / x, block_size, x], V [blocks, heads, head_size, block_size].
+struct SlotElement {
+  int64 key;
+  int64 value;
+};
+
+PAGED_DEVICE SlotElement slot_element(int64 slot, int i, int num_heads, int head_size, int block_size, int x) {
+  const int64 block = slot / block_size;
+  const int offset = static_cast<int>(slot % block_size);
+  const int head = i / head_size;
+  const int dim = i % head_size;
+  return {(((block * num_heads + head) * (head_size / x) + dim / x) * block_size + offset) * x + dim % x,
+          ((block * num_heads + head) * head_size + dim) * block_size + offset};
+}
+
 // Grid (num_tokens); slot -1 marks a padding token whose K/V must not be written.
 template <typename T, typename CACHE_T>
 __global__ void reshape_and_cache_kernel(const T* __restrict__ key, const T* __restrict__ value,
@@ -29,16 +45,12 @@ __global__ void reshape_and_cache_kernel(const T* __restrict__ key, const T* __r
   const int64 token = blockIdx.x;
   const int64 slot = slot_mapping[token];
   if (slot < 0) return;
-  const int64 block = slot / block_size;
-  const int offset = static_cast<int>(slot % block_size);
   const int n = num_heads * head_size;
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const SlotElement at = slot_element(slot, i, num_heads, head_size, block_size, x);
     const int head = i / head_size;
-    const int dim = i % head_size;
-    const int64 key_dst = (((block * num_heads + head) * (head_size / x) + dim / x) * block_size + offset) * x + dim % x;
-    const int64 value_dst = ((block * num_heads + head) * head_size + dim) * block_size + offset;
-    key_cache[key_dst] = to_cache<CACHE_T>(key[token * key_stride + i], k_scales, head);
-    value_cache[value_dst] = to_cache<CACHE_T>(value[token * value_stride + i], v_scales, head);
+    key_cache[at.key] = to_cache<CACHE_T>(key[token * key_stride + i], k_scales, head);
+    value_cache[at.value] = to_cache<CACHE_T>(value[token * value_stride + i], v_scales, head);
   }
 }
 
@@ -69,20 +81,15 @@ __global__ void move_slots_kernel(CACHE_T* __restrict__ key_cache, CACHE_T* __re
                                   int block_size, int x, int scatter) {
   const int64 pair = blockIdx.x;
   const int64 slot = slot_mapping[2 * pair + scatter];
-  const int64 block = slot / block_size;
-  const int offset = static_cast<int>(slot % block_size);
   const int n = num_heads * head_size;
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    const int head = i / head_size;
-    const int dim = i % head_size;
-    const int64 key_at = (((block * num_heads + head) * (head_size / x) + dim / x) * block_size + offset) * x + dim % x;
-    const int64 value_at = ((block * num_heads + head) * head_size + dim) * block_size + offset;
+    const SlotElement at = slot_element(slot, i, num_heads, head_size, block_size, x);
     if (scatter) {
-      key_cache[key_at] = key_buffer[pair * n + i];
-      value_cache[value_at] = value_buffer[pair * n + i];
+      key_cache[at.key] = key_buffer[pair * n + i];
+      value_cache[at.value] = value_buffer[pair * n + i];
     } else {
-      key_buffer[pair * n + i] = key_cache[key_at];
-      value_buffer[pair * n + i] = value_cache[value_at];
+      key_buffer[pair * n + i] = key_cache[at.key];
+      value_buffer[pair * n + i] = value_cache[at.value];
     }
   }
 }
