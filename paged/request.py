@@ -6,7 +6,7 @@ import enum
 import functools
 import itertools
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -302,7 +302,9 @@ class Request:
     def outputs(self) -> list[Completion]:
         """The request's completions: its group's choice once finished, else its sequences as they are."""
         if self.completions is not None:
-            return self.completions
+            # compacted (`compact`): each completion's tokens as a list again
+            return [c if isinstance(c.token_ids, list) else replace(c, token_ids=c.token_ids.tolist())
+                    for c in self.completions]
         return [s.completion() for s in sorted(self.seqs, key=lambda s: s.index)]
 
     def follow(self, parent: Request) -> None:
@@ -317,13 +319,26 @@ class Request:
         self.arrival_time = parent.finish_time + self.follows.think_time_s
 
     def compact(self) -> None:
-        """Hold a finished request's token ids as 4-byte ints (`array('i')`; a list holds an 8-byte
-        pointer to a 28-byte int per token): a fleet hour finishes 100M tokens. What a finished
-        request is read for still works: lengths, `outputs()` (lists), indexing and slicing, a
-        follow-up's prompt (`follow`)."""
-        self.prompt_token_ids = array("i", self.prompt_token_ids)  # type: ignore[assignment]
+        """Hold the request's token ids as 4-byte ints (`array('i')`; a list holds an 8-byte pointer
+        to a 28-byte int per token): a fleet hour holds 100M tokens, in prompts not yet sent and in
+        finished requests. What a finished request is read for still works: lengths, `outputs()`
+        (lists), indexing and slicing, a follow-up's prompt (`follow`); one not yet submitted is
+        `expand`ed first."""
+        prompt = array("i", self.prompt_token_ids)
+        self.prompt_token_ids = prompt  # type: ignore[assignment]
         for seq in self.seqs:
-            seq.token_ids = array("i", seq.token_ids)  # type: ignore[assignment]
+            # a sequence's tokens start with the prompt: one of its length (not yet run) shares it
+            seq.token_ids = prompt if len(seq.token_ids) == len(prompt) else array("i", seq.token_ids)  # type: ignore[assignment]
+        if self.completions is not None:
+            self.completions = [replace(c, token_ids=array("i", c.token_ids)) for c in self.completions]
+
+    def expand(self) -> None:
+        """Undo `compact` before the request is submitted: its sequences' token ids grow as lists."""
+        if isinstance(self.prompt_token_ids, array):
+            self.prompt_token_ids = self.prompt_token_ids.tolist()
+        for seq in self.seqs:
+            if isinstance(seq.token_ids, array):
+                seq.token_ids = seq.token_ids.tolist()
 
     @property
     def num_prompt_tokens(self) -> int:

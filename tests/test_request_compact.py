@@ -1,6 +1,6 @@
-"""A finished request's token ids held compactly (`Request.compact`, `drive(compact=True)`, which
-`run_experiment` uses): the same outputs, prompts, follow-ups and times as lists give, in 4 bytes a
-token."""
+"""Token ids held compactly (`Request.compact`, `drive(compact=True)`, which `run_experiment` uses
+with its requests held compactly until submitted, `held_requests`): the same outputs, prompts,
+follow-ups and times as lists give, in 4 bytes a token."""
 
 from __future__ import annotations
 
@@ -12,16 +12,18 @@ from paged.cluster.fleet_builder import build_fleet, uses_fleet
 from paged.config import compose_config
 from paged.engine.builder import build_engine
 from paged.engine.runner import drive, to_request
-from paged.experiment.run import workload_for
+from paged.experiment.run import held_requests, workload_for
 from paged.request import Request
 
 SIM = ["executor=sim", "model=llama-3-8b", "hardware=h100-sxm", "logger=none", "progress=false"]
 
 
-def _run(overrides: list[str], compact: bool) -> list[Request]:
+def _run(overrides: list[str], compact: bool, held: bool = False) -> list[Request]:
     cfg = compose_config(overrides)
     engine = build_fleet(cfg) if uses_fleet(cfg) else build_engine(cfg)
-    requests = [to_request(item) for item in workload_for(cfg, engine)]
+    items = workload_for(cfg, engine)
+    requests = held_requests(items) if held else [to_request(item) for item in items]
+    assert not held or (not items and all(isinstance(r.prompt_token_ids, array) for r in requests))
     engine.clock.reset()
     drive(engine, requests, compact=compact)
     return requests
@@ -39,9 +41,11 @@ def _view(requests: list[Request]) -> list[tuple]:
 ])
 def test_compacted_requests_read_as_lists_do(overrides):
     plain = _run([*SIM, *overrides], compact=False)
-    compacted = _run([*SIM, *overrides], compact=True)
-    assert _view(compacted) == _view(plain)
-    finished = [r for r in compacted if r.finish_time is not None]
-    assert finished and all(isinstance(r.prompt_token_ids, array) for r in finished)
-    assert all(isinstance(seq.token_ids, array) and seq.token_ids.itemsize == 4 for r in finished for seq in r.seqs)
-    assert all(type(c.token_ids) is list for r in finished for c in r.outputs())
+    for held in (False, True):
+        compacted = _run([*SIM, *overrides], compact=True, held=held)
+        assert _view(compacted) == _view(plain)
+        finished = [r for r in compacted if r.finish_time is not None]
+        assert finished and all(isinstance(r.prompt_token_ids, array) for r in finished)
+        assert all(isinstance(s.token_ids, array) and s.token_ids.itemsize == 4 for r in finished for s in r.seqs)
+        assert all(r.completions and isinstance(c.token_ids, array) for r in finished for c in r.completions)
+        assert all(type(c.token_ids) is list for r in finished for c in r.outputs())

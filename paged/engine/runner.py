@@ -57,7 +57,8 @@ def drive(
     keep their outputs), and so are the follow-ups of those. Returns True when it stopped so, with
     work left; False when all was done. `progress` draws a bar labelled `label` (`RunProgress`).
     `compact` holds each finished request's token ids compactly (`Request.compact`), once its
-    follow-ups have read them: for runs read afterwards only through `outputs()` and lengths."""
+    follow-ups have read them: for runs read afterwards only through `outputs()` and lengths; the
+    requests may then be passed compacted too, each `expand`ed as it is submitted."""
     follow_ups = FollowUps(requests)
     pending = sorted((r for r in requests if r.follows is None), key=lambda r: r.arrival_time)
     clock = engine.clock
@@ -65,6 +66,12 @@ def drive(
     # (a signal does not cut a sleep short); simulated time waits at no cost
     slice_s = STOP_POLL_S if stop is not None and not clock.simulated else float("inf")
     i = 0
+
+    def submit(request: Request) -> None:
+        if compact:
+            request.expand()
+        engine.add_request(request)
+
     with RunProgress(engine, len(requests), label=label, enabled=progress) as bar:
         while i < len(pending) or follow_ups.has_due or engine.has_unfinished:
             if stop is not None and stop.requested:
@@ -72,10 +79,10 @@ def drive(
                 return True
             now = clock.now()
             while i < len(pending) and pending[i].arrival_time <= now:
-                engine.add_request(pending[i])
+                submit(pending[i])
                 i += 1
             for request in follow_ups.due(now):
-                engine.add_request(request)
+                submit(request)
             next_arrival = min(pending[i].arrival_time if i < len(pending) else math.inf, follow_ups.next_due)
             if not engine.has_unfinished:
                 clock.wait_until(min(next_arrival, now + slice_s))
@@ -85,7 +92,7 @@ def drive(
             finished = engine.step(next_arrival, follow_ups.holding)
             bar.step(len(finished))
             for request in follow_ups.release(finished):
-                engine.add_request(request)
+                submit(request)
             if compact:
                 for request in finished:
                     request.compact()

@@ -4,13 +4,17 @@ A fleet hour is millions of steps; one record object per step held them in gigab
 costs a few numbers in typed arrays (about 100 bytes), and the summary is computed from them with
 the same arithmetic, in the same order, as from the records: np.mean over the same values, running
 sums in step order (Python 3.11's `sum` of floats is that plain left-to-right addition), so a
-summary is byte-identical whether the records were kept or not.
+summary is byte-identical whether the records were kept or not. np.mean's pairwise sum depends on
+how many values there are, so the columns are kept whole, but not in memory: every `SPILL_STEPS`
+steps they are written to a temporary file (a fleet hour's 6.65M steps would hold ~700 MB) and read
+back one at a time for the summary.
 """
 
 from __future__ import annotations
 
+import tempfile
 from array import array
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -22,6 +26,10 @@ BREAKDOWN_KEYS = (
     "kv_token_state_fraction", "kv_reserved_fraction", "kv_internal_frag_fraction", "kv_external_frag_fraction",
     "kv_free_fraction",
 )
+
+
+# steps between two spills of the value columns to their file (a few MB of them held at most)
+SPILL_STEPS = 1 << 16
 
 
 def _mean(values: Any) -> float | None:
@@ -53,6 +61,13 @@ class StepStats:
         self._decode_rows = array("q")  # over the steps with decode rows
         self._held_blocks = array("q")  # allocated blocks and tokens held, over the steps that hold tokens
         self._held_tokens = array("q")
+        self._columns = [
+            self._kv_usage, *self._breakdown.values(), self._token_state, self._token_state_of_used,
+            self._sharing_saving, self._num_running, self._tokens_held, self._decode_rows, self._held_blocks,
+            self._held_tokens,
+        ]
+        self._spill: IO[bytes] | None = None  # the columns' earlier values, chunk after chunk
+        self._chunks: list[list[tuple[int, int]]] = [[] for _ in self._columns]  # per column: (offset, count)
 
     def add(self, s: StepRecord) -> None:
         self._count(
@@ -112,34 +127,72 @@ class StepStats:
             self._decode_rows.append(num_decode_rows)
         if attention_version in self.decode_versions:
             self.decode_versions[attention_version] += 1
+        if self.num_steps % SPILL_STEPS == 0:
+            self._write_spill()
+
+    def _write_spill(self) -> None:
+        """Move every column's values so far to the end of the spill file."""
+        if self._spill is None:
+            self._spill = tempfile.TemporaryFile(prefix="paged-steps-")
+        for column, chunks in zip(self._columns, self._chunks):
+            if column:
+                chunks.append((self._spill.tell(), len(column)))
+                column.tofile(self._spill)
+                del column[:]
+
+    def _values(self, column: array) -> np.ndarray:
+        """All of a column's values in step order: its spilled chunks, then those still held."""
+        dtype = np.float64 if column.typecode == "d" else np.int64
+        held = np.frombuffer(column, dtype=dtype)
+        chunks = self._chunks[next(i for i, c in enumerate(self._columns) if c is column)]
+        if not chunks or self._spill is None:
+            return held
+        out = np.empty(sum(count for _, count in chunks) + len(held), dtype=dtype)
+        start = 0
+        for offset, count in chunks:
+            self._spill.seek(offset)
+            out[start:start + count] = np.frombuffer(self._spill.read(count * held.itemsize), dtype=dtype)
+            start += count
+        out[start:] = held
+        self._spill.seek(0, 2)  # back to the end, where the next spill goes
+        return out
 
     def summary(self, bytes_per_block: int | None) -> dict[str, Any]:
         """summary.json's step keys (`MetricsRecorder.summary` places them)."""
+        mean = self._column_mean
         bytes_per_token = None
-        if bytes_per_block is not None and len(self._held_tokens):
+        held_tokens = self._values(self._held_tokens)
+        if bytes_per_block is not None and len(held_tokens):
             # as Python's int / int per step: both exact in a float64 (below 2**53), one correctly
             # rounded division
-            held_bytes = np.frombuffer(self._held_blocks, dtype=np.int64) * bytes_per_block
+            held_bytes = self._values(self._held_blocks) * bytes_per_block
             if held_bytes.max() >= 2**53:
                 raise OverflowError(f"{held_bytes.max()} KV bytes held: past float64's exact integers")
-            bytes_per_token = _mean(held_bytes / np.frombuffer(self._held_tokens, dtype=np.int64))
+            bytes_per_token = _mean(held_bytes / held_tokens)
+        del held_tokens
+        token_state = mean(self._token_state)
         return {
             "computed_tokens": self.computed_tokens,
-            "kv_usage_mean": _mean(self._kv_usage) or 0.0,
+            "kv_usage_mean": mean(self._kv_usage) or 0.0,
             "kv_usage_max": self.kv_usage_max,
-            "token_state_fraction_mean": _mean(self._token_state) if len(self._token_state) else 1.0,
-            **{f"{key}_mean": _mean(column) for key, column in self._breakdown.items()},
-            "kv_token_state_of_used_mean": _mean(self._token_state_of_used),
-            "kv_sharing_saving_mean": _mean(self._sharing_saving) or 0.0,
-            "num_running_mean": _mean(np.frombuffer(self._num_running, dtype=np.int64)),
-            "kv_tokens_held_mean": _mean(np.frombuffer(self._tokens_held, dtype=np.int64)),
+            "token_state_fraction_mean": 1.0 if token_state is None else token_state,
+            **{f"{key}_mean": mean(column) for key, column in self._breakdown.items()},
+            "kv_token_state_of_used_mean": mean(self._token_state_of_used),
+            "kv_sharing_saving_mean": mean(self._sharing_saving) or 0.0,
+            "num_running_mean": mean(self._num_running),
+            "kv_tokens_held_mean": mean(self._tokens_held),
             "kv_tokens_held_max": self.kv_tokens_held_max,
             "kv_bytes_per_token_mean": bytes_per_token,
             "num_engine_steps": self.num_steps,
-            "mean_decode_batch_size": _mean(np.frombuffer(self._decode_rows, dtype=np.int64).astype(np.float64)),
+            "mean_decode_batch_size": _mean(self._values(self._decode_rows).astype(np.float64)),
             "engine_overhead_fraction": self.overhead_s / self.step_time_s if self.step_time_s > 0 else 0.0,
             **{f"decode_steps_{v}": n for v, n in self.decode_versions.items()},
         }
+
+
+    def _column_mean(self, column: array) -> float | None:
+        """np.mean of a column's values, read back one column at a time."""
+        return _mean(self._values(column))
 
 
 def decode_step(num_rows: int, model_time_s: float, attention_version: str | None, kv: KVStats, used: int,

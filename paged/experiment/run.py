@@ -47,7 +47,7 @@ def run_experiment(
     and writes the partial results (`interrupted: true`); the caller reads `interrupt` to exit."""
     engine, load_time = _timed_build(cfg)
     executor = engine.executor
-    items = workload_for(cfg, engine)
+    requests = held_requests(workload_for(cfg, engine))
     config = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
     wb = WandbLogger(
         cfg.logger, run_dir, config, group=group, name=name,
@@ -58,11 +58,11 @@ def run_experiment(
         engine.metrics.step_listeners.append(wb.log_step)
     # the summary streams the step records (`StepStats`): a fleet hour's millions are not kept
     engine.metrics.keep_steps = False
-    log.info("running %d request(s)%s", len(items), "; Ctrl-C stops and writes what finished" if interrupt else "")
+    log.info("running %d request(s)%s", len(requests), "; Ctrl-C stops and writes what finished" if interrupt else "")
     try:
         with interrupt.catching() if interrupt is not None else nullcontext():
             requests, summary = _run(
-                cfg, engine, items, load_time, progress=cfg.progress, label=progress_label, stop=interrupt
+                cfg, engine, requests, load_time, progress=cfg.progress, label=progress_label, stop=interrupt
             )
             # in item order; a stopped run's never-submitted requests are only counted (num_not_started)
             submitted = set(engine.metrics.requests)
@@ -85,7 +85,7 @@ def run_quietly(overrides: list[str], *, executor: Executor | None = None) -> tu
     summary (run.py's keys) and the engine; nothing is written."""
     cfg = compose_config(["logger=none", "progress=false", *overrides])
     engine, load_time = _timed_build(cfg, executor)
-    _, summary = _run(cfg, engine, workload_for(cfg, engine), load_time, progress=False)
+    _, summary = _run(cfg, engine, held_requests(workload_for(cfg, engine)), load_time, progress=False)
     return summary, engine
 
 
@@ -95,6 +95,18 @@ def workload_for(cfg: Any, engine: Engine | Fleet) -> list[WorkloadItem]:
     return load_workload(
         cfg.workload, executor.tokenizer, vocab_size=executor.vocab_size, max_model_len=cfg.scheduler.max_model_len
     )
+
+
+def held_requests(items: list[WorkloadItem]) -> list[Request]:
+    """The workload's requests, each held compactly until `drive` submits it (`Request.compact`),
+    made as `items` is emptied: a fleet hour's prompts (100M tokens) are never held twice."""
+    items.reverse()
+    requests = []
+    while items:
+        request = to_request(items.pop())
+        request.compact()
+        requests.append(request)
+    return requests
 
 
 def _timed_build(cfg: Any, executor: Executor | None = None) -> tuple[Engine | Fleet, float]:
@@ -107,17 +119,16 @@ def _timed_build(cfg: Any, executor: Executor | None = None) -> tuple[Engine | F
 def _run(
     cfg: Any,
     engine: Engine | Fleet,
-    items: list[WorkloadItem],
+    requests: list[Request],
     load_time: float,
     *,
     progress: bool,
     label: str = "requests",
     stop: Interrupt | None = None,
 ) -> tuple[list[Request], dict[str, Any]]:
-    """The workload's requests (in item order) and the run's summary. A fleet is shut down once its
-    requests ran (or failed): its actors free their machines, its stats stay readable."""
+    """Run `requests` (`held_requests`); they (in item order) and the run's summary. A fleet is shut
+    down once its requests ran (or failed): its actors free their machines, its stats stay readable."""
     start = time.perf_counter()
-    requests = [to_request(item) for item in items]
     engine.clock.reset()  # the items' arrival times are seconds from the start
     # The engine and the requests live for the whole run: frozen, the collector stops re-scanning
     # them (at paper or fleet scale millions of objects, 5-15% of a simulated run's host time).
