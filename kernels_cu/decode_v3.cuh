@@ -477,27 +477,59 @@ __global__ void paged_attention_v3_kernel(T* __restrict__ out, float* __restrict
 }
 
 // Grid (num_heads, num_seqs), V3_THREADS threads: the splits of each row weighted by
-// exp(lse - max lse), which rescales their normalised outputs to the row's softmax.
+// exp(lse - max lse), which rescales their normalised outputs to the row's softmax. Parallel over
+// the splits as well as the head dims, so 128+ splits stay cheap: the threads form GROUPS groups of
+// HEAD / 4 lanes, a lane owning 4 head dims (one 16-byte load); group r reads splits r, r + GROUPS,
+// ..., so a thread walks splits / GROUPS of them (4 at a time in flight) instead of all, and the
+// groups' sums meet in shared memory. The max is a block reduction over all threads.
 template <typename T, int HEAD>
 __global__ void paged_attention_v3_merge_kernel(T* __restrict__ out, const float* __restrict__ lse,
                                                 const float* __restrict__ tmp_out, const int* __restrict__ seq_lens,
                                                 int block_size, int split_blocks, int scratch_splits,
                                                 int sliding_window) {
-  const int head = blockIdx.x, seq = blockIdx.y;
+  constexpr int VEC = 4;
+  constexpr int LANES = HEAD / VEC;
+  constexpr int GROUPS = V3_THREADS / LANES;
+  static_assert(HEAD % VEC == 0 && GROUPS >= 1, "a split's head dims are 16-byte pieces the block covers");
+  __shared__ float red_smem[V3_WARPS];
+  __shared__ float group_sums[GROUPS][HEAD];
+  __shared__ float group_totals[GROUPS];
+  const int head = blockIdx.x, seq = blockIdx.y, thread = threadIdx.x;
   const int seq_len = seq_lens[seq];
   const int attended_blocks = div_up(seq_len, block_size) - window_start(seq_len, sliding_window) / block_size;
   const int splits = cmin(cmax(div_up(attended_blocks, split_blocks), 1), scratch_splits);
   const int64 row = static_cast<int64>(seq) * gridDim.x + head;
   const float* row_lse = lse + row * scratch_splits;
+  const float* row_out = tmp_out + row * scratch_splits * HEAD;
   const float neg_inf = negative_infinity();
   float max_lse = neg_inf;
-  for (int s = 0; s < splits; ++s) max_lse = fmaxf(max_lse, row_lse[s]);
-  for (int d = threadIdx.x; d < HEAD; d += blockDim.x) {
-    float total = 0.f, value = 0.f;
-    for (int s = 0; s < splits && max_lse != neg_inf; ++s) {
-      const float w = row_lse[s] == neg_inf ? 0.f : __expf(row_lse[s] - max_lse);
-      total += w;
-      value += w * tmp_out[(row * scratch_splits + s) * HEAD + d];
+  for (int s = thread; s < splits; s += V3_THREADS) max_lse = fmaxf(max_lse, row_lse[s]);
+  max_lse = block_reduce<V3_WARPS>(red_smem, max_lse, neg_inf, MaxOp());
+
+  const int group = thread / LANES, lane = thread % LANES;
+  if (group < GROUPS) {
+    float value[VEC] = {0.f, 0.f, 0.f, 0.f}, total = 0.f;
+    if (max_lse != neg_inf) {
+#pragma unroll 4
+      for (int s = group; s < splits; s += GROUPS) {
+        const float w = row_lse[s] == neg_inf ? 0.f : __expf(row_lse[s] - max_lse);
+        const Vec<float, VEC> part = load_vec<float, VEC>(row_out + static_cast<int64>(s) * HEAD + lane * VEC);
+        total += w;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) value[e] += w * part.val[e];
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) group_sums[group][lane * VEC + e] = value[e];
+    if (lane == 0) group_totals[group] = total;
+  }
+  __syncthreads();
+  for (int d = thread; d < HEAD; d += V3_THREADS) {
+    float value = 0.f, total = 0.f;
+#pragma unroll
+    for (int r = 0; r < GROUPS; ++r) {
+      value += group_sums[r][d];
+      total += group_totals[r];
     }
     out[row * HEAD + d] = from_float<T>(total > 0.f ? value / total : 0.f);
   }

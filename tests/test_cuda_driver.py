@@ -20,7 +20,7 @@ from paged.kernels.split_plan import plan_splits
 from paged.kernels.testing import attention_grid, default_partition_grid
 from paged.kernels.toolchain.specs import group_tile
 from tests import fake_driver
-from tests.fake_driver.scenario import PREFILL_CASES, SMEM_CASE, V3_CASES
+from tests.fake_driver.scenario import LONG_V3_CASES, PREFILL_CASES, SMEM_CASE, V3_CASES
 
 pytestmark = pytest.mark.compiles
 
@@ -149,6 +149,23 @@ def test_v3_rows_that_leave_the_device_idle_are_split_and_merged(launches: fake_
     assert main["grid"][2] > 1 and tuple(merge["grid"]) == (case.num_heads, len(case.seq_lens), 1)
 
 
+@pytest.mark.parametrize(("case", "splits"), list(zip(LONG_V3_CASES, (64, 64))), ids=["1x16384", "1x4096"])
+def test_one_long_sequence_is_split_over_every_sm_of_an_h200_shaped_device(launches: fake_driver.Run, case: Any,
+                                                                          splits: int) -> None:
+    """1x16384 and 1x4096 of a GQA-8 model: 8 KV heads x 64 splits = 512 CTAs, of the 528 that 132
+    SMs hold at 4 each (53.75 KB of shared memory, 110 registers a thread), so every SM runs 3 or
+    4 (1x4096's splits are 64 tokens, 32 KB of K/V: a 256-token floor gave 128 CTAs); the merge
+    then reads 64 partials per (head, sequence)."""
+    r, calls = _case(launches, f"attention-v3-1x{case.seq_lens[0]}-{case.id}")
+    _check_v3(case, r, calls)
+    main, merge = _launched(calls)
+    assert tuple(main["grid"]) == (8, 1, splits) and tuple(merge["grid"]) == (64, 1, 1)
+    split_blocks = _decode(main)[16][1]  # after the 16 pointers, sizes and strides up to the window
+    assert split_blocks * splits * 16 == case.seq_lens[0]
+    slots = hardware(FAKE_LIMITS, v3_shared_memory(2, 128, 8))
+    assert (slots.processors, slots.slots) == (132, 4) and 132 * 3 <= 8 * splits <= 132 * 4
+
+
 def _check_v3(case: Any, r: dict[str, Any], calls: list[dict[str, Any]]) -> int:
     """One CTA per (KV head x head chunk, sequence, split) with the plan's arguments; the merge only
     with splits. Returns the main kernel's dynamic shared memory."""
@@ -159,7 +176,7 @@ def _check_v3(case: Any, r: dict[str, Any], calls: list[dict[str, Any]]) -> int:
     ctas = case.num_kv_heads * -(-group // tile)
     window = r["sliding_window"]
     plan = plan_splits(num_seqs, ctas, r["max_seq_len"], block, hardware(FAKE_LIMITS, v3_shared_memory(2, head, tile)),
-                       sliding_window=window or None)
+                       sliding_window=window or None, kv_bytes_per_token=2 * head * 2)
     element = 1 if "fp8" in r["kernels"][0] else ELEMENT_SIZE[str(case.dtype).removeprefix("torch.")]
     smem = v3_shared_memory(element, head, tile)
     main = launched[0]

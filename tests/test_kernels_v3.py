@@ -17,9 +17,9 @@ from paged.kernels.backends.emu import BACKEND as EMU
 from paged.kernels.backends.emu import H100
 from paged.kernels.backends.interface import CacheView
 from paged.kernels.backends.v3_plans import V3Workspace, check_workspace, v3_shared_memory, v3_workspace
-from paged.kernels.features import alibi_slopes
+from paged.kernels.features import AttentionFeatures, alibi_slopes
 from paged.kernels.ops import narrower_window
-from paged.kernels.split_plan import MAX_SPLITS, Hardware, SplitPlan, plan_splits
+from paged.kernels.split_plan import MAX_SPLITS, MIN_SPLIT_BYTES, Hardware, SplitPlan, plan_splits
 from paged.kernels.testing import tolerance
 from paged.kernels.toolchain import host_compiler
 from tests.test_prefill_kernel import E4M3, E5M2, SPARSE, SPARSE_PER_KV_HEAD, Setting, feature_inputs, reference64
@@ -76,15 +76,20 @@ def test_v3_matches_a_float64_reference(setting: Setting, seq_lens: tuple[int, .
     torch.testing.assert_close(out.double(), _reference(x), **tolerance(setting.dtype))
 
 
-def _run_with_splits(x: dict, num_splits: int) -> tuple[torch.Tensor, V3Workspace]:
+def _run_with_splits(x: dict, num_splits: int | None) -> tuple[torch.Tensor, V3Workspace]:
+    """v3 on the emulator with `num_splits` forced (None: planned for an H100-shaped device at the
+    cache's element size), with the setting's fp8 scales and features."""
     args, options = _decode(x), x["options"]
     query, key_cache = args["query"], args["key_cache"]
     max_seq_len = int(args["seq_lens"].max())
     window = narrower_window(options["sliding_window"], max_seq_len)
     workspace = v3_workspace(H100, query.shape[0], query.shape[1], key_cache.shape[1], query.shape[2],
-                             args["value_cache"].shape[3], max_seq_len, window, query.device, num_splits=num_splits)
-    cache = CacheView(key_cache, args["value_cache"], args["block_tables"], args["seq_lens"])
-    out = EMU.paged_attention(query, cache, args["scale"], "v3", 512, max_seq_len, window, workspace=workspace)
+                             args["value_cache"].shape[3], max_seq_len, window, query.device, num_splits=num_splits,
+                             cache_element_size=key_cache.element_size())
+    cache = CacheView(key_cache, args["value_cache"], args["block_tables"], args["seq_lens"], options.get("k_scale"),
+                      options.get("v_scale"))
+    features = AttentionFeatures(options.get("alibi_slopes"), options["blocksparse"])
+    out = EMU.paged_attention(query, cache, args["scale"], "v3", 512, max_seq_len, window, features, workspace)
     return out, workspace
 
 
@@ -98,6 +103,33 @@ def test_every_split_count_gives_the_same_attention(num_splits: int) -> None:
     out, workspace = _run_with_splits(x, num_splits)
     tiles_per_split = -(-16 // num_splits)
     assert workspace.plan.num_splits == -(-16 // tiles_per_split)
+    torch.testing.assert_close(out.double(), _reference(x), **tolerance(torch.float16))
+
+
+# (setting, context lengths, forced splits): 128+ splits of one to three tiles, GQA on tensor cores
+# and CUDA cores, fp8 caches, a window, rows far shorter than the plan (their trailing splits empty).
+MANY_SPLITS = (
+    (Setting("fp16-gqa8-h128", torch.float16, head=128, group=8), (8192, 3000, 1), MAX_SPLITS),
+    (Setting("bf16-gqa4-e4m3-window", torch.bfloat16, group=4, cache=E4M3, window=5000), (8192, 5001, 40), 160),
+    (Setting("fp32-gqa2-e5m2-h64-b8", torch.float32, block=8, group=2, cache=E5M2), (4096, 77), 128),
+)
+
+
+@pytest.mark.parametrize(("setting", "seq_lens", "num_splits"), MANY_SPLITS, ids=[s.name for s, _, _ in MANY_SPLITS])
+def test_128_and_more_splits_merge_to_the_float64_reference(setting: Setting, seq_lens: tuple[int, ...],
+                                                            num_splits: int) -> None:
+    x = feature_inputs(setting, seq_lens=seq_lens, q_lens=(1,) * len(seq_lens))
+    out, workspace = _run_with_splits(x, num_splits)
+    assert workspace.plan.num_splits >= 128 and not out.isnan().any()
+    torch.testing.assert_close(out.double(), _reference(x), **tolerance(setting.dtype))
+
+
+def test_the_planner_gives_one_long_sequence_the_most_splits_the_scratch_holds() -> None:
+    """One sequence of 2 KV heads over 16K tokens on an H100-shaped device (528 slots): 256 splits of
+    two tiles, planned (not forced), merged to the reference."""
+    x = feature_inputs(Setting("one-long", torch.float16, head=128, group=8), seq_lens=(16384,), q_lens=(1,))
+    out, workspace = _run_with_splits(x, None)
+    assert workspace.plan.num_splits == MAX_SPLITS and workspace.plan.split_tokens == 64
     torch.testing.assert_close(out.double(), _reference(x), **tolerance(torch.float16))
 
 
@@ -130,17 +162,51 @@ def test_the_planner_splits_only_what_leaves_the_device_idle() -> None:
     # 264 slots / 8 KV heads: 33 splits wanted, of whole tiles: 16 tiles (512 tokens) each, so 32
     assert one_long.num_splits == 32 and one_long.split_tokens == 512
     assert one_long.num_splits * one_long.split_tokens >= 16384
-    assert plan_splits(1, 8, 200, 16, h100).num_splits == 1  # no split shorter than 256 tokens
     window = plan_splits(1, 8, 16384, 16, h100, sliding_window=1000)
     assert window.num_splits * window.split_blocks >= -(-(1000 + 15) // 16)
     # A plan depends on the longest context only, so a graph captured with it replays it.
     assert plan_splits(4, 2, 5000, 16, h100) == plan_splits(4, 2, 5000, 16, h100)
 
 
+# An H200 (or H100) at v3's fp16 head-128 GQA-8 occupancy: 132 SMs x 4 CTAs.
+H200_SLOTS = Hardware(132, 4)
+
+
+@pytest.mark.parametrize(("num_seqs", "context", "splits", "split_tokens"), [
+    (1, 16384, 64, 256),  # 512 of 528 slots, 128 KB of K/V a split
+    (1, 4096, 64, 64),    # a 256-token floor left 16 splits: 128 CTAs on 132 SMs
+    (16, 1024, 4, 256),
+    (64, 4096, 1, 4096),  # 512 CTAs fill the slots once; 2 splits (before) made 1.94 waves of halves
+    (256, 1024, 1, 1024),
+])
+def test_one_long_sequence_fills_every_sm_and_a_full_batch_is_not_split(
+        num_seqs: int, context: int, splits: int, split_tokens: int) -> None:
+    plan = plan_splits(num_seqs, 8, context, 16, H200_SLOTS)
+    assert (plan.num_splits, plan.split_tokens) == (splits, split_tokens)
+    ctas = num_seqs * 8 * plan.num_splits
+    assert ctas <= max(num_seqs * 8, 132 * 4) and (num_seqs > 1 or ctas >= 132 * 3)
+
+
+def test_splits_are_bounded_by_the_bytes_they_read_not_by_tokens() -> None:
+    """The floor is MIN_SPLIT_BYTES of K and V: 64 tokens at 16-bit head 128, twice that at fp8 or
+    head 64, half at fp32; one KV head of a long sequence takes up to MAX_SPLITS splits."""
+    def tokens(kv_bytes_per_token: int) -> int:
+        return plan_splits(1, 8, 4096, 16, H200_SLOTS, kv_bytes_per_token=kv_bytes_per_token).split_tokens
+
+    assert tokens(2 * 128 * 2) == 64 and 2 * 128 * 2 * 64 == MIN_SPLIT_BYTES
+    assert tokens(2 * 128 * 1) == tokens(2 * 64 * 2) == 128
+    assert tokens(2 * 128 * 4) == 64  # 2 tiles wanted by the slots, whole tiles of 32 tokens
+    assert plan_splits(1, 8, 200, 16, H200_SLOTS).num_splits == 3  # 7 tiles: splits of 2, 2, 2, 1 -> 3 of 3
+    single = plan_splits(1, 1, 16384, 16, H200_SLOTS)
+    assert single.num_splits == MAX_SPLITS and single.split_tokens == 64
+    with pytest.raises(ValueError, match=r"kv_bytes_per_token=0 is not a K and V size; allowed: > 0"):
+        plan_splits(1, 8, 4096, 16, H200_SLOTS, kv_bytes_per_token=0)
+
+
 def test_a_plan_with_more_splits_than_the_scratch_holds_is_refused() -> None:
-    refusal = rf"num_splits=200 is outside the scratch's capacity; allowed: 1..{MAX_SPLITS}"
+    refusal = rf"num_splits={MAX_SPLITS + 1} is outside the scratch's capacity; allowed: 1..{MAX_SPLITS}"
     with pytest.raises(ValueError, match=refusal):
-        plan_splits(1, 1, 100000, 16, Hardware(132), num_splits=200)
+        plan_splits(1, 1, 100000, 16, Hardware(132), num_splits=MAX_SPLITS + 1)
     x = feature_inputs(Setting("scratch", torch.float16, group=2), seq_lens=(900,), q_lens=(1,))
     _, workspace = _run_with_splits(x, 4)
     assert workspace.lse is not None

@@ -57,12 +57,16 @@ def test_every_hardware_has_a_sourced_row_for_every_variant_and_shape_class(name
             assert "decode_attention_efficiency" in entry.source
 
 
-def test_v3_is_measured_on_the_h100_only_and_elsewhere_says_so():
-    assert {key for key in MEASURED if key[1] == "v3"} == {("h100-sxm", "v3", s) for s in SHAPE_CLASSES}
+V3_MEASURED = {("h100-sxm", s) for s in SHAPE_CLASSES} | {("h200", "few"), ("h200", "many")}
+
+
+def test_v3_is_measured_on_the_h100_and_h200_only_and_elsewhere_says_so():
+    assert {(key[0], key[2]) for key in MEASURED if key[1] == "v3"} == V3_MEASURED
     for name in GPUS:
-        sources = [decode_table(_hardware(name))["v3", s].source for s in SHAPE_CLASSES]
-        expected = "measured: " if name == "h100-sxm" else "unmeasured (no kernel benchmark of v3"
-        assert all(source.startswith(expected) for source in sources)
+        for shape in SHAPE_CLASSES:
+            source = decode_table(_hardware(name))["v3", shape].source
+            expected = "measured: " if (name, shape) in V3_MEASURED else "unmeasured (no kernel benchmark of v3"
+            assert source.startswith(expected)
 
 
 @pytest.mark.parametrize(("key", "cell"), MEASURED.items(), ids=lambda x: "-".join(x) if isinstance(x, tuple) else "")
@@ -70,13 +74,36 @@ def test_a_measured_row_reproduces_its_benchmark_cell_through_the_cost_model(key
     """Llama-3-70B on one GPU has the benchmark's attention shape (64 query / 8 KV heads, head 128)."""
     name, variant, shape = key
     assert shape_class(cell.num_seqs, cell.context) == shape
-    assert str(cell.us).rstrip("0").rstrip(".") in Path("docs/gpu.md").read_text()  # the source holds it
+    # the source holds it (the H200's, outside the repository, is copied into docs/simulator.md)
+    doc = "docs/simulator.md" if name == "h200" else "docs/gpu.md"
+    assert str(cell.us).rstrip("0").rstrip(".") in Path(doc).read_text()
     executor = _executor("model=llama-3-70b", f"hardware={name}", f"kernel={variant}")
     model = executor.cost_model
     cost = model.step(_decode([cell.context] * cell.num_seqs))
     assert cost.decode_version == variant
     per_layer_us = cost.attention_s / executor.spec.num_layers * 1e6
     assert per_layer_us == pytest.approx(cell.us, rel=1e-6)
+
+
+def test_the_h200_preset_prices_a_decode_step_from_its_measured_rows():
+    """Llama-3-70B on one H200 (the benchmark's attention shape): one decode step's attention per
+    layer is v3's measured µs at 1x16384 and 64x4096; the preset's efficiencies are the fits its
+    comments give (read probe 4,454 of 4,800 GB/s; v3's 64x4096 bytes; the cuda prefill's TF/s)."""
+    hw = _hardware("h200")
+    assert (hw.memory_efficiency, hw.decode_attention_efficiency, hw.prefill_attention_efficiency) == (
+        round(4454 / 4800, 3), round(64 * 4096 * 8 * 128 * 2 * 2 / 315.1e-6 / 4800e9, 2), round(95.6 / 989, 3))
+    executor = _executor("model=llama-3-70b", "hardware=h200", "kernel=v3")
+    layers = executor.spec.num_layers
+    for contexts, us in (([16384], 50.3), ([4096] * 64, 315.1)):
+        cost = executor.cost_model.step(_decode(contexts))
+        assert cost.attention_s / layers * 1e6 == pytest.approx(us, rel=1e-6)
+    table = decode_table(hw)
+    assert all("2026-11-28-h200-kernel-bench.txt" in table[v, s].source for v in VERSIONS for s in ("few", "many"))
+    # no 256x16384 row on the H200: many-long is priced at the preset's fitted default
+    long_step = executor.cost_model.step(_decode([16384] * 256)).attention_s / layers
+    kv_bytes = 2 * 256 * 16384 * 8 * 128 * 2
+    assert table["v3", "many-long"].efficiency == hw.decode_attention_efficiency
+    assert long_step == pytest.approx(kv_bytes / (hw.memory_bandwidth * hw.decode_attention_efficiency), rel=0.02)
 
 
 def test_shape_classes_split_few_many_and_many_long():

@@ -29,7 +29,7 @@
 namespace paged_cpu {
 
 // Mirrors paged/kernels/split_plan.py's MAX_SPLITS: bounds the scratch a plan can ask for.
-constexpr int kMaxSplits = 128;
+constexpr int kMaxSplits = 256;
 // A head's reference max is raised this far above a new block max when it must move. Rescaling
 // the partial sums costs as much as a block's V work, and under ALiBi (logits rising toward the
 // query) the max would move on nearly every block; with the slack it moves a few times per

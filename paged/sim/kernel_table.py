@@ -7,7 +7,7 @@ v2's 512-token partitions) with the document and session it comes from; its effi
 which `decode_attention.decode_bytes` of that cell takes the measured time on the hardware's
 datasheet bandwidth, so the simulator reproduces that cell exactly and extrapolates from it to other
 shapes of its class. A row with no measurement says so in its source and uses the hardware's
-`decode_attention_efficiency` (a literature value in conf/hardware/*.yaml; on cpu-local, this
+`decode_attention_efficiency` (conf/hardware/*.yaml: a literature value, on h200 its measured v3; on cpu-local, this
 machine's calibration of the version its executor resolves).
 
 Shape classes (`shape_class`) split the batches where the measured efficiencies differ most: few
@@ -36,6 +36,12 @@ _H100_SESSION = ("docs/gpu.md, 'NVIDIA H100 80GB HBM3 (issue 13's session, 2026-
                  "(python experiments/gpu/kernel_bench.py --repeats 7, CUDA graphs, inputs rotated past L2), fp16")
 _H100_V3_SESSION = ("experiments/results/gpu/2026-11-26-nvidia-h100-80gb-hbm3.md (issue 33's session), decode table "
                     "(python experiments/gpu/kernel_bench.py --repeats 5, CUDA graphs, inputs rotated past L2), fp16")
+# The landed main of 2026-11-28 on one H200 (issue 44's Why), copied into docs/simulator.md's H200
+# table: rows `64 4096 fp16 =` and `1 16384 fp16 =`, columns v1 / v2 / v3 µs. It has no 256x16384
+# row, so the many-long class stays unmeasured there.
+_H200_SESSION = ("../shared/reference/gpu-runs/2026-11-28-h200-kernel-bench.txt (issue 44's H200 run of the landed "
+                 "main), decode table (experiments/gpu/kernel_bench.py, median of 5 CUDA-graph replays, inputs "
+                 "rotated), fp16, kv =")
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,12 @@ MEASURED: dict[tuple[str, str, str], Measurement] = {
     ("h100-sxm", "v3", "few"): Measurement(1, 16384, 54.9, _H100_V3_SESSION),
     ("h100-sxm", "v3", "many"): Measurement(64, 4096, 397.7, _H100_V3_SESSION),
     ("h100-sxm", "v3", "many-long"): Measurement(256, 16384, 5603.4, _H100_V3_SESSION),
+    ("h200", "v1", "few"): Measurement(1, 16384, 655.9, _H200_SESSION),
+    ("h200", "v2", "few"): Measurement(1, 16384, 88.7, _H200_SESSION),
+    ("h200", "v3", "few"): Measurement(1, 16384, 50.3, _H200_SESSION),
+    ("h200", "v1", "many"): Measurement(64, 4096, 1166.5, _H200_SESSION),
+    ("h200", "v2", "many"): Measurement(64, 4096, 1074.5, _H200_SESSION),
+    ("h200", "v3", "many"): Measurement(64, 4096, 315.1, _H200_SESSION),
 }
 
 
@@ -91,7 +103,7 @@ def _default_source(hw: Hardware, variant: str) -> str:
     if hw.name == "cpu-local":
         return f"calibrated: {value}, this machine's measurement of the version its executor resolves"
     return (f"unmeasured (no kernel benchmark of {variant} on {hw.name}): {value}, "
-            f"the literature value in conf/hardware/{hw.name}.yaml")
+            f"the default in conf/hardware/{hw.name}.yaml (its comment gives the source)")
 
 
 def decode_table(hw: Hardware) -> dict[tuple[str, str], Entry]:

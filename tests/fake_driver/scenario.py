@@ -42,6 +42,9 @@ WINDOW = 20
 # One case per v1 shared-memory regime of this configuration (see `smem_cases`).
 # v3 on every dtype and block size, MHA to MQA, and the long rows that split.
 V3_CASES = attention_grid()[:4] + default_partition_grid()
+# One long sequence of a GQA-8 model (64 query / 8 KV heads, head 128): the fake device has an H200's
+# (and H100's) 132 SMs, 228 KB of shared memory, 2048 threads and 64K registers per SM.
+LONG_V3_CASES = [AttentionCase(torch.float16, 128, 16, 8, 8, 512, (context,)) for context in (16384, 4096)]
 SMEM_CASE = AttentionCase(torch.float16, 128, 16, 4, 2, 512, (5, 40))
 DEVICE_LIMIT = int(os.environ.get("FAKE_CUDA_SMEM_OPTIN", 232448))
 
@@ -314,6 +317,9 @@ def launch_cases(arch: str) -> list[Case]:
                               lambda c=case, v=version: attention_case(c, v, backend, active["stream"], arch)))
     for case in V3_CASES:
         cases.append(Case(f"attention-v3-{case.id}",
+                          lambda c=case: attention_case(c, "v3", backend, active["stream"], arch)))
+    for case in LONG_V3_CASES:
+        cases.append(Case(f"attention-v3-1x{case.seq_lens[0]}-{case.id}",
                           lambda c=case: attention_case(c, "v3", backend, active["stream"], arch)))
     for layout in ("fused", "misaligned"):
         case = attention_grid()[0]

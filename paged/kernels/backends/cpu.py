@@ -241,7 +241,8 @@ class CpuBackend(TorchBackend):
         if version != "v3":
             return None
         return plan_splits(num_seqs, num_kv_heads, max_seq_len, block_size,
-                           Hardware(torch.get_num_threads(), V3_SLOTS_PER_THREAD), sliding_window=sliding_window)
+                           Hardware(torch.get_num_threads(), V3_SLOTS_PER_THREAD), sliding_window=sliding_window,
+                           kv_bytes_per_token=2 * head_size * 2)  # a 16-bit cache: the plan precedes it
 
     def paged_attention(
         self, query: torch.Tensor, cache: CacheView, scale: float, version: str, partition_size: int, max_seq_len: int,

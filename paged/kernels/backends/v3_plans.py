@@ -78,15 +78,19 @@ class V3Workspace:
 def v3_workspace(
     limits: DeviceLimits, num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
     max_seq_len: int, sliding_window: int | None, device: torch.device, num_splits: int | None = None,
+    cache_element_size: int = 2,
 ) -> V3Workspace:
-    """Plans the splits of rows of up to `max_seq_len` and allocates their scratch. Occupancy is
-    estimated at a 16-bit cache, the common case (an fp8 cache fits more CTAs, fp32 fewer)."""
+    """Plans the splits of rows of up to `max_seq_len` and allocates their scratch. Splits are sized
+    by the K/V bytes they read at `cache_element_size` (a step's plan is made before its cache is
+    seen: 16-bit, the common case; an fp8 split would hold twice the tokens). Occupancy is estimated
+    at a 16-bit cache too (an fp8 cache fits more CTAs, fp32 fewer)."""
     group = num_heads // num_kv_heads
     tile = group_tile(group)
     chunks = -(-group // tile)
     device_hw = hardware(limits, v3_shared_memory(2, head_size, tile))
     plan = plan_splits(num_seqs, num_kv_heads * chunks, max(max_seq_len, 1), block_size, device_hw,
-                       sliding_window=sliding_window, num_splits=num_splits)
+                       sliding_window=sliding_window, num_splits=num_splits,
+                       kv_bytes_per_token=2 * head_size * cache_element_size)
     if plan.num_splits == 1:
         return V3Workspace(plan, None, None)
     lse = torch.empty((num_seqs, num_heads, plan.num_splits), dtype=torch.float32, device=device)
