@@ -253,6 +253,15 @@ class Sequence:
         )
 
 
+def _held_output(tokens: list[int], seq_tokens: array | None, num_prompt: int) -> array | memoryview:
+    """A finished completion's tokens held compactly: a view of its sequence's output when equal
+    to it (plain sampling), else an array of its own (a beam hypothesis, a pruned sequence)."""
+    held = array("i", tokens)
+    if seq_tokens is not None and len(seq_tokens) == num_prompt + len(held) and seq_tokens[num_prompt:] == held:
+        return memoryview(seq_tokens)[num_prompt:]
+    return held
+
+
 class Request:
     """A prompt and its sampling parameters, plus the timestamps that metrics are built from."""
 
@@ -320,24 +329,33 @@ class Request:
 
     def compact(self) -> None:
         """Hold the request's token ids as 4-byte ints (`array('i')`; a list holds an 8-byte pointer
-        to a 28-byte int per token): a fleet hour holds 100M tokens, in prompts not yet sent and in
-        finished requests. What a finished request is read for still works: lengths, `outputs()`
-        (lists), indexing and slicing, a follow-up's prompt (`follow`); one not yet submitted is
-        `expand`ed first."""
-        prompt = array("i", self.prompt_token_ids)
-        self.prompt_token_ids = prompt  # type: ignore[assignment]
+        to a 28-byte int per token), each once: a fleet hour holds 100M tokens, in prompts not yet
+        sent and in finished requests. Every sequence's tokens start with the prompt, so the prompt
+        is a view of the first sequence's array (that array itself before the request ran), and a
+        completion equal to a sequence's output is a view of its tail. What a finished request is
+        read for still works: lengths, `outputs()` (lists), indexing and slicing, a follow-up's
+        prompt (`follow`); one not yet submitted is `expand`ed first."""
+        n = len(self.prompt_token_ids)
         for seq in self.seqs:
-            # a sequence's tokens start with the prompt: one of its length (not yet run) shares it
-            seq.token_ids = prompt if len(seq.token_ids) == len(prompt) else array("i", seq.token_ids)  # type: ignore[assignment]
+            if not isinstance(seq.token_ids, array):
+                seq.token_ids = array("i", seq.token_ids)  # type: ignore[assignment]
+        if not self.seqs:
+            self.prompt_token_ids = array("i", self.prompt_token_ids)  # type: ignore[assignment]
+        elif len(first := self.seqs[0].token_ids) == n:
+            self.prompt_token_ids = first
+        else:
+            self.prompt_token_ids = memoryview(first)[:n]  # type: ignore[assignment]
         if self.completions is not None:
-            self.completions = [replace(c, token_ids=array("i", c.token_ids)) for c in self.completions]
+            outputs = {seq.index: seq.token_ids for seq in self.seqs}
+            self.completions = [replace(c, token_ids=_held_output(c.token_ids, outputs.get(c.index), n))
+                                for c in self.completions]
 
     def expand(self) -> None:
         """Undo `compact` before the request is submitted: its sequences' token ids grow as lists."""
-        if isinstance(self.prompt_token_ids, array):
+        if not isinstance(self.prompt_token_ids, list):
             self.prompt_token_ids = self.prompt_token_ids.tolist()
         for seq in self.seqs:
-            if isinstance(seq.token_ids, array):
+            if not isinstance(seq.token_ids, list):
                 seq.token_ids = seq.token_ids.tolist()
 
     @property

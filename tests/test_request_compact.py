@@ -38,6 +38,8 @@ def _view(requests: list[Request]) -> list[tuple]:
     ["workload=multiturn"],  # follow-ups: the next turn's prompt holds the reply
     ["workload=agent", "cluster.num_replicas=2", "router=session"],
     ["workload.num_requests=12"],
+    ["workload.num_requests=8", "workload.use_beam_search=true", "workload.n=2", "workload.best_of=2"],
+    ["workload.num_requests=8", "workload.n=2", "workload.best_of=3"],  # the best two of three samples
 ])
 def test_compacted_requests_read_as_lists_do(overrides):
     plain = _run([*SIM, *overrides], compact=False)
@@ -45,7 +47,11 @@ def test_compacted_requests_read_as_lists_do(overrides):
         compacted = _run([*SIM, *overrides], compact=True, held=held)
         assert _view(compacted) == _view(plain)
         finished = [r for r in compacted if r.finish_time is not None]
-        assert finished and all(isinstance(r.prompt_token_ids, array) for r in finished)
+        assert finished
         assert all(isinstance(s.token_ids, array) and s.token_ids.itemsize == 4 for r in finished for s in r.seqs)
-        assert all(r.completions and isinstance(c.token_ids, array) for r in finished for c in r.completions)
+        # each token held once: the prompt and the (plain-sampled) completions are views of the sequence's array
+        assert all(r.prompt_token_ids.obj is r.seqs[0].token_ids for r in finished)
+        sampled = [r for r in finished if not r.params.use_beam_search]
+        assert all(r.completions and c.token_ids.obj in [s.token_ids for s in r.seqs] for r in sampled
+                   for c in r.completions)
         assert all(type(c.token_ids) is list for r in finished for c in r.outputs())
