@@ -31,9 +31,9 @@ from paged.kernels.toolchain.specs import NUM_THREADS, Unit, attention_unit, cac
 from paged.kernels.transfer import to_device
 
 WARP_SIZE = 32
-# kernels_cu/prefill.cuh's tiling: PREFILL_ROWS query rows per CTA of PREFILL_WARPS warps, K/V
-# tiles of PREFILL_KEYS keys.
-PREFILL_WARPS, PREFILL_ROWS, PREFILL_KEYS = 4, 64, 32
+PREFILL_WARPS = 4  # kernels_cu/prefill.cuh's warps per CTA
+# Its K/V tiles are double-buffered up to this many bytes of shared memory (sm_86 / sm_89 allow 99 KB).
+PREFILL_TWO_STAGE_BYTES = 96 * 1024
 MAX_CACHE_THREADS = 512
 MAX_COPY_THREADS = 1024
 
@@ -111,13 +111,34 @@ def _feature_args(cache: CacheView, features: AttentionFeatures) -> tuple[Arg, .
             *map(np.int32, ints))
 
 
+class PrefillTiles(NamedTuple):
+    """kernels_cu/prefill.cuh's `PrefillTiles`: query rows per CTA, keys per K/V tile, K/V buffers."""
+
+    rows: int
+    keys: int
+    stages: int
+
+
+def prefill_tiles(dtype: torch.dtype, head_size: int) -> PrefillTiles:
+    """fp16 / bf16 up to head 128: two m16 row tiles per warp, 64-key tiles up to head 64 (else 32);
+    head 256 and fp32 one row tile and 32 keys. Two K/V buffers where they fit in 96 KB, else one."""
+    wide = dtype.itemsize == 2 and head_size <= 128
+    rows, keys = (128 if wide else 64), (64 if wide and head_size <= 64 else 32)
+    two_stages = _prefill_bytes(dtype, head_size, rows, keys, 2) <= PREFILL_TWO_STAGE_BYTES
+    return PrefillTiles(rows, keys, 2 if two_stages else 1)
+
+
+def _prefill_bytes(dtype: torch.dtype, head_size: int, rows: int, keys: int, stages: int) -> int:
+    """The Q tile, then per stage a K and a Vᵀ tile, rows padded by 16 bytes (prefill.cuh)."""
+    pad = VECTOR_BYTES // dtype.itemsize
+    stage = keys * (head_size + pad) + head_size * (keys + pad)
+    return (rows * (head_size + pad) + stages * stage) * dtype.itemsize
+
+
 def prefill_shared_memory(dtype: torch.dtype, head_size: int) -> int:
-    """The prefill kernel's dynamic shared memory: Q, K and Vᵀ tiles padded by 16 bytes a row,
-    then the CUDA-core path's probabilities (prefill.cuh)."""
-    element = dtype.itemsize
-    pad = VECTOR_BYTES // element
-    tiles = (PREFILL_ROWS + PREFILL_KEYS) * (head_size + pad) + head_size * (PREFILL_KEYS + pad)
-    return tiles * element + PREFILL_WARPS * 16 * PREFILL_KEYS * 4
+    """The prefill kernel's dynamic shared memory."""
+    tiles = prefill_tiles(dtype, head_size)
+    return _prefill_bytes(dtype, head_size, tiles.rows, tiles.keys, tiles.stages)
 
 
 def _check_shared_memory(runner: Runner, unit: Unit, kernel: str, needed: int, what: str,
@@ -265,8 +286,9 @@ class RunnerBackend(FusedLayerOpsMixin, TorchBackend):
         self, query: torch.Tensor, cache: CacheView, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
         max_seq_len: int, sliding_window: int | None, features: AttentionFeatures = NONE, plan: object = None,
     ) -> torch.Tensor:
-        """One launch for the batch: a CTA per 64 (query, head) rows of a sequence and KV head, the
-        grid sized by `max_query_len` (tiles past a sequence's rows return at once)."""
+        """One launch for the batch: a CTA per 128 (fp16 / bf16 up to head 128) or 64 (query, head)
+        rows of a sequence and KV head, the grid sized by `max_query_len` (tiles past a sequence's
+        rows return at once)."""
         runner = self.runner(query)
         num_heads, head_size = query.shape[1], query.shape[2]
         key_cache, value_cache = cache.key_cache, cache.value_cache
@@ -280,7 +302,8 @@ class RunnerBackend(FusedLayerOpsMixin, TorchBackend):
         _check_shared_memory(runner, unit, unit.kernels[0], smem, f"{query.dtype} prefill attention with head size "
                              f"{head_size}", "use kernel.backend=torch, or a 16-bit model dtype")
         group = num_heads // cache.num_kv_heads
-        grid = (-(-max_query_len * group // PREFILL_ROWS), cache.num_kv_heads, seq_lens.shape[0])
+        rows = prefill_tiles(query.dtype, head_size).rows
+        grid = (-(-max_query_len * group // rows), cache.num_kv_heads, seq_lens.shape[0])
         args = (
             _ptr(out), _ptr(query), _ptr(key_cache), _ptr(value_cache), np.int32(num_heads),
             np.int32(cache.num_kv_heads), np.float32(scale), _ptr(block_tables), _ptr(seq_lens),
