@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from paged import kernels
-from paged.kernels.backends.emu import H100
+from paged.config import KernelConfig, ModelConfig
+from paged.executor.model_executor import ModelExecutor
+from paged.kernels.backends.emu import H100, EmuBackend
 from paged.kernels.backends.launch import RunnerBackend, prefill_shared_memory
 from paged.kernels.backends.v3_plans import DeviceLimits
 from paged.kernels.features import FP8_MAX, BlockSparse, alibi_slopes
@@ -257,3 +259,27 @@ def test_auto_takes_the_torch_reference_for_a_head_size_the_kernels_lack_and_say
     assert backend.name == "torch"
     assert "head_size=32 is not supported by backend='cuda'; supported: 64, 80, 96, 112, 128, 256" in reason
     assert [r.getMessage() for r in caplog.records].count(f"kernel backend: {reason}") == 1
+
+
+class _PreAmpere(EmuBackend):
+    """The emulator standing in for a GPU without mma.sync (sm_75)."""
+
+    def has_mma(self, device: torch.device) -> bool:
+        return False
+
+
+def test_the_executor_names_the_prefill_path_its_tiles_and_why_it_takes_cuda_cores() -> None:
+    cpu = torch.device("cpu")
+    assert EmuBackend().prefill_path(torch.bfloat16, 128, cpu) == (
+        "tensor cores (mma.sync m16n8k16), 128 rows x 32 keys, 2 K/V buffers")
+    assert EmuBackend().prefill_path(torch.float16, 256, cpu) == (
+        "tensor cores (mma.sync m16n8k16), 64 rows x 32 keys, 1 K/V buffer")
+    assert _PreAmpere().prefill_path(torch.float16, 64, cpu) == (
+        "CUDA cores (mma.sync needs sm_80), 128 rows x 64 keys, 2 K/V buffers")
+    ex = ModelExecutor(ModelConfig(name="tiny-random", source="random", device="cpu"),
+                       KernelConfig(name="t", backend="emu"))
+    assert ex.dtype == torch.float32 and "; prefill on CUDA cores (float32 has no tensor-core path), 64 rows x 32 " \
+        "keys, 2 K/V buffers;" in ex.description
+    cpu_ex = ModelExecutor(ModelConfig(name="tiny-random", source="random", device="cpu"),
+                           KernelConfig(name="t", backend="torch"))
+    assert cpu_ex.prefill_path is None and "prefill on" not in cpu_ex.description

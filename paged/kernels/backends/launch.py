@@ -184,6 +184,21 @@ class RunnerBackend(FusedLayerOpsMixin, TorchBackend):
     # The kernels skip slot -1 and read lengths on the device.
     graph_capturable = True
 
+    def has_mma(self, device: torch.device) -> bool:
+        """Whether `device` runs prefill.cuh's tensor-core path (`mma.sync`: sm_80 and newer)."""
+        return True
+
+    def prefill_path(self, dtype: torch.dtype, head_size: int, device: torch.device) -> str:
+        """Tensor cores for fp16 / bf16 on sm_80 and newer, else CUDA cores (the same fragments,
+        the same result), with the CTA's tiles."""
+        tiles = prefill_tiles(dtype, head_size)
+        shape = f"{tiles.rows} rows x {tiles.keys} keys, {tiles.stages} K/V buffer" + "s" * (tiles.stages > 1)
+        if dtype.itemsize != 2:
+            return f"CUDA cores ({str(dtype).removeprefix('torch.')} has no tensor-core path), {shape}"
+        if not self.has_mma(device):
+            return f"CUDA cores (mma.sync needs sm_80), {shape}"
+        return f"tensor cores (mma.sync m16n8k16), {shape}"
+
     def decode_workspace(
         self, num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int, block_size: int, version: str,
         partition_size: int, max_seq_len: int, sliding_window: int | None, device: torch.device,
