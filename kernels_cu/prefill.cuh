@@ -17,12 +17,13 @@
 // keys, flash-attention 2's loop: S = Q·Kᵀ, the online softmax (running max and sum per row),
 // O += P·V. The K/V tiles go through shared memory in the cache's own element type (K row-major,
 // V transposed so each head dim's keys are contiguous, rows padded by 16 bytes against bank
-// conflicts), copied with 16-byte cp.async one tile ahead of the computation (STAGES buffers);
-// an fp8 cache is converted to T on the way in (its values are exact in fp16 and bf16), with
-// plain loads. fp16 and bf16 run both products on tensor cores (mma.cuh; P goes from the S
-// accumulators into the A fragments without leaving registers, rounded to T as flash-attention
-// does); fp32, and targets before sm_80, compute the same fragments on CUDA cores, P passed
-// between the lanes by shuffles. Accumulation is fp32 throughout.
+// conflicts), copied with cp.async one tile ahead of the computation (STAGES buffers). fp16 and
+// bf16 run both products on tensor cores (mma.cuh; P goes from the S accumulators into the A
+// fragments without leaving registers, rounded to T as flash-attention does), an fp8 tile
+// converted in registers on the way to them (mma.cuh's fragment_pair: raw halves, exact in fp16
+// and bf16, the KV scales carrying fp8_vec.cuh's factor), so an fp8 cache moves half the bytes
+// into shared memory; fp32, and targets before sm_80, compute the same fragments on CUDA cores,
+// P passed between the lanes by shuffles. Accumulation is fp32 throughout.
 //
 // The causal shape: a CTA stops at the tile holding its last query's key, a warp whose rows all
 // precede a tile skips it, a tile every row sees whole is not masked, and the CTAs with the most
@@ -44,39 +45,35 @@ namespace paged {
 constexpr int PREFILL_WARPS = 4;
 constexpr int PREFILL_THREADS = PREFILL_WARPS * WARP_SIZE;
 
-// A CTA's tiling and shared memory (paged/kernels/backends/launch.py computes the same bytes).
-template <typename T, int HEAD_SIZE>
+// A CTA's tiling and shared memory (paged/kernels/backends/launch.py computes the same bytes): the
+// Q tile in T, then per stage a K and a Vᵀ tile in the cache's element type C.
+template <typename T, typename C, int HEAD_SIZE>
 struct PrefillTiles {
   static constexpr bool WIDE = sizeof(T) == 2 && HEAD_SIZE <= 128;  // fp32 and head 256 hold no more
   static constexpr int M = WIDE ? 2 : 1;                            // m16 row tiles per warp
   static constexpr int ROWS = 16 * M * PREFILL_WARPS;              // query rows of a CTA
   // Keys per K/V tile: 64 where the registers allow (S and O fragments of two row tiles at head 64).
   static constexpr int KEYS = WIDE && HEAD_SIZE <= 64 ? 64 : 32;
-  static constexpr int PAD = 16 / static_cast<int>(sizeof(T));  // 16 bytes a row, against bank conflicts
-  static constexpr int ROW = HEAD_SIZE + PAD;                   // Q and K rows
-  static constexpr int VROW = KEYS + PAD;                       // Vᵀ rows
-  static constexpr int STAGE = KEYS * ROW + HEAD_SIZE * VROW;   // one K and one Vᵀ tile, in T
+  // Rows padded by 16 bytes, against bank conflicts.
+  static constexpr int QROW = HEAD_SIZE + 16 / static_cast<int>(sizeof(T));  // Q rows, in T
+  static constexpr int KROW = HEAD_SIZE + 16 / static_cast<int>(sizeof(C));  // K rows, in C
+  static constexpr int VROW = KEYS + 16 / static_cast<int>(sizeof(C));       // Vᵀ rows, in C
+  static constexpr int Q_BYTES = ROWS * QROW * static_cast<int>(sizeof(T));
+  static constexpr int STAGE_BYTES = (KEYS * KROW + HEAD_SIZE * VROW) * static_cast<int>(sizeof(C));
   // Two K/V buffers (one tile loads while the other is computed) where they fit in 96 KB, the
   // opt-in limit of sm_86 / sm_89 (99 KB), else one: head 256 in 16 bits, fp32 from head 128.
-  static constexpr int STAGES = (ROWS * ROW + 2 * STAGE) * static_cast<int>(sizeof(T)) <= 96 * 1024 ? 2 : 1;
-  static constexpr int BYTES = (ROWS * ROW + STAGES * STAGE) * static_cast<int>(sizeof(T));
+  static constexpr int STAGES = Q_BYTES + 2 * STAGE_BYTES <= 96 * 1024 ? 2 : 1;
+  static constexpr int BYTES = Q_BYTES + STAGES * STAGE_BYTES;
 };
 
-// A cache element as T; the fp8 formats' values are all exact in fp16, bf16 and fp32.
-template <typename T, typename C>
-PAGED_DEVICE T cache_to(C x) {
-  if constexpr (SameType<T, C>::value) {
-    return x;
-  } else {
-    return from_float<T>(to_float(x));
-  }
-}
-
-// A vector of fp8 cache elements into a shared-memory tile of T, converted element by element.
-template <typename T, typename C, int N>
-PAGED_DEVICE void store_tile(T* dst, const Vec<C, N>& v) {
+// An element of zero bits: +0 in every format the cache holds.
+template <typename C>
+PAGED_DEVICE C zero_bits() {
+  C x;
+  unsigned char* bytes = reinterpret_cast<unsigned char*>(&x);
 #pragma unroll
-  for (int e = 0; e < N; ++e) dst[e] = cache_to<T>(v.val[e]);
+  for (int i = 0; i < static_cast<int>(sizeof(C)); ++i) bytes[i] = 0;
+  return x;
 }
 
 // Which keys a CTA reads: positions [begin, end), and under block-sparse attention those whose
@@ -104,9 +101,9 @@ struct TileKeys {
 };
 
 // Grid (div_up(max_query_len * G, PrefillTiles::ROWS), num_kv_heads, num_seqs); PREFILL_THREADS
-// threads; PrefillTiles::BYTES of dynamic shared memory: the Q tile [ROWS][ROW], then STAGES times
-// a K tile [KEYS][ROW] and a Vᵀ tile [HEAD_SIZE][VROW], all in T. `out` is [num_tokens, num_heads,
-// HEAD_SIZE]; query rows are `q_stride` elements apart.
+// threads; PrefillTiles::BYTES of dynamic shared memory: the Q tile [ROWS][QROW] in T, then STAGES
+// times a K tile [KEYS][KROW] and a Vᵀ tile [HEAD_SIZE][VROW] in CACHE_T. `out` is [num_tokens,
+// num_heads, HEAD_SIZE]; query rows are `q_stride` elements apart.
 template <typename T, typename CACHE_T, int HEAD_SIZE, int BLOCK_SIZE, bool FEATURES>
 __global__ void prefill_attention_kernel(T* __restrict__ out, const T* __restrict__ q,
                                          const CACHE_T* __restrict__ k_cache, const CACHE_T* __restrict__ v_cache,
@@ -115,19 +112,18 @@ __global__ void prefill_attention_kernel(T* __restrict__ out, const T* __restric
                                          const int* __restrict__ query_start_loc, int max_num_blocks_per_seq,
                                          int q_stride, int kv_block_stride, int kv_head_stride, int sliding_window,
                                          FEATURE_PARAMS) {
-  typedef PrefillTiles<T, HEAD_SIZE> L;
+  typedef PrefillTiles<T, CACHE_T, HEAD_SIZE> L;
   constexpr bool FP8 = sizeof(CACHE_T) == 1;
   constexpr bool MMA = PAGED_HAS_MMA && sizeof(T) == 2;
-  constexpr bool ASYNC = SameType<T, CACHE_T>::value;  // cache vectors land in the tiles as they are
-  constexpr int M = L::M, R = 2 * M, KEYS = L::KEYS, ROW = L::ROW, VROW = L::VROW;
+  constexpr int M = L::M, R = 2 * M, KEYS = L::KEYS, QROW = L::QROW, KROW = L::KROW, VROW = L::VROW;
   constexpr int X = 16 / sizeof(CACHE_T);             // K cache elements per 16-byte chunk
   constexpr int QV = 16 / sizeof(T);                  // query elements per 16-byte vector
-  constexpr int VV = cmin(16 / static_cast<int>(sizeof(CACHE_T)), 8);  // V cache keys per vector load
+  // V cache keys per copy: 16 bytes, or a whole 8-token block of fp8 (8 bytes).
+  constexpr int VV = cmin(16 / static_cast<int>(sizeof(CACHE_T)), BLOCK_SIZE);
   constexpr int NT = KEYS / 8;                        // 8-key column tiles of S
   constexpr int DT = HEAD_SIZE / 8;                   // 8-dim column tiles of O
   static_assert(HEAD_SIZE % 16 == 0, "tensor-core k-steps of 16 head dims");
   static_assert(BLOCK_SIZE % VV == 0 && KEYS % VV == 0, "a V vector never straddles a cache block");
-  static_assert(!ASYNC || VV * sizeof(T) == 16, "cp.async copies whole 16-byte V vectors");
   const float neg_inf = negative_infinity();
 
   const int group = num_heads / num_kv_heads;
@@ -149,13 +145,15 @@ __global__ void prefill_attention_kernel(T* __restrict__ out, const T* __restric
                       sparse ? first_pos / f.bs_block_size : 0, kv_head * group, group, &f};
   // Keys from here to first_pos are visible to every row of the CTA (the last row's window start).
   const int open_begin = window_start(last_pos + 1, sliding_window);
-  const float qk_scale = scale * (FP8 ? k_scales[kv_head] : 1.f);
-  const float v_scale = FP8 ? v_scales[kv_head] : 1.f;
+  // The tensor cores take fp8 as raw halves (fp8_vec.cuh): the KV scales carry their factor.
+  const float raw = MMA ? raw_scale<CACHE_T>() : 1.f;
+  const float qk_scale = scale * (FP8 ? k_scales[kv_head] * raw : 1.f);
+  const float v_scale = FP8 ? v_scales[kv_head] * raw : 1.f;
   const CACHE_T* k_head = k_cache + static_cast<int64>(kv_head) * kv_head_stride;
   const CACHE_T* v_head = v_cache + static_cast<int64>(kv_head) * kv_head_stride;
 
   T* q_s = reinterpret_cast<T*>(dynamic_smem());
-  T* stages = q_s + L::ROWS * ROW;
+  char* stages = dynamic_smem() + L::Q_BYTES;
 
   for (int i = threadIdx.x; i < L::ROWS * (HEAD_SIZE / QV); i += PREFILL_THREADS) {
     const int r = i / (HEAD_SIZE / QV), c = i % (HEAD_SIZE / QV) * QV;
@@ -168,57 +166,49 @@ __global__ void prefill_attention_kernel(T* __restrict__ out, const T* __restric
 #pragma unroll
       for (int e = 0; e < QV; ++e) v.val[e] = from_float<T>(0.f);
     }
-    *reinterpret_cast<Vec<T, QV>*>(q_s + r * ROW + c) = v;
+    *reinterpret_cast<Vec<T, QV>*>(q_s + r * QROW + c) = v;
   }
 
   const int tile0 = keys.begin / KEYS * KEYS;
   const int num_tiles = div_up(keys.end - tile0, KEYS);
 
-  // Starts tile j's K and V on their way into stage j % STAGES (cp.async when the cache holds T,
-  // else converted with plain loads; unneeded keys as zeros) and closes a commit group, so every
-  // thread counts the same groups.
+  // Starts tile j's K and V on their way into stage j % STAGES with cp.async (unneeded keys as
+  // zeros, stored at once) and closes a commit group, so every thread counts the same groups.
   auto issue = [&](int j) {
     if (j < num_tiles) {
       const int n0 = tile0 + j * KEYS;
-      T* k_s = stages + (j % L::STAGES) * L::STAGE;
-      T* v_s = k_s + KEYS * ROW;
+      CACHE_T* k_s = reinterpret_cast<CACHE_T*>(stages + (j % L::STAGES) * L::STAGE_BYTES);
+      CACHE_T* v_s = k_s + KEYS * KROW;
       for (int i = threadIdx.x; i < KEYS * (HEAD_SIZE / X); i += PREFILL_THREADS) {
         const int key = i / (HEAD_SIZE / X), chunk = i % (HEAD_SIZE / X);
         const int position = n0 + key;
-        T* dst = k_s + key * ROW + chunk * X;
+        CACHE_T* dst = k_s + key * KROW + chunk * X;
         if (keys.needed(position)) {
-          const CACHE_T* src = k_head + static_cast<int64>(block_table[position / BLOCK_SIZE]) * kv_block_stride +
-                               (chunk * BLOCK_SIZE + position % BLOCK_SIZE) * X;
-          if constexpr (ASYNC) {
-            cp_async16(dst, src);
-          } else {
-            store_tile<T>(dst, load_vec<CACHE_T, X>(src));
-          }
+          cp_async16(dst, k_head + static_cast<int64>(block_table[position / BLOCK_SIZE]) * kv_block_stride +
+                              (chunk * BLOCK_SIZE + position % BLOCK_SIZE) * X);
         } else {
-#pragma unroll
-          for (int e = 0; e < X; ++e) dst[e] = from_float<T>(0.f);
+          *reinterpret_cast<uint4*>(dst) = uint4{};
         }
       }
       for (int i = threadIdx.x; i < HEAD_SIZE * (KEYS / VV); i += PREFILL_THREADS) {
         const int dim = i / (KEYS / VV), first = i % (KEYS / VV) * VV;
         const int position = n0 + first;
-        T* dst = v_s + dim * VROW + first;
-        // A vector lies in one cache block and one sparse block (a multiple of the cache block).
+        CACHE_T* dst = v_s + dim * VROW + first;
+        // A copy lies in one cache block and one sparse block (a multiple of the cache block).
         if (keys.needed(position) && keys.needed(position + VV - 1)) {
           const CACHE_T* src = v_head + static_cast<int64>(block_table[position / BLOCK_SIZE]) * kv_block_stride +
                                dim * BLOCK_SIZE + position % BLOCK_SIZE;
-          if constexpr (ASYNC) {
+          if constexpr (VV * sizeof(CACHE_T) == 16) {
             cp_async16(dst, src);
           } else {
-            store_tile<T>(dst, load_vec<CACHE_T, VV>(src));
+            cp_async8(dst, src);
           }
         } else {
           for (int e = 0; e < VV; ++e) {
             const int p = position + e;
-            dst[e] = keys.needed(p)
-                         ? cache_to<T>(v_head[block_table[p / BLOCK_SIZE] * static_cast<int64>(kv_block_stride) +
-                                              dim * BLOCK_SIZE + p % BLOCK_SIZE])
-                         : from_float<T>(0.f);
+            dst[e] = keys.needed(p) ? v_head[block_table[p / BLOCK_SIZE] * static_cast<int64>(kv_block_stride) +
+                                             dim * BLOCK_SIZE + p % BLOCK_SIZE]
+                                    : zero_bits<CACHE_T>();
           }
         }
       }
@@ -262,14 +252,14 @@ __global__ void prefill_attention_kernel(T* __restrict__ out, const T* __restric
     m[r] = neg_inf;
     l[r] = 0.f;
   }
-  const T* q_w = q_s + (warp * 16 * M) * ROW;
+  const T* q_w = q_s + (warp * 16 * M) * QROW;
 
   // One warp's rows against tile j.
   auto compute = [&](int j) {
     const int n0 = tile0 + j * KEYS;
     if (n0 > warp_last_pos) return;  // every row of the warp precedes the tile (the whole warp returns)
-    const T* k_s = stages + (j % L::STAGES) * L::STAGE;
-    const T* v_s = k_s + KEYS * ROW;
+    const CACHE_T* k_s = reinterpret_cast<const CACHE_T*>(stages + (j % L::STAGES) * L::STAGE_BYTES);
+    const CACHE_T* v_s = k_s + KEYS * KROW;
 
     float s[M][NT][4];
 #pragma unroll
@@ -284,16 +274,16 @@ __global__ void prefill_attention_kernel(T* __restrict__ out, const T* __restric
         unsigned a[M][4];
 #pragma unroll
         for (int mt = 0; mt < M; ++mt) {
-          const T* q_m = q_w + mt * 16 * ROW + kk + 2 * t;
-          a[mt][0] = load2(q_m + g * ROW);
-          a[mt][1] = load2(q_m + (g + 8) * ROW);
-          a[mt][2] = load2(q_m + g * ROW + 8);
-          a[mt][3] = load2(q_m + (g + 8) * ROW + 8);
+          const T* q_m = q_w + mt * 16 * QROW + kk + 2 * t;
+          a[mt][0] = load2(q_m + g * QROW);
+          a[mt][1] = load2(q_m + (g + 8) * QROW);
+          a[mt][2] = load2(q_m + g * QROW + 8);
+          a[mt][3] = load2(q_m + (g + 8) * QROW + 8);
         }
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-          const T* k_row = k_s + (n * 8 + g) * ROW + kk;
-          const unsigned b[2] = {load2(k_row + 2 * t), load2(k_row + 8 + 2 * t)};
+          const CACHE_T* k_row = k_s + (n * 8 + g) * KROW + kk;
+          const unsigned b[2] = {fragment_pair<T>(k_row + 2 * t), fragment_pair<T>(k_row + 8 + 2 * t)};
 #pragma unroll
           for (int mt = 0; mt < M; ++mt) mma_16816<T>(s[mt][n], a[mt], b);
         }
@@ -305,12 +295,13 @@ __global__ void prefill_attention_kernel(T* __restrict__ out, const T* __restric
         float k0[NT], k1[NT];
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-          k0[n] = to_float(k_s[(n * 8 + 2 * t) * ROW + d]);
-          k1[n] = to_float(k_s[(n * 8 + 2 * t + 1) * ROW + d]);
+          k0[n] = to_float(k_s[(n * 8 + 2 * t) * KROW + d]);
+          k1[n] = to_float(k_s[(n * 8 + 2 * t + 1) * KROW + d]);
         }
 #pragma unroll
         for (int mt = 0; mt < M; ++mt) {
-          const float q0 = to_float(q_w[(mt * 16 + g) * ROW + d]), q1 = to_float(q_w[(mt * 16 + g + 8) * ROW + d]);
+          const float q0 = to_float(q_w[(mt * 16 + g) * QROW + d]);
+          const float q1 = to_float(q_w[(mt * 16 + g + 8) * QROW + d]);
 #pragma unroll
           for (int n = 0; n < NT; ++n) {
             s[mt][n][0] += q0 * k0[n];
@@ -390,8 +381,8 @@ __global__ void prefill_attention_kernel(T* __restrict__ out, const T* __restric
         }
 #pragma unroll
         for (int d = 0; d < DT; ++d) {
-          const T* v_row = v_s + (d * 8 + g) * VROW + kk * 16;
-          const unsigned b[2] = {load2(v_row + 2 * t), load2(v_row + 8 + 2 * t)};
+          const CACHE_T* v_row = v_s + (d * 8 + g) * VROW + kk * 16;
+          const unsigned b[2] = {fragment_pair<T>(v_row + 2 * t), fragment_pair<T>(v_row + 8 + 2 * t)};
 #pragma unroll
           for (int mt = 0; mt < M; ++mt) mma_16816<T>(o[mt][d], a[mt], b);
         }

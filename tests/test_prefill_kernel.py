@@ -66,6 +66,8 @@ SETTINGS = (
     # one row tile per warp and one K/V buffer (head 256), the widest GQA group over 8-token blocks
     Setting("fp16-head256-gqa8-b32", torch.float16, head=256, block=32, group=8),
     Setting("bf16-gqa16-head96-b8-window", torch.bfloat16, head=96, block=8, group=16, window=30),
+    # fp8 V tiles of an 8-token block are 8-byte copies
+    Setting("bf16-e4m3-b8-head128-alibi", torch.bfloat16, head=128, block=8, cache=E4M3, alibi=True),
 )
 
 
@@ -274,6 +276,9 @@ def test_the_executor_names_the_prefill_path_its_tiles_and_why_it_takes_cuda_cor
         "tensor cores (mma.sync m16n8k16), 128 rows x 32 keys, 2 K/V buffers")
     assert EmuBackend().prefill_path(torch.float16, 256, cpu) == (
         "tensor cores (mma.sync m16n8k16), 64 rows x 32 keys, 1 K/V buffer")
+    # fp8 tiles are half the bytes: head 256 keeps two buffers
+    assert EmuBackend().prefill_path(torch.float16, 256, cpu, E5M2) == (
+        "tensor cores (mma.sync m16n8k16, fp8 K/V converted in registers), 64 rows x 32 keys, 2 K/V buffers")
     assert _PreAmpere().prefill_path(torch.float16, 64, cpu) == (
         "CUDA cores (mma.sync needs sm_80), 128 rows x 64 keys, 2 K/V buffers")
     ex = ModelExecutor(ModelConfig(name="tiny-random", source="random", device="cpu"),

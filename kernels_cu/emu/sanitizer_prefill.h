@@ -43,7 +43,7 @@ int prefill(std::mt19937& rng, int sliding_window = 0) {
                   &tables_p, &lens_p, &starts_p, &blocks_per_seq, &q_stride, &block_stride, &head_stride,
                   &window,   FEATURE_ARG_PTRS(features)};
   const int max_q = *std::max_element(q_lens.begin(), q_lens.end());
-  typedef paged::PrefillTiles<T, HEAD> Tiles;
+  typedef paged::PrefillTiles<T, CACHE_T, HEAD> Tiles;
   LaunchDims dims{{unsigned(paged::div_up(max_q * group, Tiles::ROWS)), unsigned(num_kv_heads), unsigned(num_seqs)},
                   {paged::PREFILL_THREADS, 1, 1},
                   static_cast<unsigned long long>(Tiles::BYTES)};

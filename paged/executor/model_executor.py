@@ -219,7 +219,7 @@ class ModelExecutor(TieredHostPool, LaunchAhead, Executor):
         picks = "v3" if self.backend.name in kernels.V3_BACKENDS else "v1/v2"
         version = {"auto": f"auto({picks})", "vllm": "vllm(v1/v2)"}.get(self.version, self.version)
         self.kernel_description = f"{version}/{reason}"
-        self.prefill_path = self.backend.prefill_path(self.dtype, self.arch.head_dim, self.device)
+        self.prefill_path = self.backend.prefill_path(self.dtype, self.arch.head_dim, self.device, self.cache_dtype)
         if isinstance(self.model, LlamaModel):
             self.model.ops = layer_ops_for(self.backend)
         self.attention = [

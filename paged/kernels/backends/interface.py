@@ -156,9 +156,11 @@ class KernelBackend(ABC):
         when it can. May build the backend's library on first call."""
         return None
 
-    def prefill_path(self, dtype: torch.dtype, head_size: int, device: torch.device) -> str | None:
-        """How `prefill_attention` computes for a model of `dtype` and `head_size` on `device`, for
-        the executor's description; `None` (the default) for a backend with one way."""
+    def prefill_path(self, dtype: torch.dtype, head_size: int, device: torch.device,
+                     cache_dtype: torch.dtype | None = None) -> str | None:
+        """How `prefill_attention` computes for a model of `dtype` and `head_size` on `device` with a
+        `cache_dtype` cache (None: `dtype`), for the executor's description; `None` (the default)
+        for a backend with one way."""
         return None
 
     def decode_workspace(

@@ -119,26 +119,29 @@ class PrefillTiles(NamedTuple):
     stages: int
 
 
-def prefill_tiles(dtype: torch.dtype, head_size: int) -> PrefillTiles:
+def prefill_tiles(dtype: torch.dtype, head_size: int, cache_dtype: torch.dtype | None = None) -> PrefillTiles:
     """fp16 / bf16 up to head 128: two m16 row tiles per warp, 64-key tiles up to head 64 (else 32);
-    head 256 and fp32 one row tile and 32 keys. Two K/V buffers where they fit in 96 KB, else one."""
+    head 256 and fp32 one row tile and 32 keys. Two K/V buffers where they fit in 96 KB, else one
+    (`cache_dtype`: fp8 tiles are half the bytes)."""
     wide = dtype.itemsize == 2 and head_size <= 128
     rows, keys = (128 if wide else 64), (64 if wide and head_size <= 64 else 32)
-    two_stages = _prefill_bytes(dtype, head_size, rows, keys, 2) <= PREFILL_TWO_STAGE_BYTES
+    cache = cache_dtype or dtype
+    two_stages = _prefill_bytes(dtype, cache, head_size, rows, keys, 2) <= PREFILL_TWO_STAGE_BYTES
     return PrefillTiles(rows, keys, 2 if two_stages else 1)
 
 
-def _prefill_bytes(dtype: torch.dtype, head_size: int, rows: int, keys: int, stages: int) -> int:
-    """The Q tile, then per stage a K and a Vᵀ tile, rows padded by 16 bytes (prefill.cuh)."""
-    pad = VECTOR_BYTES // dtype.itemsize
-    stage = keys * (head_size + pad) + head_size * (keys + pad)
-    return (rows * (head_size + pad) + stages * stage) * dtype.itemsize
+def _prefill_bytes(dtype: torch.dtype, cache: torch.dtype, head_size: int, rows: int, keys: int, stages: int) -> int:
+    """The Q tile in `dtype`, then per stage a K and a Vᵀ tile in `cache`'s elements, rows padded by
+    16 bytes (prefill.cuh)."""
+    q_pad, kv_pad = VECTOR_BYTES // dtype.itemsize, VECTOR_BYTES // cache.itemsize
+    stage = (keys * (head_size + kv_pad) + head_size * (keys + kv_pad)) * cache.itemsize
+    return rows * (head_size + q_pad) * dtype.itemsize + stages * stage
 
 
-def prefill_shared_memory(dtype: torch.dtype, head_size: int) -> int:
+def prefill_shared_memory(dtype: torch.dtype, head_size: int, cache_dtype: torch.dtype | None = None) -> int:
     """The prefill kernel's dynamic shared memory."""
-    tiles = prefill_tiles(dtype, head_size)
-    return _prefill_bytes(dtype, head_size, tiles.rows, tiles.keys, tiles.stages)
+    tiles = prefill_tiles(dtype, head_size, cache_dtype)
+    return _prefill_bytes(dtype, cache_dtype or dtype, head_size, tiles.rows, tiles.keys, tiles.stages)
 
 
 def _check_shared_memory(runner: Runner, unit: Unit, kernel: str, needed: int, what: str,
@@ -188,16 +191,18 @@ class RunnerBackend(FusedLayerOpsMixin, TorchBackend):
         """Whether `device` runs prefill.cuh's tensor-core path (`mma.sync`: sm_80 and newer)."""
         return True
 
-    def prefill_path(self, dtype: torch.dtype, head_size: int, device: torch.device) -> str:
-        """Tensor cores for fp16 / bf16 on sm_80 and newer, else CUDA cores (the same fragments,
-        the same result), with the CTA's tiles."""
-        tiles = prefill_tiles(dtype, head_size)
+    def prefill_path(self, dtype: torch.dtype, head_size: int, device: torch.device,
+                     cache_dtype: torch.dtype | None = None) -> str:
+        """Tensor cores for fp16 / bf16 on sm_80 and newer (an fp8 cache converted in registers),
+        else CUDA cores (the same fragments, the same result), with the CTA's tiles."""
+        tiles = prefill_tiles(dtype, head_size, cache_dtype)
         shape = f"{tiles.rows} rows x {tiles.keys} keys, {tiles.stages} K/V buffer" + "s" * (tiles.stages > 1)
         if dtype.itemsize != 2:
             return f"CUDA cores ({str(dtype).removeprefix('torch.')} has no tensor-core path), {shape}"
         if not self.has_mma(device):
             return f"CUDA cores (mma.sync needs sm_80), {shape}"
-        return f"tensor cores (mma.sync m16n8k16), {shape}"
+        fp8 = ", fp8 K/V converted in registers" if cache_dtype is not None and cache_dtype.itemsize == 1 else ""
+        return f"tensor cores (mma.sync m16n8k16{fp8}), {shape}"
 
     def decode_workspace(
         self, num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int, block_size: int, version: str,
@@ -313,11 +318,11 @@ class RunnerBackend(FusedLayerOpsMixin, TorchBackend):
         query_start_loc = query_start_loc.contiguous()
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         unit = prefill_unit(query.dtype, head_size, cache.block_size, key_cache.dtype, not features.plain)
-        smem = prefill_shared_memory(query.dtype, head_size)
+        smem = prefill_shared_memory(query.dtype, head_size, key_cache.dtype)
         _check_shared_memory(runner, unit, unit.kernels[0], smem, f"{query.dtype} prefill attention with head size "
                              f"{head_size}", "use kernel.backend=torch, or a 16-bit model dtype")
         group = num_heads // cache.num_kv_heads
-        rows = prefill_tiles(query.dtype, head_size).rows
+        rows = prefill_tiles(query.dtype, head_size, key_cache.dtype).rows
         grid = (-(-max_query_len * group // rows), cache.num_kv_heads, seq_lens.shape[0])
         args = (
             _ptr(out), _ptr(query), _ptr(key_cache), _ptr(value_cache), np.int32(num_heads),
