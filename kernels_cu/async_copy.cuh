@@ -1,4 +1,4 @@
-// 16-byte global -> shared copies that run behind the computation: PTX `cp.async` (sm_80 and
+// 16- and 8-byte global -> shared copies that run behind the computation: PTX `cp.async` (sm_80 and
 // newer) in commit groups, so a kernel can issue the loads of tile i + STAGES - 1 and compute tile
 // i while they are in flight. Older targets and the emulator copy synchronously, which keeps the
 // same program order (every wait is then already satisfied).
@@ -21,6 +21,16 @@ PAGED_DEVICE void cp_async16(void* smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem));
 #else
   *reinterpret_cast<uint4*>(smem) = *reinterpret_cast<const uint4*>(gmem);
+#endif
+}
+
+// 8 bytes (an 8-token block of fp8 values), both addresses 8-byte aligned; .cg takes 16 only.
+PAGED_DEVICE void cp_async8(void* smem, const void* gmem) {
+#if PAGED_HAS_CP_ASYNC
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(gmem));
+#else
+  *reinterpret_cast<uint2*>(smem) = *reinterpret_cast<const uint2*>(gmem);
 #endif
 }
 

@@ -87,28 +87,6 @@ PAGED_DEVICE void load_floats8(const C* src, float (&out)[8]) {
   }
 }
 
-// Two consecutive cache elements as a tensor-core fragment register of T (the first in the low
-// half); fp8 values raw (scaled by 1 / Fp8Raw::scale), exact in fp16 and bf16.
-template <typename T>
-PAGED_DEVICE unsigned v3_from_half2(unsigned halves) {
-  if constexpr (SameType<T, __half>::value) {
-    return halves;
-  } else {
-    const __half* h = reinterpret_cast<const __half*>(&halves);
-    return pack2<T>(__half2float(h[0]), __half2float(h[1]));
-  }
-}
-template <typename T, typename C>
-PAGED_DEVICE unsigned v3_pair(const C* src) {
-  if constexpr (sizeof(C) == 1) {
-    unsigned halves[2];
-    fp8x4_to_half2x2<C>(*reinterpret_cast<const unsigned short*>(src), halves);
-    return v3_from_half2<T>(halves[0]);
-  } else {
-    return load2(src);
-  }
-}
-
 // Grid (num_kv_heads * head chunks, num_seqs, splits), V3_THREADS threads, V3Layout::BYTES of
 // dynamic shared memory. lse [num_seqs, num_heads, scratch_splits] and tmp_out [..., HEAD] are
 // written only with more than one split.
@@ -282,8 +260,8 @@ __global__ void paged_attention_v3_kernel(T* __restrict__ out, float* __restrict
           unsigned halves[2];
           fp8x4_to_half2x2<CACHE_T>(static_cast<unsigned>(chunk[t]) | static_cast<unsigned>(chunk[4 + t]) << 16,
                                     halves);
-          b[0] = v3_from_half2<T>(halves[0]);
-          b[1] = v3_from_half2<T>(halves[1]);
+          b[0] = half2_to<T>(halves[0]);
+          b[1] = half2_to<T>(halves[1]);
         } else {
           b[0] = load2(k_tile + ((kk / X) * BLOCK + slot + g) * X + 2 * t);
           b[1] = load2(k_tile + ((kk / X + 1) * BLOCK + slot + g) * X + 2 * t);
@@ -319,7 +297,7 @@ __global__ void paged_attention_v3_kernel(T* __restrict__ out, float* __restrict
       const unsigned keep = (valid[0] ? 0x0000ffffu : 0u) | (valid[1] ? 0xffff0000u : 0u);
 #pragma unroll
       for (int n = 0; n < HEAD / 8; ++n) {
-        const unsigned b[2] = {v3_pair<T>(v_tile + (n * 8 + g) * BLOCK + slot + 2 * t) & keep, 0u};
+        const unsigned b[2] = {fragment_pair<T>(v_tile + (n * 8 + g) * BLOCK + slot + 2 * t) & keep, 0u};
         float d[4] = {o[n][0] * alpha, o[n][1] * alpha, 0.f, 0.f};
         mma_16816<T>(d, a, b);
         o[n][0] = d[0];

@@ -12,6 +12,7 @@
 #pragma once
 
 #include "compat.cuh"
+#include "fp8_vec.cuh"
 
 // The instruction exists from sm_80 on; older targets take the kernels' CUDA-core path.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
@@ -42,6 +43,31 @@ PAGED_DEVICE unsigned pack2(float lo, float hi) {
 template <typename T>
 PAGED_DEVICE unsigned load2(const T* ptr) {
   return *reinterpret_cast<const unsigned*>(ptr);
+}
+
+// A half2 register as a fragment register of T; exact for the raw fp8 values fp8_vec.cuh makes.
+template <typename T>
+PAGED_DEVICE unsigned half2_to(unsigned halves) {
+  if constexpr (SameType<T, __half>::value) {
+    return halves;
+  } else {
+    const __half* h = reinterpret_cast<const __half*>(&halves);
+    return pack2<T>(__half2float(h[0]), __half2float(h[1]));
+  }
+}
+
+// Two consecutive elements of a K/V tile as a fragment register of T (the first in the low half):
+// T pairs as they are, fp8 converted in registers to raw values (scaled by 1 / Fp8Raw::scale, the
+// KV scale carries the factor), exact in fp16 and bf16.
+template <typename T, typename C>
+PAGED_DEVICE unsigned fragment_pair(const C* src) {
+  if constexpr (sizeof(C) == 1) {
+    unsigned halves[2];
+    fp8x4_to_half2x2<C>(*reinterpret_cast<const unsigned short*>(src), halves);
+    return half2_to<T>(halves[0]);
+  } else {
+    return load2(src);
+  }
 }
 
 template <typename T>

@@ -292,27 +292,39 @@ def test_driver_sees_shared_memory_opted_in_exactly_when_needed(launches: fake_d
     assert opt_ins == ([(8, dynamic, 0)] if needs_opt_in else [])
 
 
-def _prefill_smem(dtype: str, head: int) -> int:
-    """Q (64 rows), K (32 keys) and Vᵀ tiles padded by 16 bytes a row, then 4 warps' 16 x 32 fp32
-    probabilities: prefill.cuh's layout, written out independently of the launch plan."""
-    element = ELEMENT_SIZE[dtype]
-    pad = 16 // element
-    return ((64 + 32) * (head + pad) + head * (32 + pad)) * element + 4 * 16 * 32 * 4
+def _prefill_tiles(element: int, cache: int, head: int) -> tuple[int, int, int]:
+    """(rows per CTA, keys per K/V tile, K/V buffers) of prefill.cuh's `PrefillTiles` for activations
+    and cache elements of these sizes, written out independently of the launch plan: 16-bit types up
+    to head 128 hold two m16 row tiles per warp (64 keys a tile up to head 64), the rest one (32
+    keys); two buffers where they fit in 96 KB."""
+    wide = element == 2 and head <= 128
+    rows, keys = (128, 64 if head <= 64 else 32) if wide else (64, 32)
+    return rows, keys, 2 if _prefill_smem(element, cache, head, rows, keys, 2) <= 96 * 1024 else 1
+
+
+def _prefill_smem(element: int, cache: int, head: int, rows: int, keys: int, stages: int) -> int:
+    """The Q tile, then per stage a K and a Vᵀ tile in cache elements, rows padded by 16 bytes."""
+    kv_pad = 16 // cache
+    stage = (keys * (head + kv_pad) + head * (keys + kv_pad)) * cache
+    return rows * (head + 16 // element) * element + stages * stage
 
 
 @pytest.mark.parametrize("features", [False, True], ids=["plain", "features"])
 @pytest.mark.parametrize(("case", "q_lens"), PREFILL_CASES, ids=[c.id for c, _ in PREFILL_CASES])
 def test_driver_receives_the_prefill_launch_plan(launches: fake_driver.Run, case: Any, q_lens: tuple[int, ...],
                                                  features: bool) -> None:
-    """One launch for the batch: a CTA per 64 (query, head) rows of a sequence and KV head."""
+    """One launch for the batch: a CTA per 64 or 128 (query, head) rows of a sequence and KV head."""
     if features and case is not PREFILL_CASES[0][0]:
         pytest.skip("the features run on the first case")
     r, calls = _case(launches, f"prefill-{'features-' * features}{case.id}")
     (launch,) = _launched(calls)
     dtype = str(case.dtype).removeprefix("torch.")
     head, block, group = case.head_size, case.block_size, case.num_heads // case.num_kv_heads
-    smem = _prefill_smem(dtype, head)
-    grid = (math.ceil(max(q_lens) * group / 64), case.num_kv_heads, len(q_lens))
+    element = ELEMENT_SIZE[dtype]
+    cache = 1 if features else element  # the features run with an fp8 cache
+    rows, keys, stages = _prefill_tiles(element, cache, head)
+    smem = _prefill_smem(element, cache, head, rows, keys, stages)
+    grid = (math.ceil(max(q_lens) * group / rows), case.num_kv_heads, len(q_lens))
     _check_common_launch(launch, r["names"][0], grid, NUM_THREADS, smem, r["stream"])
     assert _decode(launch) == [
         _ptr(r["out"]), _ptr(r["query"]), _ptr(r["key_cache"]), _ptr(r["value_cache"]), _i32(case.num_heads),

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from paged.kernels.backends.launch import prefill_shared_memory
 from paged.kernels.features import FP8_DTYPES
 from paged.kernels.toolchain import aot, nvrtc, source, specs
 from paged.kernels.toolchain.cache_dir import ENV_VAR
@@ -101,6 +102,24 @@ def test_fp8_and_feature_instantiations_compile_to_cubin() -> None:
     units += [specs.attention_unit(dtype, head, block, "v3", 0, caches[i % 3], i % 2 == 1, (1, 2, 4, 8)[i % 4])
               for i, (dtype, head, block) in enumerate(configs)]
     _check_compiles(units, "sm_90")
+
+
+# An H100 SM: 228 KB of shared memory, of which the driver reserves 1 KB per CTA.
+H100_SMEM, CTA_RESERVED = 228 * 1024, 1024
+
+
+def test_prefill_tensor_core_tiles_fit_registers_and_two_ctas_per_sm() -> None:
+    """prefill.cuh's two row tiles per warp at their largest S and O fragments (64 keys at head 64,
+    head 128 with an fp8 cache) and with every feature compiled in: no spills on sm_90, and the
+    shared memory of every 16-bit head size up to 128 lets an H100 SM hold two CTAs."""
+    units = [specs.prefill_unit(torch.float16, 64, 16, features=True),
+             specs.prefill_unit(torch.bfloat16, 128, 16, torch.float8_e4m3fn, features=True)]
+    for compiled in nvrtc.compile_units(units, "sm_90"):
+        (info,) = compiled.infos
+        assert (info.spill_stores, info.spill_loads) == (0, 0), info
+    for dtype in (torch.float16, torch.bfloat16):
+        for head in (64, 80, 96, 112, 128):
+            assert 2 * (prefill_shared_memory(dtype, head) + CTA_RESERVED) <= H100_SMEM, (dtype, head)
 
 
 def _cache_files(root: Path) -> tuple[Path, Path]:

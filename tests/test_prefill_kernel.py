@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from paged import kernels
-from paged.kernels.backends.emu import H100
+from paged.config import KernelConfig, ModelConfig
+from paged.executor.model_executor import ModelExecutor
+from paged.kernels.backends.emu import H100, EmuBackend
 from paged.kernels.backends.launch import RunnerBackend, prefill_shared_memory
 from paged.kernels.backends.v3_plans import DeviceLimits
 from paged.kernels.features import FP8_MAX, BlockSparse, alibi_slopes
@@ -61,6 +63,11 @@ SETTINGS = (
     Setting("fp16-e4m3", torch.float16, cache=E4M3),
     Setting("bf16-e5m2-window", torch.bfloat16, cache=E5M2, window=25, group=2),
     Setting("fp32-e4m3-everything", torch.float32, cache=E4M3, window=33, alibi=True, sparse=SPARSE),
+    # one row tile per warp and one K/V buffer (head 256), the widest GQA group over 8-token blocks
+    Setting("fp16-head256-gqa8-b32", torch.float16, head=256, block=32, group=8),
+    Setting("bf16-gqa16-head96-b8-window", torch.bfloat16, head=96, block=8, group=16, window=30),
+    # fp8 V tiles of an 8-token block are 8-byte copies
+    Setting("bf16-e4m3-b8-head128-alibi", torch.bfloat16, head=128, block=8, cache=E4M3, alibi=True),
 )
 
 
@@ -146,6 +153,25 @@ def test_prefill_kernel_matches_a_float64_reference(setting: Setting) -> None:
                                **tolerance(setting.dtype))
 
 
+LONG = (
+    Setting("fp16-head128-gqa8", torch.float16, head=128, block=16, group=8),
+    Setting("bf16-head64-mha-b32-alibi", torch.bfloat16, head=64, block=32, group=1, alibi=True),
+    Setting("fp16-head112-e5m2-sparse", torch.float16, head=112, block=16, group=2, cache=E5M2,
+            sparse=SPARSE_PER_KV_HEAD),
+)
+
+
+@pytest.mark.parametrize("setting", LONG, ids=[s.name for s in LONG])
+def test_long_prompts_on_tensor_cores_match_a_float64_reference(setting: Setting) -> None:
+    """Many K/V tiles through the double-buffered pipeline and several row tiles per sequence: a
+    whole prompt, a prefix hit with a long cached context, a decode row."""
+    x = feature_inputs(setting, seq_lens=(300, 400, 150), q_lens=(300, 130, 1))
+    out = kernels.prefill_attention(**x["args"], backend="emu", **x["options"])
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), reference64(x["args"], x["options"], x["clean"]),
+                               **tolerance(setting.dtype))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_blocks_before_the_window_and_slots_past_the_context_are_never_read(dtype: torch.dtype) -> None:
     """Table entries of blocks wholly before a sequence's first query's window name a block full of
@@ -181,7 +207,7 @@ def test_an_unsupported_head_size_is_refused_before_launch_with_what_is_supporte
 
 
 class _SmallSharedMemory:
-    """A runner for a device with 48 KB of shared memory that records what it is asked to run."""
+    """A runner for a device with 64 KB of shared memory that records what it is asked to run."""
 
     needs_pinned_host = False
 
@@ -189,7 +215,7 @@ class _SmallSharedMemory:
         self.launches: list = []
 
     def dynamic_shared_memory_limit(self, unit: object, kernel: str) -> int:
-        return 48 * 1024
+        return 64 * 1024
 
     def run(self, unit: object, launches: list) -> None:
         self.launches += launches
@@ -216,7 +242,7 @@ def test_tiles_larger_than_the_devices_shared_memory_are_refused_before_launch()
     x = prefill_inputs(case, (9,))
     needed = prefill_shared_memory(torch.float32, 256)
     with pytest.raises(ValueError, match=f"torch.float32 prefill attention with head size 256 needs {needed} bytes "
-                                         "of shared memory but the device allows 49152; use kernel.backend=torch"):
+                                         "of shared memory but the device allows 65536; use kernel.backend=torch"):
         kernels.prefill_attention(*x.args, backend=backend)
     assert backend.recorder.launches == []
     half = prefill_inputs(AttentionCase(torch.float16, 64, 16, 1, 2, 512, (9,)), (9,))
@@ -235,3 +261,30 @@ def test_auto_takes_the_torch_reference_for_a_head_size_the_kernels_lack_and_say
     assert backend.name == "torch"
     assert "head_size=32 is not supported by backend='cuda'; supported: 64, 80, 96, 112, 128, 256" in reason
     assert [r.getMessage() for r in caplog.records].count(f"kernel backend: {reason}") == 1
+
+
+class _PreAmpere(EmuBackend):
+    """The emulator standing in for a GPU without mma.sync (sm_75)."""
+
+    def has_mma(self, device: torch.device) -> bool:
+        return False
+
+
+def test_the_executor_names_the_prefill_path_its_tiles_and_why_it_takes_cuda_cores() -> None:
+    cpu = torch.device("cpu")
+    assert EmuBackend().prefill_path(torch.bfloat16, 128, cpu) == (
+        "tensor cores (mma.sync m16n8k16), 128 rows x 32 keys, 2 K/V buffers")
+    assert EmuBackend().prefill_path(torch.float16, 256, cpu) == (
+        "tensor cores (mma.sync m16n8k16), 64 rows x 32 keys, 1 K/V buffer")
+    # fp8 tiles are half the bytes: head 256 keeps two buffers
+    assert EmuBackend().prefill_path(torch.float16, 256, cpu, E5M2) == (
+        "tensor cores (mma.sync m16n8k16, fp8 K/V converted in registers), 64 rows x 32 keys, 2 K/V buffers")
+    assert _PreAmpere().prefill_path(torch.float16, 64, cpu) == (
+        "CUDA cores (mma.sync needs sm_80), 128 rows x 64 keys, 2 K/V buffers")
+    ex = ModelExecutor(ModelConfig(name="tiny-random", source="random", device="cpu"),
+                       KernelConfig(name="t", backend="emu"))
+    assert ex.dtype == torch.float32 and "; prefill on CUDA cores (float32 has no tensor-core path), 64 rows x 32 " \
+        "keys, 2 K/V buffers;" in ex.description
+    cpu_ex = ModelExecutor(ModelConfig(name="tiny-random", source="random", device="cpu"),
+                           KernelConfig(name="t", backend="torch"))
+    assert cpu_ex.prefill_path is None and "prefill on" not in cpu_ex.description

@@ -2,17 +2,10 @@
 // of whole prompts, prefix hits and chunks (several row tiles and K/V tiles), GQA, and with a
 // sliding window the table entries of blocks wholly before each sequence's first query's window
 // stale (far outside the caches), so a kernel that reads one faults. Buffers are exactly sized and
-// shared memory follows backends/launch.py's `prefill_shared_memory`.
+// shared memory is the kernel's `PrefillTiles` (backends/launch.py's `prefill_shared_memory`).
 #pragma once
 
 namespace {
-
-template <typename T>
-unsigned long long prefill_smem(int head) {
-  const int pad = 16 / sizeof(T);
-  const int tiles = (paged::PREFILL_ROWS + paged::PREFILL_KEYS) * (head + pad) + head * (paged::PREFILL_KEYS + pad);
-  return static_cast<unsigned long long>(tiles) * sizeof(T) + paged::PREFILL_WARPS * 16 * paged::PREFILL_KEYS * 4;
-}
 
 template <typename T, int HEAD, int BLOCK, typename CACHE_T = T, bool FEATURES = false>
 int prefill(std::mt19937& rng, int sliding_window = 0) {
@@ -50,10 +43,10 @@ int prefill(std::mt19937& rng, int sliding_window = 0) {
                   &tables_p, &lens_p, &starts_p, &blocks_per_seq, &q_stride, &block_stride, &head_stride,
                   &window,   FEATURE_ARG_PTRS(features)};
   const int max_q = *std::max_element(q_lens.begin(), q_lens.end());
-  LaunchDims dims{{unsigned(paged::div_up(max_q * group, paged::PREFILL_ROWS)), unsigned(num_kv_heads),
-                   unsigned(num_seqs)},
+  typedef paged::PrefillTiles<T, CACHE_T, HEAD> Tiles;
+  LaunchDims dims{{unsigned(paged::div_up(max_q * group, Tiles::ROWS)), unsigned(num_kv_heads), unsigned(num_seqs)},
                   {paged::PREFILL_THREADS, 1, 1},
-                  prefill_smem<T>(HEAD)};
+                  static_cast<unsigned long long>(Tiles::BYTES)};
   return run(paged_emu::launch(&paged::prefill_attention_kernel<T, CACHE_T, HEAD, BLOCK, FEATURES>, dims, args),
              "prefill");
 }

@@ -55,7 +55,8 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
 
 class ModelExecutor(TieredHostPool, LaunchAhead, Executor):
     """A Llama-family model on CPU or CUDA. Public state besides the `Executor` contract: `arch`,
-    `model`, `device`, `dtype`, `kernel_description`, `threads` (the CPU threads `paged.utils.threads`
+    `model`, `device`, `dtype`, `kernel_description`, `prefill_path` (how the backend's prefill
+    computes, or None), `threads` (the CPU threads `paged.utils.threads`
     chose, per rank), `sliding_window` (the attention window in
     tokens, `None` for the whole context), the per-layer `key_caches` / `value_caches` and their
     host-memory swap space `cpu_key_caches` / `cpu_value_caches`, and the counters
@@ -183,8 +184,9 @@ class ModelExecutor(TieredHostPool, LaunchAhead, Executor):
         graphs += "; async scheduling" if self.async_scheduling else ""
         cpu = f"; {self.threads.count}" + " per rank" * (self.num_devices > 1) if self.device.type == "cpu" else ""
         tp = f"; tensor parallel over {self.num_devices} ranks" if self.num_devices > 1 else ""
-        return (f"{self.model_name} on {self.device} ({dtype}{kv}); attention {self.kernel_description}{layers}"
-                f"{graphs}{tp}{cpu}")
+        prefill = f"; prefill on {self.prefill_path}" if self.prefill_path else ""
+        return (f"{self.model_name} on {self.device} ({dtype}{kv}); attention {self.kernel_description}{prefill}"
+                f"{layers}{graphs}{tp}{cpu}")
 
     @on_every_rank()
     def configure_kernel(self, kernel_cfg: KernelConfig) -> None:
@@ -217,6 +219,7 @@ class ModelExecutor(TieredHostPool, LaunchAhead, Executor):
         picks = "v3" if self.backend.name in kernels.V3_BACKENDS else "v1/v2"
         version = {"auto": f"auto({picks})", "vllm": "vllm(v1/v2)"}.get(self.version, self.version)
         self.kernel_description = f"{version}/{reason}"
+        self.prefill_path = self.backend.prefill_path(self.dtype, self.arch.head_dim, self.device, self.cache_dtype)
         if isinstance(self.model, LlamaModel):
             self.model.ops = layer_ops_for(self.backend)
         self.attention = [

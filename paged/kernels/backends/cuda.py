@@ -289,6 +289,9 @@ class CudaBackend(launch.RunnerBackend):
     def device_limits(self, device: torch.device) -> DeviceLimits:
         return self._runner(device).limits
 
+    def has_mma(self, device: torch.device) -> bool:
+        return int(self._runner(device).arch.removeprefix("sm_")) >= 80
+
     def unavailable_reason(self) -> str | None:
         if not torch.cuda.is_available():
             return "no CUDA device"

@@ -156,6 +156,13 @@ class KernelBackend(ABC):
         when it can. May build the backend's library on first call."""
         return None
 
+    def prefill_path(self, dtype: torch.dtype, head_size: int, device: torch.device,
+                     cache_dtype: torch.dtype | None = None) -> str | None:
+        """How `prefill_attention` computes for a model of `dtype` and `head_size` on `device` with a
+        `cache_dtype` cache (None: `dtype`), for the executor's description; `None` (the default)
+        for a backend with one way."""
+        return None
+
     def decode_workspace(
         self, num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int, block_size: int, version: str,
         partition_size: int, max_seq_len: int, sliding_window: int | None, device: torch.device,

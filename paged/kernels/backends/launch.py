@@ -31,9 +31,9 @@ from paged.kernels.toolchain.specs import NUM_THREADS, Unit, attention_unit, cac
 from paged.kernels.transfer import to_device
 
 WARP_SIZE = 32
-# kernels_cu/prefill.cuh's tiling: PREFILL_ROWS query rows per CTA of PREFILL_WARPS warps, K/V
-# tiles of PREFILL_KEYS keys.
-PREFILL_WARPS, PREFILL_ROWS, PREFILL_KEYS = 4, 64, 32
+PREFILL_WARPS = 4  # kernels_cu/prefill.cuh's warps per CTA
+# Its K/V tiles are double-buffered up to this many bytes of shared memory (sm_86 / sm_89 allow 99 KB).
+PREFILL_TWO_STAGE_BYTES = 96 * 1024
 MAX_CACHE_THREADS = 512
 MAX_COPY_THREADS = 1024
 
@@ -111,13 +111,37 @@ def _feature_args(cache: CacheView, features: AttentionFeatures) -> tuple[Arg, .
             *map(np.int32, ints))
 
 
-def prefill_shared_memory(dtype: torch.dtype, head_size: int) -> int:
-    """The prefill kernel's dynamic shared memory: Q, K and Vᵀ tiles padded by 16 bytes a row,
-    then the CUDA-core path's probabilities (prefill.cuh)."""
-    element = dtype.itemsize
-    pad = VECTOR_BYTES // element
-    tiles = (PREFILL_ROWS + PREFILL_KEYS) * (head_size + pad) + head_size * (PREFILL_KEYS + pad)
-    return tiles * element + PREFILL_WARPS * 16 * PREFILL_KEYS * 4
+class PrefillTiles(NamedTuple):
+    """kernels_cu/prefill.cuh's `PrefillTiles`: query rows per CTA, keys per K/V tile, K/V buffers."""
+
+    rows: int
+    keys: int
+    stages: int
+
+
+def prefill_tiles(dtype: torch.dtype, head_size: int, cache_dtype: torch.dtype | None = None) -> PrefillTiles:
+    """fp16 / bf16 up to head 128: two m16 row tiles per warp, 64-key tiles up to head 64 (else 32);
+    head 256 and fp32 one row tile and 32 keys. Two K/V buffers where they fit in 96 KB, else one
+    (`cache_dtype`: fp8 tiles are half the bytes)."""
+    wide = dtype.itemsize == 2 and head_size <= 128
+    rows, keys = (128 if wide else 64), (64 if wide and head_size <= 64 else 32)
+    cache = cache_dtype or dtype
+    two_stages = _prefill_bytes(dtype, cache, head_size, rows, keys, 2) <= PREFILL_TWO_STAGE_BYTES
+    return PrefillTiles(rows, keys, 2 if two_stages else 1)
+
+
+def _prefill_bytes(dtype: torch.dtype, cache: torch.dtype, head_size: int, rows: int, keys: int, stages: int) -> int:
+    """The Q tile in `dtype`, then per stage a K and a Vᵀ tile in `cache`'s elements, rows padded by
+    16 bytes (prefill.cuh)."""
+    q_pad, kv_pad = VECTOR_BYTES // dtype.itemsize, VECTOR_BYTES // cache.itemsize
+    stage = (keys * (head_size + kv_pad) + head_size * (keys + kv_pad)) * cache.itemsize
+    return rows * (head_size + q_pad) * dtype.itemsize + stages * stage
+
+
+def prefill_shared_memory(dtype: torch.dtype, head_size: int, cache_dtype: torch.dtype | None = None) -> int:
+    """The prefill kernel's dynamic shared memory."""
+    tiles = prefill_tiles(dtype, head_size, cache_dtype)
+    return _prefill_bytes(dtype, cache_dtype or dtype, head_size, tiles.rows, tiles.keys, tiles.stages)
 
 
 def _check_shared_memory(runner: Runner, unit: Unit, kernel: str, needed: int, what: str,
@@ -162,6 +186,23 @@ class RunnerBackend(FusedLayerOpsMixin, TorchBackend):
 
     # The kernels skip slot -1 and read lengths on the device.
     graph_capturable = True
+
+    def has_mma(self, device: torch.device) -> bool:
+        """Whether `device` runs prefill.cuh's tensor-core path (`mma.sync`: sm_80 and newer)."""
+        return True
+
+    def prefill_path(self, dtype: torch.dtype, head_size: int, device: torch.device,
+                     cache_dtype: torch.dtype | None = None) -> str:
+        """Tensor cores for fp16 / bf16 on sm_80 and newer (an fp8 cache converted in registers),
+        else CUDA cores (the same fragments, the same result), with the CTA's tiles."""
+        tiles = prefill_tiles(dtype, head_size, cache_dtype)
+        shape = f"{tiles.rows} rows x {tiles.keys} keys, {tiles.stages} K/V buffer" + "s" * (tiles.stages > 1)
+        if dtype.itemsize != 2:
+            return f"CUDA cores ({str(dtype).removeprefix('torch.')} has no tensor-core path), {shape}"
+        if not self.has_mma(device):
+            return f"CUDA cores (mma.sync needs sm_80), {shape}"
+        fp8 = ", fp8 K/V converted in registers" if cache_dtype is not None and cache_dtype.itemsize == 1 else ""
+        return f"tensor cores (mma.sync m16n8k16{fp8}), {shape}"
 
     def decode_workspace(
         self, num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int, block_size: int, version: str,
@@ -265,8 +306,9 @@ class RunnerBackend(FusedLayerOpsMixin, TorchBackend):
         self, query: torch.Tensor, cache: CacheView, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
         max_seq_len: int, sliding_window: int | None, features: AttentionFeatures = NONE, plan: object = None,
     ) -> torch.Tensor:
-        """One launch for the batch: a CTA per 64 (query, head) rows of a sequence and KV head, the
-        grid sized by `max_query_len` (tiles past a sequence's rows return at once)."""
+        """One launch for the batch: a CTA per 128 (fp16 / bf16 up to head 128) or 64 (query, head)
+        rows of a sequence and KV head, the grid sized by `max_query_len` (tiles past a sequence's
+        rows return at once)."""
         runner = self.runner(query)
         num_heads, head_size = query.shape[1], query.shape[2]
         key_cache, value_cache = cache.key_cache, cache.value_cache
@@ -276,11 +318,12 @@ class RunnerBackend(FusedLayerOpsMixin, TorchBackend):
         query_start_loc = query_start_loc.contiguous()
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         unit = prefill_unit(query.dtype, head_size, cache.block_size, key_cache.dtype, not features.plain)
-        smem = prefill_shared_memory(query.dtype, head_size)
+        smem = prefill_shared_memory(query.dtype, head_size, key_cache.dtype)
         _check_shared_memory(runner, unit, unit.kernels[0], smem, f"{query.dtype} prefill attention with head size "
                              f"{head_size}", "use kernel.backend=torch, or a 16-bit model dtype")
         group = num_heads // cache.num_kv_heads
-        grid = (-(-max_query_len * group // PREFILL_ROWS), cache.num_kv_heads, seq_lens.shape[0])
+        rows = prefill_tiles(query.dtype, head_size, key_cache.dtype).rows
+        grid = (-(-max_query_len * group // rows), cache.num_kv_heads, seq_lens.shape[0])
         args = (
             _ptr(out), _ptr(query), _ptr(key_cache), _ptr(value_cache), np.int32(num_heads),
             np.int32(cache.num_kv_heads), np.float32(scale), _ptr(block_tables), _ptr(seq_lens),
