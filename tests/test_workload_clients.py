@@ -93,14 +93,14 @@ def test_several_prefixes_are_distinct_and_shuffled(kind, tokenizer):
 def test_one_prefix_is_the_single_shared_prefix_of_before():
     corpus = CharTokenizer().encode(resources.files("paged.data").joinpath("corpus.txt").read_text())
     items = load_workload(_cfg(shared_prefix_len=24), CharTokenizer())
-    assert all(it.prompt_token_ids[:24] == corpus[:24] for it in items)
+    assert all(list(it.prompt_token_ids[:24]) == corpus[:24] for it in items)
     # spec-only: the prefix stream's first ids, as a single prefix was drawn before num_prefixes
     expected = np.random.default_rng([0, 1]).integers(100, size=24).tolist()
     items = load_workload(_cfg(shared_prefix_len=24), None, vocab_size=100)
-    assert all(it.prompt_token_ids[:24] == expected for it in items)
+    assert all(list(it.prompt_token_ids[:24]) == expected for it in items)
     # and it stays the first of several
     several = load_workload(_cfg(shared_prefix_len=24, num_prefixes=3), None, vocab_size=100)
-    assert expected in [it.prompt_token_ids[:24] for it in several]
+    assert expected in [list(it.prompt_token_ids[:24]) for it in several]
 
 
 def test_prefixes_that_cannot_be_distinct_fail_naming_the_keys():

@@ -23,6 +23,7 @@ n = 0, ...) raises a ConfigError naming the `workload.` keys; the builder checks
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -48,7 +49,8 @@ class Tokenizer(Protocol):
 @dataclass
 class WorkloadItem:
     request_id: str
-    prompt_token_ids: list[int]
+    # a list, or 4-byte ints (`array('i')`) where a workload draws many (the length-only sources)
+    prompt_token_ids: Sequence[int]
     params: SamplingParams | None
     arrival_time: float = 0.0
     prompt: str | None = None
