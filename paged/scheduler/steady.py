@@ -56,6 +56,7 @@ class SteadyMixin:
         `grow_decodes` does, one KV group, no KV press)."""
         self._steady = SteadyRows([], [], [], []) if allowed and type(self.block_manager) is BlockManager else None
         self._steady_out = None
+        self.num_steady_steps = 0  # steps scheduled from the last step's rows (all or some of them)
 
     def _run_steady(self, out: SchedulerOutput, budget: StepBudget, now: float) -> bool:
         """Schedule the steady step if this is one (False: it is not, and nothing changed)."""
@@ -64,6 +65,7 @@ class SteadyMixin:
         if (steady is None or self.waiting or self.swapped or not running or len(running) > budget.tokens
                 or running != steady.running):
             return False
+        self.num_steady_steps += 1
         grown, copies = self.block_manager.grow_decodes(running)
         # every row grown this way is a decode: it sampled its last token in the step before
         out.scheduled = steady.items[:grown] if grown < len(running) else list(steady.items)
