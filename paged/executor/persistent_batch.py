@@ -38,7 +38,8 @@ class _Rows:
     tables: np.ndarray
     table_lens: np.ndarray
     prompt_lens: np.ndarray
-    sample_rows: np.ndarray  # every row samples
+    rows: np.ndarray  # int64 0..n-1: the rows, each its own sampling row (every row samples)
+    query_start_loc: np.ndarray  # int32 0..n: one query a row
     argmax: bool  # every row takes its logits' argmax, whatever its length (no `min_tokens`)
 
 
@@ -66,15 +67,17 @@ class PersistentBatch:
         token_ids = list(map(_TOKENS, items))
         num_tokens = np.fromiter(map(len, token_ids), dtype=np.int64, count=n)
         input_ids = np.fromiter(map(operator.itemgetter(-1), token_ids), dtype=np.int64, count=n)
-        computed = num_tokens - 1
-        self._extend_tables(kept, items, np.flatnonzero(computed % bs == 0))
-        tables = kept.tables
-        slots = tables[np.arange(n), computed // bs].astype(np.int64) * bs + computed % bs
-        decode = HostRows(None, tables.copy(), num_tokens.astype(np.int32), np.arange(n + 1, dtype=np.int32),
+        positions = num_tokens - 1
+        block, offset = np.divmod(positions, bs)
+        self._extend_tables(kept, items, np.flatnonzero(offset == 0))
+        slots = kept.tables[kept.rows, block].astype(np.int64)
+        slots *= bs
+        slots += offset
+        decode = HostRows(None, kept.tables.copy(), num_tokens.astype(np.int32), kept.query_start_loc.copy(),
                           int(num_tokens.max()), 1)
         self.num_planned += 1
         self.argmax = kept.argmax
-        return HostBatch(input_ids, computed, slots, kept.sample_rows.copy(), decode, None,
+        return HostBatch(input_ids, positions, slots, kept.rows.copy(), decode, None,
                          num_decode_tokens=int(np.count_nonzero(num_tokens > kept.prompt_lens)))
 
     def keep(self, sched: SchedulerOutput, host: HostBatch) -> None:
@@ -89,7 +92,8 @@ class PersistentBatch:
             return
         self._rows = _Rows(items, rows.block_tables.copy(),
                            np.fromiter(map(len, map(_TABLE, items)), dtype=np.int64, count=n),
-                           np.fromiter(map(_PROMPT_LEN, items), dtype=np.int64, count=n), host.sample_rows.copy(),
+                           np.fromiter(map(_PROMPT_LEN, items), dtype=np.int64, count=n), np.arange(n),
+                           np.arange(n + 1, dtype=np.int32),
                            all(p.argmax_only and not p.min_tokens for p in map(_PARAMS, items)))
 
     @staticmethod

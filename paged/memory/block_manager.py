@@ -227,19 +227,19 @@ class BlockManager:
         state.num_slots = num_tokens
         return copies
 
-    def grow_decodes(self, seqs: list[Sequence]) -> tuple[int, list[tuple[int, int]]]:
-        """`try_append_slots` for each of `seqs` in order while each has exactly one token to compute
-        and gets its slot: how many grew, and their copy-on-write copies. The first one that did not
-        is left as it was (the scheduler's general path takes it from there). The steady decode step,
-        one pass over the batch: a token into a private block with room costs no call."""
-        states, bs, refcount = self._seqs, self.block_size, self.allocator.refcount
+    def grow_decodes(self, seqs: list[Sequence], blocks: list[_SeqBlocks]) -> tuple[int, list[tuple[int, int]]]:
+        """`try_append_slots` for each of `seqs` (with `blocks`, their `seq_blocks`) in order while
+        each has exactly one token to compute and gets its slot: how many grew, and their
+        copy-on-write copies. The first one that did not is left as it was (the scheduler's general
+        path takes it from there). The steady decode step, one pass over the batch: a token into a
+        private block with room costs no call."""
+        bs, refcount = self.block_size, self.allocator.refcount
         # the common path's test is `try_append_slots`' own, whose reservation check exact reservation passes
         common = self.share_blocks and self.sliding_window is None and type(self.reservation) is ExactReservation
         filled: list[int] = []
         copies: list[tuple[int, int]] = []
         grown = 0
-        for seq in seqs:
-            state = states[seq.seq_id]
+        for seq, state in zip(seqs, blocks, strict=True):
             last = state.num_slots
             num_tokens = len(seq.token_ids)
             if num_tokens - 1 != seq.num_computed_tokens:

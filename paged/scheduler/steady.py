@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from paged.memory import BlockManager
+from paged.memory.block_manager import _SeqBlocks
 from paged.request import Sequence
 from paged.scheduler.budget import StepBudget
 from paged.step import ScheduledSeq, SchedulerOutput
@@ -28,10 +29,11 @@ class SteadyRows:
     """The rows of the last step that were the running sequences in order, each decoding one
     token, and per row what `update_from_output` needs to know that its token stops nothing:
     the tokens that may stop it, and the length that does (0: always ask `check_stop`, for a
-    sequence with a detokenizer, whose every token must be fed)."""
+    sequence with a detokenizer, whose every token must be fed, or with logprobs to keep)."""
 
     running: list[Sequence]
     items: list[ScheduledSeq]
+    blocks: list[_SeqBlocks]  # each sequence's `BlockManager.seq_blocks`, the same object while it runs
     stops: list[frozenset[int]]
     limits: list[int]
 
@@ -54,7 +56,7 @@ class SteadyMixin:
     def _init_steady(self, allowed: bool) -> None:
         """`allowed`: the parts allow a steady step at all (a plain block manager, whose growth
         `grow_decodes` does, one KV group, no KV press)."""
-        self._steady = SteadyRows([], [], [], []) if allowed and type(self.block_manager) is BlockManager else None
+        self._steady = SteadyRows([], [], [], [], []) if allowed and type(self.block_manager) is BlockManager else None
         self._steady_out = None
         self.num_steady_steps = 0  # steps scheduled from the last step's rows (all or some of them)
 
@@ -66,7 +68,7 @@ class SteadyMixin:
                 or running != steady.running):
             return False
         self.num_steady_steps += 1
-        grown, copies = self.block_manager.grow_decodes(running)
+        grown, copies = self.block_manager.grow_decodes(running, steady.blocks)
         # every row grown this way is a decode: it sampled its last token in the step before
         out.scheduled = steady.items[:grown] if grown < len(running) else list(steady.items)
         out.blocks_to_copy.extend(copies)
@@ -88,13 +90,14 @@ class SteadyMixin:
             it.seq is seq and it.num_new_tokens == 1 and it.num_samples == 1 and seq.request.params.best_of == 1
             for it, seq in zip(items, running, strict=True)
         ):
-            self._steady = SteadyRows([], [], [], [])
+            self._steady = SteadyRows([], [], [], [], [])
             return
         eos, max_model_len = self.eos_token_ids, self.max_model_len
         stops, limits = [], []
         for seq in running:
             params = seq.request.params
             stops.append(frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos))
-            limits.append(0 if seq.detokenizer is not None else
+            limits.append(0 if seq.detokenizer is not None or seq.logprobs is not None else
                           min(seq.num_prompt_tokens + params.max_tokens, max_model_len))
-        self._steady = SteadyRows(list(running), list(items), stops, limits)
+        bm = self.block_manager
+        self._steady = SteadyRows(list(running), list(items), list(map(bm.seq_blocks, running)), stops, limits)

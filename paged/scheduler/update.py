@@ -101,36 +101,35 @@ class UpdateMixin:
     def _update_steady(self, sched: SchedulerOutput, output: ExecutorOutput, steady: SteadyRows,
                        now: float) -> list[Request]:
         """`update_from_output`'s lone-sequence path for a steady step (`steady`): every row one
-        computed token and one sampled, its stop rules asked only when its token or length may
-        stop it, its full blocks published only when its step filled one."""
+        computed token and one sampled, its full blocks published only when its step filled one,
+        its stop rules asked only when its token or length may stop it (or it has a detokenizer to
+        feed or logprobs to keep). Its first token came in an earlier step."""
         finished = list(sched.aborted)
         bm = self.block_manager
         mark_computed, bs = bm.mark_computed, bm.block_size
         publishes = bm.prefix_index.enabled
-        eos_token_ids, max_model_len = self.eos_token_ids, self.max_model_len
-        for item, tokens, stops, limit in zip(sched.scheduled, output.sampled, steady.stops, steady.limits,
-                                              strict=True):
-            seq = item.seq
+        for seq, tokens, stops, limit in zip(steady.running, output.sampled, steady.stops, steady.limits,
+                                             strict=True):
             seq.num_computed_tokens = computed = seq.num_computed_tokens + 1
             # the step before published every full block: one more is full only at a block's edge
-            if publishes and not computed % bs:
+            if not computed % bs and publishes:
                 mark_computed(seq)
-            request = seq.request
-            if request.first_token_time is None:
-                request.first_token_time = now
-            request.token_times.append(now)
-            token_id = tokens[0]
+            seq.request.token_times.append(now)
             token_ids = seq.token_ids
-            token_ids.append(token_id)
-            if seq.logprobs is not None:
-                seq.logprobs.append({token_id: (0.0, 0)})
-            if ((token_id in stops or len(token_ids) >= limit)
-                    and (stop := check_stop(seq, token_id, eos_token_ids, max_model_len)) is not None):
-                self._finish(seq, *stop)
-                finished.append(self._complete(request))
+            token_ids.append(token_id := tokens[0])
+            if (token_id in stops or len(token_ids) >= limit) and self._steady_stop(seq, token_id):
+                finished.append(self._complete(seq.request))
         for request in finished:
             request.finish_time = now
         return finished
+
+    def _steady_stop(self, seq: Sequence, token_id: int) -> bool:
+        """A steady row's token that may end it (or feed its detokenizer, or its logprobs): True
+        when it did, its sequence finished."""
+        if seq.logprobs is not None:
+            seq.logprobs.append({token_id: (0.0, 0)})
+        stop = check_stop(seq, token_id, self.eos_token_ids, self.max_model_len)
+        return stop is not None and self._finish(seq, *stop)
 
     def _complete(self, request: Request) -> Request:
         request.completions = self._groups.pop(request).completions()
