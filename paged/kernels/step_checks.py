@@ -50,11 +50,14 @@ def check_covers(columns: int, block_size: int, max_seq_len: int) -> None:
                          f"fewer than max_seq_len={max_seq_len} needs")
 
 
-def check_slots(slot_mapping: np.ndarray, num_slots: int) -> None:
-    """A step's slot mapping, on its host copy: a slot of the cache, or -1 (skipped)."""
-    if not slot_mapping.size or (slot_mapping.min() >= -1 and slot_mapping.max() < num_slots):
-        return
-    bad = (slot_mapping < -1) | (slot_mapping >= num_slots)
-    if bad.any():
+def check_slots(slot_mapping: np.ndarray, num_slots: int) -> bool:
+    """A step's slot mapping, on its host copy: a slot of the cache, or -1 (skipped); whether any
+    is -1 (a padding row, which the cache write must skip)."""
+    if not slot_mapping.size:
+        return False
+    lowest = slot_mapping.min()
+    if lowest < -1 or slot_mapping.max() >= num_slots:
+        bad = (slot_mapping < -1) | (slot_mapping >= num_slots)
         raise ValueError(f"slot_mapping holds {sorted(set(slot_mapping[bad].tolist()))}; slots run from 0 to "
                          f"{num_slots - 1} (-1: skip)")
+    return bool(lowest < 0)
