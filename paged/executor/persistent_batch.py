@@ -5,10 +5,10 @@ When a step schedules the very rows of the step before (the scheduler reuses the
 changes: `paged.scheduler.steady`), every row again computes one token at the next position of the
 same sequence, and its block table only gained blocks at its end. So the block tables are kept as
 one array whose rows get the new entries only, and what else the step needs (positions, cache
-slots, context lengths) comes from each sequence's computed count in a few numpy operations: no
-per-row Python beyond reading that count, the token and the lengths. The arrays are `plan_batch`'s
-for the same step, value for value; any other step is planned by `plan_batch`, and kept if it is
-a decode step of one KV group.
+slots, context lengths) comes from each sequence's length in a few numpy operations: no per-row
+Python beyond reading that length and the token (a row computes its sequence's last token). The
+arrays are `plan_batch`'s for the same step, value for value; any other step is planned by
+`plan_batch`, and kept if it is a decode step of one KV group.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import numpy as np
 from paged.executor.step_plan import HostBatch, HostRows
 from paged.step import ScheduledSeq, SchedulerOutput
 
-_COMPUTED = operator.attrgetter("seq.num_computed_tokens")
 _TOKENS = operator.attrgetter("seq.token_ids")
 _TABLE = operator.attrgetter("block_table")
 _PROMPT_LEN = operator.attrgetter("seq.num_prompt_tokens")
@@ -32,7 +31,6 @@ _PARAMS = operator.attrgetter("seq.request.params")
 class _Rows:
     """The kept batch: its rows, their block tables as planned last ([n, widest table], zero
     padded) with each table's length then, and what cannot change while the rows are the same."""
-
 
     items: list[ScheduledSeq]
     tables: np.ndarray

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from paged.memory import BlockManager
-from paged.memory.block_manager import _SeqBlocks
 from paged.request import Sequence
 from paged.scheduler.budget import StepBudget
 from paged.step import ScheduledSeq, SchedulerOutput
+
+if TYPE_CHECKING:
+    from paged.memory.block_manager import _SeqBlocks
 
 
 @dataclass
@@ -48,7 +51,7 @@ class SteadyMixin:
     eos_token_ids: frozenset[int]
     max_model_len: int
     _run: Callable[[SchedulerOutput, StepBudget, list[list[Sequence]], float], None]
-    # None: this scheduler's parts rule the steady step out (`_steady_allowed`)
+    # None: this scheduler's parts rule the steady step out (`_init_steady`)
     _steady: SteadyRows | None
     # the output of the last step scheduled, when every row of it was a steady row
     _steady_out: SchedulerOutput | None
