@@ -34,10 +34,9 @@ def sample_step(model: Any, sched: SchedulerOutput, hidden: torch.Tensor, batch:
         return ExecutorOutput([[] for _ in sched.scheduled])
     logits = sampled_logits(model, hidden, batch)
     if argmax or takes_argmax(sched):
-        tokens = logits.argmax(dim=-1).tolist()  # the step's one device-to-host read
-        if num_rows == len(sched.scheduled):  # every row samples
-            return ExecutorOutput([[token] for token in tokens])
-        drawn = iter(tokens)
+        if num_rows == len(sched.scheduled):  # every row samples: its one token a list already
+            return ExecutorOutput(logits.argmax(dim=-1, keepdim=True).tolist())  # the step's one device-to-host read
+        drawn = iter(logits.argmax(dim=-1).tolist())
         return ExecutorOutput([[next(drawn)] if it.num_samples else [] for it in sched.scheduled])
     drawn = iter(sample(logits, sample_rows(sched, seed), eos_token_ids))
     per_seq = [next(drawn) if s.num_samples > 0 else None for s in sched.scheduled]
