@@ -1,7 +1,7 @@
 """What the host pays for each GPU step, measured on this CPU without a GPU.
 
     python experiments/host_overhead.py [--json FILE] [--batches 1 64 256] [--steps 50] [--repeats 5]
-        [--real-driver]
+        [--real-driver] [--no-freeze]
 
 - `launch_us`: host µs per kernel launch of the cuda backend (`CudaRunner.run`), on the recording
   fake driver (tests/fake_driver, built with the C compiler; it records nothing here, so what is
@@ -18,7 +18,9 @@
   the difference is what the op adds.
 - `step_overhead_ms`: host ms of one engine step of that many decode rows with a model whose
   forward returns at once (as vLLM measures its engine's overhead): scheduling, block tables,
-  the step's input tensors, attention planning, sampling bookkeeping, output processing.
+  the step's input tensors, attention planning, sampling bookkeeping, output processing. The heap is
+  frozen once the batch decodes (`gc.freeze()`, as `paged.experiment.run` and the server freeze it
+  before they drive the engine); `--no-freeze` times the steps without.
 
 All are keyed by batch size ("1", "64", "256"); medians of `--repeats` timings. Where the fake
 driver cannot be built (no C compiler or NVRTC), the launch columns are null with the reason.
@@ -28,6 +30,7 @@ driver cannot be built (no C compiler or NVRTC), the launch columns are null wit
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -225,8 +228,9 @@ class InstantModel:
         return self._logits[: hidden.shape[0]]
 
 
-def step_overhead_ms(batch: int, steps: int, repeats: int) -> float:
-    """Median host ms of an engine step of `batch` decode rows (prompts of 16, greedy, no EOS)."""
+def step_overhead_ms(batch: int, steps: int, repeats: int, *, freeze: bool = True) -> float:
+    """Median host ms of an engine step of `batch` decode rows (prompts of 16, greedy, no EOS);
+    `freeze`: the heap frozen once the batch decodes, as a run's is (`gc.freeze`)."""
     from paged.config import compose_config
     from paged.engine.builder import build_engine
     from paged.engine.runner import to_request
@@ -246,12 +250,20 @@ def step_overhead_ms(batch: int, steps: int, repeats: int) -> float:
         engine.add_request(to_request(item))
     while not engine.metrics.steps or engine.metrics.steps[-1].num_decode_rows < batch:
         engine.step()
+    # as a run does (`paged.experiment.run`, the server): the engine and its requests frozen, so that
+    # the collector's full collections do not re-scan the model's and the engine's objects
+    if freeze:
+        gc.freeze()
     times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        times.append((time.perf_counter() - start) / steps * 1e3)
+    try:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            times.append((time.perf_counter() - start) / steps * 1e3)
+    finally:
+        if freeze:
+            gc.unfreeze()
     assert all(s.num_decode_rows == batch for s in engine.metrics.steps[-steps:]), "a timed step was not a full decode"
     return statistics.median(times)
 
@@ -264,6 +276,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--real-driver", action="store_true",
                         help="launches on this machine's GPU and driver instead of the recording fake")
+    parser.add_argument("--no-freeze", action="store_true",
+                        help="time the engine steps without gc.freeze() (a run freezes its heap once built)")
     parser.add_argument("--launch-child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.launch_child:
@@ -282,7 +296,8 @@ def main() -> None:
     results: dict[str, Any] = {
         **(launches or dict.fromkeys(LAUNCH_KEYS)),
         "launch_unavailable": why,
-        "step_overhead_ms": {str(b): step_overhead_ms(b, args.steps, args.repeats) for b in args.batches},
+        "step_overhead_ms": {str(b): step_overhead_ms(b, args.steps, args.repeats, freeze=not args.no_freeze)
+                             for b in args.batches},
         "torch_ops_registration_ms": _registration_ms(),
         "cpu": cpu_name(),
         "driver": "real" if args.real_driver else "recording fake",

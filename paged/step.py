@@ -18,11 +18,14 @@ sequences' tables name versus how many distinct blocks they hold.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from paged.request import Request, SamplingParams, Sequence
+
+_NUM_NEW_TOKENS = operator.attrgetter("num_new_tokens")  # summed over every row of every step
 
 # token id -> (log-probability, rank in the distribution, 1 = most likely)
 TokenLogprobs = dict[int, tuple[float, int]]
@@ -128,7 +131,7 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(map(_NUM_NEW_TOKENS, self.scheduled))
 
     @property
     def is_empty(self) -> bool:

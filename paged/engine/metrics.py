@@ -185,7 +185,7 @@ class MetricsRecorder:
     ) -> None:
         self.add_step(self.step_record(
             sched.is_prefill, len(sched.scheduled), sched.num_decode_rows, sched.num_batched_tokens,
-            output.num_computed_tokens, sum(len(tokens) for tokens in output.sampled), output.model_time_s,
+            output.num_computed_tokens, sum(map(len, output.sampled)), output.model_time_s,
             output.attention_version, len(sched.preempted),
             len(sched.blocks_to_swap_out) + len(sched.blocks_to_swap_in), stats, start, end,
         ))

@@ -28,6 +28,7 @@ from paged.executor.kv_tensors import allocate_kv, kv_block_spec
 from paged.executor.launch_ahead import LaunchAhead
 from paged.executor.layer_types import LayerTypes, check_kv_layout
 from paged.executor.model_checks import check_before_load, check_positions
+from paged.executor.persistent_batch import PersistentBatch
 from paged.executor.sample_inputs import prompt_logprobs
 from paged.executor.step_graphs import StepGraphs
 from paged.executor.step_plan import BatchInput, HostBatch, InputBuffers, plan_batch
@@ -156,6 +157,8 @@ class ModelExecutor(TieredHostPool, LaunchAhead, Executor):
         self.cpu_key_caches: list[torch.Tensor] = []
         self.cpu_value_caches: list[torch.Tensor] = []
         self.block_size = 0
+        # a decode batch's inputs kept across steps (`init_kv_cache` makes it for the cache's block size)
+        self.persistent_batch = PersistentBatch(1)
         self.max_num_seqs, self.max_model_len = DEFAULT_MAX_NUM_SEQS, arch.max_position_embeddings
         self.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
         self.inputs = InputBuffers(self.device)
@@ -272,6 +275,8 @@ class ModelExecutor(TieredHostPool, LaunchAhead, Executor):
         (self.key_caches, self.value_caches), (self.cpu_key_caches, self.cpu_value_caches) = allocate_kv(
             a, self.kv_layout.num_slots, num_blocks, num_cpu_blocks, block_size, self.cache_dtype, self.device)
         self.block_size = block_size
+        # a new cache's blocks: nothing kept from steps on the old one
+        self.persistent_batch = PersistentBatch(block_size)
         self.kv_scales = (
             KVScales(a.num_layers, a.num_kv_heads, self.cache_dtype, self.device, self.k_scale, self.v_scale)
             if is_fp8(self.cache_dtype) else None
@@ -367,7 +372,10 @@ class ModelExecutor(TieredHostPool, LaunchAhead, Executor):
         assert self.block_size, "init_kv_cache must run before execute"
         start, host, version, self.step_scores = time.perf_counter(), None, None, StepScores.of(sched)
         if not sched.is_empty:
-            host = plan_batch(sched, self.block_size, self.kv_layout.num_groups)
+            host = self.persistent_batch.plan(sched)
+            if host is None:
+                host = plan_batch(sched, self.block_size, self.kv_layout.num_groups)
+                self.persistent_batch.keep(sched, host)
             check_positions(host, self.arch)
             version = self._choose_version(host)
         prep_time = time.perf_counter() - start
@@ -391,7 +399,8 @@ class ModelExecutor(TieredHostPool, LaunchAhead, Executor):
             return ExecutorOutput([], model_time_s=time.perf_counter() - start)
         host, version, hidden, batch, prep_time = ran
         with torch.inference_mode():
-            output = sample_step(self.model, sched, hidden, batch, self.seed, self.eos_token_ids)
+            output = sample_step(self.model, sched, hidden, batch, self.seed, self.eos_token_ids,
+                                 argmax=self.persistent_batch.argmax)
             output.prompt_logprobs = prompt_logprobs(sched, hidden, self.model.compute_logits)
             if sched.press_norms and sched.press_rows:
                 output.kv_norms = held_kv_norms(sched, self.key_caches, self.value_caches, self.block_size)

@@ -17,20 +17,27 @@ from paged.step import ExecutorOutput, SchedulerOutput
 
 def sampled_logits(model: Any, hidden: torch.Tensor, batch: BatchInput) -> torch.Tensor:
     """The logits of the rows that sample; index_select, not hidden[rows]: advanced indexing costs
-    ~7x its host time on a CPU."""
+    ~7x its host time on a CPU. As many as the hidden rows (a decode step whose rows all sample)
+    are all of them, in order (they are increasing): no copy then."""
+    if batch.sample_rows.shape[0] == hidden.shape[0]:
+        return model.compute_logits(hidden)
     return model.compute_logits(hidden.index_select(0, batch.sample_rows))
 
 
 def sample_step(model: Any, sched: SchedulerOutput, hidden: torch.Tensor, batch: BatchInput, seed: int,
-                eos_token_ids: Collection[int]) -> ExecutorOutput:
+                eos_token_ids: Collection[int], argmax: bool = False) -> ExecutorOutput:
     """Each scheduled row's tokens (none for a row that samples nothing) on the host, with the
-    log-probabilities its request asks for."""
-    if not batch.sample_rows.shape[0]:
+    log-probabilities its request asks for. `argmax`: every row is known to take its logits'
+    argmax (`PersistentBatch.argmax`), else `takes_argmax` is asked."""
+    num_rows = batch.sample_rows.shape[0]
+    if not num_rows:
         return ExecutorOutput([[] for _ in sched.scheduled])
     logits = sampled_logits(model, hidden, batch)
-    if takes_argmax(sched):
-        tokens = iter(logits.argmax(dim=-1).tolist())  # the step's one device-to-host read
-        return ExecutorOutput([[next(tokens)] if it.num_samples else [] for it in sched.scheduled])
+    if argmax or takes_argmax(sched):
+        if num_rows == len(sched.scheduled):  # every row samples: its one token a list already
+            return ExecutorOutput(logits.argmax(dim=-1, keepdim=True).tolist())  # the step's one device-to-host read
+        drawn = iter(logits.argmax(dim=-1).tolist())
+        return ExecutorOutput([[next(drawn)] if it.num_samples else [] for it in sched.scheduled])
     drawn = iter(sample(logits, sample_rows(sched, seed), eos_token_ids))
     per_seq = [next(drawn) if s.num_samples > 0 else None for s in sched.scheduled]
     return ExecutorOutput(

@@ -243,9 +243,8 @@ class CacheWrite:
 
     def __init__(self, slot_mapping: torch.Tensor, host_slot_mapping: np.ndarray, backend: str | KernelBackend,
                  num_slots: int) -> None:
-        step_checks.check_slots(host_slot_mapping, num_slots)
+        self.has_padding = step_checks.check_slots(host_slot_mapping, num_slots)
         self.slot_mapping = slot_mapping
-        self.has_padding = bool((host_slot_mapping < 0).any())
         self.backend = get_backend(backend)
         self.checked = False
         self.layer_launches: _LayerLaunches | None = None

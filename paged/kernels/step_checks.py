@@ -23,6 +23,9 @@ def check_rows(
     if longest > max_seq_len:
         raise ValueError(f"max_seq_len={max_seq_len} is below the longest sequence ({longest})")
     check_covers(block_tables.shape[1], block_size, max_seq_len)
+    # every entry a block of the cache (the padding is 0): the usual step, two reductions
+    if not block_tables.size or (block_tables.min() >= 0 and block_tables.max() < num_blocks):
+        return
     read = np.arange(block_tables.shape[1]) < -(-seq_lens[:, None] // block_size)
     bad = read & ((block_tables < 0) | (block_tables >= num_blocks))
     if bad.any():
@@ -32,7 +35,7 @@ def check_rows(
 
 def check_offsets(query_start_loc: np.ndarray, seq_lens: np.ndarray, num_tokens: int) -> None:
     """Query offsets that rise from 0 to `num_tokens`, no sequence with more queries than context."""
-    q_lens = np.diff(query_start_loc)
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]  # np.diff's, without its Python wrapper
     if query_start_loc[0] != 0 or query_start_loc[-1] != num_tokens or (q_lens < 0).any():
         raise ValueError(f"query_start_loc must rise from 0 to num_tokens={num_tokens}, got {query_start_loc.tolist()}")
     if (q_lens > seq_lens).any():
@@ -47,9 +50,14 @@ def check_covers(columns: int, block_size: int, max_seq_len: int) -> None:
                          f"fewer than max_seq_len={max_seq_len} needs")
 
 
-def check_slots(slot_mapping: np.ndarray, num_slots: int) -> None:
-    """A step's slot mapping, on its host copy: a slot of the cache, or -1 (skipped)."""
-    bad = (slot_mapping < -1) | (slot_mapping >= num_slots)
-    if bad.any():
+def check_slots(slot_mapping: np.ndarray, num_slots: int) -> bool:
+    """A step's slot mapping, on its host copy: a slot of the cache, or -1 (skipped); whether any
+    is -1 (a padding row, which the cache write must skip)."""
+    if not slot_mapping.size:
+        return False
+    lowest = slot_mapping.min()
+    if lowest < -1 or slot_mapping.max() >= num_slots:
+        bad = (slot_mapping < -1) | (slot_mapping >= num_slots)
         raise ValueError(f"slot_mapping holds {sorted(set(slot_mapping[bad].tolist()))}; slots run from 0 to "
                          f"{num_slots - 1} (-1: skip)")
+    return bool(lowest < 0)

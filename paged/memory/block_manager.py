@@ -227,6 +227,34 @@ class BlockManager:
         state.num_slots = num_tokens
         return copies
 
+    def grow_decodes(self, seqs: list[Sequence], blocks: list[_SeqBlocks]) -> tuple[int, list[tuple[int, int]]]:
+        """`try_append_slots` for each of `seqs` (with `blocks`, their `seq_blocks`) in order while
+        each has exactly one token to compute and gets its slot: how many grew, and their
+        copy-on-write copies. The first one that did not is left as it was (the scheduler's general
+        path takes it from there). The steady decode step, one pass over the batch: a token into a
+        private block with room costs no call."""
+        bs, refcount = self.block_size, self.allocator.refcount
+        # the common path's test is `try_append_slots`' own, whose reservation check exact reservation passes
+        common = self.share_blocks and self.sliding_window is None and type(self.reservation) is ExactReservation
+        filled: list[int] = []
+        copies: list[tuple[int, int]] = []
+        grown = 0
+        for seq, state in zip(seqs, blocks, strict=True):
+            last = state.num_slots
+            num_tokens = len(seq.token_ids)
+            if num_tokens - 1 != seq.num_computed_tokens:
+                break
+            if common and last == num_tokens - 1 and last % bs and refcount(block := state.table[last // bs]) == 1:
+                filled.append(block)
+                state.num_slots = num_tokens
+            elif (grew := self.try_append_slots(seq)) is not None:
+                copies += grew
+            else:
+                break
+            grown += 1
+        self.ledger.append_each(filled)
+        return grown, copies
+
     def _shared_write_targets(self, seq: Sequence, state: _SeqBlocks) -> list[int]:
         """Indices of existing blocks that this step writes into but other tables also hold."""
         refcount, table, bs = self.allocator.refcount, state.table, self.block_size

@@ -48,6 +48,18 @@ class SlotLedger:
             self._future[block_id] -= 1
             self.num_reserved -= 1
 
+    def append_each(self, block_ids: list[int]) -> None:
+        """`append_token` for each of `block_ids` (distinct blocks): a steady decode step's batch."""
+        fill, future = self._fill, self._future
+        reserved = 0
+        for block_id in block_ids:
+            fill[block_id] += 1
+            if future[block_id]:
+                future[block_id] -= 1
+                reserved += 1
+        self.num_used += len(block_ids)
+        self.num_reserved -= reserved
+
     def append_tokens(self, block_id: int, count: int) -> int:
         """`count` more slots of `block_id` filled, as `count` calls of `append_token` leave it (a
         fast-forward window's run of steps off a block's edge); returns how many of them were

@@ -43,6 +43,7 @@ from paged.scheduler.preemption import PreemptionMode, RecomputePreemption
 from paged.scheduler.press_step import PressStep
 from paged.scheduler.rejection import allocation_rejection, intake_rejection, swap_in_rejection
 from paged.scheduler.sequence_group import SequenceGroup, make_group
+from paged.scheduler.steady import SteadyMixin
 from paged.scheduler.stop import watch_stop_strings
 from paged.scheduler.update import UpdateMixin
 from paged.step import ScheduledSeq, SchedulerOutput, SchedulerStats
@@ -57,7 +58,7 @@ class SchedulerCounters:
     num_swapped_blocks: int = 0  # blocks moved either way
 
 
-class Scheduler(UpdateMixin, LaggedUpdateMixin, HandoffMixin, KVQueriesMixin):
+class Scheduler(UpdateMixin, LaggedUpdateMixin, HandoffMixin, KVQueriesMixin, SteadyMixin):
     def __init__(
         self,
         cfg: SchedulerConfig,
@@ -113,6 +114,8 @@ class Scheduler(UpdateMixin, LaggedUpdateMixin, HandoffMixin, KVQueriesMixin):
         self.hands_off = False
         self.handed_off: list[Request] = []
         self.receiving: list[Sequence] = []
+        # the steady decode step (`steady`): the last step's rows, reused while nothing changes
+        self._init_steady(self._group_tables is None and self.press_step is None)
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -178,6 +181,22 @@ class Scheduler(UpdateMixin, LaggedUpdateMixin, HandoffMixin, KVQueriesMixin):
         if self.policy.preemptive and self.waiting:
             self._preempt_for_waiting(out, now)
         budget = StepBudget(self.max_num_batched_tokens, self.chunked_prefill, self.long_prefill_token_threshold)
+        if not self._run_steady(out, budget, now):
+            self._schedule_queues(out, budget, now)
+        out.is_prefill = out.num_decode_rows < len(out.scheduled)
+        self.counters.num_swapped_blocks += len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
+        # the tiers for evicted prefixes: copies this step's evictions and tier hits recorded
+        out.blocks_to_offload, out.blocks_to_onload = self.block_manager.prefix_index.take_tier_moves()
+        out.aborted, self._pending_aborts = self._pending_aborts, []
+        if out.scheduled:
+            self.policy.on_scheduled(out, now)
+        if self.press_step is not None:
+            self.press_step.plan(out)
+        self._remember_steady(out)
+        return out
+
+    def _schedule_queues(self, out: SchedulerOutput, budget: StepBudget, now: float) -> None:
+        """The general step: running rows, swap-ins and admissions in `batch_order`."""
         prefilling: list[list[Sequence]] = []
         decoding: list[list[Sequence]] = []
         for gang in running_gangs(self.running, budget, self.policy, now):
@@ -197,16 +216,6 @@ class Scheduler(UpdateMixin, LaggedUpdateMixin, HandoffMixin, KVQueriesMixin):
             self._swap_in(out, budget, now)
             if not self.swapped:  # swapped-out requests are served before new ones
                 self._admit(out, budget, now)
-        out.is_prefill = out.num_decode_rows < len(out.scheduled)
-        self.counters.num_swapped_blocks += len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
-        # the tiers for evicted prefixes: copies this step's evictions and tier hits recorded
-        out.blocks_to_offload, out.blocks_to_onload = self.block_manager.prefix_index.take_tier_moves()
-        out.aborted, self._pending_aborts = self._pending_aborts, []
-        if out.scheduled:
-            self.policy.on_scheduled(out, now)
-        if self.press_step is not None:
-            self.press_step.plan(out)
-        return out
 
     def _run(self, out: SchedulerOutput, budget: StepBudget, gangs: list[list[Sequence]], now: float) -> None:
         """Schedule running requests in order: a chunk of each prompt in progress, a token for each

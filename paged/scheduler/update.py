@@ -16,6 +16,7 @@ from paged.request import FinishReason, Request, SeqStatus, Sequence
 from paged.scheduler.policy import SchedulingPolicy
 from paged.scheduler.press_step import PressStep
 from paged.scheduler.sequence_group import GroupUpdate, SequenceGroup
+from paged.scheduler.steady import SteadyRows
 from paged.scheduler.stop import check_stop
 from paged.step import ExecutorOutput, Samples, SchedulerOutput, TokenLogprobs
 
@@ -32,10 +33,16 @@ class UpdateMixin:
     _now: float
     hands_off: bool
     press_step: PressStep | None
+    _steady: SteadyRows | None
+    _steady_out: SchedulerOutput | None
 
     def update_from_output(self, sched: SchedulerOutput, output: ExecutorOutput, now: float) -> list[Request]:
         """Apply one executed step; returns the requests that finished (or were aborted) in it."""
         self._now = now
+        if (sched is self._steady_out and self._steady is not None and not self.hands_off
+                and output.logprobs is None and output.top_logprobs is None and not output.prompt_logprobs
+                and self.press_step is None):
+            return self._update_steady(sched, output, self._steady, now)
         finished = list(sched.aborted)
         samples: dict[Request, list[tuple[Sequence, Samples]]] = {}
         mark_computed = self.block_manager.mark_computed
@@ -90,6 +97,39 @@ class UpdateMixin:
         if self.press_step is not None:
             self.press_step.apply(sched, output)
         return finished
+
+    def _update_steady(self, sched: SchedulerOutput, output: ExecutorOutput, steady: SteadyRows,
+                       now: float) -> list[Request]:
+        """`update_from_output`'s lone-sequence path for a steady step (`steady`): every row one
+        computed token and one sampled, its full blocks published only when its step filled one,
+        its stop rules asked only when its token or length may stop it (or it has a detokenizer to
+        feed or logprobs to keep). Its first token came in an earlier step."""
+        finished = list(sched.aborted)
+        bm = self.block_manager
+        mark_computed, bs = bm.mark_computed, bm.block_size
+        publishes = bm.prefix_index.enabled
+        for seq, tokens, stops, limit in zip(steady.running, output.sampled, steady.stops, steady.limits,
+                                             strict=True):
+            seq.num_computed_tokens = computed = seq.num_computed_tokens + 1
+            # the step before published every full block: one more is full only at a block's edge
+            if not computed % bs and publishes:
+                mark_computed(seq)
+            seq.request.token_times.append(now)
+            token_ids = seq.token_ids
+            token_ids.append(token_id := tokens[0])
+            if (token_id in stops or len(token_ids) >= limit) and self._steady_stop(seq, token_id):
+                finished.append(self._complete(seq.request))
+        for request in finished:
+            request.finish_time = now
+        return finished
+
+    def _steady_stop(self, seq: Sequence, token_id: int) -> bool:
+        """A steady row's token that may end it (or feed its detokenizer, or its logprobs): True
+        when it did, its sequence finished."""
+        if seq.logprobs is not None:
+            seq.logprobs.append({token_id: (0.0, 0)})
+        stop = check_stop(seq, token_id, self.eos_token_ids, self.max_model_len)
+        return stop is not None and self._finish(seq, *stop)
 
     def _complete(self, request: Request) -> Request:
         request.completions = self._groups.pop(request).completions()
