@@ -40,7 +40,8 @@ def _run(overrides: list[str]) -> tuple[list[WorkloadItem], list[Request]]:
 
 def _digest(items: list[WorkloadItem]) -> str:
     rows = [
-        [i.request_id, list(i.prompt_token_ids), i.params.max_tokens, round(i.arrival_time, 9), i.client_id] for i in items
+        [i.request_id, list(i.prompt_token_ids), i.params.max_tokens, round(i.arrival_time, 9), i.client_id]
+        for i in items
     ]
     return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
 
