@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from paged import kernels
+from paged.kernels.backends import cpu as cpu_backend
 from paged.kernels.backends.emu import BACKEND as EMU
 from paged.kernels.backends.emu import H100
 from paged.kernels.backends.interface import CacheView
@@ -254,3 +255,48 @@ def test_planned_v3_runs_alibi_once_planned_for_the_step() -> None:
     for _ in range(2):
         out = decode(args["query"], args["key_cache"], args["value_cache"])
         torch.testing.assert_close(out.double(), _reference(x), **tolerance(torch.bfloat16))
+
+
+def test_the_steps_plan_sizes_splits_by_the_cache_dtype() -> None:
+    """The step's plan reads the cache's element size (`AttentionSettings.cache_dtype`): an e4m3 split
+    holds twice a 16-bit split's tokens, on the launch backends and the cpu planner alike, and the
+    planned op then runs it to the reference."""
+    from paged.kernels.planned import AttentionSettings, DecodeAttention, Rows
+
+    cpu = torch.device("cpu")
+    for backend in (EMU, cpu_backend.BACKEND):  # one sequence of 256 tokens: the byte floor sets the splits
+        half, fp8 = (backend.decode_workspace(1, 8, 1, 128, 16, "v3", 512, 256, None, cpu, dtype)
+                     for dtype in (None, E4M3))
+        half, fp8 = (getattr(w, "plan", w) for w in (half, fp8))
+        assert fp8.split_tokens >= 2 * half.split_tokens and fp8.num_splits < half.num_splits
+    setting = Setting("planned-e4m3", torch.float16, group=8, cache=E4M3)
+    x = feature_inputs(setting, seq_lens=(4000,), q_lens=(1,))
+    args = _decode(x)
+    tables, lens = args["block_tables"], args["seq_lens"]
+    rows = Rows(tables, lens, torch.arange(2, dtype=torch.int32), tables.numpy(), lens.numpy(),
+                torch.arange(2, dtype=torch.int32).numpy(), max_seq_len=4000, max_query_len=1)
+    num_blocks, num_kv_heads, head_size, block_size = args["value_cache"].shape
+    num_heads = args["query"].shape[1]
+    planned = {dtype: DecodeAttention(rows, AttentionSettings(EMU, args["scale"], 512, cache_dtype=dtype), "v3",
+                                      num_heads, num_kv_heads, head_size, num_blocks, block_size)
+               for dtype in (None, E4M3)}
+    assert planned[E4M3].workspace.plan == EMU.decode_workspace(1, num_heads, num_kv_heads, head_size, block_size, "v3",
+                                                                512, 4000, None, cpu, E4M3).plan
+    assert planned[E4M3].workspace.plan != planned[None].workspace.plan
+    options = x["options"]
+    out = planned[E4M3](args["query"], args["key_cache"], args["value_cache"], options["k_scale"], options["v_scale"])
+    torch.testing.assert_close(out.double(), _reference(x), **tolerance(torch.float16))
+
+
+def test_a_scratch_planned_for_other_heads_is_refused() -> None:
+    """A step's workspace planned for fewer query heads than the query has would be written past its
+    end: refused in one line naming both shapes."""
+    x = feature_inputs(Setting("scratch", torch.float16, group=8), seq_lens=(4000,), q_lens=(1,))
+    args = _decode(x)
+    query, key_cache, value_cache = args["query"], args["key_cache"], args["value_cache"]
+    workspace = v3_workspace(H100, 1, query.shape[1] // 2, key_cache.shape[1], query.shape[2], value_cache.shape[3],
+                             4000, None, query.device)
+    assert workspace.tmp_out is not None
+    cache = CacheView(key_cache, value_cache, args["block_tables"], args["seq_lens"])
+    with pytest.raises(ValueError, match=r"the v3 scratch \(1, 8, .* was planned for other rows than the query's"):
+        EMU.paged_attention(query, cache, args["scale"], "v3", 512, 4000, None, AttentionFeatures(), workspace)

@@ -227,7 +227,7 @@ class ModelExecutor(TieredHostPool, LaunchAhead, Executor):
             self.model.ops = layer_ops_for(self.backend)
         self.attention = [
             AttentionSettings(self.backend, self.scale, self.partition_size, window, self.alibi_slopes,
-                              self.blocksparse, self.arch.attn_logit_softcapping)
+                              self.blocksparse, self.arch.attn_logit_softcapping, self.cache_dtype)
             for window in self.layer_types.windows
         ]
 

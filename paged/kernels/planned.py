@@ -65,6 +65,8 @@ class AttentionSettings:
     alibi_slopes: torch.Tensor | None = None
     blocksparse: BlockSparse | None = None
     soft_cap: float | None = None
+    # the KV cache's dtype (None: the model's 16-bit one): v3 sizes its splits by the bytes they read
+    cache_dtype: torch.dtype | None = None
 
 
 def check_planned_scales(key_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
@@ -183,7 +185,7 @@ class DecodeAttention(_Planned):
         self.version = version
         self.workspace = self.backend.decode_workspace(
             rows.num_seqs, num_heads, num_kv_heads, head_size, block_size, version, settings.partition_size,
-            rows.max_seq_len, self.window, rows.block_tables.device,
+            rows.max_seq_len, self.window, rows.block_tables.device, settings.cache_dtype,
         )
         self.layer_launches: _LayerLaunches | None = None
 

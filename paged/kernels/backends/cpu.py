@@ -235,14 +235,16 @@ class CpuBackend(TorchBackend):
     def decode_workspace(
         self, num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int, block_size: int, version: str,
         partition_size: int, max_seq_len: int, sliding_window: int | None, device: torch.device,
+        cache_dtype: torch.dtype | None = None,
     ) -> SplitPlan | None:
-        """v3's split plan for the step (the kernel allocates its small merge scratch per call);
-        `None` for v1 and v2."""
+        """v3's split plan for the step over a `cache_dtype` cache (None: 16-bit; the kernel
+        allocates its small merge scratch per call); `None` for v1 and v2."""
         if version != "v3":
             return None
+        element = 2 if cache_dtype is None else cache_dtype.itemsize
         return plan_splits(num_seqs, num_kv_heads, max_seq_len, block_size,
                            Hardware(torch.get_num_threads(), V3_SLOTS_PER_THREAD), sliding_window=sliding_window,
-                           kv_bytes_per_token=2 * head_size * 2)  # a 16-bit cache: the plan precedes it
+                           kv_bytes_per_token=2 * head_size * element)
 
     def paged_attention(
         self, query: torch.Tensor, cache: CacheView, scale: float, version: str, partition_size: int, max_seq_len: int,
@@ -254,7 +256,7 @@ class CpuBackend(TorchBackend):
             if plan is None:
                 plan = self.decode_workspace(query.shape[0], query.shape[1], cache.num_kv_heads, cache.head_size,
                                              cache.block_size, version, partition_size, max_seq_len, sliding_window,
-                                             query.device)
+                                             query.device, cache.key_cache.dtype)
             if not isinstance(plan, SplitPlan) or plan.block_size != cache.block_size:
                 raise ValueError(f"cpu v3 needs a SplitPlan for block_size={cache.block_size}, got {plan!r}")
             return _call("paged_attention_v3_cpu", query, cache, scale, sliding_window, features, plan.num_splits,

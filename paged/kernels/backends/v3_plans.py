@@ -81,13 +81,12 @@ def v3_workspace(
     cache_element_size: int = 2,
 ) -> V3Workspace:
     """Plans the splits of rows of up to `max_seq_len` and allocates their scratch. Splits are sized
-    by the K/V bytes they read at `cache_element_size` (a step's plan is made before its cache is
-    seen: 16-bit, the common case; an fp8 split would hold twice the tokens). Occupancy is estimated
-    at a 16-bit cache too (an fp8 cache fits more CTAs, fp32 fewer)."""
+    by the K/V bytes they read at the cache's `cache_element_size` (an fp8 split holds twice a
+    16-bit one's tokens), and occupancy by the shared memory its tiles take (`v3_unit`'s)."""
     group = num_heads // num_kv_heads
     tile = group_tile(group)
     chunks = -(-group // tile)
-    device_hw = hardware(limits, v3_shared_memory(2, head_size, tile))
+    device_hw = hardware(limits, v3_shared_memory(cache_element_size, head_size, tile))
     plan = plan_splits(num_seqs, num_kv_heads * chunks, max(max_seq_len, 1), block_size, device_hw,
                        sliding_window=sliding_window, num_splits=num_splits,
                        kv_bytes_per_token=2 * head_size * cache_element_size)
@@ -133,6 +132,11 @@ def v3_launches(
     block_size, num_kv_heads = cache.block_size, cache.num_kv_heads
     check_workspace(workspace, max_seq_len, sliding_window, block_size)
     plan, lse, tmp_out = workspace.plan, workspace.lse, workspace.tmp_out
+    if tmp_out is not None and (tmp_out.shape[0] < num_seqs or tmp_out.shape[1] != num_heads
+                                or tmp_out.shape[3] != query.shape[2]):
+        # a scratch planned for fewer rows or other heads would be written past its end
+        raise ValueError(f"the v3 scratch {tuple(tmp_out.shape)} was planned for other rows than the query's "
+                         f"{tuple(query.shape)}; allowed: [>= {num_seqs}, {num_heads}, splits, {query.shape[2]}]")
     scratch = (Ptr(0), Ptr(0)) if lse is None or tmp_out is None else (Ptr(lse.data_ptr()), Ptr(tmp_out.data_ptr()))
     window = np.int32(sliding_window or 0)
     args = (
