@@ -175,10 +175,11 @@ def _check_v3(case: Any, r: dict[str, Any], calls: list[dict[str, Any]]) -> int:
     tile = group_tile(group)
     ctas = case.num_kv_heads * -(-group // tile)
     window = r["sliding_window"]
-    plan = plan_splits(num_seqs, ctas, r["max_seq_len"], block, hardware(FAKE_LIMITS, v3_shared_memory(2, head, tile)),
-                       sliding_window=window or None, kv_bytes_per_token=2 * head * 2)
     element = 1 if "fp8" in r["kernels"][0] else ELEMENT_SIZE[str(case.dtype).removeprefix("torch.")]
     smem = v3_shared_memory(element, head, tile)
+    # the plan reads the cache's bytes: its splits' K/V and its tiles' shared memory
+    plan = plan_splits(num_seqs, ctas, r["max_seq_len"], block, hardware(FAKE_LIMITS, smem),
+                       sliding_window=window or None, kv_bytes_per_token=2 * head * element)
     main = launched[0]
     _check_common_launch(main, r["names"][0], (ctas, num_seqs, plan.num_splits), NUM_THREADS, smem, r["stream"])
     args = _decode(main)
