@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paged.kernels.backends.launch import prefill_shared_memory
+from paged.kernels.backends.prefill_plans import prefill_shared_memory
 from paged.kernels.features import FP8_DTYPES
 from paged.kernels.toolchain import aot, nvrtc, source, specs
 from paged.kernels.toolchain.cache_dir import ENV_VAR

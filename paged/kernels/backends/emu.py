@@ -11,7 +11,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from paged.kernels.backends.launch import Copy, Launch, Ptr, RunnerBackend
+from paged.kernels.backends.launch import RunnerBackend
+from paged.kernels.backends.launch_api import Copy, Launch, Ptr
 from paged.kernels.backends.v3_plans import DeviceLimits
 from paged.kernels.toolchain import emulator, host_compiler
 from paged.kernels.toolchain.specs import Unit

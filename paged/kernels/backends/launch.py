@@ -5,7 +5,6 @@ in how they run a `Launch` or a `Copy`, so the emulator tests these plans too.
 
 from __future__ import annotations
 
-import math
 from abc import abstractmethod
 from typing import NamedTuple
 
@@ -20,9 +19,11 @@ from paged.kernels.backends.interface import (
     require_contiguous,
     window_span,
 )
-from paged.kernels.backends.launch_api import VECTOR_BYTES, Arg, Copy, Launch, Ptr, Runner
+from paged.kernels.backends.launch_api import VECTOR_BYTES, Arg, Launch, Ptr, Runner
 from paged.kernels.backends.layer_plans import FusedLayerOpsMixin
 from paged.kernels.backends.mass_plan import run_attention_mass, unsupported
+from paged.kernels.backends.prefill_plans import PREFILL_WARPS, prefill_shared_memory, prefill_tiles
+from paged.kernels.backends.swap_plan import copy_plan, require_pinned
 from paged.kernels.backends.torch_ref import TorchBackend
 from paged.kernels.backends.v3_plans import DeviceLimits, V3Workspace, v3_launches, v3_unit, v3_workspace
 from paged.kernels.features import NONE, AttentionFeatures
@@ -31,9 +32,6 @@ from paged.kernels.toolchain.specs import NUM_THREADS, Unit, attention_unit, cac
 from paged.kernels.transfer import to_device
 
 WARP_SIZE = 32
-PREFILL_WARPS = 4  # kernels_cu/prefill.cuh's warps per CTA
-# Its K/V tiles are double-buffered up to this many bytes of shared memory (sm_86 / sm_89 allow 99 KB).
-PREFILL_TWO_STAGE_BYTES = 96 * 1024
 MAX_CACHE_THREADS = 512
 MAX_COPY_THREADS = 1024
 
@@ -75,28 +73,6 @@ def _require_in_place_layout(**caches: torch.Tensor) -> None:
                              f"aligned; native kernels load it in {VECTOR_BYTES}-byte vectors")
 
 
-def _require_pinned(**caches: torch.Tensor) -> None:
-    for name, cache in caches.items():
-        if cache.device.type == "cpu" and not cache.is_pinned():
-            raise ValueError(f"{name} is in pageable host memory; the cuda backend swaps blocks with asynchronous "
-                             "copies (cuMemcpyAsync), which need page-locked memory: allocate it with pin_memory=True")
-
-
-def copy_plan(
-    src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], block_mapping: torch.Tensor
-) -> list[Copy]:
-    """vLLM's swap_blocks: one copy of a whole block per cache and `(src, dst)` row, cache by cache."""
-    for i, (src, dst) in enumerate(zip(src_caches, dst_caches)):
-        require_contiguous(**{f"src_caches[{i}]": src, f"dst_caches[{i}]": dst})
-    pairs = block_mapping.tolist()
-    plan = []
-    for src, dst in zip(src_caches, dst_caches):
-        nbytes = math.prod(src.shape[1:]) * src.element_size()
-        src_base, dst_base = src.data_ptr(), dst.data_ptr()
-        plan += [Copy(Ptr(dst_base + d * nbytes), Ptr(src_base + s * nbytes), nbytes) for s, d in pairs]
-    return plan
-
-
 def _optional_ptr(t: torch.Tensor | None) -> Ptr:
     return Ptr(0) if t is None else _ptr(t)
 
@@ -109,39 +85,6 @@ def _feature_args(cache: CacheView, features: AttentionFeatures) -> tuple[Arg, .
         sparse.block_size, sparse.local_blocks, sparse.vert_stride, sparse.head_sliding_step)
     return (_optional_ptr(cache.k_scale), _optional_ptr(cache.v_scale), _optional_ptr(features.alibi_slopes),
             *map(np.int32, ints))
-
-
-class PrefillTiles(NamedTuple):
-    """kernels_cu/prefill.cuh's `PrefillTiles`: query rows per CTA, keys per K/V tile, K/V buffers."""
-
-    rows: int
-    keys: int
-    stages: int
-
-
-def prefill_tiles(dtype: torch.dtype, head_size: int, cache_dtype: torch.dtype | None = None) -> PrefillTiles:
-    """fp16 / bf16 up to head 128: two m16 row tiles per warp, 64-key tiles up to head 64 (else 32);
-    head 256 and fp32 one row tile and 32 keys. Two K/V buffers where they fit in 96 KB, else one
-    (`cache_dtype`: fp8 tiles are half the bytes)."""
-    wide = dtype.itemsize == 2 and head_size <= 128
-    rows, keys = (128 if wide else 64), (64 if wide and head_size <= 64 else 32)
-    cache = cache_dtype or dtype
-    two_stages = _prefill_bytes(dtype, cache, head_size, rows, keys, 2) <= PREFILL_TWO_STAGE_BYTES
-    return PrefillTiles(rows, keys, 2 if two_stages else 1)
-
-
-def _prefill_bytes(dtype: torch.dtype, cache: torch.dtype, head_size: int, rows: int, keys: int, stages: int) -> int:
-    """The Q tile in `dtype`, then per stage a K and a Vᵀ tile in `cache`'s elements, rows padded by
-    16 bytes (prefill.cuh)."""
-    q_pad, kv_pad = VECTOR_BYTES // dtype.itemsize, VECTOR_BYTES // cache.itemsize
-    stage = (keys * (head_size + kv_pad) + head_size * (keys + kv_pad)) * cache.itemsize
-    return rows * (head_size + q_pad) * dtype.itemsize + stages * stage
-
-
-def prefill_shared_memory(dtype: torch.dtype, head_size: int, cache_dtype: torch.dtype | None = None) -> int:
-    """The prefill kernel's dynamic shared memory."""
-    tiles = prefill_tiles(dtype, head_size, cache_dtype)
-    return _prefill_bytes(dtype, cache_dtype or dtype, head_size, tiles.rows, tiles.keys, tiles.stages)
 
 
 def _check_shared_memory(runner: Runner, unit: Unit, kernel: str, needed: int, what: str,
@@ -432,6 +375,6 @@ class RunnerBackend(FusedLayerOpsMixin, TorchBackend):
     ) -> None:
         runner = self.runner(device_side(src_caches, dst_caches))
         if runner.needs_pinned_host:
-            _require_pinned(**{f"src_caches[{i}]": c for i, c in enumerate(src_caches)},
+            require_pinned(**{f"src_caches[{i}]": c for i, c in enumerate(src_caches)},
                             **{f"dst_caches[{i}]": c for i, c in enumerate(dst_caches)})
         runner.copy(copy_plan(src_caches, dst_caches, block_mapping))
