@@ -315,7 +315,9 @@ class BlockManager:
         if num_full <= state.num_published:
             return
         index.publish(seq, state.table, max(state.num_published, state.num_dropped), num_full)
-        index.withdraw(seq, state.num_published, min(num_full, state.num_announced))
+        # announced are the blocks full at admission; one filled since has nothing to withdraw
+        if state.num_announced > state.num_published:
+            index.withdraw(seq, state.num_published, min(num_full, state.num_announced))
         state.num_published = num_full
 
     def awaits_prefix(self, seq: Sequence) -> bool:
