@@ -98,15 +98,22 @@ class PersistentBatch:
     def _extend_tables(kept: _Rows, items: list[ScheduledSeq], rows: np.ndarray) -> None:
         """Bring the kept tables of `rows` (those whose step writes the first slot of a block: only
         they can have grown, as a table grows when a token needs a slot in a new block) to their
-        length now, the array widened to the widest table."""
-        for row in rows.tolist():
-            table, old = items[row].block_table, int(kept.table_lens[row])
-            new = len(table)
-            if new == old:
-                continue
-            if new > kept.tables.shape[1]:
-                wider = np.zeros((kept.tables.shape[0], new), dtype=np.int32)
-                wider[:, : kept.tables.shape[1]] = kept.tables
-                kept.tables = wider
-            kept.tables[row, old:new] = table[old:new]
-            kept.table_lens[row] = new
+        length now, the array widened to the widest table. At a block's edge a row's table gained
+        one block (all of a batch's rows at once when their lengths agree): those are set in one
+        assignment, any other row on its own."""
+        if not rows.size:
+            return
+        tables = list(map(_TABLE, map(items.__getitem__, rows.tolist())))
+        new = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+        old = kept.table_lens[rows]
+        widest = int(new.max())
+        if widest > kept.tables.shape[1]:
+            wider = np.zeros((kept.tables.shape[0], widest), dtype=np.int32)
+            wider[:, : kept.tables.shape[1]] = kept.tables
+            kept.tables = wider
+        if (new == old + 1).all():
+            kept.tables[rows, old] = list(map(operator.itemgetter(-1), tables))
+        else:
+            for i in np.flatnonzero(new != old).tolist():
+                kept.tables[rows[i], old[i] : new[i]] = tables[i][old[i] : new[i]]
+        kept.table_lens[rows] = new

@@ -232,8 +232,9 @@ class BlockManager:
         each has exactly one token to compute and gets its slot: how many grew, and their
         copy-on-write copies. The first one that did not is left as it was (the scheduler's general
         path takes it from there). The steady decode step, one pass over the batch: a token into a
-        private block with room costs no call."""
-        bs, refcount = self.block_size, self.allocator.refcount
+        private block with room costs no call, nor does one at a block's edge that opens a block."""
+        alloc, ledger = self.allocator, self.ledger
+        bs, refcount = self.block_size, alloc.refcount
         # the common path's test is `try_append_slots`' own, whose reservation check exact reservation passes
         common = self.share_blocks and self.sliding_window is None and type(self.reservation) is ExactReservation
         filled: list[int] = []
@@ -247,12 +248,21 @@ class BlockManager:
             if common and last == num_tokens - 1 and last % bs and refcount(block := state.table[last // bs]) == 1:
                 filled.append(block)
                 state.num_slots = num_tokens
+            elif (common and last == num_tokens - 1 and last == len(table := state.table) * bs
+                  and alloc.num_free_blocks and alloc.can_allocate_blocks(1)):
+                # at a block's edge with a full table (all of a batch's rows at once when their lengths
+                # agree): one new private block, its first slot filled; the full block before it keeps
+                # its books (filled, nothing reserved), so only the new one is accounted
+                table += alloc.allocate_blocks(1)
+                self._num_logical_blocks += 1
+                ledger.account_table(table, (len(table) - 1,), num_tokens, state.final)
+                state.num_slots = num_tokens
             elif (grew := self.try_append_slots(seq)) is not None:
                 copies += grew
             else:
                 break
             grown += 1
-        self.ledger.append_each(filled)
+        ledger.append_each(filled)
         return grown, copies
 
     def _shared_write_targets(self, seq: Sequence, state: _SeqBlocks) -> list[int]:
@@ -305,7 +315,9 @@ class BlockManager:
         if num_full <= state.num_published:
             return
         index.publish(seq, state.table, max(state.num_published, state.num_dropped), num_full)
-        index.withdraw(seq, state.num_published, min(num_full, state.num_announced))
+        # announced are the blocks full at admission; one filled since has nothing to withdraw
+        if state.num_announced > state.num_published:
+            index.withdraw(seq, state.num_published, min(num_full, state.num_announced))
         state.num_published = num_full
 
     def awaits_prefix(self, seq: Sequence) -> bool:
