@@ -21,6 +21,7 @@ from paged.executor.attention import PagedAttention, layer_routes
 from paged.executor.attention_scores import StepScores
 from paged.executor.base import Executor, KVCacheSpec
 from paged.executor.block_moves import move_blocks
+from paged.executor.description import announce_once, describe
 from paged.executor.dtype_checks import check_dtypes
 from paged.executor.kv_norms import held_kv_norms
 from paged.executor.kv_scales import KVScales
@@ -178,18 +179,7 @@ class ModelExecutor(TieredHostPool, LaunchAhead, Executor):
 
     @property
     def description(self) -> str:
-        dtype = str(self.dtype).removeprefix("torch.") + self.dtype_note
-        kv = f", KV cache {self.kv_cache_dtype_name}" if self.cache_dtype != self.dtype else ""
-        # BLOOM keeps F.linear and its own norms: only a Llama model has these choices
-        layers = f"; gemm {self.gemm}, {self.model.ops.name} norms/RoPE/SwiGLU" if isinstance(
-            self.model, LlamaModel) else ""
-        graphs = "; steps from CUDA graphs" if self.graphs is not None else ""
-        graphs += "; async scheduling" if self.async_scheduling else ""
-        cpu = f"; {self.threads.count}" + " per rank" * (self.num_devices > 1) if self.device.type == "cpu" else ""
-        tp = f"; tensor parallel over {self.num_devices} ranks" if self.num_devices > 1 else ""
-        prefill = f"; prefill on {self.prefill_path}" if self.prefill_path else ""
-        return (f"{self.model_name} on {self.device} ({dtype}{kv}); attention {self.kernel_description}{prefill}"
-                f"{layers}{graphs}{tp}{cpu}")
+        return describe(self)
 
     @on_every_rank()
     def configure_kernel(self, kernel_cfg: KernelConfig) -> None:
@@ -328,17 +318,12 @@ class ModelExecutor(TieredHostPool, LaunchAhead, Executor):
         return kernels.step_version(self.version, attended, rows.seq_lens.shape[0], self.shard.num_heads,
                                     self.partition_size, backend=self.backend.name)
 
-    def _announce(self, what: str) -> None:
-        if what not in self._announced:
-            self._announced.add(what)
-            log.info("running %s", what)
-
     def _forward(self, batch: BatchInput, version: str | None) -> torch.Tensor:
         """The hidden states of a step's rows: attention planned once, which the layers' torch op runs."""
         if version:
-            self._announce(f"decode rows: paged_attention {version} on backend {self.backend.name}")
+            announce_once(self._announced, f"decode rows: paged_attention {version} on backend {self.backend.name}")
         if batch.prefill:
-            self._announce(f"prefill rows: prefill_attention on backend {self.backend.name}")
+            announce_once(self._announced, f"prefill rows: prefill_attention on backend {self.backend.name}")
         input_ids = batch.input_ids
         if self.sampled_ids is not None:
             # async scheduling: id -(1 + r) is a placeholder for the token that sampling row r of the step
