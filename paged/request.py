@@ -366,7 +366,8 @@ class Request:
     def finish_reason(self) -> FinishReason | None:
         if self.abort_reason is not None:
             return FinishReason.ABORTED
-        outputs = self.outputs()
+        # the completions as held: `outputs()` would copy a compacted request's tokens into lists
+        outputs = self.outputs() if self.completions is None else self.completions
         return outputs[0].finish_reason if outputs else None
 
     def __repr__(self) -> str:
