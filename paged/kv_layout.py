@@ -49,6 +49,12 @@ class KVLayout:
     def is_hybrid(self) -> bool:
         return len(self.groups) > 1
 
+    @property
+    def full_groups(self) -> tuple[int, ...]:
+        """The groups of full-attention layers, in order: those a KV press compresses (a windowed
+        group frees blocks by its window already)."""
+        return tuple(g for g, group in enumerate(self.groups) if group.window is None)
+
     @classmethod
     def build(cls, layer_windows: Sequence[int | None], mode: str = "auto") -> KVLayout:
         """The layout of a model whose layer `l` attends `layer_windows[l]` tokens (None: all)."""

@@ -19,13 +19,14 @@ from paged.config.plugins import Plugin, check_plugin
 from paged.engine.engine import Engine
 from paged.engine.fast_forward import FastForward
 from paged.engine.offload import OffloadPlan, build_kv_tiers, check_offload, num_tier_blocks
+from paged.engine.press_checks import check_press
 from paged.executor.base import Executor
 from paged.kv_layout import KVLayout
 from paged.memory import BlockAllocator, BlockManager, ExactReservation, Reservation
 from paged.memory.compaction import CompactingBlockManager
 from paged.memory.eviction import POLICIES, EvictionPolicy, LRUPolicy
+from paged.memory.group_compaction import CompactingGroupManager
 from paged.memory.kv_groups import KVGroupManager
-from paged.memory.press import PRESSES, KVPress
 from paged.model.spec import model_spec
 from paged.scheduler.core import Scheduler
 from paged.scheduler.policy import SchedulingPolicy
@@ -102,7 +103,10 @@ def check_config(cfg: Any, executor_cls: type[Executor] | None = None) -> Plugin
     plugins = dataclasses.replace(plugins, eviction=_check_eviction(cfg, plugins.allocator))
     plugins = dataclasses.replace(plugins, offload=check_offload(cfg, plugins.allocator.cls, runs_on))
     _precheck_kv_groups(cfg, plugins)
-    plugins = dataclasses.replace(plugins, press=_check_press(cfg, plugins, runs_on))
+    press = check_press(cfg, runs_on, swaps=plugins.preemption.cls.swaps, offload=plugins.offload is not None,
+                        paged_exact=not plugins.allocator.cls.contiguous
+                        and plugins.reservation.cls is ExactReservation)
+    plugins = dataclasses.replace(plugins, press=press)
     plugins = dataclasses.replace(plugins, async_scheduling=resolve_async_scheduling(cfg, plugins.executor, runs_on))
     if plugins.reservation.cls.needs_output_lengths and not cfg.workload.ignore_eos:
         raise ConfigError(
@@ -135,45 +139,6 @@ def resolve_async_scheduling(cfg: Any, executor: Plugin, runs_on: type[Executor]
     if asked and refusal is not None:
         raise ConfigError(f"scheduler.async_scheduling=true {refusal}; use scheduler.async_scheduling=false or null")
     return bool(asked)
-
-
-def _check_press(cfg: Any, plugins: Plugins, runs_on: type[Executor]) -> Plugin | None:
-    """`kv_press`, built once here so that a bad budget fails before any weights load, and what it
-    cannot run with: a sliding window or KV groups, ALiBi (its distances are KV indices), swap,
-    contiguous extents, reservations, an executor that cannot compact (or give the norms it reads)."""
-    if cfg.kv_press.get("_target_") is None:
-        return None
-    builtin = f"the built-in presses: kv_press=none|{'|'.join(PRESSES)}"
-    try:
-        press = check_plugin(cfg.kv_press, "kv_press", KVPress, core=("name",))
-    except ConfigError as e:
-        raise ConfigError(f"{e}; {builtin}") from None
-    press.build().check_context(cfg.scheduler.max_model_len)
-    what = f"kv_press={cfg.kv_press.name}"
-    if not runs_on.supports_kv_press:
-        raise ConfigError(f"{what} needs an executor that compacts KV blocks; executor={cfg.executor.name} "
-                          f"({runs_on.__qualname__}) cannot; use executor=model or kv_press=none")
-    if issubclass(runs_on, SimExecutor) and (press.cls.needs_norms or press.cls.needs_scores):
-        raise ConfigError(f"{what} reads the cache's K/V, which executor=sim does not hold: use kv_press=sink-window "
-                          "there, or executor=model")
-    if plugins.preemption.cls.swaps:
-        raise ConfigError(f"{what} does not swap compressed sequences: use scheduler.preemption_mode=recompute")
-    if plugins.allocator.cls.contiguous or plugins.reservation.cls is not ExactReservation:
-        raise ConfigError(f"{what} needs a paged allocator with exact reservations (allocator=naive or prefix), "
-                          f"not allocator={cfg.allocator.name}")
-    if plugins.offload is not None:
-        raise ConfigError(f"{what} does not run with allocator.offload: use allocator.offload.cpu_bytes=0")
-    if press.cls.needs_scores and (cfg.executor.get("tensor_parallel_size") or 1) > 1:
-        raise ConfigError(f"{what} reads attention mass, which one rank's heads do not give: use "
-                          "executor.tensor_parallel_size=1 or a press without scores (sink-window, knorm, block-norm)")
-    spec = model_spec(cfg.model)[0]
-    if any(w is not None for w in spec.layer_windows) or cfg.model.sliding_window is not None:
-        raise ConfigError(f"{what} does not run on model={cfg.model.name}, whose layers have a sliding window "
-                          "(KV compression of windowed layers is not supported yet)")
-    if spec.positions != "rope":
-        raise ConfigError(f"{what} needs a RoPE model: model={cfg.model.name}'s {spec.positions} positions "
-                          "would be read from KV indices, which compression shifts")
-    return press
 
 
 def _check_preemption(s: Any) -> Plugin:
@@ -362,13 +327,13 @@ def build_engine(cfg: Any, executor: Executor | None = None) -> Engine:
     allocator = plugins.allocator.build(num_blocks=num_blocks, block_size=block_size, **eviction)
     block_manager: BlockManager | KVGroupManager
     press = plugins.press.build() if plugins.press is not None else None
-    if press is not None:
+    if press is not None and not layout.is_hybrid:
         block_manager = CompactingBlockManager(
             allocator, watermark=cfg.allocator.watermark, reservation=reservation,
             max_model_len=cfg.scheduler.max_model_len, share_blocks=cfg.allocator.share_blocks,
         )
     elif layout.is_hybrid:
-        block_manager = KVGroupManager(
+        block_manager = (KVGroupManager if press is None else CompactingGroupManager)(
             allocator, layout, watermark=cfg.allocator.watermark, reservation=reservation,
             max_model_len=cfg.scheduler.max_model_len, share_blocks=cfg.allocator.share_blocks,
         )

@@ -94,6 +94,7 @@ class PagedAttention:
                 ops[route.group, route.kind] = decode, prefill
         # per layer: its cache write, its decode and prefill ops, its KV tensor
         self.layers = [(writes[r.group], *ops[r.group, r.kind], r.slot) for r in routes]
+        self.groups = [r.group for r in routes]
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
@@ -130,5 +131,4 @@ class PagedAttention:
             if op is not None:
                 rows_q = q if tokens is None or decode is None or prefill is None else q[tokens]
                 cache = CacheView(*caches, op.rows.block_tables, op.rows.seq_lens, *scales)
-                self.scores.add(rows_q, cache, op.rows, op.settings, is_decode)
-        self.scores.end_layer(layer)
+                self.scores.add(rows_q, cache, op.rows, op.settings, is_decode, self.groups[layer])

@@ -355,11 +355,11 @@ class ModelExecutor(TieredHostPool, LaunchAhead, Executor):
         """Plan the step, then its swaps, copies and forward: the batch, its decode kernel, the hidden
         states, the inputs on the device and the planning time; None for a step of swaps only."""
         assert self.block_size, "init_kv_cache must run before execute"
-        start, host, version, self.step_scores = time.perf_counter(), None, None, StepScores.of(sched)
+        start, host, version, self.step_scores = time.perf_counter(), None, None, StepScores.of(sched, self.kv_layout)
         if not sched.is_empty:
             host = self.persistent_batch.plan(sched)
             if host is None:
-                host = plan_batch(sched, self.block_size, self.kv_layout.num_groups)
+                host = plan_batch(sched, self.block_size, self.kv_layout.num_groups, self.kv_layout.full_groups)
                 self.persistent_batch.keep(sched, host)
             check_positions(host, self.arch)
             version = self._choose_version(host)
@@ -388,7 +388,8 @@ class ModelExecutor(TieredHostPool, LaunchAhead, Executor):
                                  argmax=self.persistent_batch.argmax)
             output.prompt_logprobs = prompt_logprobs(sched, hidden, self.model.compute_logits)
             if sched.press_norms and sched.press_rows:
-                output.kv_norms = held_kv_norms(sched, self.key_caches, self.value_caches, self.block_size)
+                output.kv_norms = held_kv_norms(sched, self.key_caches, self.value_caches, self.block_size,
+                                               self.kv_layout)
             output.attention_scores = self.step_scores.scores(sched) if self.step_scores else {}
         self._count_tokens(host)
         output.compaction_time_s, self.compaction_time_s = self.compaction_time_s, 0.0

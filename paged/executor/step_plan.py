@@ -10,8 +10,11 @@ one non-blocking copy (vLLM's persistent input batch); on a CPU the arrays are u
 
 With KV groups per layer type (`paged.kv_layout`) each group has its own block tables
 (`ScheduledSeq.group_tables`), so each has its own cache slots and attention rows; the rows'
-lengths and offsets are the same in every group. Group 0's are the batch's own fields, the others'
-are `groups` (empty with one group, so a one-group step builds and uploads what it always did).
+lengths and query offsets are the same in every group. Group 0's are the batch's own fields, the
+others' are `groups` (empty with one group, so a one-group step builds and uploads what it always did).
+With KV compression (`kv_offsets`) a row's compressed groups (`compressed_groups`: the full-attention
+ones) hold its context less the evicted tokens, at KV index = position less them; a windowed group
+is never compressed and holds every position.
 """
 
 from __future__ import annotations
@@ -91,9 +94,11 @@ _TOKENS = operator.attrgetter("seq.token_ids")
 _PROMPT_LEN = operator.attrgetter("seq.num_prompt_tokens")
 
 
-def plan_batch(sched: SchedulerOutput, block_size: int, num_groups: int = 1) -> HostBatch:
+def plan_batch(sched: SchedulerOutput, block_size: int, num_groups: int = 1,
+               compressed_groups: tuple[int, ...] = (0,)) -> HostBatch:
     """The step's inputs; with `num_groups` > 1 KV groups, every scheduled row carries its
-    `group_tables` and each group gets its slots and rows."""
+    `group_tables` and each group gets its slots and rows; `sched.kv_offsets` apply to the groups
+    `compressed_groups` (`KVLayout.full_groups`)."""
     items = sched.scheduled
     num_seqs = len(items)
     # attrgetters, not generators: this runs over every row of every step
@@ -126,24 +131,24 @@ def plan_batch(sched: SchedulerOutput, block_size: int, num_groups: int = 1) -> 
 
     slot_positions = positions if offsets is None else positions - offsets[owner]
 
-    def group(block_tables: list[list[int]]) -> HostGroup:
+    def group(block_tables: list[list[int]], g: int) -> HostGroup:
+        compressed = offsets is not None and g in compressed_groups
+        lens, at = (held, slot_positions) if compressed else (context, positions)
         table_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=num_seqs)
-        assert (table_lens * block_size >= held).all(), "a block table is shorter than its context"
+        assert (table_lens * block_size >= lens).all(), "a block table is shorter than its context"
         tables = np.zeros((num_seqs, int(table_lens.max())), dtype=np.int32)
         # every table's entries in one pass, placed row-major by a mask: no numpy call per row
         entries = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int32, count=int(table_lens.sum()))
         tables[np.arange(tables.shape[1]) < table_lens[:, None]] = entries
-        slots = (tables[owner, slot_positions // block_size].astype(np.int64) * block_size
-                 + slot_positions % block_size)
-        return HostGroup(slots, _host_rows(decode, num_new, held, tables),
-                         _host_rows(~decode, num_new, held, tables))
+        slots = tables[owner, at // block_size].astype(np.int64) * block_size + at % block_size
+        return HostGroup(slots, _host_rows(decode, num_new, lens, tables), _host_rows(~decode, num_new, lens, tables))
 
-    first = group(list(map(_TABLE, items)))
+    first = group(list(map(_TABLE, items)), 0)
     others: tuple[HostGroup, ...] = ()
     if num_groups > 1:
         missing = [it.seq.seq_id for it in items if it.group_tables is None or len(it.group_tables) != num_groups]
         assert not missing, f"sequences {missing} lack a block table for each of the {num_groups} KV groups"
-        others = tuple(group([it.group_tables[g] for it in items]) for g in range(1, num_groups))
+        others = tuple(group([it.group_tables[g] for it in items], g) for g in range(1, num_groups))
     samples = np.fromiter(map(_NUM_SAMPLES, items), dtype=np.int64, count=num_seqs) > 0
     return HostBatch(
         input_ids=np.array(token_ids, dtype=np.int64),

@@ -84,9 +84,7 @@ class CompactingBlockManager(BlockManager):
         held = self.held_positions(seq)
         assert held.shape[0] == state.num_slots, "compress runs between steps, on computed tokens only"
         num_kept = keep.shape[0]
-        chunks = [keep[j : j + bs] for j in range(0, num_kept, bs)]
-        # a chunk that is one whole old block, in order, stays that block
-        reused = [c.shape[0] == bs and c[0] % bs == 0 and c[-1] == c[0] + bs - 1 for c in chunks]
+        chunks, reused = self._chunks(keep)
         num_fresh = len(chunks) - sum(reused)
         if num_fresh > alloc.num_free_blocks:
             return None
@@ -115,6 +113,30 @@ class CompactingBlockManager(BlockManager):
         state.table, state.num_slots = table, num_kept
         self._compressed[seq.seq_id] = Compressed(evicted, held[keep])
         return copies
+
+    def num_fresh_blocks(self, keep: np.ndarray) -> int:
+        """Blocks `compress(seq, keep)` takes from the pool for its copies."""
+        chunks, reused = self._chunks(keep)
+        return len(chunks) - sum(reused)
+
+    def _chunks(self, keep: np.ndarray) -> tuple[list[np.ndarray], list[bool]]:
+        """`keep` cut into the new table's blocks, and whether each is one whole old block, in order
+        (which then stays that block)."""
+        bs = self.block_size
+        chunks = [keep[j : j + bs] for j in range(0, keep.shape[0], bs)]
+        return chunks, [c.shape[0] == bs and c[0] % bs == 0 and c[-1] == c[0] + bs - 1 for c in chunks]
+
+    # -- what a press step drives (`paged.memory.group_compaction` gives the same for KV groups) --
+
+    @property
+    def compacting(self) -> tuple[CompactingBlockManager, ...]:
+        """The tables a press compresses, one per compressed KV group: this manager's own."""
+        return (self,)
+
+    def compress_each(self, seq: Sequence, keeps: list[np.ndarray]) -> np.ndarray | None:
+        """`compress` with the keep set of each of `compacting` (here one)."""
+        (keep,) = keeps
+        return self.compress(seq, keep)
 
     # -- growth of compressed sequences ----------------------------------------------------------
 

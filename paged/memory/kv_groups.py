@@ -79,7 +79,7 @@ class KVGroupManager:
         self.groups: list[GroupBlocks] = []
         for g, group in enumerate(layout.groups):
             view = allocator if g == 0 else GroupKeyedPool(allocator, g)
-            self.groups.append(GroupBlocks(
+            self.groups.append(self._group_blocks(group.window)(
                 view, CommonPrefixIndex(view, peers), watermark=watermark, reservation=reservation,
                 max_model_len=max_model_len, sliding_window=group.window, share_blocks=share_blocks,
             ))
@@ -94,6 +94,10 @@ class KVGroupManager:
     @property
     def num_groups(self) -> int:
         return len(self.groups)
+
+    def _group_blocks(self, window: int | None) -> type[GroupBlocks]:
+        """The manager of a group of layers that attend within `window` tokens (None: all)."""
+        return GroupBlocks
 
     # -- admission -------------------------------------------------------------------------------
 

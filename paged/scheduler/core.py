@@ -31,6 +31,7 @@ from typing import Any
 from paged.config import SchedulerConfig
 from paged.memory import AllocStatus, BlockManager
 from paged.memory.compaction import CompactingBlockManager
+from paged.memory.group_compaction import CompactingGroupManager
 from paged.memory.kv_groups import KVGroupManager
 from paged.memory.press import KVPress
 from paged.request import FinishReason, Request, SeqStatus, Sequence
@@ -88,8 +89,9 @@ class Scheduler(UpdateMixin, LaggedUpdateMixin, HandoffMixin, KVQueriesMixin, St
         # KV compression (`kv_press`): None without a press, whose steps then carry none of its fields
         self.press_step: PressStep | None = None
         if press is not None:
-            if not isinstance(block_manager, CompactingBlockManager):
-                raise ValueError(f"a KV press needs a CompactingBlockManager, got {type(block_manager).__name__}")
+            if not isinstance(block_manager, CompactingBlockManager | CompactingGroupManager):
+                raise ValueError(f"a KV press needs a CompactingBlockManager or CompactingGroupManager, got "
+                                 f"{type(block_manager).__name__}")
             self.press_step = PressStep(press, block_manager)
         self.preemption = preemption or RecomputePreemption()
         # what a preemptive policy's preemptions use: the displaced request simply waits again
