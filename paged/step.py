@@ -117,8 +117,9 @@ class SchedulerOutput:
     aborted: list[Request] = field(default_factory=list)
     # KV compression (`kv_press`; all three unset without a press): int64 [n, 2] (src, dst) token slots
     # to copy after the swap-outs and tier offloads, before anything else writes a block (the kept
-    # tokens of sequences compacted last step); per scheduled row, the tokens evicted before its KV
-    # (None: none anywhere, so each row's KV index is its position); the rows whose sequences the press
+    # tokens of sequences compacted last step); per scheduled row, the tokens evicted before its KV in
+    # each compressed KV group (`KVLayout.full_groups`; None: none anywhere, so each row's KV index is
+    # its position; a windowed group's always is); the rows whose sequences the press
     # judges after this step, whose KV norms the executor returns when `press_norms`
     slots_to_compact: np.ndarray | None = None
     kv_offsets: list[int] | None = None
@@ -155,11 +156,12 @@ class ExecutorOutput:
     top_logprobs: list[list[TokenLogprobs] | None] | None = None
     # seq_id -> per prompt token (None for the first) for requests asking for prompt_logprobs
     prompt_logprobs: dict[int, list[TokenLogprobs | None]] = field(default_factory=dict)
-    # seq_id -> float32 L2 norms of its held keys and values, averaged over layers and KV heads, for the
-    # sequences of `SchedulerOutput.press_rows` when it asks for `press_norms`
+    # seq_id -> float32 `[compressed KV groups, held]` L2 norms of its held keys and values, averaged over
+    # each group's layers and the KV heads, for the sequences of `SchedulerOutput.press_rows` when it asks
+    # for `press_norms`
     kv_norms: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
-    # seq_id -> float32 attention mass on each held token (summed over KV heads, averaged over layers),
-    # for the sequences of `SchedulerOutput.score_rows`
+    # seq_id -> float32 `[compressed KV groups, held]` attention mass on each held token (summed over KV
+    # heads, averaged over each group's layers), for the sequences of `SchedulerOutput.score_rows`
     attention_scores: dict[int, np.ndarray] = field(default_factory=dict)
     compaction_time_s: float = 0.0  # copying `slots_to_compact`
 

@@ -14,7 +14,8 @@ before they were cached). A compressed sequence publishes no more prefix blocks 
 longer follow its tokens' hash chain); freeing or recomputing it forgets the compression.
 
 Only what compression can follow: paged blocks without a sliding window, exact reservations, no
-swap (the builder refuses the rest before any weights load).
+swap (the builder refuses the rest before any weights load). A model with KV groups compresses each
+full-attention group with one of these (`paged.memory.group_compaction`).
 """
 
 from __future__ import annotations

@@ -29,7 +29,9 @@ from paged.config import ConfigError
 class PressView:
     """What a press sees of one sequence: per held token (in table order, which is position order)
     its original `positions` (RoPE was applied with them before caching), and when the press
-    `needs_norms`, the L2 norms of its key and value, averaged over layers and KV heads."""
+    `needs_norms`, the L2 norms of its key and value, averaged over the layers of the KV group judged
+    and the KV heads. With several KV groups the press sees one view per full-attention group and must
+    keep as many tokens in each (`paged.memory.group_compaction`)."""
 
     positions: np.ndarray  # int64 [n], ascending
     num_positions: int  # tokens computed so far: the sequence's length before any compression
