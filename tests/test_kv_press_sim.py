@@ -1,6 +1,7 @@
 """KV compression in the simulator: the block manager frees what a press evicts, the cost model
 reads each row's held tokens and prices the compaction copies; `+experiment=kv-press`'s claim at a
-smaller scale (mean decode batch at a fixed pool)."""
+smaller scale (mean decode batch at a fixed pool); on a hybrid model, the full-attention KV group
+compressed and the windowed layers priced on their window."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import numpy as np
 import pytest
 
 from paged.config import compose_config
-from paged.engine.builder import build_executor
+from paged.engine.builder import build_engine, build_executor
 from paged.experiment.run import run_experiment
-from paged.sim.cost_model import StepShape
+from paged.request import Request, SamplingParams
+from paged.sim.cost_model import StepShape, step_shape
+from paged.step import ScheduledSeq, SchedulerOutput
 
 QUIET = ["logger=none", "progress=false"]
 
@@ -45,3 +48,24 @@ def test_compaction_copies_are_priced_in_device_memory() -> None:
     per_slot = 2 * 2 * 2 * 32 * 8 * 128 * 2 / model.bw
     assert two - one == pytest.approx(1000 * per_slot)
     assert np.isclose(one, 2 * 32 * model.hw.kernel_launch_s + 1000 * per_slot)
+
+
+def test_a_hybrid_model_compresses_its_full_attention_group_in_the_simulator(tmp_path) -> None:
+    """Gemma-3-27B: 10 full-attention layers (one KV group) beside 52 windowed ones (six groups, left
+    to their 1,024-token window); sink-window compresses the full group's 496 blocks per prompt to 124."""
+    hybrid = ("model=gemma-3-27b", "workload.num_requests=16", "allocator.num_blocks=8192")
+    plain, pressed = _run(tmp_path, "none", *hybrid), _run(tmp_path, "sink-window", *hybrid)
+    assert plain["num_finished"] == pressed["num_finished"] == 16
+    assert pressed["kv_press_blocks_freed"] == 16 * (496 - 124)
+    assert pressed["mean_decode_batch_size"] > 1.3 * plain["mean_decode_batch_size"]
+
+
+def test_windowed_layers_read_their_window_and_copies_move_one_blocks_layers() -> None:
+    engine = build_engine(compose_config(["+experiment=kv-press", *QUIET, "model=gemma-3-27b"]))
+    model = engine.executor.cost_model
+    assert model.kv_tensors == engine.executor.kv_layout.num_slots == 10  # not the 62 layers
+    seq = Request("r", list(range(4000)), SamplingParams(max_tokens=4)).seqs[0]
+    seq.num_computed_tokens = 3999
+    sched = SchedulerOutput([ScheduledSeq(seq, 1, [])], kv_offsets=[3000])
+    assert step_shape(sched, 16).decode_contexts == [1000]  # a full-attention layer reads what it holds
+    assert step_shape(sched, 16, sliding_window=1024).decode_contexts == [1024]  # a windowed one its window

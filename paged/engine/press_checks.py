@@ -47,14 +47,14 @@ def check_press(cfg: Any, runs_on: type[Executor], *, swaps: bool, paged_exact: 
         raise ConfigError(f"{what} reads attention mass, which one rank's heads do not give: use "
                           "executor.tensor_parallel_size=1 or a press without scores (sink-window, knorm, block-norm)")
     spec = model_spec(cfg.model)[0]
-    _check_windows(cfg, what, spec.layer_windows, runs_on)
+    _check_windows(cfg, what, spec.layer_windows)
     if spec.positions != "rope":
         raise ConfigError(f"{what} needs a RoPE model: model={cfg.model.name}'s {spec.positions} positions "
                           "would be read from KV indices, which compression shifts")
     return press
 
 
-def _check_windows(cfg: Any, what: str, layer_windows: tuple[int | None, ...], runs_on: type[Executor]) -> None:
+def _check_windows(cfg: Any, what: str, layer_windows: tuple[int | None, ...]) -> None:
     """A press compresses full-attention layers only, each KV group of them with its own keep set: the
     kernels count a window in KV indices, which a compression shifts, so windowed layers need their
     own groups (allocator.kv_groups=auto), and a model of windowed layers only has nothing to press."""
@@ -67,6 +67,3 @@ def _check_windows(cfg: Any, what: str, layer_windows: tuple[int | None, ...], r
     if not layout.is_hybrid:
         raise ConfigError(f"{what} needs allocator.kv_groups=auto on model={cfg.model.name}, whose sliding-window "
                           "layers would otherwise share the full-attention layers' compressed tables")
-    if issubclass(runs_on, SimExecutor):
-        raise ConfigError(f"{what} on executor=sim needs a model of one KV group: model={cfg.model.name} has "
-                          f"{layout.num_groups} (allocator.kv_groups={cfg.allocator.kv_groups}); use executor=model")

@@ -102,11 +102,12 @@ def _attended_pairs(num_positions: int, window: int | None) -> int:
 def step_shape(sched: SchedulerOutput, block_size: int = 16, sliding_window: int | None = None) -> StepShape:
     """The cost-relevant shape of a scheduled step; a row with one new token is a decode row, as
     in the real executor. With a `sliding_window` each query attends to at most that many keys. A
-    compressed sequence (`kv_press`) attends to the tokens it holds: its context less those evicted."""
+    compressed sequence (`kv_press`) attends to the tokens it holds: its context less those evicted,
+    in full-attention layers only (a press leaves a windowed KV group to its window)."""
     # summed in locals, the record built once: this runs every step of every simulated replica
     num_tokens = num_sampled = prefill_pairs = prefill_queries = prefill_context = num_prefill_rows = 0
     decode: list[int] = []
-    offsets = sched.kv_offsets
+    offsets = sched.kv_offsets if sliding_window is None else None
     for i, item in enumerate(sched.scheduled):
         new = item.num_new_tokens
         context = item.seq.num_computed_tokens + new - (offsets[i] if offsets is not None else 0)
@@ -149,6 +150,9 @@ class CostModel:
         self.kv_b = dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes
         self.version, self.partition_size, self.backend = version, partition_size, backend
         self.blocksparse = blocksparse
+        # the KV tensors a compaction copy moves each token in: every layer's, or with KV groups the
+        # `num_slots` of a block (the simulator sets it from its layout)
+        self.kv_tensors = spec.num_layers
         g = hardware.num_gpus
         s = spec
         self.heads = s.num_heads // g
@@ -312,13 +316,13 @@ class CostModel:
 
     def compaction_s(self, shape: StepShape) -> float:
         """KV compression's slot copies (`paged.kernels.copy_slots`, kernels_cu/cache.cuh's
-        move_slots_kernel): per layer a gather launch into a buffer and a scatter launch out of it,
-        each reading and writing every moved token's K and V in device memory."""
+        move_slots_kernel): per KV tensor (`kv_tensors`) a gather launch into a buffer and a scatter
+        launch out of it, each reading and writing every moved token's K and V in device memory."""
         if not shape.num_compact_slots:
             return 0.0
         # K and V; gather and scatter; read and written
-        moved = 2 * 2 * 2 * self.spec.num_layers * shape.num_compact_slots * self.kv_size * self.kv_b
-        return 2 * self.spec.num_layers * self.hw.kernel_launch_s + moved / self.bw
+        moved = 2 * 2 * 2 * self.kv_tensors * shape.num_compact_slots * self.kv_size * self.kv_b
+        return 2 * self.kv_tensors * self.hw.kernel_launch_s + moved / self.bw
 
     def _read(self, context: int) -> float:
         """Context tokens one decode row's kernel reads: all of them, or with block-sparse attention

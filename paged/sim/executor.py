@@ -33,6 +33,7 @@ from omegaconf import OmegaConf
 from paged.config import ConfigError, HardwareConfig, KernelConfig, ModelConfig, resolve_dtype
 from paged.executor.base import Executor, KVCacheSpec, Tokenizer
 from paged.kernels.features import BlockSparse, cache_dtype
+from paged.kv_layout import KVLayout
 from paged.model.spec import model_spec
 from paged.sim.cost_model import CostModel, StepCost, step_shape
 from paged.sim.decode_steps import decode_steps
@@ -168,6 +169,10 @@ class SimExecutor(Executor):
     @cached_property
     def clock(self) -> Clock:
         return VirtualClock()
+
+    def set_kv_layout(self, layout: KVLayout) -> None:
+        super().set_kv_layout(layout)
+        self.cost_model.kv_tensors = layout.num_slots  # what a compaction copy moves: one block's layers
 
     def kv_cache_spec(self, block_size: int) -> KVCacheSpec:
         """A block across all GPUs: with more GPUs than KV heads each GPU keeps a replica of one. A
