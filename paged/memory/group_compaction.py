@@ -7,7 +7,9 @@ is a `CompactingBlockManager` over the shared pool; a press judges every such gr
 from that group's norms or scores and keeps the same number of tokens in each (its budget), and the
 groups are compressed together or not at all. So a sequence has one evicted count, which every
 compressed group's KV indices are offset by (`SchedulerOutput.kv_offsets`) while the windowed
-groups' are not (`KVLayout.full_groups`), and each group remembers its own kept positions.
+groups' are not (`KVLayout.full_groups`), and each group remembers its own kept positions. A
+group's copies move tokens between its own blocks; a pool block holds one group's `num_slots` layers,
+so `copy_slots` over the `num_slots` KV tensors moves exactly that group's K/V.
 """
 
 from __future__ import annotations
