@@ -224,6 +224,20 @@ def test_snapkv_reads_each_groups_own_float64_mass(hybrid) -> None:
     assert summary["kv_press_blocks_freed"] == 2 * (5 + 3)
 
 
+@pytest.mark.parametrize(("press", "compressions", "freed", "kept"), [
+    # after the prompts 7 -> 2 and 5 -> 2 blocks, 32 tokens each; 4 decodes later 3 -> 2 blocks again
+    ("sink-window", 2 + 2, 2 * (5 + 3 + 1 + 1), 2 * 4 * 32),
+    ("h2o", 2 + 2, 2 * (5 + 3 + 1 + 1), 2 * 4 * 32),
+    # the protected whole blocks only (80-99 and 48-69), within the budget 4 decodes later
+    ("block-norm", 2, 2 * (5 + 3), 2 * (20 + 22)),
+])
+def test_every_press_frees_per_full_group_what_its_budget_says(hybrid, press, compressions, freed, kept) -> None:
+    _, summary = hybrid_run(hybrid, f"kv_press={press}", "kv_press.ratio=null", "kv_press.max_tokens=32",
+                            "kv_press.window=8", "kv_press.interval=4", max_tokens=9)
+    assert summary["kv_press_num_compressions"] == compressions
+    assert summary["kv_press_blocks_freed"] == freed and summary["kv_press_tokens_kept"] == kept
+
+
 def test_no_press_on_a_hybrid_model_is_the_plain_group_manager(hybrid) -> None:
     engine = build_engine(compose_config([*HYBRID, *QUIET, "model.device=cpu", "allocator.num_blocks=96"]),
                           executor=hybrid)
