@@ -5,13 +5,13 @@ steps of both replicas rather than take part in one."""
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from paged.engine.pooled_gaps import GapStats, gap_stats, pooled_gaps
 from paged.engine.slo import goodput
 from paged.engine.step_record import StepRecord
 from paged.engine.step_stats import StepStats
@@ -88,8 +88,8 @@ class TransferRecord:
         return self.start_s - self.ready_s
 
 
-# a list of values, or an array where there may be millions (the pooled inter-token latencies)
-Values = list[float] | np.ndarray
+# a list of per-request values (the pooled inter-token gaps, millions, are `paged.engine.pooled_gaps`')
+Values = list[float]
 
 
 def _mean(values: Values) -> float | None:
@@ -105,19 +105,6 @@ def _latencies(name: str, values: Values) -> dict[str, float | None]:
     return {f"{name}_mean_s": _mean(values), **{f"{name}_p{q}_s": _percentile(values, q) for q in (50, 90, 99)}}
 
 
-def _pooled_gaps(times: list[array[float]]) -> np.ndarray:
-    """Every gap between the steps that gave a finished request tokens, pooled (vLLM's ITL): written
-    into one array (a fleet hour's are 30M, 8 bytes each), not gathered and copied."""
-    out = np.empty(sum(max(len(t) - 1, 0) for t in times))
-    start = 0
-    for t in times:
-        if len(t) > 1:
-            values = np.asarray(t, dtype=np.float64)
-            np.subtract(values[1:], values[:-1], out=out[start:start + len(t) - 1])
-            start += len(t) - 1
-    return out
-
-
 def _benchmark_latencies(name: str, seconds: Values) -> dict[str, float | None]:
     """vLLM benchmark_serving's `mean_<name>_ms`, `median_`, `std_`, `p90_`, `p99_`: computed on
     seconds and scaled as it does (np.std: the population deviation); None without values."""
@@ -130,6 +117,20 @@ def _benchmark_latencies(name: str, seconds: Values) -> dict[str, float | None]:
         f"p90_{name}_ms": float(np.percentile(seconds, 90)) * 1000,
         f"p99_{name}_ms": float(np.percentile(seconds, 99)) * 1000,
     }
+
+
+def _gap_latencies(itl: GapStats | None) -> dict[str, float | None]:
+    """`_latencies("itl", gaps)` from the gaps' statistics."""
+    values = (None,) * 4 if itl is None else (itl.mean, itl.p50, itl.p90, itl.p99)
+    return dict(zip(("itl_mean_s", "itl_p50_s", "itl_p90_s", "itl_p99_s"), values))
+
+
+def _gap_benchmark_latencies(itl: GapStats | None) -> dict[str, float | None]:
+    """`_benchmark_latencies("itl", gaps)` from the gaps' statistics."""
+    names = ("mean_itl_ms", "median_itl_ms", "std_itl_ms", "p90_itl_ms", "p99_itl_ms")
+    if itl is None:
+        return dict.fromkeys(names)
+    return dict(zip(names, (v * 1000 for v in (itl.mean, itl.median, itl.std, itl.p90, itl.p99))))
 
 
 # VTC's service weights (OSDI'24): a prompt token costs 1, a generated token 2
@@ -287,7 +288,7 @@ class MetricsRecorder:
         ttfts = [m.ttft_s for m in done if m.ttft_s is not None]
         tpots = [m.tpot_s for m in done if m.tpot_s is not None]
         e2els = [m.e2e_latency_s for m in done if m.e2e_latency_s is not None]
-        itls = _pooled_gaps([r.token_times for r, _ in finished])
+        itl = gap_stats(pooled_gaps([r.token_times for r, _ in finished]))
         input_tokens = sum(m.prompt_len for m in done)
         # the best completion's tokens, as vLLM's client counts one output per request
         output_tokens = sum(m.output_len for m in done)
@@ -308,7 +309,7 @@ class MetricsRecorder:
             "requests_per_s": requests_per_s,
             **_latencies("ttft", ttfts),
             **_latencies("tpot", tpots),
-            **_latencies("itl", itls),
+            **_gap_latencies(itl),
             **_latencies("e2e_latency", e2els),
             "normalized_latency_s_per_token": _mean(
                 [m.normalized_latency_s_per_token for m in done if m.normalized_latency_s_per_token is not None]
@@ -350,7 +351,7 @@ class MetricsRecorder:
             "total_token_throughput": (input_tokens + output_tokens) / wall if wall > 0 else 0.0,
             **_benchmark_latencies("ttft", ttfts),
             **_benchmark_latencies("tpot", tpots),
-            **_benchmark_latencies("itl", itls),
+            **_gap_benchmark_latencies(itl),
             **_benchmark_latencies("e2el", e2els),
         }
 
