@@ -253,13 +253,25 @@ class Sequence:
         )
 
 
-def _held_output(tokens: list[int], seq_tokens: array | None, num_prompt: int) -> array | memoryview:
+def _held_output(tokens: list[int] | array | memoryview, seq_tokens: tuple[list[int] | array, array] | None,
+                 num_prompt: int) -> array | memoryview:
     """A finished completion's tokens held compactly: a view of its sequence's output when equal
-    to it (plain sampling), else an array of its own (a beam hypothesis, a pruned sequence)."""
-    held = array("i", tokens)
-    if seq_tokens is not None and len(seq_tokens) == num_prompt + len(held) and seq_tokens[num_prompt:] == held:
-        return memoryview(seq_tokens)[num_prompt:]
-    return held
+    to it (plain sampling), else an array of its own (a beam hypothesis, a pruned sequence); as it
+    is when held so already. `seq_tokens` is the sequence's tokens as they were (a list is compared
+    as it is, without a conversion) and as held now."""
+    if not isinstance(tokens, list):
+        return tokens
+    if seq_tokens is not None:
+        was, held = seq_tokens
+        if len(was) == num_prompt + len(tokens):
+            if isinstance(was, list):
+                if was[num_prompt:] == tokens:
+                    return memoryview(held)[num_prompt:]
+            elif was[num_prompt:] == (own := array("i", tokens)):
+                return memoryview(held)[num_prompt:]
+            else:
+                return own
+    return array("i", tokens)
 
 
 class Request:
@@ -336,9 +348,12 @@ class Request:
         read for still works: lengths, `outputs()` (lists), indexing and slicing, a follow-up's
         prompt (`follow`); one not yet submitted is `expand`ed first."""
         n = len(self.prompt_token_ids)
+        outputs = {}
         for seq in self.seqs:
-            if not isinstance(seq.token_ids, array):
-                seq.token_ids = array("i", seq.token_ids)  # type: ignore[assignment]
+            was = seq.token_ids
+            if not isinstance(was, array):
+                seq.token_ids = array("i", was)  # type: ignore[assignment]
+            outputs[seq.index] = (was, seq.token_ids)
         if not self.seqs:
             self.prompt_token_ids = array("i", self.prompt_token_ids)  # type: ignore[assignment]
         elif len(first := self.seqs[0].token_ids) == n:
@@ -346,7 +361,6 @@ class Request:
         else:
             self.prompt_token_ids = memoryview(first)[:n]  # type: ignore[assignment]
         if self.completions is not None:
-            outputs = {seq.index: seq.token_ids for seq in self.seqs}
             self.completions = [replace(c, token_ids=_held_output(c.token_ids, outputs.get(c.index), n))
                                 for c in self.completions]
 

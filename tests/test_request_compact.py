@@ -11,7 +11,7 @@ import pytest
 from paged.cluster.fleet_builder import build_fleet, uses_fleet
 from paged.config import compose_config
 from paged.engine.builder import build_engine
-from paged.engine.runner import drive, to_request
+from paged.engine.runner import FollowUps, drive, to_request
 from paged.experiment.run import held_requests, workload_for
 from paged.request import Request
 
@@ -55,3 +55,20 @@ def test_compacted_requests_read_as_lists_do(overrides):
         assert all(r.completions and c.token_ids.obj in [s.token_ids for s in r.seqs] for r in sampled
                    for c in r.completions)
         assert all(type(c.token_ids) is list for r in finished for c in r.outputs())
+
+
+def test_released_follow_up_waits_compacted_and_compacting_again_changes_nothing():
+    requests = _run([*SIM, "workload=multiturn"], compact=True)
+    parent = next(r for r in requests if any(c.follows is not None and c.follows.parent == r.request_id
+                                             for c in requests))
+    child = next(r for r in requests if r.follows is not None and r.follows.parent == parent.request_id)
+    follow_ups = FollowUps([parent, child], compact=True)
+    follow_ups.release([parent])
+    # the conversation so far, waiting for its arrival in 4 bytes a token: the prompt is the sequence's array
+    assert isinstance(child.seqs[0].token_ids, array) and child.prompt_token_ids is child.seqs[0].token_ids
+    child.expand()
+    assert type(child.prompt_token_ids) is list and type(child.seqs[0].token_ids) is list
+    before = _view([parent])
+    held = [c.token_ids for c in parent.completions]
+    parent.compact()
+    assert _view([parent]) == before and [c.token_ids for c in parent.completions] == held

@@ -59,7 +59,7 @@ def drive(
     `compact` holds each finished request's token ids compactly (`Request.compact`), once its
     follow-ups have read them: for runs read afterwards only through `outputs()` and lengths; the
     requests may then be passed compacted too, each `expand`ed as it is submitted."""
-    follow_ups = FollowUps(requests)
+    follow_ups = FollowUps(requests, compact=compact)
     pending = sorted((r for r in requests if r.follows is None), key=lambda r: r.arrival_time)
     clock = engine.clock
     # a wall-clock idle wait in slices, so that a stop is seen while waiting for a far arrival
@@ -120,9 +120,12 @@ class FollowUps:
     """The follow-ups of a run: held until their parent finishes, then due at its finish time plus
     their think time, the parent's prompt and reply before their own tokens (`Request.follow`). A
     follow-up of an aborted parent is released at once, aborted with a reason naming the parent, so
-    that it is recorded (requests.jsonl) rather than lost; its own follow-ups follow it so."""
+    that it is recorded (requests.jsonl) rather than lost; its own follow-ups follow it so. With
+    `compact`, a released follow-up waits for its arrival compacted (`Request.compact`): it holds
+    the whole conversation so far as its prompt."""
 
-    def __init__(self, requests: Sequence[Request]) -> None:
+    def __init__(self, requests: Sequence[Request], compact: bool = False) -> None:
+        self.compact = compact
         self._waiting: dict[str, list[Request]] = {}  # parent id -> its follow-ups, in request order
         self._due: list[tuple[float, int, Request]] = []  # (arrival, order, request): a heap
         self._order = 0
@@ -173,6 +176,8 @@ class FollowUps:
                     aborted.append(request)
                     continue
                 request.follow(parent)
+                if self.compact:
+                    request.compact()
                 heapq.heappush(self._due, (request.arrival_time, self._order, request))
                 self._order += 1
         self.aborted += aborted
