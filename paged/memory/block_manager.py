@@ -335,6 +335,8 @@ class BlockManager(SwapMixin):
             self.prefix_index.withdraw(seq, state.num_published, state.num_announced)
         for block_id in reversed(state.table[state.num_dropped :]):
             self._release(block_id)
+        if seq.is_finished:  # a preempted sequence keeps its chain for its readmission
+            self.prefix_index.forget(seq)
 
     def block_table(self, seq: Sequence) -> list[int]:
         return self._seqs[seq.seq_id].table

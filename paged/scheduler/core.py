@@ -139,6 +139,8 @@ class Scheduler(UpdateMixin, LaggedUpdateMixin, HandoffMixin, KVQueriesMixin, St
     def abort(self, request: Request, reason: str) -> None:
         request.abort_reason = reason
         for seq in request.seqs:
+            seq.status = SeqStatus.FINISHED  # before `free`: a finished sequence's prefix chain goes with its blocks
+            seq.finish_reason = FinishReason.ABORTED
             if self.block_manager.has_blocks(seq):
                 self.block_manager.free(seq)
             if seq in self.waiting:
@@ -149,8 +151,6 @@ class Scheduler(UpdateMixin, LaggedUpdateMixin, HandoffMixin, KVQueriesMixin, St
                 self.swapped.remove(seq)
             if seq in self.receiving:
                 self.receiving.remove(seq)
-            seq.status = SeqStatus.FINISHED
-            seq.finish_reason = FinishReason.ABORTED
         if self._groups.pop(request, None) is not None:  # it was queued: the policy knows it
             self.policy.on_finished(request, self._now)
         self.counters.num_aborted += 1

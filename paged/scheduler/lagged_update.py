@@ -126,8 +126,8 @@ class LaggedUpdateMixin:
             if seq in queue:
                 queue.remove(seq)
                 break
-        if self.block_manager.has_blocks(seq):
-            self.block_manager.free(seq)
-        seq.status = SeqStatus.FINISHED
+        seq.status = SeqStatus.FINISHED  # before `free`: a finished sequence's prefix chain goes with its blocks
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
+        if self.block_manager.has_blocks(seq):
+            self.block_manager.free(seq)
