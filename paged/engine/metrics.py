@@ -88,7 +88,7 @@ class TransferRecord:
         return self.start_s - self.ready_s
 
 
-# a list of per-request values (the pooled inter-token gaps, millions, are `paged.engine.pooled_gaps`')
+# a list of per-request values (the pooled inter-token gaps, millions, are `paged.engine.pooled_gaps`'s)
 Values = list[float]
 
 
