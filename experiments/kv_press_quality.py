@@ -1,7 +1,9 @@
 """What KV compression costs in quality: the real SmolLM2-135M on this CPU, each press at 2x, 4x, 8x.
 
-For each long input (`--length` tokens of public text: paged/data/corpus.txt and the GNU/Apache
-licence texts under /usr/share/common-licenses, or `--text` files), the prompt is computed once with
+For each long input (`--length` tokens of public text: `--samples` stretches evenly spaced through
+paged/data/corpus.txt and the GNU/Apache licence texts under /usr/share/common-licenses, or through
+`--text` files; or, with `--input FILE...` given once per input, the start of each group of files,
+so that inputs can be different texts), the prompt is computed once with
 the full cache; each press then judges it as the engine does after a prompt (`kv_press.interval=0`:
 one `PressView` of the held tokens, their key/value norms and attention mass averaged over layers),
 and the model goes on attending only to the kept tokens, at their original positions:
@@ -136,18 +138,34 @@ def make_press(name: str, ratio: float, window: int, queries: int) -> KVPress:
 
 
 def read_text(paths: list[str]) -> str:
+    """The files' texts joined (the corpus and licences when none are named; a named file must exist)."""
     if not paths:
         corpus = Path(__file__).parents[1] / "paged/data/corpus.txt"
         paths = [str(corpus), *(f"/usr/share/common-licenses/{n}" for n in LICENCES)]
-    return "\n\n".join(Path(p).read_text() for p in paths if Path(p).exists())
+        return "\n\n".join(Path(p).read_text() for p in paths if Path(p).exists())
+    return "\n\n".join(Path(p).read_text() for p in paths)
 
 
-def quality(args: argparse.Namespace, model: Any, scale: float, tokens: list[int]) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
+def inputs(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
+    """Each input's `--length` + `--continuation` tokens: one per `--input` group, else `--samples`
+    stretches evenly spaced through the text."""
     span = args.length + args.continuation
-    starts = np.linspace(0, len(tokens) - span, args.samples).astype(int)
-    for sample, start in enumerate(starts.tolist()):
-        context, continuation = tokens[start : start + args.length], tokens[start + args.length : start + span]
+    if args.input:
+        texts = [tokenizer.encode(read_text(group)) for group in args.input]
+        short = [(group, len(t)) for group, t in zip(args.input, texts, strict=True) if len(t) < span]
+        if short:
+            raise SystemExit(f"--input {short[0][0]} has {short[0][1]} tokens; --length + --continuation need {span}")
+        return [t[:span] for t in texts]
+    tokens = tokenizer.encode(read_text(args.text))
+    if len(tokens) < span:
+        raise SystemExit(f"--length + --continuation need {span} tokens of text; the text has {len(tokens)}")
+    return [tokens[start : start + span] for start in np.linspace(0, len(tokens) - span, args.samples).astype(int)]
+
+
+def quality(args: argparse.Namespace, model: Any, scale: float, texts: list[list[int]]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for sample, tokens in enumerate(texts):
+        context, continuation = tokens[: args.length], tokens[args.length :]
         full, first = prefill(model, context, scale, args.queries)
         everything = np.arange(len(context))
         reference = greedy(model, full.keeping(everything), first, len(context), args.generate)
@@ -194,27 +212,46 @@ def needles(args: argparse.Namespace, model: Any, tokenizer: Any, scale: float, 
     return rows
 
 
+def describe_text(args: argparse.Namespace) -> str:
+    if args.input:
+        return "Inputs: " + "; ".join(" + ".join(Path(p).name for p in group) for group in args.input) + "."
+    if args.text:
+        return f"{args.samples} stretches of " + " + ".join(Path(p).name for p in args.text) + "."
+    return f"{args.samples} stretches of paged/data/corpus.txt and GNU/Apache licence texts."
+
+
+def change(nll: float, base: float) -> str:
+    return f"{100 * (math.exp(nll - base) - 1):+.1f}%"
+
+
 def table(args: argparse.Namespace, rows: list[dict], needle_rows: list[dict], seconds: float) -> str:
+    samples = sorted({r["sample"] for r in rows})
+    base = {s: next(r["nll"] for r in rows if r["press"] == "full" and r["sample"] == s) for s in samples}
     lines = [
-        f"# KV compression quality: SmolLM2-135M (Q4_1 GGUF, fp32, CPU), {args.samples} input(s) of {args.length} "
+        f"# KV compression quality: SmolLM2-135M (Q4_1 GGUF, fp32, CPU), {len(samples)} input(s) of {args.length} "
         f"tokens",
         "",
         f"Held-out continuation of {args.continuation} tokens (perplexity, teacher-forced) and {args.generate} greedy "
         f"tokens compared position by position with the full cache's; compressed once after the prompt "
         f"(interval 0), recent window {args.window} kept, snapkv from the last {args.queries} queries (kernel 7). "
-        f"Text: paged/data/corpus.txt and GNU/Apache licence texts. {seconds:.0f} s on this CPU.",
+        f"{describe_text(args)} Perplexity is exp of the mean NLL over inputs; per input: its own change and "
+        f"greedy agreement. {seconds:.0f} s on this CPU.",
         "",
-        "| press | ratio | kept tokens | perplexity | vs full | greedy agreement |",
-        "|---|---|---|---|---|---|",
+        "| press | ratio | kept tokens | perplexity | vs full | greedy agreement | per input: vs full | per input: "
+        "agreement |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    full = float(np.mean([r["nll"] for r in rows if r["press"] == "full"]))
-    lines.append(f"| full | 1x | {args.length} | {math.exp(full):.3f} | +0.0% | 1.00 |")
+    full = float(np.mean(list(base.values())))
+    per_full = " / ".join(f"{math.exp(base[s]):.2f}" for s in samples)
+    lines.append(f"| full | 1x | {args.length} | {math.exp(full):.3f} | +0.0% | 1.00 | ppl {per_full} | |")
     for name in args.presses:
         for ratio in args.ratios:
-            picked = [r for r in rows if r["press"] == name and r["ratio"] == ratio]
+            picked = sorted((r for r in rows if r["press"] == name and r["ratio"] == ratio), key=lambda r: r["sample"])
             nll, agreement = float(np.mean([r["nll"] for r in picked])), np.mean([r["agreement"] for r in picked])
+            each = " / ".join(change(r["nll"], base[r["sample"]]) for r in picked)
+            each_agreement = " / ".join(f"{r['agreement']:.2f}" for r in picked)
             lines.append(f"| {name} | {ratio}x | {np.mean([r['kept'] for r in picked]):.0f} | {math.exp(nll):.3f} | "
-                         f"{100 * (math.exp(nll - full) - 1):+.1f}% | {agreement:.2f} |")
+                         f"{change(nll, full)} | {agreement:.2f} | {each} | {each_agreement} |")
     if needle_rows:
         cells = sorted({(r["length"], r["depth"]) for r in needle_rows})
         lines += ["", f"Needle in a haystack at {args.needle_ratio}x (hit: the number among 6 greedy tokens), "
@@ -270,7 +307,10 @@ def main() -> None:
     parser.add_argument("--needle-lengths", type=int, nargs="*", default=[1024, 4096])
     parser.add_argument("--needle-depths", type=float, nargs="*", default=[0.1, 0.5, 0.9])
     parser.add_argument("--needle-ratio", type=int, default=4)
-    parser.add_argument("--text", nargs="*", default=[])
+    parser.add_argument("--text", nargs="*", default=[], help="files whose text the --samples inputs and the needles' "
+                        "haystack come from (default: paged/data/corpus.txt and licence texts)")
+    parser.add_argument("--input", nargs="+", action="append", default=[], metavar="FILE",
+                        help="one input: the start of these files' text (repeat for more inputs; replaces --samples)")
     parser.add_argument("--out", type=Path, default=Path("experiments/results/kv-press-quality"))
     args = parser.parse_args()
     start = time.perf_counter()
@@ -278,10 +318,9 @@ def main() -> None:
     ex = build_executor(compose_config(["model=smollm2-135m", "logger=none", "progress=false",
                                         "allocator.num_blocks=16", "kernel.backend=torch"]))
     tokens = ex.tokenizer.encode(read_text(args.text))
-    need = max(args.length + args.continuation, *args.needle_lengths, 0)
-    if len(tokens) < need:
-        raise SystemExit(f"--length/--needle-lengths need {need} tokens of text; the text has {len(tokens)}")
-    rows = quality(args, ex.model, ex.scale, tokens)
+    if len(tokens) < max(args.needle_lengths, default=0):
+        raise SystemExit(f"--needle-lengths need {max(args.needle_lengths)} tokens of text; the text has {len(tokens)}")
+    rows = quality(args, ex.model, ex.scale, inputs(args, ex.tokenizer))
     needle_rows = needles(args, ex.model, ex.tokenizer, ex.scale, tokens)
     args.out.mkdir(parents=True, exist_ok=True)
     seconds = time.perf_counter() - start

@@ -104,6 +104,15 @@ def test_h2o_keeps_the_largest_accumulated_mass_and_the_recent_window() -> None:
     assert H2OPress.accumulates and H2OPress(ratio=2).score_queries is None
 
 
+def test_h2o_gives_half_its_budget_to_the_recent_tokens_as_the_paper_does() -> None:
+    # the heaviest tokens are the earliest (every later query saw them): a window alone would keep only those
+    scores = np.arange(20, 0, -1, dtype=np.float32)
+    view = PressView(np.arange(20), 20, BS, scores=scores)
+    assert H2OPress(max_tokens=8, window=2).keep(view).tolist() == [0, 1, 2, 3, 16, 17, 18, 19]
+    assert H2OPress(max_tokens=8, window=2, recent_share=0).keep(view).tolist() == [0, 1, 2, 3, 4, 5, 18, 19]
+    assert H2OPress(max_tokens=8, window=6, recent_share=0.5).keep(view).tolist() == [0, 1, *range(14, 20)]
+
+
 # -- end to end -------------------------------------------------------------------------------------
 
 
@@ -201,6 +210,7 @@ def test_h2o_frees_the_blocks_its_budget_says(executor, interval) -> None:  # no
     (["kv_press=snapkv", "kv_press.queries=0"], "kv_press.queries=0"),
     (["kv_press=snapkv", "kv_press.kernel=0"], "kv_press.kernel=0"),
     (["kv_press=h2o", "kv_press.ratio=1"], "kv_press.ratio=1"),
+    (["kv_press=h2o", "kv_press.recent_share=1.5"], "kv_press.recent_share=1.5"),
 ])
 def test_bad_scoring_press_settings_fail_before_any_weights_load(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
