@@ -241,8 +241,9 @@ def kept_greedy(ex: ModelExecutor, prompt: list[int], max_tokens: int, press: Si
 PROMPTS = [torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (100, 70, 20)]
 
 
-def press_run(ex: ModelExecutor, *overrides: str, max_tokens: int = 24) -> tuple[list[list[int]], dict]:
-    cfg = compose_config(["model=tiny-random", "logger=none", "progress=false", "allocator.num_blocks=64",
+def press_run(ex: ModelExecutor, *overrides: str, max_tokens: int = 24, model: tuple[str, ...] = ("model=tiny-random",),
+              num_blocks: int = 64) -> tuple[list[list[int]], dict]:
+    cfg = compose_config([*model, "logger=none", "progress=false", f"allocator.num_blocks={num_blocks}",
                           f"allocator.block_size={BS}", *overrides])
     engine = build_engine(cfg, executor=ex)
     requests = [Request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))

@@ -15,7 +15,6 @@ import torch
 
 from paged.config import ConfigError, KernelConfig, ModelConfig, compose_config
 from paged.engine.builder import build_engine, check_config
-from paged.engine.runner import drive
 from paged.executor.model_executor import ModelExecutor
 from paged.kv_layout import KVLayout
 from paged.memory import NaiveAllocator
@@ -23,7 +22,7 @@ from paged.memory.group_compaction import CompactingGroupManager
 from paged.memory.kv_groups import KVGroupManager
 from paged.memory.press import KnormPress, PressView, SinkWindowPress, SnapKVPress
 from paged.request import Request, SamplingParams
-from tests.test_kv_press import BS, PROMPTS, admitted
+from tests.test_kv_press import BS, PROMPTS, admitted, press_run
 from tests.test_kv_press_scores import MassAttention
 
 # layers 0-3 attend to everything, 4-5 within 32 tokens: groups (0, 1) and (2, 3) full, (4, 5) windowed
@@ -112,15 +111,7 @@ class RecordingSnapKV(SnapKVPress):
 
 
 def hybrid_run(ex: ModelExecutor, *overrides: str, max_tokens: int = 24) -> tuple[list[list[int]], dict]:
-    cfg = compose_config([*HYBRID, *QUIET, "model.device=cpu", "allocator.num_blocks=96",
-                          f"allocator.block_size={BS}", *overrides])
-    engine = build_engine(cfg, executor=ex)
-    requests = [Request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-                for i, p in enumerate(PROMPTS)]
-    for r in requests:
-        engine.add_request(r)
-    drive(engine)
-    return [r.seqs[0].output_token_ids for r in requests], engine.kv_press_summary()
+    return press_run(ex, *overrides, max_tokens=max_tokens, model=(*HYBRID, "model.device=cpu"), num_blocks=96)
 
 
 class GroupedKeptAttention:

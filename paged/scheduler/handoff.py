@@ -13,24 +13,17 @@ is not consulted for what the transfer could skip: every prompt block crosses.
 
 from __future__ import annotations
 
-from paged.memory import AllocStatus, BlockManager
+from paged.memory import AllocStatus
 from paged.request import Request, SeqStatus, Sequence
 from paged.scheduler.budget import seats_in_use
-from paged.scheduler.policy import SchedulingPolicy
-from paged.scheduler.sequence_group import SequenceGroup, make_group
+from paged.scheduler.sequence_group import make_group
+from paged.scheduler.state import SchedulerState
 
 
-class HandoffMixin:
+class HandoffMixin(SchedulerState):
     """`Scheduler`'s hand-off half (a base class). `Scheduler.__init__` sets the state it changes."""
 
-    block_manager: BlockManager
-    policy: SchedulingPolicy
-    running: list[Sequence]
-    eos_token_ids: frozenset[int]
-    max_model_len: int
     max_num_seqs: int
-    _groups: dict[Request, SequenceGroup]
-    _now: float
     # prefill pool: requests stop at their first token (set by the fleet that builds the pool)
     hands_off: bool
     handed_off: list[Request]  # stopped since the last `take_handoffs`, their blocks still held

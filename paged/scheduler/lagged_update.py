@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from paged.memory import BlockManager
 from paged.request import FinishReason, Request, SeqStatus, Sequence
+from paged.scheduler.state import SchedulerState
 from paged.scheduler.stop import check_stop
 from paged.step import ExecutorOutput, SchedulerOutput
 
@@ -40,16 +40,9 @@ class Committed:
     preemptions: list[int]
 
 
-class LaggedUpdateMixin:
+class LaggedUpdateMixin(SchedulerState):
     """`Scheduler`'s async half (its base class). `Scheduler.__init__` sets the state it changes."""
 
-    block_manager: BlockManager
-    running: list[Sequence]
-    waiting: list[Sequence]
-    swapped: list[Sequence]
-    eos_token_ids: frozenset[int]
-    max_model_len: int
-    _now: float
     _complete: Callable[[Request], Request]  # `UpdateMixin._complete`
 
     def commit_scheduled(self, sched: SchedulerOutput) -> Committed:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from paged.memory import BlockManager
 from paged.request import Sequence
 from paged.scheduler.budget import StepBudget
+from paged.scheduler.state import SchedulerState
 from paged.step import ScheduledSeq, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -41,15 +42,9 @@ class SteadyRows:
     limits: list[int]
 
 
-class SteadyMixin:
+class SteadyMixin(SchedulerState):
     """`Scheduler`'s steady decode step (its base class). `Scheduler.__init__` sets the state it uses."""
 
-    block_manager: BlockManager
-    running: list[Sequence]
-    waiting: list[Sequence]
-    swapped: list[Sequence]
-    eos_token_ids: frozenset[int]
-    max_model_len: int
     _run: Callable[[SchedulerOutput, StepBudget, list[list[Sequence]], float], None]
     # None: this scheduler's parts rule the steady step out (`_init_steady`)
     _steady: SteadyRows | None

@@ -11,26 +11,18 @@ and a finished sequence's blocks are freed at once. In a disaggregated fleet's p
 
 from __future__ import annotations
 
-from paged.memory import BlockManager
 from paged.request import FinishReason, Request, SeqStatus, Sequence
-from paged.scheduler.policy import SchedulingPolicy
 from paged.scheduler.press_step import PressStep
 from paged.scheduler.sequence_group import GroupUpdate, SequenceGroup
+from paged.scheduler.state import SchedulerState
 from paged.scheduler.steady import SteadyRows
 from paged.scheduler.stop import check_stop
 from paged.step import ExecutorOutput, Samples, SchedulerOutput, TokenLogprobs
 
 
-class UpdateMixin:
+class UpdateMixin(SchedulerState):
     """`Scheduler`'s update half (its base class). `Scheduler.__init__` sets the state it changes."""
 
-    block_manager: BlockManager
-    policy: SchedulingPolicy
-    running: list[Sequence]
-    eos_token_ids: frozenset[int]
-    max_model_len: int
-    _groups: dict[Request, SequenceGroup]
-    _now: float
     hands_off: bool
     press_step: PressStep | None
     _steady: SteadyRows | None
