@@ -20,6 +20,8 @@ BASE = ["executor=sim", "model=llama-3-8b", "hardware=h100-sxm", "kernel=vllm", 
         "scheduler.max_model_len=2048", "logger=none", "progress=false"]
 TIGHT = ["allocator.num_blocks=120"]  # preemptions and admission waits
 FLEET = ["cluster.num_replicas=3", "workload.num_requests=36", "workload.arrival_rate=12"]
+PREFIX_FLEET = ["router=prefix-aware", "allocator=prefix", "workload.shared_prefix_len=64", "workload.num_prefixes=12",
+                "allocator.num_blocks=160"]
 
 CASES = {
     **{f"policy-{p}": [f"scheduler={p}"] for p in
@@ -49,6 +51,9 @@ CASES = {
     "follow-ups": ["workload=multiturn", "workload.num_requests=24"],  # the horizon is a follow-up's due time
     # a replica's finishing step releases a follow-up due almost at once, routed by the others' load:
     # while follow-ups are held a replica runs only up to the next busy replica's clock
+    # a lagging replica answers the router's prefix reads without running its window where they cannot
+    # change, and runs it first where an eviction or a publish could
+    "fleet-prefix-shared": [*FLEET, *PREFIX_FLEET],
     "fleet-follow-ups": ["cluster.num_replicas=3", "router=least-loaded", "workload=multiturn",
                          "workload.num_requests=48", "workload.think_time_s=0.001", "workload.num_sessions=12",
                          "workload.arrival_rate=4"],
@@ -128,9 +133,9 @@ def test_fast_forward_on_a_real_executor_is_a_config_error() -> None:
         check_config(cfg)
 
 
-def test_fleet_windows_run_past_arrivals_routed_elsewhere() -> None:
-    """A replica's window is cut only by what reaches it: between two arrivals that its router sent
-    elsewhere, it keeps running the window it had open (more steps, no new window)."""
+def test_fleet_replicas_lag_behind_arrivals_routed_elsewhere() -> None:
+    """A replica inside its window lags: an arrival its router sends elsewhere (round-robin reads
+    nothing) does not run its steps; they run later, many per call."""
     from paged.cluster.fleet_builder import build_fleet
     from paged.engine.runner import run_workload
     from paged.experiment.run import workload_for
@@ -140,19 +145,55 @@ def test_fleet_windows_run_past_arrivals_routed_elsewhere() -> None:
     forwards = [replica.engine.fast_forward for replica in fleet.replicas]
     assert all(isinstance(ff, FastForward) for ff in forwards)
     route = fleet.router.route
-    seen: list[tuple[list[tuple[int, int]], int]] = []  # per arrival: each replica's (windows, steps), the chosen
+    behind = 0  # (arrival, replica not chosen) where the replica's clock was behind the arrival
 
     def spy(request, replicas):
+        nonlocal behind
         chosen = route(request, replicas)
-        seen.append(([(ff.num_windows, ff.num_steps) for ff in forwards], chosen.index))
+        behind += sum(r is not chosen and r.clock.now() < request.arrival_time for r in replicas)
         return chosen
 
     fleet.router.route = spy  # type: ignore[method-assign]
-    fleet.metrics.keep_steps = False  # as run_experiment's: a call runs a replica's steps up to the next arrival
+    fleet.metrics.keep_steps = False  # as run_experiment's: no step record, so the replicas may lag
+    assert fleet.lags
+    items = workload_for(cfg, fleet)
+    run_workload(fleet, items, progress=False)
+    assert behind > 0
+    calls, steps = sum(ff.num_calls for ff in forwards), sum(ff.num_steps for ff in forwards)
+    # running every replica to every arrival took a call per replica and arrival at least
+    assert calls < steps / 4 and calls < len(items) * len(forwards)
+
+
+def test_a_lagging_replica_answers_a_prefix_read_as_its_steps_would() -> None:
+    """Where a lagging replica answers the prefix-aware router's read without running its window
+    (`window_horizon.prefix_unchanged`), running the window up to the arrival first gives the same
+    answer: over a fleet with shared prefixes and a pool small enough to evict them."""
+    from paged.cluster.fleet_builder import build_fleet
+    from paged.engine.runner import run_workload
+    from paged.experiment.run import workload_for
+    from paged.memory.hashing import prompt_block_hashes
+
+    cfg = compose_config([*BASE, *FLEET, *PREFIX_FLEET, "executor.fast_forward=true"])
+    fleet = build_fleet(cfg)
+    fleet.metrics.keep_steps = False
+    route = fleet.router.route
+    lazy = ran = 0
+
+    def check(request, replicas):
+        nonlocal lazy, ran
+        chain = prompt_block_hashes(request.prompt_token_ids, replicas[0].block_size, request.cache_salt)
+        for replica in replicas:
+            before = replica.clock.now()
+            answer = replica.cached_prefix_blocks(chain)
+            if replica.clock.now() != before:
+                ran += 1  # the replica could not tell: it ran its steps up to the arrival
+                continue
+            if before < replica.reads_at and replica.engine.scheduler.running:
+                lazy += 1
+                replica.run_window_to(replica.reads_at)
+                assert replica.cached_prefix_blocks(chain) == answer
+        return route(request, replicas)
+
+    fleet.router.route = check  # type: ignore[method-assign]
     run_workload(fleet, workload_for(cfg, fleet), progress=False)
-    assert sum(ff.num_calls for ff in forwards) < sum(ff.num_steps for ff in forwards) / 2
-    past = sum(
-        1 for (before, chosen), (after, _) in zip(seen, seen[1:]) for i in range(len(forwards))
-        if i != chosen and after[i][0] == before[i][0] and after[i][1] > before[i][1]
-    )
-    assert past > 0
+    assert lazy > 0 and ran > 0

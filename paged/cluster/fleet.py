@@ -13,10 +13,10 @@ throughput are computed over every request as for one engine; each replica keeps
 from __future__ import annotations
 
 import dataclasses
-import heapq
 from typing import Any
 
 from paged.cluster.replica import Replica
+from paged.cluster.replica_queue import ReplicaQueue
 from paged.cluster.router import Router
 from paged.engine.held_steps import HeldSteps
 from paged.engine.metrics import MetricsRecorder
@@ -56,12 +56,27 @@ class FleetClock(Clock):
             self._wall.wait_until(t)
 
 
+# held steps past which the fleet counts those every replica has passed (their memory is bounded, and
+# each count merges many)
+_HELD_STEPS = 1024
+
+
 class Fleet:
     """Replicas behind a router. Public state: `replicas`, `router`, `metrics` (the fleet's
     recorder), `clock`; `live` lists the replicas still alive.
 
-    On a simulated clock the busy replicas wait in a heap by their clock (a replica's clock moves
-    only when it steps, or when it takes a request while idle), so a step costs O(log replicas)."""
+    On a simulated clock the busy replicas wait in a heap by the time each steps next, so a step
+    costs O(log replicas): a replica's clock (it moves only when it steps, or when it takes a
+    request while idle), or, for a replica inside a fast-forward window, a lower bound of its
+    window's end (`Replica.next_event`). Such a replica **lags**: its window steps run only when
+    something needs them: its window's end, a request routed to it, or a router's read they could
+    change (`Replica.reads_at`: the replica runs the steps that start before the arrival first,
+    `run_window_to`). It changes only by its own steps and what is routed to it, so at every arrival
+    the router reads what stepping would show it, and the steps run in the same order per
+    replica; the fleet's step statistics are held until every replica has passed them, and
+    counted in stepping's order (`HeldSteps`). A fleet lags when every replica can
+    (`Replica.can_lag`: a simulated engine with fast-forward) and no step record is kept or
+    listened to (those are made in step order)."""
 
     def __init__(self, replicas: list[Replica], router: Router, metrics: MetricsRecorder | None = None) -> None:
         if not replicas:
@@ -71,8 +86,10 @@ class Fleet:
         self.metrics = metrics or MetricsRecorder()
         self.clock: Clock = FleetClock(self, simulated=replicas[0].clock.simulated)
         self._turn = 0
-        self._queue: list[tuple[float, int]] = []  # simulated: (clock, index) of each busy replica
+        self._queue = ReplicaQueue()  # simulated: each busy replica by when it steps next
         self._held = HeldSteps(self.metrics.step_stats)
+        self._lags: bool | None = None  # decided at the first request (listeners are added before it)
+        self._now = 0.0  # simulated: when the latest step popped from the queue starts
         for replica in replicas:
             replica.hold_steps(self._held)
 
@@ -87,15 +104,39 @@ class Fleet:
         return any(r.has_unfinished for r in self.live)
 
     def next_step_time(self) -> float | None:
-        """Simulated: the clock of the busy replica that steps next; None when none is busy."""
-        return self._queue[0][0] if self._queue else None
+        """Simulated: when the busy replica that steps next does (a lagging one: a lower bound);
+        None when none is busy."""
+        return self._queue.peek()
+
+    @property
+    def lags(self) -> bool:
+        """Whether its replicas lag inside their windows (the class docstring)."""
+        if self._lags is None:
+            self._lags = (self.clock.simulated and all(r.can_lag for r in self.replicas)
+                          and not self.metrics.records_steps)
+        return self._lags
 
     def add_request(self, request: Request) -> None:
-        replica = self.router.route(request, self.live)
-        was_busy = replica.has_unfinished
+        live = self.live
+        if not self.lags:
+            replica = self.router.route(request, live)
+            was_busy = replica.has_unfinished
+            replica.add_request(request)
+            if self.clock.simulated and not was_busy:
+                self._queue.push(replica.index, replica.clock.now())
+            return
+        # the router reads each replica as of the arrival (one released at once, as of now)
+        t = max(request.arrival_time, self._now)
+        for r in live:
+            r.reads_at = t
+        try:
+            replica = self.router.route(request, live)
+        finally:
+            for r in live:
+                r.reads_at = None
+        replica.run_window_to(t)
         replica.add_request(request)
-        if self.clock.simulated and not was_busy:
-            heapq.heappush(self._queue, (replica.clock.now(), replica.index))
+        self._queue.push(replica.index, replica.clock.now())  # its window ends here
 
     def step(self, until: float | None = None, releases: bool = False) -> list[Request]:
         """Step the replica whose turn it is: the earliest busy one on a simulated clock, else the
@@ -108,14 +149,16 @@ class Fleet:
         only the steps that start before the next busy replica's clock, as stepping would run
         them. The steps run ahead of others' are counted in their turn (`HeldSteps`)."""
         if self.clock.simulated:
-            start, index = heapq.heappop(self._queue)
-            self._held.release(start, index)
+            start, index = self._queue.pop()
+            self._now = start
             replica = self.replicas[index]
-            if until is not None and releases:
-                until = min(until, self._queue[0][0]) if self._queue else until
+            if len(self._held) >= _HELD_STEPS:
+                self._held.release(*self._next_step(start, index))
+            if until is not None and releases and self._queue:
+                until = min(until, self._queue.peek())  # type: ignore[type-var]
             finished = replica.step(until)
             if replica.has_unfinished:
-                heapq.heappush(self._queue, (replica.clock.now(), index))
+                self._queue.push(index, replica.next_event() if self.lags else replica.clock.now())
             elif not self._queue:
                 self._held.release_all()
             return finished
@@ -123,6 +166,13 @@ class Fleet:
         replica = busy[self._turn % len(busy)]
         self._turn += 1
         return replica.step()
+
+    def _next_step(self, start: float, index: int) -> tuple[float, int]:
+        """(start, replica) of the earliest step still to run, `index` popped at `start` to step:
+        no held step after it can be counted yet. A lagging replica's key is not its clock."""
+        if not self.lags:
+            return start, index
+        return min((self.replicas[i].clock.now(), i) for i in (index, *self._queue.indices()))
 
     def request_counts(self) -> tuple[int, int]:
         """Requests running and waiting over the live replicas (`Engine.request_counts`)."""
@@ -135,6 +185,9 @@ class Fleet:
         no replica holds (finished, or never submitted) is left as it is."""
         replica = next((r for r in self.live if request in r.held), None)
         if replica is not None:
+            if self.lags:
+                replica.run_window_to(self._now)
+                self._queue.push(replica.index, replica.clock.now())  # its window ends here
             replica.abort(request, reason)
 
     def abort_all(self, reason: str) -> list[Request]:

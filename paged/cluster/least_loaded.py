@@ -20,4 +20,4 @@ class LeastLoadedRouter(Router):
         self.metric = metric
 
     def route(self, request: Request, replicas: Sequence[ReplicaView]) -> ReplicaView:
-        return min(replicas, key=lambda r: r.load().metric(self.metric))
+        return min(replicas, key=lambda r: r.load_metric(self.metric))

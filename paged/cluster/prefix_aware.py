@@ -40,7 +40,7 @@ class PrefixAwareRouter(Router):
 
     def route(self, request: Request, replicas: Sequence[ReplicaView]) -> ReplicaView:
         chain = prompt_block_hashes(request.prompt_token_ids, replicas[0].block_size, request.cache_salt)
-        loads = {r.index: r.load().num_requests for r in replicas}
+        loads = {r.index: r.load_metric("num_requests") for r in replicas}
         least = min(replicas, key=lambda r: (loads[r.index], r.index))
         best, best_blocks = least, 0
         for replica in replicas:

@@ -48,6 +48,11 @@ class ReplicaView(ABC):
     @abstractmethod
     def load(self) -> ReplicaLoad: ...
 
+    def load_metric(self, name: str) -> float:
+        """One of `load()`'s numbers (`LOAD_METRICS`), for a router that balances on one: a replica
+        may know it without taking the whole load (a lagging one, without running its steps)."""
+        return self.load().metric(name)
+
     @abstractmethod
     def cached_prefix_blocks(self, chain: list[bytes]) -> int:
         """Blocks from the start of `chain` (a prompt's `paged.memory.hashing.prompt_block_hashes`)
@@ -70,10 +75,35 @@ class Replica(ReplicaView):
         self.num_steps = 0
         self.kv_usage_sum = 0.0
         self.kv_usage_max = 0.0
+        # a lagging fleet's arrival: the time the router reads this replica at (None: now)
+        self.reads_at: float | None = None
 
     @property
     @abstractmethod
     def clock(self) -> Clock: ...
+
+    @property
+    def can_lag(self) -> bool:
+        """Whether it can lag behind its fleet's clock inside a fast-forward window (`Fleet`):
+        it knows a lower bound of its next other step (`next_event`) and runs its window steps up
+        to a time when asked (`run_window_to`)."""
+        return False
+
+    def next_event(self) -> float:
+        """A lower bound of when its next step that is not a window step starts (its clock when
+        it cannot lag)."""
+        return self.clock.now()
+
+    def run_window_to(self, t: float) -> None:  # noqa: B027 - optional hook
+        """Run its window steps that start before `t`; nothing where it cannot lag."""
+
+    def load_metric(self, name: str) -> float:
+        # the requests it holds and their tokens change only when it takes or finishes one
+        if name == "num_requests":
+            return float(len(self.held))
+        if name == "outstanding_tokens":
+            return float(self.outstanding_tokens)
+        return self.load().metric(name)
 
     @property
     def has_unfinished(self) -> bool:
@@ -90,12 +120,16 @@ class Replica(ReplicaView):
         """Run one step, and with a horizon `until` (the fleet's next arrival) the fast-forward
         steps after it that start before it; returns the requests they finished or aborted."""
         finished = self._step() if until is None else self._step_until(until)
-        for usage in self._usages_before_last():  # each step's record, the last one's below
+        self._count_steps(finished)
+        return finished
+
+    def _count_steps(self, finished: list[Request]) -> None:
+        """Each step's record of the latest call (the last one's with what it finished)."""
+        for usage in self._usages_before_last():
             self.num_steps += 1
             self.kv_usage_sum += usage
             self.kv_usage_max = max(self.kv_usage_max, usage)
         self._record(finished)
-        return finished
 
     def hold_steps(self, held: HeldSteps) -> None:  # noqa: B027 - optional hook
         """Count the statistics of the steps a call runs after its first through `held` (they run
@@ -224,10 +258,33 @@ class LocalReplica(Replica):
         return self.engine.step(until)
 
     def hold_steps(self, held: HeldSteps) -> None:
+        index = self.index
+
+        def hold(start: float, step: tuple[Any, ...]) -> None:
+            held.hold(start, index, step)
+
+        self.engine.hold = hold
         ff = self.engine.fast_forward
         if isinstance(ff, FastForward):
-            index = self.index
-            ff.hold = lambda start, step: held.hold(start, index, step)
+            ff.hold = hold
+
+    @property
+    def can_lag(self) -> bool:
+        return isinstance(self.engine.fast_forward, FastForward) and self.engine.clock.simulated
+
+    def next_event(self) -> float:
+        ff = self.engine.fast_forward
+        return ff.horizon(self.engine) if isinstance(ff, FastForward) else self.engine.clock.now()
+
+    def run_window_to(self, t: float) -> None:
+        engine = self.engine
+        if engine.clock.now() >= t or not engine.has_unfinished:
+            return
+        ff = engine.fast_forward
+        if not isinstance(ff, FastForward) or not ff.step(engine, t) or engine.clock.now() < t:
+            # `next_event` promised window steps up to its bound: a wrong bound would skew the run
+            raise AssertionError(f"replica {self.index}: its window ended before {t}, inside its horizon")
+        self._count_steps([])
 
     def _usages_before_last(self) -> list[float]:
         ff = self.engine.fast_forward
@@ -269,6 +326,8 @@ class LocalReplica(Replica):
         self.engine.executor.shutdown()
 
     def load(self) -> ReplicaLoad:
+        if self.reads_at is not None:
+            self.run_window_to(self.reads_at)
         s = self.engine.scheduler
         return ReplicaLoad(
             outstanding_tokens=self.outstanding_tokens,
@@ -285,4 +344,12 @@ class LocalReplica(Replica):
         return self.engine.kv_usage()
 
     def cached_prefix_blocks(self, chain: list[bytes]) -> int:
-        return self.engine.cached_prefix_blocks(chain)
+        engine, t = self.engine, self.reads_at
+        matched = engine.cached_prefix_blocks(chain)
+        if t is None or engine.clock.now() >= t:
+            return matched
+        ff = engine.fast_forward
+        if isinstance(ff, FastForward) and ff.prefix_unchanged(engine, chain, matched):
+            return matched  # what the steps before `t` would leave it at
+        self.run_window_to(t)
+        return engine.cached_prefix_blocks(chain)

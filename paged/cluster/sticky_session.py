@@ -21,7 +21,7 @@ class SessionRouter(Router):
         home = self._home.get(request.client_id) if request.client_id is not None else None
         if home is not None and home in by_index:
             return by_index[home]
-        replica = min(replicas, key=lambda r: r.load().outstanding_tokens)
+        replica = min(replicas, key=lambda r: r.load_metric("outstanding_tokens"))
         if request.client_id is not None:
             self._home[request.client_id] = replica.index
         return replica

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any, Protocol
 
 from paged.engine.async_step import AsyncStep
+from paged.engine.held_steps import Hold
 from paged.engine.metrics import MetricsRecorder
 from paged.executor.base import Executor
 from paged.request import Request
@@ -45,6 +46,8 @@ class Engine:
         self.async_step = AsyncStep(scheduler, executor, self.metrics) if async_scheduling else None
         # executor=sim's exact fast-forward over decode steps in which nothing can change (None: off)
         self.fast_forward: StepShortcut | None = None
+        # a fleet's replica: where its steps' statistics wait for their turn (`HeldSteps`; None: counted now)
+        self.hold: Hold | None = None
 
     def add_request(self, request: Request) -> None:
         if request.params.max_tokens is None:
@@ -120,7 +123,7 @@ class Engine:
         output = self.executor.execute(sched) if busy else ExecutorOutput([])
         finished = self.scheduler.update_from_output(sched, output, self.clock.now())
         if sched.scheduled:
-            self.metrics.on_step(sched, output, self.scheduler.stats(), start, self.clock.now())
+            self.metrics.on_step(sched, output, self.scheduler.stats(), start, self.clock.now(), self.hold)
         return finished
 
     # -- what callers ask ------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from paged.engine.window_horizon import evicts, prefix_unchanged, steps_left
 from paged.engine.window_steps import Hold, Row, Window, run_steps
 from paged.memory import BlockManager
 from paged.memory.reservation import ExactReservation, MaxReservation, OracleReservation, Pow2Reservation
@@ -80,6 +81,29 @@ class FastForward:
     def cut(self) -> None:
         """Something other than a step happened (an arrival, an abort): end the window here."""
         self._window = None
+
+    def horizon(self, engine: Engine) -> float:
+        """A lower bound of when the engine's next step that is not a window step starts (planning
+        the window that starts now if none is open): the clock plus the window's steps left times a
+        lower bound of any of their costs; the clock itself when its next step is not a window's."""
+        now = engine.clock.now()
+        window = self._window or self._plan(engine)
+        if window is None:
+            return now
+        executor = engine.executor
+        assert isinstance(executor, SimExecutor)
+        floor = executor.decode_floor(len(window.rows))
+        steps = steps_left(window, executor.vocab_size)
+        if floor is None or steps <= 0:
+            return now
+        return now + steps * floor
+
+    def prefix_unchanged(self, engine: Engine, chain: list[bytes], matched: int) -> bool:
+        """Whether the open window's steps leave the prefix cache's match of `chain` at `matched`
+        (`window_horizon.prefix_unchanged`); False without an open window."""
+        window = self._window
+        bm = engine.scheduler.block_manager
+        return window is not None and isinstance(bm, BlockManager) and prefix_unchanged(window, bm, chain, matched)
 
     # -- planning ------------------------------------------------------------------------------------
 
@@ -135,7 +159,7 @@ class FastForward:
         lengths = [len(seq.token_ids) for seq in seqs]
         # the blocks the window's growth takes (what `try_append_slots` adds, ExactReservation or a
         # larger reservation alike), which the free blocks must cover: else a step could preempt
-        limit = self._block_limit(s.block_manager, seqs, lengths, limit)
+        limit, new_blocks = self._block_limit(s.block_manager, seqs, lengths, limit)
         if limit < 1:
             return None
         eos, bm = s.eos_token_ids, s.block_manager
@@ -159,12 +183,12 @@ class FastForward:
                             blocks, stops, seq.num_prompt_tokens + params.min_tokens - 1, not common))
         # the rows a token could stop first: the steps' tokens are walked only as far as the first stop
         order = sorted(range(len(rows)), key=lambda r: not rows[r].stops)
-        self._window = Window(rows, limit, lengths, order)
+        self._window = Window(rows, limit, lengths, order, evicts=evicts(bm, new_blocks))
         return self._window
 
     @staticmethod
-    def _block_limit(bm: BlockManager, seqs: list[Sequence], lengths: list[int], limit: int) -> int:
-        """The steps (at most `limit`) whose growth the free blocks cover."""
+    def _block_limit(bm: BlockManager, seqs: list[Sequence], lengths: list[int], limit: int) -> tuple[int, int]:
+        """The steps (at most `limit`) whose growth the free blocks cover, and the blocks they take."""
         bs = bm.block_size
         # a contiguous allocator's extents: only a window that adds no block is planned here
         free = 0 if bm.allocator.contiguous else bm.allocator.num_free_blocks
@@ -179,8 +203,9 @@ class FastForward:
                 total += max(-(-covered // bs) - table, 0)
             return total
 
-        if needed(limit) <= free:
-            return limit
+        total = needed(limit)
+        if total <= free:
+            return limit, total
         lo, hi = 0, limit  # the largest k with needed(k) <= free: needed grows with k
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -188,4 +213,4 @@ class FastForward:
                 lo = mid
             else:
                 hi = mid - 1
-        return lo
+        return lo, needed(lo)

@@ -11,10 +11,11 @@ from typing import Any
 
 import numpy as np
 
+from paged.engine.held_steps import Hold
 from paged.engine.pooled_gaps import GapStats, gap_stats, pooled_gaps
 from paged.engine.slo import goodput
 from paged.engine.step_record import StepRecord
-from paged.engine.step_stats import StepStats
+from paged.engine.step_stats import StepStats, record_step
 from paged.request import FinishReason, Request, Sequence
 from paged.step import ExecutorOutput, KVStats, SchedulerOutput, SchedulerStats
 
@@ -182,14 +183,21 @@ class MetricsRecorder:
                 self.client_service[client] += item.num_new_tokens * weight
 
     def on_step(
-        self, sched: SchedulerOutput, output: ExecutorOutput, stats: SchedulerStats, start: float, end: float
+        self, sched: SchedulerOutput, output: ExecutorOutput, stats: SchedulerStats, start: float, end: float,
+        hold: Hold | None = None,
     ) -> None:
-        self.add_step(self.step_record(
+        """A step ran: its record is counted, or with `hold` (a fleet's replica, where no record is
+        kept or listened to) its statistics are held for their turn (`HeldSteps`)."""
+        record = self.step_record(
             sched.is_prefill, len(sched.scheduled), sched.num_decode_rows, sched.num_batched_tokens,
             output.num_computed_tokens, sum(map(len, output.sampled)), output.model_time_s,
             output.attention_version, len(sched.preempted),
             len(sched.blocks_to_swap_out) + len(sched.blocks_to_swap_in), stats, start, end,
-        ))
+        )
+        if hold is not None and not self.records_steps:
+            hold(start, record_step(record))
+        else:
+            self.add_step(record)
 
     @staticmethod
     def step_record(

@@ -77,13 +77,20 @@ def drive(
             if stop is not None and stop.requested:
                 bar.step(_abort_all(engine, follow_ups))
                 return True
+            # each arrival in time order, once the engine's clock reaches it; the clock is read again
+            # after each, since taking a request can move it back: a fleet's idle replica joins at
+            # the arrival's time, and its first step comes before a later arrival
             now = clock.now()
-            while i < len(pending) and pending[i].arrival_time <= now:
-                submit(pending[i])
-                i += 1
-            for request in follow_ups.due(now):
-                submit(request)
-            next_arrival = min(pending[i].arrival_time if i < len(pending) else math.inf, follow_ups.next_due)
+            while True:
+                next_arrival = min(pending[i].arrival_time if i < len(pending) else math.inf, follow_ups.next_due)
+                if next_arrival > now:
+                    break
+                if i < len(pending) and pending[i].arrival_time == next_arrival:
+                    submit(pending[i])
+                    i += 1
+                else:
+                    submit(follow_ups.pop_due())
+                now = clock.now()
             if not engine.has_unfinished:
                 clock.wait_until(min(next_arrival, now + slice_s))
                 continue
@@ -158,12 +165,9 @@ class FollowUps:
         """The arrival time of the next released follow-up; inf when none waits."""
         return self._due[0][0] if self._due else math.inf
 
-    def due(self, now: float) -> list[Request]:
-        """The released follow-ups whose arrival time `now` reached, in arrival order."""
-        ready = []
-        while self._due and self._due[0][0] <= now:
-            ready.append(heapq.heappop(self._due)[2])
-        return ready
+    def pop_due(self) -> Request:
+        """The released follow-up that arrives next (`next_due`)."""
+        return heapq.heappop(self._due)[2]
 
     def release(self, finished: Iterable[Request]) -> list[Request]:
         """Release the follow-ups of the `finished` requests: those of a finished parent become due

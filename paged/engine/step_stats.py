@@ -70,14 +70,7 @@ class StepStats:
         self._chunks: list[list[tuple[int, int]]] = [[] for _ in self._columns]  # per column: (offset, count)
 
     def add(self, s: StepRecord) -> None:
-        self._count(
-            s.num_computed_tokens, s.step_time_s, s.overhead_s, s.num_scheduled_tokens - s.num_decode_rows,
-            s.num_sampled_tokens, s.time_s, s.kv_usage,
-            (s.kv_token_state_fraction, s.kv_reserved_fraction, s.kv_internal_frag_fraction,
-             s.kv_external_frag_fraction, s.kv_free_fraction),
-            s.num_allocated_blocks, s.token_state_fraction, s.num_logical_blocks, s.kv_sharing_saving,
-            s.num_running, s.kv_tokens_held, s.num_decode_rows, s.attention_version,
-        )
+        self._count(*record_step(s))
 
     def add_decode(self, num_rows: int, model_time_s: float, attention_version: str | None, kv: KVStats,
                    used: int, reserved: int, start: float, end: float) -> None:
@@ -193,6 +186,18 @@ class StepStats:
     def _column_mean(self, column: array) -> float | None:
         """np.mean of a column's values, read back one column at a time."""
         return _mean(self._values(column))
+
+
+def record_step(s: StepRecord) -> tuple[Any, ...]:
+    """A step's record as `StepStats._count`'s arguments (what `add` counts, or a fleet holds)."""
+    return (
+        s.num_computed_tokens, s.step_time_s, s.overhead_s, s.num_scheduled_tokens - s.num_decode_rows,
+        s.num_sampled_tokens, s.time_s, s.kv_usage,
+        (s.kv_token_state_fraction, s.kv_reserved_fraction, s.kv_internal_frag_fraction,
+         s.kv_external_frag_fraction, s.kv_free_fraction),
+        s.num_allocated_blocks, s.token_state_fraction, s.num_logical_blocks, s.kv_sharing_saving,
+        s.num_running, s.kv_tokens_held, s.num_decode_rows, s.attention_version,
+    )
 
 
 def decode_step(num_rows: int, model_time_s: float, attention_version: str | None, kv: KVStats, used: int,

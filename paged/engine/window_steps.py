@@ -16,18 +16,19 @@ caller knows of: an arrival), as stepping would run them one by one, to the bit:
   to where that step finds them;
 - statistics: each step's `decode_step` (`StepStats.add_decode`'s), from the ledger's slots after
   it (the used and reserved counts rebuilt from each run's and each edge call's changes) and the
-  blocks as the latest table-growing step left them; a fleet's replica holds those after its
-  first step for their turn (`hold`, `HeldSteps`). A run that keeps step records runs one step a
+  blocks as the latest table-growing step left them; a fleet's replica holds them for their turn
+  (`hold`, `HeldSteps`). A run that keeps step records runs one step a
   call (`_one_step`), its record made from the scheduler's stats as before.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from paged.engine.held_steps import Hold
 from paged.engine.step_stats import decode_step
 from paged.memory.block_manager import _SeqBlocks
 from paged.request import Sequence
@@ -37,9 +38,6 @@ from paged.step import KVStats
 
 if TYPE_CHECKING:
     from paged.engine.engine import Engine
-
-# takes a step's statistics (its start, its `decode_step`) to count later, in its turn
-Hold = Callable[[float, tuple[Any, ...]], None]
 
 # below this many rows a window's step costs are taken from each step's contexts (`decode_cost`),
 # from this many on from sums kept as they grow (`decode_costs`): both are the same to the bit
@@ -75,6 +73,8 @@ class Window:
     done: int = 0
     kv: KVStats | None = None  # the cache after the latest step that grew a block table (statistics only)
     free_blocks: list[int] = field(default_factory=list)  # the free blocks after each step of the latest call
+    evicts: bool = True  # whether the window's growth could evict a cached block (`window_horizon.evicts`)
+    stop_at: int | None = None  # the step a token would stop a row at, once looked for (`window_horizon`)
 
 
 def _costs(executor: SimExecutor, contexts: list[int], cap: int, start: float, until: float
@@ -166,8 +166,8 @@ def run_steps(engine: Engine, window: Window, until: float | None, hold: Hold | 
     """Run the window's next steps: the first, and with a horizon `until` every later one that
     starts before it (None: the first only). Returns how many ran; 0 (nothing changed) when the
     window is over: its last planned step ran, a token would stop a row, or the cost model cannot
-    price the next step from its rows alone. `hold` takes the statistics of every step after the
-    first (its start, its `decode_step`) instead of counting them now (a fleet's `HeldSteps`)."""
+    price the next step from its rows alone. `hold` takes the statistics of every step (its start,
+    its `decode_step`) instead of counting them now (a fleet's `HeldSteps`)."""
     metrics = engine.metrics
     records = metrics.records_steps
     cap = window.limit - window.done
@@ -185,7 +185,7 @@ def run_steps(engine: Engine, window: Window, until: float | None, hold: Hold | 
     if k == 0:
         return 0
     if k == 1:
-        _one_step(engine, window, costs[0], token_lists)
+        _one_step(engine, window, costs[0], token_lists, hold)
         return 1
     s = engine.scheduler
     bm = s.block_manager
@@ -282,7 +282,7 @@ def _count(engine: Engine, window: Window, costs: list[StepCost], start: float, 
         assert window.kv is not None
         step = decode_step(n, cost.total_s - cost.overhead_s, cost.decode_version, window.kv, used, reserved, start,
                            ends[j])
-        if j and hold is not None:
+        if hold is not None:
             hold(start, step)
         else:
             count(step)
@@ -291,7 +291,8 @@ def _count(engine: Engine, window: Window, costs: list[StepCost], start: float, 
     return free_blocks
 
 
-def _one_step(engine: Engine, window: Window, cost: StepCost, token_lists: list[list[int]]) -> None:
+def _one_step(engine: Engine, window: Window, cost: StepCost, token_lists: list[list[int]], hold: Hold | None
+              ) -> None:
     """`run_steps` for a single step (a fleet's replica, a window's last step before an arrival),
     without its bookkeeping for many: a row's slot goes into the private block the previous step
     wrote, unless it opens a block or fills one (or, on the window's first step, the common path's
@@ -343,5 +344,8 @@ def _one_step(engine: Engine, window: Window, cost: StepCost, token_lists: list[
         window.kv = bm.stats()
     ledger = bm.ledger
     assert window.kv is not None
-    metrics.step_stats.add_decode(n, model_time, cost.decode_version, window.kv, ledger.num_used,
-                                  ledger.num_reserved, start, now)
+    step = decode_step(n, model_time, cost.decode_version, window.kv, ledger.num_used, ledger.num_reserved, start, now)
+    if hold is not None:
+        hold(start, step)
+    else:
+        metrics.step_stats.count(step)

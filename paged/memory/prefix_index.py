@@ -190,6 +190,10 @@ class PrefixIndex:
         sequence (a finished request keeps its sequences: a fleet hour's chains were 400 MB)."""
         self._chains.pop(seq, None)
 
+    def chain(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The first `num_blocks` chained block hashes of `seq` (its full blocks' tokens)."""
+        return self._chain(seq, num_blocks)[:num_blocks]
+
     def _chain(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The first `num_blocks` chained block hashes of `seq`, extending the cached chain."""
         chain = self._chains.get(seq)

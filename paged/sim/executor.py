@@ -249,6 +249,15 @@ class SimExecutor(Executor):
                     for j in itertools.count())
         return decode_steps(self.cost_model, contexts, self.block_size)
 
+    def decode_floor(self, num_rows: int) -> float | None:
+        """A lower bound of `decode_cost(contexts).total_s` for any `num_rows` contexts (a lagging
+        replica's horizon): the step without its attention, with the fewest kernels a layer; shaved
+        by a millionth so that no rounding of the summed costs can cross it. None where
+        `decode_cost` is."""
+        if self._window_layers or self.tier_disk is not None:
+            return None
+        return self.cost_model.decode_cost_of(num_rows, 0.0, "v1").total_s * (1.0 - 1e-6)
+
     def advance(self, cost: StepCost) -> None:
         """Account a step of `cost` run without `execute` (fast-forward): the clock and `last_cost`."""
         self.last_cost = cost
