@@ -17,8 +17,9 @@ it knows of: nothing reaches the engine before it), or one step a call without o
 every arrival the engine is exactly where stepping would have it: its clock, its blocks and prefix
 cache, what a router reads of it. What arrives ends the window (`cut`, from `Engine.add_request`
 and the aborts) before its next step, which the engine then schedules as it would have. So a
-fleet's replica runs its window past the arrivals its router sends elsewhere, whatever the router
-asks of it (`Fleet.step`), and the single engine up to its next arrival. Inside a window a step
+fleet's replica lags inside its window, past the arrivals its router sends elsewhere (`Fleet`;
+`horizon` bounds the window's end, `prefix_unchanged` says whether a router's read can wait), and
+the single engine runs up to its next arrival. Inside a window a step
 does what stepping would, with the same arithmetic in the same order, and skips what cannot
 change: the scheduler's queue walk, the policy, the batch objects.
 """
