@@ -90,6 +90,7 @@ class Fleet:
         self._held = HeldSteps(self.metrics.step_stats)
         self._lags: bool | None = None  # decided at the first request (listeners are added before it)
         self._now = 0.0  # simulated: when the latest step popped from the queue starts
+        self._release_at = _HELD_STEPS  # held steps at which the next count comes
         for replica in replicas:
             replica.hold_steps(self._held)
 
@@ -152,8 +153,10 @@ class Fleet:
             start, index = self._queue.pop()
             self._now = start
             replica = self.replicas[index]
-            if len(self._held) >= _HELD_STEPS:
+            if len(self._held) >= self._release_at:
                 self._held.release(*self._next_step(start, index))
+                # a replica lagging far behind keeps many held: count again once they doubled
+                self._release_at = max(_HELD_STEPS, 2 * len(self._held))
             if until is not None and releases and self._queue:
                 until = min(until, self._queue.peek())  # type: ignore[type-var]
             finished = replica.step(until)

@@ -120,6 +120,7 @@ class SimExecutor(Executor):
         self.block_size = 16
         self.configure_kernel(kernel)
         self.last_cost: StepCost | None = None
+        self._floors: dict[int, float] = {}  # `decode_floor` per batch size
         self.tier_disk: SimTierDisk | None = None
 
     def host_memory_bytes(self) -> None:
@@ -256,7 +257,10 @@ class SimExecutor(Executor):
         `decode_cost` is."""
         if self._window_layers or self.tier_disk is not None:
             return None
-        return self.cost_model.decode_cost_of(num_rows, 0.0, "v1").total_s * (1.0 - 1e-6)
+        floor = self._floors.get(num_rows)
+        if floor is None:
+            floor = self._floors[num_rows] = self.cost_model.decode_cost_of(num_rows, 0.0, "v1").total_s * (1.0 - 1e-6)
+        return floor
 
     def advance(self, cost: StepCost) -> None:
         """Account a step of `cost` run without `execute` (fast-forward): the clock and `last_cost`."""
