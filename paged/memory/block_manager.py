@@ -373,5 +373,11 @@ class BlockManager(SwapMixin):
             num_logical_blocks=self._num_logical_blocks, **self.prefix_index.tier_counts(),
         )
 
+    def block_counts(self) -> tuple[int, int, int, int]:
+        """`stats()`'s total, free, unassigned and logical blocks, without building it (a
+        fast-forward window's statistics at its block edges)."""
+        alloc = self.allocator
+        return self.num_total_blocks, alloc.num_free_blocks, alloc.num_unassigned_blocks, self._num_logical_blocks
+
     def _cdiv(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -1,24 +1,45 @@
 """The costs of a fast-forward window's steps, one after another: `CostModel.decode_step` of
-`contexts + j` for j = 0, 1, ..., to the bit, with the attention's sums kept as the contexts grow
-instead of taken over every row each step.
+`contexts + j` for j = 0, 1, ..., to the bit, computed for many steps in one call.
 
 Every row is one token longer each step, so the longest context grows by one and the tokens read
 by the batch's size; the partial rows that v2 and v3 merge (ceil(context / d) per row, for a
-partition or split of d tokens) grow by the rows whose context had just filled a multiple of d,
-counted from a histogram of the contexts modulo d. The values are the same integers `decode_step`
-sums, so every float operation after them is the same. Block-sparse attention's reads are floats
-summed over the rows: it is priced by `decode_step` itself each step.
+partition or split of d tokens) are summed over the rows of a small batch, and from 16 rows up
+grow by the rows whose context had just filled a multiple of d, counted from a histogram of the
+contexts modulo d. What depends on the batch size and longest context alone (the kernel version,
+its largest unit and split, the kernel table's efficiency) is kept per (block size, rows,
+longest), what depends on the size alone per size. The attention's bytes are the same integers
+`decode_work` sums, and every float operation after them is `decode_step`'s, in its order; only a
+call's last step builds a `StepCost` (the others' totals, model times and versions are what the
+clock and the statistics read). Block-sparse attention's reads are floats summed over the rows:
+it is priced by `decode_step` itself each step.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from dataclasses import dataclass
 
 from paged.kernels import step_version
-from paged.sim.cost_model import CostModel, StepCost
-from paged.sim.decode_attention import decode_work, unit_split
+from paged.sim.cost_model import _KERNELS_PER_LAYER, CostModel, StepCost
+from paged.sim.decode_attention import _PARTIAL_FLOAT_BYTES, unit_split
 from paged.sim.kernel_table import shape_class
+
+# below this many rows a step's partial rows are summed over the rows, from this many on kept as they grow
+_FEW_ROWS = 16
+# (block size, rows, longest) plans kept per cost model before they are dropped (a bound on memory)
+_MAX_PLANS = 1 << 17
+
+
+@dataclass(slots=True)
+class StepTotals:
+    """A call's steps: each one's end on the clock (the start plus each step's total, added in
+    turn, as `VirtualClock.advance` adds them), model time (total less overhead) and kernel
+    version; the last step's whole cost."""
+
+    ends: list[float]
+    model_times: list[float]
+    versions: list[str | None]
+    last: StepCost | None = None
 
 
 class _Partials:
@@ -38,30 +59,85 @@ class _Partials:
         return self.total
 
 
-def decode_steps(model: CostModel, contexts: list[int], block_size: int) -> Iterator[StepCost]:
-    """`model.decode_step([c + j for c in contexts], block_size)` for j = 0, 1, ... (endless)."""
+def _plan(model: CostModel, block_size: int, n: int, longest: int) -> tuple[str, int, int, float, float]:
+    """The kernel version of a step of `n` rows whose longest context is `longest`, its largest
+    unit's tokens, the tokens a context is cut into partial rows by (0: none), the divisor of its
+    bytes (bandwidth x the kernel table's efficiency) and its layer's launch floor."""
+    hw = model.hw
+    version = step_version(model.version, longest, n, model.heads, model.partition_size, backend=model.backend)
+    unit, d = unit_split(version, n, longest, model.attention_shape(block_size), hw.num_sms)
+    efficiency = model.kernel_table[version, shape_class(n, longest)].efficiency
+    kernels = _KERNELS_PER_LAYER + (version == "v2")
+    return version, unit, d, hw.memory_bandwidth * efficiency, kernels * hw.kernel_launch_s
+
+
+def step_costs(model: CostModel, contexts: list[int], block_size: int, cap: int, start: float, until: float
+               ) -> StepTotals:
+    """`model.decode_step([c + j for c in contexts], block_size)` for j = 0, 1, ...: the first
+    step, then those that start (at the previous one's end) before `until`, at most `cap`."""
+    out = StepTotals([], [], [])
+    ends, model_times, versions = out.ends, out.model_times, out.versions
+    t = start
     if model.blocksparse is not None:
-        j = 0
-        while True:
-            yield model.decode_step([c + j for c in contexts] if j else contexts, block_size)
-            j += 1
-    n, hw = len(contexts), model.hw
+        for j in range(cap):
+            if j and t >= until:
+                break
+            cost = model.decode_step([c + j for c in contexts] if j else contexts, block_size)
+            t += cost.total_s
+            ends.append(t)
+            model_times.append(cost.total_s - cost.overhead_s)
+            versions.append(cost.decode_version)
+            out.last = cost
+        return out
+    n, L = len(contexts), model.spec.num_layers
     shape = model.attention_shape(block_size)
-    longest, read = max(contexts), sum(contexts)
+    head_dim, kv_bytes = shape.head_dim, shape.kv_bytes
+    # `decode_work`'s integers: traffic = read x per_read + per_step, the unit's floor = unit x per_unit,
+    # the merge's bytes = heads x (partials x per_partial + per_merge)
+    per_read = 2 * shape.kv_heads * head_dim * kv_bytes
+    per_step = 2 * n * shape.heads * head_dim * shape.dtype_bytes
+    per_unit = 2 * head_dim * kv_bytes * model.hw.num_sms
+    per_partial = (2 + head_dim) * _PARTIAL_FLOAT_BYTES
+    per_merge = n * head_dim * shape.dtype_bytes
+    heads = shape.heads
+    linear, elementwise, communication, head, overhead = model.decode_parts(n)
+    l_linear, l_elementwise = L * linear, L * elementwise
+    plans = model._decode_plans
+    if len(plans) > _MAX_PLANS:
+        plans.clear()
+    few = n < _FEW_ROWS
     partials: dict[int, _Partials] = {}
-    j = 0
-    while True:
-        version = step_version(model.version, longest, n, model.heads, model.partition_size, backend=model.backend)
-        unit, d = unit_split(version, n, longest, shape, hw.num_sms)
-        merged = 0
+    longest, read = max(contexts), sum(contexts)
+    attention = 0.0
+    version = None
+    for j in range(cap):
+        if j and t >= until:
+            break
+        key = (block_size, n, longest + j)
+        plan = plans.get(key)
+        if plan is None:
+            plan = plans[key] = _plan(model, block_size, n, longest + j)
+        version, unit, d, divisor, launch = plan
+        traffic = (read + n * j) * per_read + per_step
+        work = max(traffic, unit * per_unit)
         if d:
-            kept = partials.get(d)
-            if kept is None:
-                kept = partials[d] = _Partials(contexts, d, j)
-            merged = kept.at(j)
-        work = decode_work(n, unit, merged, read, shape, hw.num_sms)
-        efficiency = model.kernel_table[version, shape_class(n, longest)].efficiency
-        yield model.decode_cost_of(n, work / (hw.memory_bandwidth * efficiency), version)
-        j += 1
-        longest += 1
-        read += n
+            if few:
+                merged = sum(-(-(c + j) // d) for c in contexts)
+            else:
+                kept = partials.get(d)
+                if kept is None:
+                    kept = partials[d] = _Partials(contexts, d, j)
+                merged = kept.at(j)
+            work += heads * (merged * per_partial + per_merge)
+        attention = work / divisor
+        # `decode_cost_of`'s StepCost and its total_s, term by term in their order
+        layer = max(linear + attention + elementwise, launch)
+        total = (l_linear + L * attention + l_elementwise + L * (layer - linear - attention - elementwise)
+                 + communication + head + overhead + 0.0 + 0.0)
+        t += total
+        ends.append(t)
+        model_times.append(total - overhead)
+        versions.append(version)
+    if ends:
+        out.last = model.decode_cost_of(n, attention, version)  # type: ignore[arg-type]
+    return out

@@ -21,10 +21,8 @@ paper's Alpaca beam savings (a geometric tail, tried first, let width 6 coalesce
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import math
-from collections.abc import Iterator
 from functools import cached_property
 
 import torch
@@ -36,7 +34,7 @@ from paged.kernels.features import BlockSparse, cache_dtype
 from paged.kv_layout import KVLayout
 from paged.model.spec import model_spec
 from paged.sim.cost_model import CostModel, StepCost, step_shape
-from paged.sim.decode_steps import decode_steps
+from paged.sim.decode_steps import StepTotals, step_costs
 from paged.sim.hardware import Hardware, resolve_hardware
 from paged.sim.memory import check_parallelism, plan_memory
 from paged.sim.tier_disk import SimTierDisk
@@ -238,21 +236,39 @@ class SimExecutor(Executor):
         decode = contexts if window is None else [min(c, window) for c in contexts]
         return self.cost_model.decode_step(decode, self.block_size)
 
-    def decode_costs(self, contexts: list[int]) -> Iterator[StepCost] | None:
-        """`decode_cost` of `contexts + j` for j = 0, 1, ... (a window's steps), endless; None where
+    def step_costs(self, contexts: list[int], cap: int, start: float, until: float) -> StepTotals | None:
+        """`decode_cost` of `contexts + j` for j = 0, 1, ... (a window's steps): the first step and
+        those that start before `until` on a clock at `start`, at most `cap`; None where
         `decode_cost` is."""
         if self._window_layers or self.tier_disk is not None:
             return None
         window = self.sliding_window
-        if window is not None:
-            return (self.cost_model.decode_step([min(c + j, window) for c in contexts], self.block_size)
-                    for j in itertools.count())
-        return decode_steps(self.cost_model, contexts, self.block_size)
+        if window is None:
+            return step_costs(self.cost_model, contexts, self.block_size, cap, start, until)
+        out = StepTotals([], [], [])
+        t = start
+        for j in range(cap):
+            if j and t >= until:
+                break
+            cost = self.cost_model.decode_step([min(c + j, window) for c in contexts], self.block_size)
+            t += cost.total_s
+            out.ends.append(t)
+            out.model_times.append(cost.total_s - cost.overhead_s)
+            out.versions.append(cost.decode_version)
+            out.last = cost
+        return out
 
     def advance(self, cost: StepCost) -> None:
         """Account a step of `cost` run without `execute` (fast-forward): the clock and `last_cost`."""
         self.last_cost = cost
         self.clock.advance(cost.total_s)  # type: ignore[attr-defined]
+
+    def advance_steps(self, contexts: list[int], steps: StepTotals, k: int) -> None:
+        """Account the first `k` of a window call's steps (`step_costs`' from `contexts`): the clock
+        at the k-th's end, which the same additions from the clock's time gave, and `last_cost`."""
+        assert steps.ends[0] >= self.clock.now()
+        self.clock.wait_until(steps.ends[k - 1])  # type: ignore[attr-defined]
+        self.last_cost = steps.last if k == len(steps.ends) else self.decode_cost([c + k - 1 for c in contexts])
 
     def _placeholders(self, sched: SchedulerOutput) -> tuple[list[list[int]], list[list[float]]]:
         """Tokens and their log-probabilities per scheduled sequence (module docstring)."""
