@@ -191,7 +191,7 @@ def run_steps(engine: Engine, window: Window, until: float | None, hold: Hold | 
         for r in grown:
             book(r, j)
             used, reserved = ledger.num_used, ledger.num_reserved
-            if bm.try_append_slots(rows[r].seq) != []:
+            if not bm.open_block(rows[r].seq) and bm.try_append_slots(rows[r].seq) != []:
                 raise AssertionError(f"fast-forward: sequence {rows[r].seq.seq_id} could not grow as planned")
             d_used[j] += ledger.num_used - used - 1
             d_reserved[j] += ledger.num_reserved - reserved
@@ -296,7 +296,7 @@ def _one_step(engine: Engine, window: Window, steps: StepTotals, token_lists: li
     for row in window.rows:
         num_tokens = len(row.token_ids)
         if (num_tokens - 1) % bs == 0 or num_tokens % bs == 0 or (first and row.first_edge):
-            if bm.try_append_slots(row.seq) != []:
+            if not bm.open_block(row.seq) and bm.try_append_slots(row.seq) != []:
                 raise AssertionError(f"fast-forward: sequence {row.seq.seq_id} could not grow as planned")
             edges.append(row)
         else:

@@ -189,8 +189,8 @@ class CostModel:
         self._attention_shapes: dict[int, AttentionShape] = {}
         # `decode_step`'s parts that depend on the batch size alone, per size
         self._decode_parts: dict[int, tuple[float, float, float, float, float]] = {}
-        # a window step's kernel plan per (block size, rows, longest context): `paged.sim.decode_steps`'
-        self._decode_plans: dict[tuple[int, int, int], tuple[str, int, int, float, float]] = {}
+        # a window step's kernel plan per (block size, rows) and longest context: `paged.sim.decode_steps`'
+        self._decode_plans: dict[tuple[int, int], dict[int, tuple[str, int, int, float, float]]] = {}
         self.kernel_table: dict[tuple[str, str], Entry] = decode_table(hardware)
 
     def _matmul_efficiency(self, tokens: int) -> float:

@@ -3,20 +3,19 @@
 
 Every row is one token longer each step, so the longest context grows by one and the tokens read
 by the batch's size; the partial rows that v2 and v3 merge (ceil(context / d) per row, for a
-partition or split of d tokens) are summed over the rows of a small batch, and from 16 rows up
-grow by the rows whose context had just filled a multiple of d, counted from a histogram of the
-contexts modulo d. What depends on the batch size and longest context alone (the kernel version,
-its largest unit and split, the kernel table's efficiency) is kept per (block size, rows,
-longest), what depends on the size alone per size. The attention's bytes are the same integers
-`decode_work` sums, and every float operation after them is `decode_step`'s, in its order; only a
-call's last step builds a `StepCost` (the others' totals, model times and versions are what the
-clock and the statistics read). Block-sparse attention's reads are floats summed over the rows:
+partition or split of d tokens) grow by the rows whose context had just filled a multiple of d,
+counted from a histogram of the contexts modulo d. What depends on the batch size and longest
+context alone (the kernel version, its largest unit and split, the kernel table's efficiency) is
+kept per (block size, rows, longest), what depends on the size alone per size. The attention's
+bytes are the same integers `decode_work` sums, and every float operation after them is
+`decode_step`'s, in its order; no step builds a `StepCost` (the totals, model times and versions
+are what the clock and the statistics read; the last one's is built when
+`SimExecutor.last_cost` is read). Block-sparse attention's reads are floats summed over the rows:
 it is priced by `decode_step` itself each step.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 from paged.kernels import step_version
@@ -24,9 +23,7 @@ from paged.sim.cost_model import _KERNELS_PER_LAYER, CostModel, StepCost
 from paged.sim.decode_attention import _PARTIAL_FLOAT_BYTES, unit_split
 from paged.sim.kernel_table import shape_class
 
-# below this many rows a step's partial rows are summed over the rows, from this many on kept as they grow
-_FEW_ROWS = 16
-# (block size, rows, longest) plans kept per cost model before they are dropped (a bound on memory)
+# plans kept per (block size, rows) before they are dropped (a bound on memory)
 _MAX_PLANS = 1 << 17
 
 
@@ -39,24 +36,15 @@ class StepTotals:
     ends: list[float]
     model_times: list[float]
     versions: list[str | None]
-    last: StepCost | None = None
+    last: StepCost | None = None  # where the steps were priced one by one, else built on demand (`last_cost`)
+    last_attention: float = 0.0
+    n: int = 0
 
-
-class _Partials:
-    """sum(ceil((c + j) / d) for c in contexts) for one d, kept as j grows."""
-
-    def __init__(self, contexts: list[int], d: int, j: int) -> None:
-        self.d, self.j = d, j
-        self.total = sum(-(-(c + j) // d) for c in contexts)
-        self.residues = Counter(c % d for c in contexts)
-
-    def at(self, j: int) -> int:
-        d, residues = self.d, self.residues
-        while self.j < j:
-            self.j += 1
-            # ceil((c + j) / d) grows by one where c + j - 1 is a multiple of d
-            self.total += residues[(1 - self.j) % d]
-        return self.total
+    def last_cost(self, model: CostModel) -> StepCost:
+        """The last step's whole cost (`decode_step`'s)."""
+        if self.last is None:
+            self.last = model.decode_cost_of(self.n, self.last_attention, self.versions[-1])  # type: ignore[arg-type]
+        return self.last
 
 
 def _plan(model: CostModel, block_size: int, n: int, longest: int) -> tuple[str, int, int, float, float]:
@@ -102,33 +90,37 @@ def step_costs(model: CostModel, contexts: list[int], block_size: int, cap: int,
     heads = shape.heads
     linear, elementwise, communication, head, overhead = model.decode_parts(n)
     l_linear, l_elementwise = L * linear, L * elementwise
-    plans = model._decode_plans
-    if len(plans) > _MAX_PLANS:
-        plans.clear()
-    few = n < _FEW_ROWS
-    partials: dict[int, _Partials] = {}
+    plans = model._decode_plans.get((block_size, n))
+    if plans is None or len(plans) > _MAX_PLANS:
+        plans = model._decode_plans[block_size, n] = {}
     longest, read = max(contexts), sum(contexts)
     attention = 0.0
     version = None
+    # the partial rows merged, sum(ceil((c + j) / d)) over the rows, for the latest d: from one step
+    # to the next it grows by the rows whose context had just filled a multiple of d, c + j - 1 = 0
+    # mod d, counted from the contexts' residues mod d
+    merged_d = merged = 0
+    residues: dict[int, int] = {}
     for j in range(cap):
         if j and t >= until:
             break
-        key = (block_size, n, longest + j)
-        plan = plans.get(key)
+        plan = plans.get(longest + j)
         if plan is None:
-            plan = plans[key] = _plan(model, block_size, n, longest + j)
+            plan = plans[longest + j] = _plan(model, block_size, n, longest + j)
         version, unit, d, divisor, launch = plan
         traffic = (read + n * j) * per_read + per_step
         work = max(traffic, unit * per_unit)
         if d:
-            if few:
-                merged = sum(-(-(c + j) // d) for c in contexts)
+            if d == merged_d:
+                merged += residues.get((1 - j) % d, 0)
             else:
-                kept = partials.get(d)
-                if kept is None:
-                    kept = partials[d] = _Partials(contexts, d, j)
-                merged = kept.at(j)
+                merged_d, merged = d, sum(-(-(c + j) // d) for c in contexts)
+                residues = {}
+                for c in contexts:
+                    residues[c % d] = residues.get(c % d, 0) + 1
             work += heads * (merged * per_partial + per_merge)
+        elif merged_d:
+            merged_d = 0  # a later d counts afresh
         attention = work / divisor
         # `decode_cost_of`'s StepCost and its total_s, term by term in their order
         layer = max(linear + attention + elementwise, launch)
@@ -139,5 +131,5 @@ def step_costs(model: CostModel, contexts: list[int], block_size: int, cap: int,
         model_times.append(total - overhead)
         versions.append(version)
     if ends:
-        out.last = model.decode_cost_of(n, attention, version)  # type: ignore[arg-type]
+        out.last_attention, out.n = attention, n
     return out

@@ -117,7 +117,9 @@ class SimExecutor(Executor):
                                      reverse=True) if len(counts) > 1 else []
         self.block_size = 16
         self.configure_kernel(kernel)
-        self.last_cost: StepCost | None = None
+        self._last_cost: StepCost | None = None
+        # a window call's steps whose last is `last_cost` until it is read: (steps, how many ran, contexts)
+        self._last_steps: tuple[StepTotals, int, list[int]] | None = None
         self.tier_disk: SimTierDisk | None = None
 
     def host_memory_bytes(self) -> None:
@@ -258,17 +260,29 @@ class SimExecutor(Executor):
             out.last = cost
         return out
 
-    def advance(self, cost: StepCost) -> None:
-        """Account a step of `cost` run without `execute` (fast-forward): the clock and `last_cost`."""
-        self.last_cost = cost
-        self.clock.advance(cost.total_s)  # type: ignore[attr-defined]
-
     def advance_steps(self, contexts: list[int], steps: StepTotals, k: int) -> None:
-        """Account the first `k` of a window call's steps (`step_costs`' from `contexts`): the clock
-        at the k-th's end, which the same additions from the clock's time gave, and `last_cost`."""
+        """Account the first `k` of a window call's steps (`step_costs`' from `contexts`), run
+        without `execute` (fast-forward): the clock at the k-th's end, which the same additions from
+        the clock's time gave, and `last_cost` (built when read)."""
         assert steps.ends[0] >= self.clock.now()
         self.clock.wait_until(steps.ends[k - 1])  # type: ignore[attr-defined]
-        self.last_cost = steps.last if k == len(steps.ends) else self.decode_cost([c + k - 1 for c in contexts])
+        self._last_cost = None
+        self._last_steps = (steps, k, contexts)
+
+    @property
+    def last_cost(self) -> StepCost | None:
+        """The latest step's cost breakdown."""
+        if self._last_steps is not None:
+            steps, k, contexts = self._last_steps
+            self._last_steps = None
+            self._last_cost = (steps.last_cost(self.cost_model) if k == len(steps.ends)
+                               else self.decode_cost([c + k - 1 for c in contexts]))
+        return self._last_cost
+
+    @last_cost.setter
+    def last_cost(self, cost: StepCost | None) -> None:
+        self._last_cost = cost
+        self._last_steps = None
 
     def _placeholders(self, sched: SchedulerOutput) -> tuple[list[list[int]], list[list[float]]]:
         """Tokens and their log-probabilities per scheduled sequence (module docstring)."""
