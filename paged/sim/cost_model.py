@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from paged.config.choices import VERSION_RULES, VERSIONS
 from paged.kernels import step_version
@@ -189,8 +190,8 @@ class CostModel:
         self._attention_shapes: dict[int, AttentionShape] = {}
         # `decode_step`'s parts that depend on the batch size alone, per size
         self._decode_parts: dict[int, tuple[float, float, float, float, float]] = {}
-        # a window step's kernel plan per (block size, rows) and longest context: `paged.sim.decode_steps`'
-        self._decode_plans: dict[tuple[int, int], dict[int, tuple[str, int, int, float, float]]] = {}
+        # a window step's parts per (block size, rows): `paged.sim.decode_steps`'
+        self._decode_sizes: dict[tuple[int, int], tuple[Any, ...]] = {}
         self.kernel_table: dict[tuple[str, str], Entry] = decode_table(hardware)
 
     def _matmul_efficiency(self, tokens: int) -> float:

@@ -6,17 +6,18 @@ by the batch's size; the partial rows that v2 and v3 merge (ceil(context / d) pe
 partition or split of d tokens) grow by the rows whose context had just filled a multiple of d,
 counted from a histogram of the contexts modulo d. What depends on the batch size and longest
 context alone (the kernel version, its largest unit and split, the kernel table's efficiency) is
-kept per (block size, rows, longest), what depends on the size alone per size. The attention's
-bytes are the same integers `decode_work` sums, and every float operation after them is
-`decode_step`'s, in its order; no step builds a `StepCost` (the totals, model times and versions
-are what the clock and the statistics read; the last one's is built when
-`SimExecutor.last_cost` is read). Block-sparse attention's reads are floats summed over the rows:
+kept per (rows, longest) for all cost models alike (a fleet's replicas), what depends on the size
+alone per size. The attention's bytes are the same integers `decode_work` sums, and every float
+operation after them is `decode_step`'s, in its order; no step builds a `StepCost` (the totals,
+model times and versions are what the clock and the statistics read; the last one's is built
+when `SimExecutor.last_cost` is read). Block-sparse attention's reads are floats summed over the rows:
 it is priced by `decode_step` itself each step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from paged.kernels import step_version
 from paged.sim.cost_model import _KERNELS_PER_LAYER, CostModel, StepCost
@@ -25,6 +26,8 @@ from paged.sim.kernel_table import shape_class
 
 # plans kept per (block size, rows) before they are dropped (a bound on memory)
 _MAX_PLANS = 1 << 17
+# the plans of every cost model of one GPU, kernel choice and shape (a fleet's replicas share them), by rows
+_PLANS: dict[tuple[object, ...], dict[int, tuple[str, int, int, float, float]]] = {}
 
 
 @dataclass(slots=True)
@@ -59,6 +62,24 @@ def _plan(model: CostModel, block_size: int, n: int, longest: int) -> tuple[str,
     return version, unit, d, hw.memory_bandwidth * efficiency, kernels * hw.kernel_launch_s
 
 
+def _size(model: CostModel, block_size: int, n: int) -> tuple[Any, ...]:
+    """What a step of `n` rows costs whatever their contexts: the plans by longest context (shared
+    by every cost model of the same GPU, kernel choice and shape), the layers, `decode_work`'s
+    integer factors (traffic = read x per_read + per_step, the unit's floor = unit x per_unit, the
+    merge's bytes = heads x (partials x per_partial + per_merge)) and `decode_parts`' times."""
+    shape = model.attention_shape(block_size)
+    head_dim, kv_bytes, L = shape.head_dim, shape.kv_bytes, model.spec.num_layers
+    # the kernel table, the plans' other input, is `decode_table(model.hw)`'s
+    key = (model.hw, model.version, model.heads, model.partition_size, model.backend, shape, n)
+    linear, elementwise, communication, head, overhead = model.decode_parts(n)
+    return (
+        _PLANS.setdefault(key, {}), L, 2 * shape.kv_heads * head_dim * kv_bytes,
+        2 * n * shape.heads * head_dim * shape.dtype_bytes, 2 * head_dim * kv_bytes * model.hw.num_sms,
+        (2 + head_dim) * _PARTIAL_FLOAT_BYTES, n * head_dim * shape.dtype_bytes, shape.heads,
+        linear, elementwise, communication, head, overhead, L * linear, L * elementwise,
+    )
+
+
 def step_costs(model: CostModel, contexts: list[int], block_size: int, cap: int, start: float, until: float
                ) -> StepTotals:
     """`model.decode_step([c + j for c in contexts], block_size)` for j = 0, 1, ...: the first
@@ -77,22 +98,14 @@ def step_costs(model: CostModel, contexts: list[int], block_size: int, cap: int,
             versions.append(cost.decode_version)
             out.last = cost
         return out
-    n, L = len(contexts), model.spec.num_layers
-    shape = model.attention_shape(block_size)
-    head_dim, kv_bytes = shape.head_dim, shape.kv_bytes
-    # `decode_work`'s integers: traffic = read x per_read + per_step, the unit's floor = unit x per_unit,
-    # the merge's bytes = heads x (partials x per_partial + per_merge)
-    per_read = 2 * shape.kv_heads * head_dim * kv_bytes
-    per_step = 2 * n * shape.heads * head_dim * shape.dtype_bytes
-    per_unit = 2 * head_dim * kv_bytes * model.hw.num_sms
-    per_partial = (2 + head_dim) * _PARTIAL_FLOAT_BYTES
-    per_merge = n * head_dim * shape.dtype_bytes
-    heads = shape.heads
-    linear, elementwise, communication, head, overhead = model.decode_parts(n)
-    l_linear, l_elementwise = L * linear, L * elementwise
-    plans = model._decode_plans.get((block_size, n))
-    if plans is None or len(plans) > _MAX_PLANS:
-        plans = model._decode_plans[block_size, n] = {}
+    n = len(contexts)
+    size = model._decode_sizes.get((block_size, n))
+    if size is None:
+        size = model._decode_sizes[block_size, n] = _size(model, block_size, n)
+    (plans, L, per_read, per_step, per_unit, per_partial, per_merge, heads, linear, elementwise, communication, head,
+     overhead, l_linear, l_elementwise) = size
+    if len(plans) > _MAX_PLANS:
+        plans.clear()
     longest, read = max(contexts), sum(contexts)
     attention = 0.0
     version = None
