@@ -88,16 +88,21 @@ class StepStats:
         edge's)."""
         self.count(decode_step(num_rows, model_time_s, attention_version, kv, used, reserved, start, end))
 
-    def count(self, step: tuple[Any, ...]) -> None:
-        """Count a step given as `decode_step` gives it (one held back, `HeldSteps`)."""
-        self._count(*step)
-
     def _count(
         self, computed_tokens: int, step_time_s: float, overhead_s: float, input_tokens: int, sampled_tokens: int,
         time_s: float, kv_usage: float, shares: tuple[float, float, float, float, float], num_allocated_blocks: int,
         token_state_fraction: float, num_logical_blocks: int, sharing_saving: float, num_running: int,
         tokens_held: int, num_decode_rows: int, attention_version: str | None,
     ) -> None:
+        self.count((computed_tokens, step_time_s, overhead_s, input_tokens, sampled_tokens, time_s, kv_usage, shares,
+                    num_allocated_blocks, token_state_fraction, num_logical_blocks, sharing_saving, num_running,
+                    tokens_held, num_decode_rows, attention_version))
+
+    def count(self, step: tuple[Any, ...]) -> None:
+        """Count a step given as `_count`'s arguments (`decode_step`'s, one held back by `HeldSteps`)."""
+        (computed_tokens, step_time_s, overhead_s, input_tokens, sampled_tokens, time_s, kv_usage, shares,
+         num_allocated_blocks, token_state_fraction, num_logical_blocks, sharing_saving, num_running, tokens_held,
+         num_decode_rows, attention_version) = step
         self.num_steps += 1
         self.computed_tokens += computed_tokens
         self.step_time_s += step_time_s
