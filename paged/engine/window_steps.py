@@ -3,22 +3,24 @@
 `run_steps` runs, in one call, the window's steps that start before a horizon (the next event its
 caller knows of: an arrival), as stepping would run them one by one, to the bit:
 
-- costs: the cost model's, per step, on the step's context lengths (from 16 rows up with the sums
-  kept as the contexts grow, `SimExecutor.decode_costs`); the clock advanced by each in turn (the
-  same additions in the same order), token times the steps' ends;
+- costs: the cost model's, per step, on the step's context lengths, all of a call's in one pass
+  (`SimExecutor.step_costs`: each step's end, model time and kernel version); the clock set to the
+  last end (the same additions in the same order), token times the steps' ends;
 - tokens: `plain_token`'s recurrence per row (Python integers); the call ends before the first
   step whose token would stop a row;
 - blocks: the block manager is called only at a row's block edges (a step that opens a block, or
-  the window's first step where the common path's test fails, grows the table; one that fills a
-  block publishes it), in stepping's (step, row) order, so the same blocks go to the same rows;
-  before each such call, and at the end, the steps a row ran off an edge are booked in the ledger
-  in one call (`SlotLedger.append_tokens`), and its token list, computed count and slots brought
-  to where that step finds them;
-- statistics: each step's `decode_step` (`StepStats.add_decode`'s), from the ledger's slots after
-  it (the used and reserved counts rebuilt from each run's and each edge call's changes) and the
-  blocks as the latest table-growing step left them; a fleet's replica holds those after its
-  first step for their turn (`hold`, `HeldSteps`). A run that keeps step records runs one step a
-  call (`_one_step`), its record made from the scheduler's stats as before.
+  the window's first step where the common path's test fails, grows the table: `open_block` where
+  the table is full, else `try_append_slots`; one that fills a block publishes it), in stepping's
+  (step, row) order, so the same blocks go to the same rows; before each such call, and at the
+  end, the steps a row ran off an edge are booked in the ledger in one call
+  (`SlotLedger.append_tokens`), and its token list, computed count and slots brought to where that
+  step finds them;
+- statistics: each step's `decode_step`, from the ledger's slots after it (the used and reserved
+  counts rebuilt from each run's and each edge call's changes) and the blocks as the latest
+  table-growing step left them (a `DecodeKV` of the block manager's counts); `_count` counts a
+  call's first step and holds the others for their turn where it is given `hold` (a fleet's
+  replica, `HeldSteps`). A run that keeps step records runs one step a call (`_one_step`), its
+  record made from the scheduler's stats as before.
 """
 
 from __future__ import annotations
