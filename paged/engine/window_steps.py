@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from paged.engine.step_stats import DecodeKV
 from paged.memory.block_manager import BlockManager, _SeqBlocks
 from paged.request import Sequence
-from paged.sim.decode_steps import StepTotals
+from paged.sim.decode_steps import StepSums, StepTotals
 from paged.sim.executor import LENGTH_MUL, SAMPLE_MUL, TOKEN_MUL, SimExecutor
 
 if TYPE_CHECKING:
@@ -72,6 +72,7 @@ class Window:
     done: int = 0
     kv: DecodeKV | None = None  # the cache after the latest step that grew a block table (statistics only)
     free_blocks: list[int] = field(default_factory=list)  # the free blocks after each step of the latest call
+    sums: StepSums | None = None  # the step costs' sums, from the window's first step on
 
 
 def _tokens(window: Window, vocab: int, k: int) -> tuple[list[list[int]], int]:
@@ -154,7 +155,9 @@ def run_steps(engine: Engine, window: Window, until: float | None, hold: Hold | 
     assert isinstance(executor, SimExecutor)
     start = engine.clock.now()
     contexts = window.contexts
-    steps = executor.step_costs(contexts, cap, start, float("-inf") if until is None else until)
+    if window.sums is None:
+        window.sums = StepSums([c - window.done for c in contexts])
+    steps = executor.step_costs(window.sums, window.done, cap, start, float("-inf") if until is None else until)
     if steps is None or not steps.ends:
         return 0
     token_lists, k = _tokens(window, executor.vocab_size, len(steps.ends))

@@ -4,7 +4,8 @@
 Every row is one token longer each step, so the longest context grows by one and the tokens read
 by the batch's size; the partial rows that v2 and v3 merge (ceil(context / d) per row, for a
 partition or split of d tokens) grow by the rows whose context had just filled a multiple of d,
-counted from a histogram of the contexts modulo d. What depends on the batch size and longest
+counted from a histogram of the contexts modulo d; these sums are carried from call to call of a
+window (`StepSums`). What depends on the batch size and longest
 context alone (the kernel version, its largest unit and split, the kernel table's efficiency) is
 kept per (rows, longest) for all cost models alike (a fleet's replicas), what depends on the size
 alone per size. The attention's bytes are the same integers `decode_work` sums, and every float
@@ -50,6 +51,34 @@ class StepTotals:
         return self.last
 
 
+class StepSums:
+    """A window's rows' sums, carried from one call of `step_costs` to the next (the rows stay, each
+    a token longer a step): the contexts at its first step (`base`), their longest and total, and
+    for the latest partition or split `d` (0: none yet) the base's residues mod d and the partial
+    rows merged `at` a step past the base."""
+
+    __slots__ = ("base", "n", "longest", "read", "d", "residues", "at", "merged")
+
+    def __init__(self, base: list[int]) -> None:
+        self.base, self.n, self.longest, self.read = base, len(base), max(base), sum(base)
+        self.d, self.residues, self.at, self.merged = 0, {}, -2, 0  # at = -2: no step's merged yet
+
+    def merged_at(self, d: int, at: int) -> int:
+        """sum(ceil((c + at) / d) for c in base): from the previous step's with the same d, it grows
+        by the rows whose context had just filled a multiple of d (c + at - 1 = 0 mod d)."""
+        if d != self.d:
+            self.d, self.at, self.residues = d, -2, {}
+            residues = self.residues
+            for c in self.base:
+                residues[c % d] = residues.get(c % d, 0) + 1
+        if self.at == at - 1:
+            self.merged += self.residues.get((1 - at) % d, 0)
+        elif self.at != at:
+            self.merged = sum(-(-(c + at) // d) for c in self.base)
+        self.at = at
+        return self.merged
+
+
 def _plan(model: CostModel, block_size: int, n: int, longest: int) -> tuple[str, int, int, float, float]:
     """The kernel version of a step of `n` rows whose longest context is `longest`, its largest
     unit's tokens, the tokens a context is cut into partial rows by (0: none), the divisor of its
@@ -80,10 +109,10 @@ def _size(model: CostModel, block_size: int, n: int) -> tuple[Any, ...]:
     )
 
 
-def step_costs(model: CostModel, contexts: list[int], block_size: int, cap: int, start: float, until: float
+def step_costs(model: CostModel, sums: StepSums, offset: int, block_size: int, cap: int, start: float, until: float
                ) -> StepTotals:
-    """`model.decode_step([c + j for c in contexts], block_size)` for j = 0, 1, ...: the first
-    step, then those that start (at the previous one's end) before `until`, at most `cap`."""
+    """`model.decode_step([c + offset + j for c in sums.base], block_size)` for j = 0, 1, ...: the
+    first step, then those that start (at the previous one's end) before `until`, at most `cap`."""
     out = StepTotals([], [], [])
     ends, model_times, versions = out.ends, out.model_times, out.versions
     t = start
@@ -91,14 +120,14 @@ def step_costs(model: CostModel, contexts: list[int], block_size: int, cap: int,
         for j in range(cap):
             if j and t >= until:
                 break
-            cost = model.decode_step([c + j for c in contexts] if j else contexts, block_size)
+            cost = model.decode_step([c + offset + j for c in sums.base], block_size)
             t += cost.total_s
             ends.append(t)
             model_times.append(cost.total_s - cost.overhead_s)
             versions.append(cost.decode_version)
             out.last = cost
         return out
-    n = len(contexts)
+    n = sums.n
     size = model._decode_sizes.get((block_size, n))
     if size is None:
         size = model._decode_sizes[block_size, n] = _size(model, block_size, n)
@@ -106,34 +135,20 @@ def step_costs(model: CostModel, contexts: list[int], block_size: int, cap: int,
      overhead, l_linear, l_elementwise) = size
     if len(plans) > _MAX_PLANS:
         plans.clear()
-    longest, read = max(contexts), sum(contexts)
+    longest, read = sums.longest, sums.read
     attention = 0.0
     version = None
-    # the partial rows merged, sum(ceil((c + j) / d)) over the rows, for the latest d: from one step
-    # to the next it grows by the rows whose context had just filled a multiple of d, c + j - 1 = 0
-    # mod d, counted from the contexts' residues mod d
-    merged_d = merged = 0
-    residues: dict[int, int] = {}
-    for j in range(cap):
-        if j and t >= until:
+    for at in range(offset, offset + cap):
+        if at > offset and t >= until:
             break
-        plan = plans.get(longest + j)
+        plan = plans.get(longest + at)
         if plan is None:
-            plan = plans[longest + j] = _plan(model, block_size, n, longest + j)
+            plan = plans[longest + at] = _plan(model, block_size, n, longest + at)
         version, unit, d, divisor, launch = plan
-        traffic = (read + n * j) * per_read + per_step
+        traffic = (read + n * at) * per_read + per_step
         work = max(traffic, unit * per_unit)
         if d:
-            if d == merged_d:
-                merged += residues.get((1 - j) % d, 0)
-            else:
-                merged_d, merged = d, sum(-(-(c + j) // d) for c in contexts)
-                residues = {}
-                for c in contexts:
-                    residues[c % d] = residues.get(c % d, 0) + 1
-            work += heads * (merged * per_partial + per_merge)
-        elif merged_d:
-            merged_d = 0  # a later d counts afresh
+            work += heads * (sums.merged_at(d, at) * per_partial + per_merge)
         attention = work / divisor
         # `decode_cost_of`'s StepCost and its total_s, term by term in their order
         layer = max(linear + attention + elementwise, launch)

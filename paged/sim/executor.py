@@ -34,7 +34,7 @@ from paged.kernels.features import BlockSparse, cache_dtype
 from paged.kv_layout import KVLayout
 from paged.model.spec import model_spec
 from paged.sim.cost_model import CostModel, StepCost, step_shape
-from paged.sim.decode_steps import StepTotals, step_costs
+from paged.sim.decode_steps import StepSums, StepTotals, step_costs
 from paged.sim.hardware import Hardware, resolve_hardware
 from paged.sim.memory import check_parallelism, plan_memory
 from paged.sim.tier_disk import SimTierDisk
@@ -238,21 +238,22 @@ class SimExecutor(Executor):
         decode = contexts if window is None else [min(c, window) for c in contexts]
         return self.cost_model.decode_step(decode, self.block_size)
 
-    def step_costs(self, contexts: list[int], cap: int, start: float, until: float) -> StepTotals | None:
-        """`decode_cost` of `contexts + j` for j = 0, 1, ... (a window's steps): the first step and
-        those that start before `until` on a clock at `start`, at most `cap`; None where
-        `decode_cost` is."""
+    def step_costs(self, sums: StepSums, offset: int, cap: int, start: float, until: float) -> StepTotals | None:
+        """`decode_cost` of `sums.base + offset + j` for j = 0, 1, ... (a window's steps, its sums
+        carried from call to call): the first step and those that start before `until` on a clock at
+        `start`, at most `cap`; None where `decode_cost` is."""
         if self._window_layers or self.tier_disk is not None:
             return None
         window = self.sliding_window
         if window is None:
-            return step_costs(self.cost_model, contexts, self.block_size, cap, start, until)
+            return step_costs(self.cost_model, sums, offset, self.block_size, cap, start, until)
         out = StepTotals([], [], [])
         t = start
         for j in range(cap):
             if j and t >= until:
                 break
-            cost = self.cost_model.decode_step([min(c + j, window) for c in contexts], self.block_size)
+            contexts = [min(c + offset + j, window) for c in sums.base]
+            cost = self.cost_model.decode_step(contexts, self.block_size)
             t += cost.total_s
             out.ends.append(t)
             out.model_times.append(cost.total_s - cost.overhead_s)
