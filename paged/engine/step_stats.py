@@ -71,14 +71,14 @@ class StepStats:
         self._chunks: list[list[tuple[int, int]]] = [[] for _ in self._columns]  # per column: (offset, count)
 
     def add(self, s: StepRecord) -> None:
-        self._count(
+        self.count((
             s.num_computed_tokens, s.step_time_s, s.overhead_s, s.num_scheduled_tokens - s.num_decode_rows,
             s.num_sampled_tokens, s.time_s, s.kv_usage,
             (s.kv_token_state_fraction, s.kv_reserved_fraction, s.kv_internal_frag_fraction,
              s.kv_external_frag_fraction, s.kv_free_fraction),
             s.num_allocated_blocks, s.token_state_fraction, s.num_logical_blocks, s.kv_sharing_saving,
             s.num_running, s.kv_tokens_held, s.num_decode_rows, s.attention_version,
-        )
+        ))
 
     def add_decode(self, num_rows: int, model_time_s: float, attention_version: str | None, kv: KVStats,
                    used: int, reserved: int, start: float, end: float) -> None:
@@ -88,18 +88,11 @@ class StepStats:
         edge's)."""
         self.count(decode_step(num_rows, model_time_s, attention_version, kv, used, reserved, start, end))
 
-    def _count(
-        self, computed_tokens: int, step_time_s: float, overhead_s: float, input_tokens: int, sampled_tokens: int,
-        time_s: float, kv_usage: float, shares: tuple[float, float, float, float, float], num_allocated_blocks: int,
-        token_state_fraction: float, num_logical_blocks: int, sharing_saving: float, num_running: int,
-        tokens_held: int, num_decode_rows: int, attention_version: str | None,
-    ) -> None:
-        self.count((computed_tokens, step_time_s, overhead_s, input_tokens, sampled_tokens, time_s, kv_usage, shares,
-                    num_allocated_blocks, token_state_fraction, num_logical_blocks, sharing_saving, num_running,
-                    tokens_held, num_decode_rows, attention_version))
-
     def count(self, step: tuple[Any, ...]) -> None:
-        """Count a step given as `_count`'s arguments (`decode_step`'s, one held back by `HeldSteps`)."""
+        """Count a step: its computed tokens, time, overhead, input and sampled tokens, end, KV usage,
+        the five KV shares, allocated blocks, token-state fraction, logical blocks, sharing saving,
+        running sequences, tokens held, decode rows and kernel version (as `add` reads them from a
+        record, `decode_step` gives them, and `HeldSteps` holds them)."""
         (computed_tokens, step_time_s, overhead_s, input_tokens, sampled_tokens, time_s, kv_usage, shares,
          num_allocated_blocks, token_state_fraction, num_logical_blocks, sharing_saving, num_running, tokens_held,
          num_decode_rows, attention_version) = step
@@ -254,6 +247,6 @@ class DecodeKV:
 
 def decode_step(num_rows: int, model_time_s: float, attention_version: str | None, kv: KVStats, used: int,
                 reserved: int, start: float, end: float) -> tuple[Any, ...]:
-    """`StepStats.add_decode`'s step as `_count`'s arguments: `KVStats`' values with the same
+    """`StepStats.add_decode`'s step as `StepStats.count` takes it: `KVStats`' values with the same
     integer operations and one division each."""
     return DecodeKV.of(kv).step(num_rows, model_time_s, attention_version, used, reserved, start, end)
