@@ -145,6 +145,40 @@ def test_append_slots_grows_the_table_one_block_per_block_size_tokens(cls):
     assert bm.stats().num_token_slots_used == 9
 
 
+@pytest.mark.parametrize("cls", MACHINE_ALLOCATORS)
+def test_open_block_is_try_append_slots_at_a_block_edge(cls):
+    """`open_block` (a fast-forward window's edge) opens the block `try_append_slots` would, with the
+    same books, and only at an edge with a full table and a free block: elsewhere nothing changes."""
+    opened, stepped = manager(cls, num_blocks=4), manager(cls, num_blocks=4)
+    seqs = [make_seq([1, 2, 3, 4]), make_seq([1, 2, 3, 4])]
+    for bm, seq in zip((opened, stepped), seqs):
+        run_prefill(bm, seq)
+    edges = 0
+    for token in range(5, 17):
+        for seq in seqs:
+            seq.token_ids.append(token)
+        edge = (len(seqs[0].token_ids) - 1) % 4 == 0
+        before = opened.stats()
+        took = opened.open_block(seqs[0])
+        assert took == edge
+        if not took:
+            assert opened.stats() == before
+            assert opened.try_append_slots(seqs[0]) == []
+        edges += took
+        assert stepped.try_append_slots(seqs[1]) == []
+        assert opened.block_table(seqs[0]) == stepped.block_table(seqs[1])
+        assert opened.stats() == stepped.stats()
+        assert (opened.ledger.num_used, opened.ledger.num_reserved) == (stepped.ledger.num_used,
+                                                                         stepped.ledger.num_reserved)
+        for bm, seq in zip((opened, stepped), seqs):
+            seq.num_computed_tokens = seq.num_tokens
+            bm.mark_computed(seq)
+    assert edges == 3  # tokens 5, 9, 13 open blocks 2-4, which fill the pool
+    seqs[0].token_ids.append(17)
+    assert not opened.open_block(seqs[0])  # no free block: the general path refuses it too
+    assert opened.try_append_slots(seqs[0]) is None
+
+
 @pytest.mark.parametrize("cls", ALLOCATORS)
 def test_fork_shares_blocks_and_the_first_write_copies_the_shared_last_block(cls):
     bm = manager(cls, num_blocks=4)

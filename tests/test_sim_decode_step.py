@@ -1,7 +1,7 @@
 """`CostModel.decode_step` (fast-forward's cost of a decode-only step) is `CostModel.step` of that
 step to the bit, whatever the model, GPUs, kernel version, block size or block-sparse pattern, and
-on the batch size's second step (its parts cached) as on its first; `decode_steps` (a window's
-steps, its sums kept as the contexts grow) is `decode_step` of each step to the bit."""
+on the batch size's second step (its parts cached) as on its first; `step_costs` (a window's
+steps, many a call) is `decode_step` of each step to the bit."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from paged.config import compose_config
 from paged.kernels.features import BlockSparse
 from paged.sim.cost_model import CostModel, StepShape
-from paged.sim.decode_steps import decode_steps
+from paged.sim.decode_steps import StepSums, step_costs
 from paged.sim.executor import SimExecutor
 from paged.sim.hardware import resolve_hardware
 
@@ -59,18 +59,69 @@ def test_decode_step_is_step_to_the_bit(model, hardware, num_gpus, version, spar
     ("llama-3-8b", "h100-sxm", 1, "vllm", False),
     ("llama-2-7b", "a100-80g", 1, "auto", True),
 ])
-def test_decode_steps_are_decode_step_to_the_bit(model, hardware, num_gpus, version, sparse):
+def test_step_costs_are_decode_step_to_the_bit(model, hardware, num_gpus, version, sparse):
+    """k steps of `step_costs` (small batches summed per step, large ones with kept sums; the
+    second pass over the same sizes from its kept plans) are k calls of `decode_step`: each end the
+    clock's additions of their totals, each model time and version, and the last step's cost."""
     blocksparse = BlockSparse(local_blocks=4, vert_stride=8, block_size=16) if sparse else None
     cost_model = _model(model, hardware, num_gpus, version, blocksparse)
     rng = random.Random(46)
     versions = set()
     for block_size in (16, 32):
-        for n in (1, 3, 8, 64):
+        for n in (1, 3, 8, 15, 16, 64):
             # contexts across partition and split edges, and past the lengths where v3's split changes
             contexts = [rng.randint(1, 9000 if n < 8 else 1500) for _ in range(n)]
-            for j, got in zip(range(600), decode_steps(cost_model, contexts, block_size)):
-                expected = cost_model.decode_step([c + j for c in contexts], block_size)
-                assert got == expected and repr(got) == repr(expected), (n, j)
-                versions.add(got.decode_version)
+            start = rng.uniform(0.0, 100.0)
+            for _ in range(2):
+                got = step_costs(cost_model, StepSums(contexts), 0, block_size, 600, start, float("inf"))
+                assert len(got.ends) == 600
+                t = start
+                for j in range(600):
+                    expected = cost_model.decode_step([c + j for c in contexts], block_size)
+                    t += expected.total_s
+                    assert got.ends[j] == t, (n, j)
+                    assert got.model_times[j] == expected.total_s - expected.overhead_s, (n, j)
+                    assert got.versions[j] == expected.decode_version, (n, j)
+                    versions.add(expected.decode_version)
+                last = got.last_cost(cost_model)
+                assert last == expected and repr(last) == repr(expected)
     if version == "vllm":
         assert versions == {"v1", "v2"}  # the rule's choice changes along the way
+    elif version != "auto":
+        assert versions == {version}
+
+
+def test_step_costs_stop_at_the_horizon():
+    """The first step always runs; a later one only if it starts (the previous one's end) before `until`."""
+    cost_model = _model("llama-3-8b", "h100-sxm", 1, "auto", None)
+    contexts = [100, 2000, 37]
+    every = step_costs(cost_model, StepSums(contexts), 0, 16, 50, 1.0, float("inf"))
+    until = every.ends[6]
+    cut = step_costs(cost_model, StepSums(contexts), 0, 16, 50, 1.0, until)
+    assert cut.ends == every.ends[:7] and cut.ends[-1] >= until > cut.ends[-2]
+    assert step_costs(cost_model, StepSums(contexts), 0, 16, 50, 1.0, 0.0).ends == every.ends[:1]
+    assert step_costs(cost_model, StepSums(contexts), 0, 16, 5, 1.0, float("inf")).ends == every.ends[:5]
+
+
+@pytest.mark.parametrize(("model", "hardware", "num_gpus", "version"), [
+    ("llama-3-8b", "h100-sxm", 1, "auto"),  # v3: splits that change with the longest context
+    ("llama-3-70b", "h100-sxm", 4, "v2"),
+    ("llama-3-8b", "h100-sxm", 1, "vllm"),  # v1 and v2 in turn: a d that comes and goes
+])
+def test_step_costs_carry_their_sums_from_call_to_call(model, hardware, num_gpus, version):
+    """A window's calls (each from the offset the previous ones ran to, with the sums carried; one
+    that ran fewer steps than it priced, as a stop token leaves it) are `decode_step` of each step."""
+    cost_model = _model(model, hardware, num_gpus, version, None)
+    rng = random.Random(47)
+    for n in (2, 5, 20):
+        contexts = [rng.randint(1, 2000) for _ in range(n)]
+        sums = StepSums(contexts)
+        offset = 0
+        for cap in (1, 3, 7, 1, 40, 2, 130, 5, 600):
+            got = step_costs(cost_model, sums, offset, 16, cap, 0.0, float("inf"))
+            for j, model_time in enumerate(got.model_times):
+                expected = cost_model.decode_step([c + offset + j for c in contexts], 16)
+                assert model_time == expected.total_s - expected.overhead_s, (n, offset, j)
+                assert got.versions[j] == expected.decode_version
+            ran = cap if cap < 100 else cap // 3  # the later calls run fewer steps than they priced
+            offset += ran

@@ -197,3 +197,30 @@ def test_a_lagging_replica_answers_a_prefix_read_as_its_steps_would() -> None:
     fleet.router.route = check  # type: ignore[method-assign]
     run_workload(fleet, workload_for(cfg, fleet), progress=False)
     assert lazy > 0 and ran > 0
+
+
+def test_a_window_call_leaves_its_last_steps_cost() -> None:
+    """After a call of many window steps the executor's `last_cost` (built when read) is the cost
+    of the call's last step, as stepping leaves it."""
+    from paged.engine.builder import build_engine
+    from paged.engine.runner import to_request
+    from paged.experiment.run import workload_for
+
+    cfg = compose_config([*BASE, "executor.fast_forward=true"])
+    engine = build_engine(cfg)
+    engine.metrics.keep_steps = False
+    ff = engine.fast_forward
+    assert isinstance(ff, FastForward)
+    for item in workload_for(cfg, engine)[:4]:
+        engine.add_request(to_request(item))
+    checked = 0
+    while engine.has_unfinished and checked < 5:
+        before = ff.num_steps
+        engine.step(engine.clock.now() + 0.2)
+        ran = ff.num_steps - before
+        window = ff._window
+        if ran > 1 and window is not None:
+            last = engine.executor.decode_cost([c - 1 for c in window.contexts])
+            assert engine.executor.last_cost == last and repr(engine.executor.last_cost) == repr(last)
+            checked += 1
+    assert checked == 5

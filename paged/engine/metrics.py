@@ -255,7 +255,7 @@ class MetricsRecorder:
     @property
     def records_steps(self) -> bool:
         """Whether a step needs its `StepRecord` (kept or listened to), else `step_stats` counts it
-        (`StepStats.add_decode`, fast-forward's)."""
+        (fast-forward's `decode_step`s)."""
         return self.keep_steps or bool(self.step_listeners)
 
     def on_transfer(self, record: TransferRecord) -> None:

@@ -53,6 +53,7 @@ class StepStats:
         self.latest_time_s = -np.inf
         self._kv_usage = array("d")
         self._breakdown = {key: array("d") for key in BREAKDOWN_KEYS}
+        self._breakdown_columns = tuple(self._breakdown.values())
         self._token_state = array("d")  # over the steps that hold blocks
         self._token_state_of_used = array("d")  # over the steps that use any KV memory
         self._sharing_saving = array("d")  # over the steps whose sequences hold blocks
@@ -70,50 +71,49 @@ class StepStats:
         self._chunks: list[list[tuple[int, int]]] = [[] for _ in self._columns]  # per column: (offset, count)
 
     def add(self, s: StepRecord) -> None:
-        self._count(*record_step(s))
-
-    def add_decode(self, num_rows: int, model_time_s: float, attention_version: str | None, kv: KVStats,
-                   used: int, reserved: int, start: float, end: float) -> None:
-        """A step of `num_rows` decode rows only (fast-forward's), counted as `add` counts its record,
-        without the record: the cache is `kv`'s blocks (one KV group) with `used` and `reserved`
-        slots, as a window step off a block's edge changes only the slots (`kv` is the latest
-        edge's)."""
-        self.count(decode_step(num_rows, model_time_s, attention_version, kv, used, reserved, start, end))
+        self.count(record_step(s))
 
     def count(self, step: tuple[Any, ...]) -> None:
-        """Count a step given as `decode_step` gives it (one held back, `HeldSteps`)."""
-        self._count(*step)
-
-    def _count(
-        self, computed_tokens: int, step_time_s: float, overhead_s: float, input_tokens: int, sampled_tokens: int,
-        time_s: float, kv_usage: float, shares: tuple[float, float, float, float, float], num_allocated_blocks: int,
-        token_state_fraction: float, num_logical_blocks: int, sharing_saving: float, num_running: int,
-        tokens_held: int, num_decode_rows: int, attention_version: str | None,
-    ) -> None:
+        """Count a step: its computed tokens, time, overhead, input and sampled tokens, end, KV usage,
+        the five KV shares, allocated blocks, token-state fraction, logical blocks, sharing saving,
+        running sequences, tokens held, decode rows and kernel version (as `add` reads them from a
+        record, `decode_step` gives them, and `HeldSteps` holds them)."""
+        (computed_tokens, step_time_s, overhead_s, input_tokens, sampled_tokens, time_s, kv_usage, shares,
+         num_allocated_blocks, token_state_fraction, num_logical_blocks, sharing_saving, num_running, tokens_held,
+         num_decode_rows, attention_version) = step
         self.num_steps += 1
         self.computed_tokens += computed_tokens
         self.step_time_s += step_time_s
         self.overhead_s += overhead_s
         self.input_tokens += input_tokens
         self.sampled_tokens += sampled_tokens
-        self.latest_time_s = max(self.latest_time_s, time_s)
+        # `max` as written out: each keeps the held value unless the new one is greater
+        if time_s > self.latest_time_s:
+            self.latest_time_s = time_s
         self._kv_usage.append(kv_usage)
-        self.kv_usage_max = max(self.kv_usage_max, kv_usage)
-        for column, share in zip(self._breakdown.values(), shares):
-            column.append(share)
+        if kv_usage > self.kv_usage_max:
+            self.kv_usage_max = kv_usage
+        token, reserved, internal, external, free = shares
+        token_col, reserved_col, internal_col, external_col, free_col = self._breakdown_columns
+        token_col.append(token)
+        reserved_col.append(reserved)
+        internal_col.append(internal)
+        external_col.append(external)
+        free_col.append(free)
         if num_allocated_blocks > 0:
             self._token_state.append(token_state_fraction)
         # in use = 1 - free, summed from its parts so that it cannot fall below the token share by
         # rounding (the ratio stays <= 1)
-        used = shares[0] + shares[1] + shares[2] + shares[3]
+        used = token + reserved + internal + external
         if used > 0:
-            self._token_state_of_used.append(shares[0] / used)
+            self._token_state_of_used.append(token / used)
         if num_logical_blocks:
             self._sharing_saving.append(sharing_saving)
         self._num_running.append(num_running)
         self._tokens_held.append(tokens_held)
-        self.kv_tokens_held_max = max(self.kv_tokens_held_max, tokens_held)
         if tokens_held:
+            if tokens_held > self.kv_tokens_held_max:
+                self.kv_tokens_held_max = tokens_held
             self._held_blocks.append(num_allocated_blocks)
             self._held_tokens.append(tokens_held)
         if num_decode_rows:
@@ -189,7 +189,7 @@ class StepStats:
 
 
 def record_step(s: StepRecord) -> tuple[Any, ...]:
-    """A step's record as `StepStats._count`'s arguments (what `add` counts, or a fleet holds)."""
+    """A step's record as `StepStats.count` takes it (what `add` counts, or a fleet holds)."""
     return (
         s.num_computed_tokens, s.step_time_s, s.overhead_s, s.num_scheduled_tokens - s.num_decode_rows,
         s.num_sampled_tokens, s.time_s, s.kv_usage,
@@ -200,17 +200,51 @@ def record_step(s: StepRecord) -> tuple[Any, ...]:
     )
 
 
+class DecodeKV:
+    """What `decode_step` reads of the cache (a window's, between two of its block edges): one
+    group's block counts, its divisions that do not depend on the slots done once, so that a step
+    costs the three that do."""
+
+    __slots__ = ("num_free_blocks", "_total", "_usage", "_allocated", "_unplaced", "_unassigned", "_free",
+                 "_held_slots", "_logical", "_saving")
+
+    def __init__(self, block_size: int, total_blocks: int, free: int, unassigned: int, stranded: int,
+                 logical: int) -> None:
+        """`KVStats`' fields of those names (allocated = total - free, as `BlockManager.stats`)."""
+        bs, allocated = block_size, total_blocks - free
+        total = total_blocks * bs
+        self.num_free_blocks = free
+        self._total, self._usage, self._allocated = total, allocated / total_blocks, allocated
+        self._unplaced = (allocated - unassigned) * bs  # slots of assigned blocks: used, reserved or internal
+        self._unassigned = (unassigned + stranded) * bs / total
+        self._free = (free - stranded) * bs / total
+        self._held_slots = allocated * bs
+        # `KVStats.sharing_saving`
+        self._logical = logical
+        self._saving = 1.0 - (allocated - unassigned) / logical if logical else 0.0
+
+    @classmethod
+    def of(cls, kv: KVStats) -> DecodeKV:
+        assert kv.num_allocated_blocks == kv.num_total_blocks - kv.num_free_blocks
+        return cls(kv.block_size, kv.num_total_blocks, kv.num_free_blocks, kv.num_unassigned_blocks,
+                   kv.num_stranded_free_blocks, kv.num_logical_blocks)
+
+    def step(self, num_rows: int, model_time_s: float, attention_version: str | None, used: int, reserved: int,
+             start: float, end: float) -> tuple[Any, ...]:
+        """`decode_step` of this cache with `used` and `reserved` slots."""
+        total = self._total
+        shares = (used / total, reserved / total, (self._unplaced - used - reserved) / total, self._unassigned,
+                  self._free)
+        return (
+            num_rows, end - start, max(0.0, end - start - model_time_s), 0, num_rows, end, self._usage, shares,
+            self._allocated, used / self._held_slots if self._allocated else 1.0, self._logical, self._saving,
+            num_rows, used, num_rows, attention_version,
+        )
+
+
 def decode_step(num_rows: int, model_time_s: float, attention_version: str | None, kv: KVStats, used: int,
                 reserved: int, start: float, end: float) -> tuple[Any, ...]:
-    """`StepStats.add_decode`'s step as `_count`'s arguments: `KVStats`' values with the same
-    integer operations and one division each."""
-    bs, total_blocks, allocated = kv.block_size, kv.num_total_blocks, kv.num_allocated_blocks
-    unassigned, stranded = kv.num_unassigned_blocks, kv.num_stranded_free_blocks
-    total = total_blocks * bs
-    shares = (used / total, reserved / total, ((allocated - unassigned) * bs - used - reserved) / total,
-              (unassigned + stranded) * bs / total, (kv.num_free_blocks - stranded) * bs / total)
-    return (
-        num_rows, end - start, max(0.0, end - start - model_time_s), 0, num_rows, end, allocated / total_blocks,
-        shares, allocated, used / (allocated * bs) if allocated else 1.0, kv.num_logical_blocks,
-        kv.sharing_saving, num_rows, used, num_rows, attention_version,
-    )
+    """A step of `num_rows` decode rows only (fast-forward's) as `StepStats.count` takes it, as `add`
+    would read it from its record: the cache is `kv`'s blocks (one KV group) with `used` and
+    `reserved` slots (`KVStats`' values with the same integer operations and one division each)."""
+    return DecodeKV.of(kv).step(num_rows, model_time_s, attention_version, used, reserved, start, end)

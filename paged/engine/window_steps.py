@@ -3,46 +3,41 @@
 `run_steps` runs, in one call, the window's steps that start before a horizon (the next event its
 caller knows of: an arrival), as stepping would run them one by one, to the bit:
 
-- costs: the cost model's, per step, on the step's context lengths (from 16 rows up with the sums
-  kept as the contexts grow, `SimExecutor.decode_costs`); the clock advanced by each in turn (the
-  same additions in the same order), token times the steps' ends;
+- costs: the cost model's, per step, on the step's context lengths, all of a call's in one pass
+  (`SimExecutor.step_costs`: each step's end, model time and kernel version); the clock set to the
+  last end (the same additions in the same order), token times the steps' ends;
 - tokens: `plain_token`'s recurrence per row (Python integers); the call ends before the first
   step whose token would stop a row;
 - blocks: the block manager is called only at a row's block edges (a step that opens a block, or
-  the window's first step where the common path's test fails, grows the table; one that fills a
-  block publishes it), in stepping's (step, row) order, so the same blocks go to the same rows;
-  before each such call, and at the end, the steps a row ran off an edge are booked in the ledger
-  in one call (`SlotLedger.append_tokens`), and its token list, computed count and slots brought
-  to where that step finds them;
-- statistics: each step's `decode_step` (`StepStats.add_decode`'s), from the ledger's slots after
-  it (the used and reserved counts rebuilt from each run's and each edge call's changes) and the
-  blocks as the latest table-growing step left them; a fleet's replica holds them for their turn
-  (`hold`, `HeldSteps`). A run that keeps step records runs one step a
-  call (`_one_step`), its record made from the scheduler's stats as before.
+  the window's first step where the common path's test fails, grows the table: `open_block` where
+  the table is full, else `try_append_slots`; one that fills a block publishes it), in stepping's
+  (step, row) order, so the same blocks go to the same rows; before each such call, and at the
+  end, the steps a row ran off an edge are booked in the ledger in one call
+  (`SlotLedger.append_tokens`), and its token list, computed count and slots brought to where that
+  step finds them;
+- statistics: each step's `decode_step`, from the ledger's slots after it (the used and reserved
+  counts rebuilt from each run's and each edge call's changes) and the blocks as the latest
+  table-growing step left them (a `DecodeKV` of the block manager's counts); `_count` counts them,
+  or holds them for their turn where it is given `hold` (a fleet's replica, `HeldSteps`). A run
+  that keeps step records runs one step a call (`_one_step`), its record made from the
+  scheduler's stats as before.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from paged.engine.held_steps import Hold
-from paged.engine.step_stats import decode_step
-from paged.memory.block_manager import _SeqBlocks
+from paged.engine.step_stats import DecodeKV
+from paged.memory.block_manager import BlockManager, _SeqBlocks
 from paged.request import Sequence
-from paged.sim.cost_model import StepCost
+from paged.sim.decode_steps import StepSums, StepTotals
 from paged.sim.executor import LENGTH_MUL, SAMPLE_MUL, TOKEN_MUL, SimExecutor
-from paged.step import KVStats
 
 if TYPE_CHECKING:
     from paged.engine.engine import Engine
-
-# below this many rows a window's step costs are taken from each step's contexts (`decode_cost`),
-# from this many on from sums kept as they grow (`decode_costs`): both are the same to the bit
-_FEW_ROWS = 16
-
 
 @dataclass(slots=True)
 class Row:
@@ -71,36 +66,11 @@ class Window:
     contexts: list[int]  # the next step's context lengths: each row's tokens so far
     order: list[int]  # the rows, those a stop token or EOS could end first
     done: int = 0
-    kv: KVStats | None = None  # the cache after the latest step that grew a block table (statistics only)
+    kv: DecodeKV | None = None  # the cache after the latest step that grew a block table (statistics only)
     free_blocks: list[int] = field(default_factory=list)  # the free blocks after each step of the latest call
+    sums: StepSums | None = None  # the step costs' sums, from the window's first step on
     evicts: bool = True  # whether the window's growth could evict a cached block (`window_horizon.evicts`)
     stop_at: int | None = None  # the step a token would stop a row at, once looked for (`window_horizon`)
-
-
-def _costs(executor: SimExecutor, contexts: list[int], cap: int, start: float, until: float
-           ) -> tuple[list[StepCost], list[float]]:
-    """The costs and end times of the next steps (at most `cap`): the first, then those that start
-    before `until`; fewer where the cost model cannot price a step from its rows alone."""
-    costs: list[StepCost] = []
-    ends: list[float] = []
-    steps: Iterator[StepCost | None] | None
-    if cap == 1 or len(contexts) < _FEW_ROWS:  # summing a few rows each step costs less than keeping sums
-        steps = (executor.decode_cost([c + j for c in contexts] if j else contexts) for j in range(cap))
-    else:
-        steps = executor.decode_costs(contexts)
-    if steps is None:
-        return costs, ends
-    t = start
-    for j in range(cap):
-        if j and t >= until:
-            break
-        cost = next(steps)
-        if cost is None:
-            break
-        costs.append(cost)
-        t += cost.total_s  # VirtualClock.advance's addition
-        ends.append(t)
-    return costs, ends
 
 
 def _tokens(window: Window, vocab: int, k: int) -> tuple[list[list[int]], int]:
@@ -111,21 +81,25 @@ def _tokens(window: Window, vocab: int, k: int) -> tuple[list[list[int]], int]:
     rows, contexts = window.rows, window.contexts
     tokens: list[list[int]] = [[] for _ in rows]
     for r in window.order:
-        row, length = rows[r], contexts[r]
-        last, salt, stops = row.token_ids[-1], SAMPLE_MUL * row.sample, row.stops
-        out = tokens[r]
+        row = rows[r]
+        last, stops, out = row.token_ids[-1], row.stops, tokens[r]
+        # the recurrence's step term, (length + j) x LENGTH_MUL + the sample's, grown by LENGTH_MUL a step
+        term = contexts[r] * LENGTH_MUL + SAMPLE_MUL * row.sample
         if not stops:
-            for j in range(k):
-                last = (last * TOKEN_MUL + (length + j) * LENGTH_MUL + salt) % vocab
-                out.append(last)
+            append = out.append
+            for _ in range(k):
+                last = (last * TOKEN_MUL + term) % vocab
+                append(last)
+                term += LENGTH_MUL
             continue
-        stop_from = row.stop_from
+        stop_j = row.stop_from - contexts[r]  # the first step from which a stop token stops the row
         for j in range(k):
-            last = (last * TOKEN_MUL + (length + j) * LENGTH_MUL + salt) % vocab
-            if last in stops and length + j >= stop_from:
+            last = (last * TOKEN_MUL + term) % vocab
+            if last in stops and j >= stop_j:
                 k = j
                 break
             out.append(last)
+            term += LENGTH_MUL
     return tokens, k
 
 
@@ -178,19 +152,22 @@ def run_steps(engine: Engine, window: Window, until: float | None, hold: Hold | 
     executor = engine.executor
     assert isinstance(executor, SimExecutor)
     start = engine.clock.now()
-    costs, ends = _costs(executor, window.contexts, cap, start, float("-inf") if until is None else until)
-    if not costs:
+    contexts = window.contexts
+    if window.sums is None:
+        window.sums = StepSums([c - window.done for c in contexts])
+    steps = executor.step_costs(window.sums, window.done, cap, start, float("-inf") if until is None else until)
+    if steps is None or not steps.ends:
         return 0
-    token_lists, k = _tokens(window, executor.vocab_size, len(costs))
+    token_lists, k = _tokens(window, executor.vocab_size, len(steps.ends))
     if k == 0:
         return 0
     if k == 1:
-        _one_step(engine, window, costs[0], token_lists, hold)
+        _one_step(engine, window, steps, token_lists, hold)
         return 1
     s = engine.scheduler
     bm = s.block_manager
     ledger, bs, publishes = bm.ledger, bm.block_size, bm.prefix_index.enabled
-    rows, contexts, n = window.rows, window.contexts, len(window.rows)
+    rows, n = window.rows, len(window.rows)
     used0, reserved0 = ledger.num_used, ledger.num_reserved
     # per step: the ledger's change in used and reserved slots
     d_used = [n] * k
@@ -212,12 +189,12 @@ def run_steps(engine: Engine, window: Window, until: float | None, hold: Hold | 
         row.seq.num_computed_tokens = blocks.num_slots = length + upto - 1
         ran[r] = upto
 
-    kvs: dict[int, KVStats] = {}
+    kvs: dict[int, DecodeKV] = {}
     for j, (grown, published) in _edges(window, bs, k).items():
         for r in grown:
             book(r, j)
             used, reserved = ledger.num_used, ledger.num_reserved
-            if bm.try_append_slots(rows[r].seq) != []:
+            if not bm.open_block(rows[r].seq) and bm.try_append_slots(rows[r].seq) != []:
                 raise AssertionError(f"fast-forward: sequence {rows[r].seq.seq_id} could not grow as planned")
             d_used[j] += ledger.num_used - used - 1
             d_reserved[j] += ledger.num_reserved - reserved
@@ -234,7 +211,7 @@ def run_steps(engine: Engine, window: Window, until: float | None, hold: Hold | 
             d_used[j] += ledger.num_used - used
             d_reserved[j] += ledger.num_reserved - reserved
         if grown or j == 0:
-            kvs[j] = bm.stats()
+            kvs[j] = _decode_kv(bm)
     for r in range(n):  # `book(r, k)`, inlined: most rows of a call have no edge
         count = k - ran[r]
         if count:
@@ -249,49 +226,61 @@ def run_steps(engine: Engine, window: Window, until: float | None, hold: Hold | 
                 row.token_ids.extend(token_lists[r][k - count:k])
             row.seq.num_computed_tokens = blocks.num_slots = length + k - 1
     s._blocked_blocks = 0
-    for cost in costs[:k]:
-        executor.advance(cost)
+    executor.advance_steps(contexts, steps, k)
+    ends = steps.ends
     s._now = ends[k - 1]
-    times = array("d", ends[:k])
+    times = array("d", ends[:k]) if k < len(ends) else array("d", ends)
     for row in rows:
         row.token_times.extend(times)
     if window.done == 0:  # a log-probability of -0.0 becomes 0.0 once, as the first step adds 0.0
         for row in rows:
             row.seq.cumulative_logprob += 0.0
     window.contexts = [c + k for c in contexts]
-    window.free_blocks = _count(engine, window, costs[:k], start, ends, kvs, used0, reserved0, d_used, d_reserved,
-                                hold)
+    window.free_blocks = _count(engine, window, steps, k, start, kvs, used0, reserved0, d_used, d_reserved, hold)
     window.done += k
     return k
 
 
-def _count(engine: Engine, window: Window, costs: list[StepCost], start: float, ends: list[float],
-           kvs: dict[int, KVStats], used: int, reserved: int, d_used: list[int], d_reserved: list[int],
-           hold: Hold | None) -> list[int]:
-    """Each step's statistics, in step order (`decode_step`), with the ledger's slots after it;
-    returns the free blocks after each step."""
+def _decode_kv(bm: BlockManager) -> DecodeKV:
+    """The cache as `bm.stats()` gives it, as a decode step's statistics read it: from its block
+    counts where `stats` is `BlockManager`'s (no request waits for memory in a window, so no free
+    block is stranded), else from `stats()`."""
+    if type(bm).stats is not BlockManager.stats:
+        return DecodeKV.of(bm.stats())
+    total, free, unassigned, logical = bm.block_counts()
+    return DecodeKV(bm.block_size, total, free, unassigned, 0, logical)
+
+
+def _count(engine: Engine, window: Window, steps: StepTotals, k: int, start: float, kvs: dict[int, DecodeKV],
+           used: int, reserved: int, d_used: list[int], d_reserved: list[int], hold: Hold | None) -> list[int]:
+    """Each of the first `k` steps' statistics, in step order (`decode_step`), with the ledger's
+    slots after it and the cache as the latest edge left it: counted, or with `hold` held for its
+    turn. Returns the free blocks after each step."""
     n = len(window.rows)
     count = engine.metrics.step_stats.count
+    ends, model_times, versions = steps.ends, steps.model_times, steps.versions
+    kv = window.kv
     free_blocks = []
-    for j, cost in enumerate(costs):
+    for j in range(k):
         used += d_used[j]
         reserved += d_reserved[j]
-        kv = kvs.get(j)
-        if kv is not None:
-            window.kv = kv
-        assert window.kv is not None
-        step = decode_step(n, cost.total_s - cost.overhead_s, cost.decode_version, window.kv, used, reserved, start,
-                           ends[j])
+        edge = kvs.get(j)
+        if edge is not None:
+            kv = edge
+        assert kv is not None
+        end = ends[j]
+        step = kv.step(n, model_times[j], versions[j], used, reserved, start, end)
         if hold is not None:
             hold(start, step)
         else:
             count(step)
-        free_blocks.append(window.kv.num_free_blocks)
-        start = ends[j]
+        free_blocks.append(kv.num_free_blocks)
+        start = end
+    window.kv = kv
     return free_blocks
 
 
-def _one_step(engine: Engine, window: Window, cost: StepCost, token_lists: list[list[int]], hold: Hold | None
+def _one_step(engine: Engine, window: Window, steps: StepTotals, token_lists: list[list[int]], hold: Hold | None
               ) -> None:
     """`run_steps` for a single step (a fleet's replica, a window's last step before an arrival),
     without its bookkeeping for many: a row's slot goes into the private block the previous step
@@ -303,20 +292,21 @@ def _one_step(engine: Engine, window: Window, cost: StepCost, token_lists: list[
     bm = s.block_manager
     bs, append_token = bm.block_size, bm.ledger.append_token
     first = window.done == 0
+    contexts = window.contexts
     start = engine.clock.now()
     s._blocked_blocks = 0
     edges = []
     for row in window.rows:
         num_tokens = len(row.token_ids)
         if (num_tokens - 1) % bs == 0 or num_tokens % bs == 0 or (first and row.first_edge):
-            if bm.try_append_slots(row.seq) != []:
+            if not bm.open_block(row.seq) and bm.try_append_slots(row.seq) != []:
                 raise AssertionError(f"fast-forward: sequence {row.seq.seq_id} could not grow as planned")
             edges.append(row)
         else:
             blocks = row.blocks
             append_token(blocks.table[(num_tokens - 1) // bs])
             blocks.num_slots = num_tokens
-    executor.advance(cost)
+    executor.advance_steps(contexts, steps, 1)
     now = engine.clock.now()
     s._now = now
     for row, tokens in zip(window.rows, token_lists):
@@ -329,23 +319,17 @@ def _one_step(engine: Engine, window: Window, cost: StepCost, token_lists: list[
     if first:  # a log-probability of -0.0 becomes 0.0 once, as the first step adds 0.0
         for row in window.rows:
             row.seq.cumulative_logprob += 0.0
-    window.contexts = [c + 1 for c in window.contexts]
+    window.contexts = [c + 1 for c in contexts]
     window.done += 1
     window.free_blocks = []
     metrics = engine.metrics
-    n, model_time = len(window.rows), cost.total_s - cost.overhead_s
+    n = len(window.rows)
     if metrics.records_steps:
         metrics.add_step(metrics.step_record(
-            False, n, n, n, n, n, model_time, cost.decode_version, 0, 0, s.stats(), start, now,
+            False, n, n, n, n, n, steps.model_times[0], steps.versions[0], 0, 0, s.stats(), start, now,
         ))
         return
     # off a block's edge a step changes only the ledger's slots: the blocks are the last edge's
-    if first or edges:
-        window.kv = bm.stats()
     ledger = bm.ledger
-    assert window.kv is not None
-    step = decode_step(n, model_time, cost.decode_version, window.kv, ledger.num_used, ledger.num_reserved, start, now)
-    if hold is not None:
-        hold(start, step)
-    else:
-        metrics.step_stats.count(step)
+    _count(engine, window, steps, 1, start, {0: _decode_kv(bm)} if first or edges else {}, ledger.num_used,
+           ledger.num_reserved, [0], [0], hold)

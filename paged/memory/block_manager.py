@@ -228,15 +228,10 @@ class BlockManager(SwapMixin):
             if common and last == num_tokens - 1 and last % bs and refcount(block := state.table[last // bs]) == 1:
                 filled.append(block)
                 state.num_slots = num_tokens
-            elif (common and last == num_tokens - 1 and last == len(table := state.table) * bs
+            elif (common and last == num_tokens - 1 and last == len(state.table) * bs
                   and alloc.num_free_blocks and alloc.can_allocate_blocks(1)):
-                # at a block's edge with a full table (all of a batch's rows at once when their lengths
-                # agree): one new private block, its first slot filled; the full block before it keeps
-                # its books (filled, nothing reserved), so only the new one is accounted
-                table += alloc.allocate_blocks(1)
-                self._num_logical_blocks += 1
-                ledger.account_table(table, (len(table) - 1,), num_tokens, state.final)
-                state.num_slots = num_tokens
+                # at a block's edge with a full table (all of a batch's rows at once when their lengths agree)
+                self._open_block(state, num_tokens)
             elif (grew := self.try_append_slots(seq)) is not None:
                 copies += grew
             else:
@@ -244,6 +239,27 @@ class BlockManager(SwapMixin):
             grown += 1
         ledger.append_each(filled)
         return grown, copies
+
+    def open_block(self, seq: Sequence) -> bool:
+        """`try_append_slots` of a decode step at a block's edge with a full table (exact
+        reservation, no sliding window, a free block), as `grow_decodes` takes it; False where the
+        step is not that one (nothing changed)."""
+        state, alloc, num_tokens = self._seqs[seq.seq_id], self.allocator, len(seq.token_ids)
+        if (self.share_blocks and self.sliding_window is None and type(self.reservation) is ExactReservation
+                and state.num_slots == num_tokens - 1 == seq.num_computed_tokens == len(state.table) * self.block_size
+                and alloc.num_free_blocks and alloc.can_allocate_blocks(1)):
+            self._open_block(state, num_tokens)
+            return True
+        return False
+
+    def _open_block(self, state: _SeqBlocks, num_tokens: int) -> None:
+        """One new private block, its first slot filled; the full block before it keeps its books
+        (filled, nothing reserved), so only the new one is accounted."""
+        table = state.table
+        table += self.allocator.allocate_blocks(1)
+        self._num_logical_blocks += 1
+        self.ledger.account_table(table, (len(table) - 1,), num_tokens, state.final)
+        state.num_slots = num_tokens
 
     def _shared_write_targets(self, seq: Sequence, state: _SeqBlocks) -> list[int]:
         """Indices of existing blocks that this step writes into but other tables also hold."""
@@ -372,6 +388,12 @@ class BlockManager(SwapMixin):
             num_free_cpu_blocks=cpu.num_free_blocks if cpu else 0,
             num_logical_blocks=self._num_logical_blocks, **self.prefix_index.tier_counts(),
         )
+
+    def block_counts(self) -> tuple[int, int, int, int]:
+        """`stats()`'s total, free, unassigned and logical blocks, without building it (a
+        fast-forward window's statistics at its block edges)."""
+        alloc = self.allocator
+        return self.num_total_blocks, alloc.num_free_blocks, alloc.num_unassigned_blocks, self._num_logical_blocks
 
     def _cdiv(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

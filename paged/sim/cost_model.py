@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from paged.config.choices import VERSION_RULES, VERSIONS
 from paged.kernels import step_version
@@ -189,6 +190,8 @@ class CostModel:
         self._attention_shapes: dict[int, AttentionShape] = {}
         # `decode_step`'s parts that depend on the batch size alone, per size
         self._decode_parts: dict[int, tuple[float, float, float, float, float]] = {}
+        # a window step's parts per (block size, rows): `paged.sim.decode_steps`'
+        self._decode_sizes: dict[tuple[int, int], tuple[Any, ...]] = {}
         self.kernel_table: dict[tuple[str, str], Entry] = decode_table(hardware)
 
     def _matmul_efficiency(self, tokens: int) -> float:
@@ -251,12 +254,7 @@ class CostModel:
 
     def decode_cost_of(self, n: int, attention: float, version: str) -> StepCost:
         """`decode_step`'s cost of `n` decode rows whose attention takes `attention` seconds a layer."""
-        parts = self._decode_parts.get(n)
-        if parts is None:
-            hw = self.hw
-            parts = (*self._dense(n, n), hw.step_overhead_s + hw.seq_overhead_s * n)
-            self._decode_parts[n] = parts
-        linear, elementwise, communication, head, overhead = parts
+        linear, elementwise, communication, head, overhead = self.decode_parts(n)
         L = self.spec.num_layers
         kernels = _KERNELS_PER_LAYER + (version == "v2")
         layer = max(linear + attention + elementwise, kernels * self.hw.kernel_launch_s)
@@ -264,6 +262,16 @@ class CostModel:
             L * linear, L * attention, L * elementwise, L * (layer - linear - attention - elementwise),
             communication, head, overhead, version, 0.0,
         )
+
+    def decode_parts(self, n: int) -> tuple[float, float, float, float, float]:
+        """A step of `n` decode rows' layer linear and elementwise time, communication, embedding and
+        LM head, and overhead: what depends on the batch size alone, computed once per size."""
+        parts = self._decode_parts.get(n)
+        if parts is None:
+            hw = self.hw
+            parts = (*self._dense(n, n), hw.step_overhead_s + hw.seq_overhead_s * n)
+            self._decode_parts[n] = parts
+        return parts
 
     def _dense(self, t: int, n: int) -> tuple[float, float, float, float]:
         """A layer's linear and elementwise time, the step's communication and its embedding and

@@ -21,10 +21,8 @@ paper's Alpaca beam savings (a geometric tail, tried first, let width 6 coalesce
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import math
-from collections.abc import Iterator
 from functools import cached_property
 
 import torch
@@ -36,7 +34,7 @@ from paged.kernels.features import BlockSparse, cache_dtype
 from paged.kv_layout import KVLayout
 from paged.model.spec import model_spec
 from paged.sim.cost_model import CostModel, StepCost, step_shape
-from paged.sim.decode_steps import decode_steps
+from paged.sim.decode_steps import StepSums, StepTotals, step_costs
 from paged.sim.hardware import Hardware, resolve_hardware
 from paged.sim.memory import check_parallelism, plan_memory
 from paged.sim.tier_disk import SimTierDisk
@@ -119,7 +117,9 @@ class SimExecutor(Executor):
                                      reverse=True) if len(counts) > 1 else []
         self.block_size = 16
         self.configure_kernel(kernel)
-        self.last_cost: StepCost | None = None
+        self._last_cost: StepCost | None = None
+        # a window call's steps whose last is `last_cost` until it is read: (steps, how many ran, contexts)
+        self._last_steps: tuple[StepTotals, int, list[int]] | None = None
         self._floors: dict[int, float] = {}  # `decode_floor` per batch size
         self.tier_disk: SimTierDisk | None = None
 
@@ -239,16 +239,28 @@ class SimExecutor(Executor):
         decode = contexts if window is None else [min(c, window) for c in contexts]
         return self.cost_model.decode_step(decode, self.block_size)
 
-    def decode_costs(self, contexts: list[int]) -> Iterator[StepCost] | None:
-        """`decode_cost` of `contexts + j` for j = 0, 1, ... (a window's steps), endless; None where
-        `decode_cost` is."""
+    def step_costs(self, sums: StepSums, offset: int, cap: int, start: float, until: float) -> StepTotals | None:
+        """`decode_cost` of `sums.base + offset + j` for j = 0, 1, ... (a window's steps, its sums
+        carried from call to call): the first step and those that start before `until` on a clock at
+        `start`, at most `cap`; None where `decode_cost` is."""
         if self._window_layers or self.tier_disk is not None:
             return None
         window = self.sliding_window
-        if window is not None:
-            return (self.cost_model.decode_step([min(c + j, window) for c in contexts], self.block_size)
-                    for j in itertools.count())
-        return decode_steps(self.cost_model, contexts, self.block_size)
+        if window is None:
+            return step_costs(self.cost_model, sums, offset, self.block_size, cap, start, until)
+        out = StepTotals([], [], [])
+        t = start
+        for j in range(cap):
+            if j and t >= until:
+                break
+            contexts = [min(c + offset + j, window) for c in sums.base]
+            cost = self.cost_model.decode_step(contexts, self.block_size)
+            t += cost.total_s
+            out.ends.append(t)
+            out.model_times.append(cost.total_s - cost.overhead_s)
+            out.versions.append(cost.decode_version)
+            out.last = cost
+        return out
 
     def decode_floor(self, num_rows: int) -> float | None:
         """A lower bound of `decode_cost(contexts).total_s` for any `num_rows` contexts (a lagging
@@ -262,10 +274,29 @@ class SimExecutor(Executor):
             floor = self._floors[num_rows] = self.cost_model.decode_cost_of(num_rows, 0.0, "v1").total_s * (1.0 - 1e-6)
         return floor
 
-    def advance(self, cost: StepCost) -> None:
-        """Account a step of `cost` run without `execute` (fast-forward): the clock and `last_cost`."""
-        self.last_cost = cost
-        self.clock.advance(cost.total_s)  # type: ignore[attr-defined]
+    def advance_steps(self, contexts: list[int], steps: StepTotals, k: int) -> None:
+        """Account the first `k` of a window call's steps (`step_costs`' from `contexts`), run
+        without `execute` (fast-forward): the clock at the k-th's end, which the same additions from
+        the clock's time gave, and `last_cost` (built when read)."""
+        assert steps.ends[0] >= self.clock.now()
+        self.clock.wait_until(steps.ends[k - 1])  # type: ignore[attr-defined]
+        self._last_cost = None
+        self._last_steps = (steps, k, contexts)
+
+    @property
+    def last_cost(self) -> StepCost | None:
+        """The latest step's cost breakdown."""
+        if self._last_steps is not None:
+            steps, k, contexts = self._last_steps
+            self._last_steps = None
+            self._last_cost = (steps.last_cost(self.cost_model) if k == len(steps.ends)
+                               else self.decode_cost([c + k - 1 for c in contexts]))
+        return self._last_cost
+
+    @last_cost.setter
+    def last_cost(self, cost: StepCost | None) -> None:
+        self._last_cost = cost
+        self._last_steps = None
 
     def _placeholders(self, sched: SchedulerOutput) -> tuple[list[list[int]], list[list[float]]]:
         """Tokens and their log-probabilities per scheduled sequence (module docstring)."""
