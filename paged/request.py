@@ -301,6 +301,8 @@ class Request:
         # a follow-up: its prompt_token_ids are only its own new tokens until `follow` prepends the parent's
         self.follows = follows
         self.seqs: list[Sequence] = [Sequence(self, list(prompt_token_ids))]
+        # (block size, the prompt's chained block hashes): `paged.memory.hashing.request_block_hashes`
+        self.prompt_hashes: tuple[int, list[bytes]] | None = None
         self.first_token_time: float | None = None
         # engine time of each step that gave the request tokens (any of its sequences): the chunks a
         # streaming client sees, whose gaps are vLLM's inter-token latencies; 8 bytes a step, no objects
@@ -337,6 +339,7 @@ class Request:
         # unpacked: the parent, finished, may hold its tokens compacted (`compact`)
         self.prompt_token_ids = [*parent.prompt_token_ids, *parent.outputs()[0].token_ids, *self.prompt_token_ids]
         self.seqs = [Sequence(self, list(self.prompt_token_ids))]
+        self.prompt_hashes = None
         self.arrival_time = parent.finish_time + self.follows.think_time_s
 
     def compact(self) -> None:
