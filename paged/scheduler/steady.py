@@ -46,6 +46,8 @@ class SteadyMixin(SchedulerState):
     """`Scheduler`'s steady decode step (its base class). `Scheduler.__init__` sets the state it uses."""
 
     _run: Callable[[SchedulerOutput, StepBudget, list[list[Sequence]], float], None]
+    _admit: Callable[[SchedulerOutput, StepBudget, float], None]
+    prefill_first: bool
     # None: this scheduler's parts rule the steady step out (`_init_steady`)
     _steady: SteadyRows | None
     # the output of the last step scheduled, when every row of it was a steady row
@@ -59,23 +61,45 @@ class SteadyMixin(SchedulerState):
         self.num_steady_steps = 0  # steps scheduled from the last step's rows (all or some of them)
 
     def _run_steady(self, out: SchedulerOutput, budget: StepBudget, now: float) -> bool:
-        """Schedule the steady step if this is one (False: it is not, and nothing changed)."""
+        """Schedule the steady step if this is one (False: it is not, and nothing changed). Rows
+        that finished since (`_drop_finished`) are left out; with requests waiting, decode-first
+        admits them after the rows as `_schedule_queues` would (the rows first there too: every
+        running gang is one decode, so none is a prompt in progress and their order is admission's)."""
         steady, running = self._steady, self.running
         self._steady_out = None
-        if (steady is None or self.waiting or self.swapped or not running or len(running) > budget.tokens
-                or running != steady.running):
+        if (steady is None or self.swapped or not running or len(running) > budget.tokens
+                or (self.waiting and self.prefill_first)):
             return False
+        if running != steady.running and not self._drop_finished(steady, running):
+            return False
+        steady = self._steady
+        assert steady is not None
         self.num_steady_steps += 1
         grown, copies = self.block_manager.grow_decodes(running, steady.blocks)
+        num_rows = len(running)  # before the general path preempts any
         # every row grown this way is a decode: it sampled its last token in the step before
-        out.scheduled = steady.items[:grown] if grown < len(running) else list(steady.items)
+        out.scheduled = steady.items[:grown] if grown < num_rows else list(steady.items)
         out.blocks_to_copy.extend(copies)
         out.num_decode_rows = grown
         budget.tokens -= grown
-        if grown < len(running):
+        if grown < num_rows:
             self._run(out, budget, [[seq] for seq in running[grown:]], now)
-        else:
+        if self.waiting and not self.swapped:  # a preemption may have swapped a row out: no admission
+            self._admit(out, budget, now)
+        if grown == num_rows == len(out.scheduled):
             self._steady_out = out
+        return True
+
+    def _drop_finished(self, steady: SteadyRows, running: list[Sequence]) -> bool:
+        """Whether `running` is the steady rows' sequences less those that finished since (a step's
+        finished rows leave the batch, the rest decode on); if so, the steady rows become theirs."""
+        if len(running) >= len(steady.running):
+            return False
+        keep = [i for i, seq in enumerate(steady.running) if not seq.is_finished]
+        if len(keep) != len(running) or any(steady.running[i] is not seq for i, seq in zip(keep, running)):
+            return False
+        self._steady = SteadyRows(*([rows[i] for i in keep] for rows in (
+            steady.running, steady.items, steady.blocks, steady.stops, steady.limits)))
         return True
 
     def _remember_steady(self, out: SchedulerOutput) -> None:
