@@ -301,8 +301,8 @@ class Request:
         # a follow-up: its prompt_token_ids are only its own new tokens until `follow` prepends the parent's
         self.follows = follows
         self.seqs: list[Sequence] = [Sequence(self, list(self.prompt_token_ids))]  # the list's ints, shared
-        # the prompt as `compact` held it, kept by `expand` for the next `compact` to copy (None: none)
-        self._packed: array | None = None
+        # the prompt as `compact` held it (`expand` keeps it): the next `compact` copies it, intake checks it
+        self.packed_prompt: array | None = None
         # (block size, the prompt's chained block hashes): `paged.memory.hashing.request_block_hashes`
         self.prompt_hashes: tuple[int, list[bytes]] | None = None
         self.first_token_time: float | None = None
@@ -341,7 +341,7 @@ class Request:
         # unpacked: the parent, finished, may hold its tokens compacted (`compact`)
         self.prompt_token_ids = [*parent.prompt_token_ids, *parent.outputs()[0].token_ids, *self.prompt_token_ids]
         self.seqs = [Sequence(self, list(self.prompt_token_ids))]
-        self.prompt_hashes = self._packed = None
+        self.prompt_hashes = self.packed_prompt = None
         self.arrival_time = parent.finish_time + self.follows.think_time_s
 
     def compact(self) -> None:
@@ -354,7 +354,7 @@ class Request:
         prompt (`follow`); one not yet submitted is `expand`ed first."""
         n = len(self.prompt_token_ids)
         outputs = {}
-        packed, self._packed = self._packed, None
+        packed, self.packed_prompt = self.packed_prompt, None
         for seq in self.seqs:
             was = seq.token_ids
             if not isinstance(was, array):
@@ -378,7 +378,7 @@ class Request:
         if isinstance(packed, list):
             return
         self.prompt_token_ids = prompt = packed.tolist()
-        self._packed = packed if isinstance(packed, array) else None
+        self.packed_prompt = packed if isinstance(packed, array) else None
         for seq in self.seqs:
             if not isinstance(seq.token_ids, list):
                 # one not yet run is the prompt's array: the prompt's ints, shared
