@@ -6,21 +6,28 @@ chain with it."""
 from __future__ import annotations
 
 import random
+import struct
 from array import array
 
 import pytest
+import xxhash
 
 from paged.memory import PrefixCachingAllocator
-from paged.memory.hashing import block_hash, extend_chain, prompt_block_hashes, request_block_hashes
+from paged.memory.hashing import NONE_HASH, block_hash, extend_chain, prompt_block_hashes, request_block_hashes
 from paged.memory.prefix_index import PrefixIndex
 from paged.request import FollowUp, Request, SamplingParams
 
 
 def _reference(tokens: list[int], block_size: int, salt: str | None = None) -> list[bytes]:
+    """The encoding spelled out: (parent digest, token count, int64 LE tokens, 0x01 and the salt)."""
     chain: list[bytes] = []
     for i in range(len(tokens) // block_size):
-        chain.append(block_hash(chain[-1] if chain else None, tokens[i * block_size : (i + 1) * block_size],
-                                None if chain else salt))
+        block = tokens[i * block_size : (i + 1) * block_size]
+        data = (chain[-1] if chain else NONE_HASH) + struct.pack(f"<q{len(block)}q", len(block), *block)
+        if salt is not None and not chain:
+            data += b"\x01" + salt.encode()
+        chain.append(xxhash.xxh3_128_digest(data))
+        assert chain[-1] == block_hash(chain[-2] if i else None, block, None if i else salt)
     return chain
 
 

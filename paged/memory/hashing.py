@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import struct
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import xxhash
 
@@ -22,10 +23,16 @@ def block_hash(parent: bytes | None, token_ids: Sequence[int], extra_key: str | 
     The token count makes the encoding unambiguous, so an extra key can never pass for tokens.
     """
     n = len(token_ids)
-    data = (parent if parent is not None else NONE_HASH) + struct.pack(f"<q{n}q", n, *token_ids)
+    data = (parent if parent is not None else NONE_HASH) + _packer(n)(n, *token_ids)
     if extra_key is not None:
         data += b"\x01" + extra_key.encode()
     return xxhash.xxh3_128_digest(data)
+
+
+@functools.cache
+def _packer(n: int) -> Callable[..., bytes]:
+    """The packing of a block of `n` tokens and its count: the format compiled once per block size."""
+    return struct.Struct(f"<{n + 1}q").pack
 
 
 def extend_chain(chain: list[bytes], token_ids: Sequence[int], block_size: int, num_blocks: int,

@@ -118,7 +118,10 @@ class SteadyMixin(SchedulerState):
         stops, limits = [], []
         for seq in running:
             params = seq.request.params
-            stops.append(frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos))
+            # no stop token ids (nearly every row): the EOS set itself, no new set per row per step
+            stop_ids = params.stop_token_ids
+            stops.append((frozenset(stop_ids) | (frozenset() if params.ignore_eos else eos)) if stop_ids
+                         else frozenset() if params.ignore_eos else eos)
             limits.append(0 if seq.detokenizer is not None or seq.logprobs is not None else
                           min(seq.num_prompt_tokens + params.max_tokens, max_model_len))
         bm = self.block_manager
