@@ -301,7 +301,7 @@ class Request:
         # a follow-up: its prompt_token_ids are only its own new tokens until `follow` prepends the parent's
         self.follows = follows
         self.seqs: list[Sequence] = [Sequence(self, list(self.prompt_token_ids))]  # the list's ints, shared
-        # the prompt as `compact` held it (`expand` keeps it): the next `compact` copies it, intake checks it
+        # the prompt as `compact` held it, kept by `expand`: the next `compact` copies it (None: none)
         self.packed_prompt: array | None = None
         # (block size, the prompt's chained block hashes): `paged.memory.hashing.request_block_hashes`
         self.prompt_hashes: tuple[int, list[bytes]] | None = None

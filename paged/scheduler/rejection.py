@@ -8,8 +8,6 @@ the cache cannot give even with nothing else running.
 
 from __future__ import annotations
 
-import numpy as np
-
 from paged.memory import AllocStatus, BlockManager
 from paged.request import Request, Sequence
 
@@ -24,7 +22,7 @@ def intake_rejection(
     params, num_prompt = request.params, request.num_prompt_tokens
     if num_prompt == 0:
         return "empty prompt"
-    if vocab_size is not None and (bad := _out_of_vocabulary(request, vocab_size)) is not None:
+    if vocab_size is not None and (bad := _out_of_vocabulary(request.prompt_token_ids, vocab_size)) is not None:
         return bad
     if num_prompt > max_model_len:
         return f"prompt has {num_prompt} tokens, more than max_model_len={max_model_len}"
@@ -42,13 +40,8 @@ def intake_rejection(
     return block_manager.rejection(request)
 
 
-def _out_of_vocabulary(request: Request, vocab_size: int) -> str | None:
-    token_ids = request.prompt_token_ids
-    # the prompt as it was held compactly, when it was: its ints read in bulk, not one object each
-    packed = request.packed_prompt
-    held = np.frombuffer(packed, dtype=np.int32) if packed is not None and packed.itemsize == 4 else None
-    if (0 <= held.min() and held.max() < vocab_size) if held is not None else (
-            0 <= min(token_ids) and max(token_ids) < vocab_size):
+def _out_of_vocabulary(token_ids: list[int], vocab_size: int) -> str | None:
+    if 0 <= min(token_ids) and max(token_ids) < vocab_size:
         return None
     i, t = next((i, t) for i, t in enumerate(token_ids) if not 0 <= t < vocab_size)
     return f"prompt token id {t} (position {i}) is outside the model's vocabulary [0, {vocab_size})"
