@@ -255,10 +255,9 @@ class Sequence:
 
 def _held_output(tokens: list[int] | array | memoryview, seq_tokens: tuple[list[int] | array, array] | None,
                  num_prompt: int) -> array | memoryview:
-    """A finished completion's tokens held compactly: a view of its sequence's output when equal
-    to it (plain sampling), else an array of its own (a beam hypothesis, a pruned sequence); as it
-    is when held so already. `seq_tokens` is the sequence's tokens as they were (a list is compared
-    as it is, without a conversion) and as held now."""
+    """A finished completion's tokens held compactly: a view of its sequence's output when equal to it
+    (plain sampling), else an array of its own (a beam hypothesis, a pruned sequence); as it is when held
+    so already. `seq_tokens`: the sequence's tokens as they were (a list compared as is) and as held now."""
     if not isinstance(tokens, list):
         return tokens
     if seq_tokens is not None:
@@ -301,8 +300,9 @@ class Request:
         # a follow-up: its prompt_token_ids are only its own new tokens until `follow` prepends the parent's
         self.follows = follows
         self.seqs: list[Sequence] = [Sequence(self, list(self.prompt_token_ids))]  # the list's ints, shared
-        # the prompt as `compact` held it, kept by `expand`: the next `compact` copies it (None: none)
-        self.packed_prompt: array | None = None
+        # the prompt as 4-byte ints when given or held so (`expand`): the next `compact` copies it (None: none)
+        packed = type(prompt_token_ids) is array and prompt_token_ids.typecode == "i"
+        self.packed_prompt: array | None = prompt_token_ids if packed else None  # type: ignore[assignment]
         # (block size, the prompt's chained block hashes): `paged.memory.hashing.request_block_hashes`
         self.prompt_hashes: tuple[int, list[bytes]] | None = None
         self.first_token_time: float | None = None
