@@ -62,23 +62,25 @@ class SteadyMixin(SchedulerState):
 
     def _run_steady(self, out: SchedulerOutput, budget: StepBudget, now: float) -> bool:
         """Schedule the steady step if this is one (False: it is not, and nothing changed). Rows
-        that finished since (`_drop_finished`) are left out; with requests waiting, decode-first
-        admits them after the rows as `_schedule_queues` would (the rows first there too: every
-        running gang is one decode, so none is a prompt in progress and their order is admission's)."""
+        that finished since are left out and sequences that joined the batch since decode after
+        the rows through the general path (`_carry_over`); with requests waiting,
+        decode-first admits them after the rows as `_schedule_queues` would (there too the rows
+        come first: every running gang is one decode, so none is a prompt in progress, and their
+        order is admission's)."""
         steady, running = self._steady, self.running
         self._steady_out = None
         if (steady is None or self.swapped or not running or len(running) > budget.tokens
                 or (self.waiting and self.prefill_first)):
             return False
-        if running != steady.running and not self._drop_finished(steady, running):
+        if running != steady.running and not self._carry_over(steady, running):
             return False
         steady = self._steady
         assert steady is not None
         self.num_steady_steps += 1
-        grown, copies = self.block_manager.grow_decodes(running, steady.blocks)
-        num_rows = len(running)  # before the general path preempts any
+        num_kept, num_rows = len(steady.running), len(running)  # before the general path preempts any
+        grown, copies = self.block_manager.grow_decodes(running[:num_kept], steady.blocks)
         # every row grown this way is a decode: it sampled its last token in the step before
-        out.scheduled = steady.items[:grown] if grown < num_rows else list(steady.items)
+        out.scheduled = steady.items[:grown] if grown < num_kept else list(steady.items)
         out.blocks_to_copy.extend(copies)
         out.num_decode_rows = grown
         budget.tokens -= grown
@@ -90,30 +92,37 @@ class SteadyMixin(SchedulerState):
             self._steady_out = out
         return True
 
-    def _drop_finished(self, steady: SteadyRows, running: list[Sequence]) -> bool:
+    def _carry_over(self, steady: SteadyRows, running: list[Sequence]) -> bool:
         """Whether `running` is the steady rows' sequences less those that finished since (a step's
-        finished rows leave the batch, the rest decode on); if so, the steady rows become theirs."""
-        if len(running) >= len(steady.running):
+        finished rows leave the batch, the rest decode on), then sequences that joined since
+        (admitted, their prompts computed), each a lone sequence with one token to compute (the
+        general path would make each its own gang, a decode, in this order); if so, the steady
+        rows become those of the sequences that stay."""
+        kept = [i for i, seq in enumerate(steady.running) if not seq.is_finished]
+        num_kept = len(kept)
+        if len(running) < num_kept or any(steady.running[i] is not seq for i, seq in zip(kept, running)):
             return False
-        keep = [i for i, seq in enumerate(steady.running) if not seq.is_finished]
-        if len(keep) != len(running) or any(steady.running[i] is not seq for i, seq in zip(keep, running)):
+        if not all(len(seq.request.seqs) == 1 and seq.request.params.best_of == 1
+                   and len(seq.token_ids) - seq.num_computed_tokens == 1 for seq in running[num_kept:]):
             return False
-        self._steady = SteadyRows(*([rows[i] for i in keep] for rows in (
-            steady.running, steady.items, steady.blocks, steady.stops, steady.limits)))
+        if num_kept < len(steady.running):
+            self._steady = SteadyRows(*([rows[i] for i in kept] for rows in (
+                steady.running, steady.items, steady.blocks, steady.stops, steady.limits)))
         return True
 
     def _remember_steady(self, out: SchedulerOutput) -> None:
-        """After a step is scheduled: keep its rows for the next when they are the running
-        sequences in order, each a lone sequence decoding one token that it samples."""
+        """After a step is scheduled: keep its first rows for the next, as far as they are the
+        running sequences in order, each a lone sequence decoding one token that it samples."""
         if self._steady is None or self._steady_out is out:
             return
         items, running = out.scheduled, self.running
-        if len(items) != len(running) or not items or not all(
-            it.seq is seq and it.num_new_tokens == 1 and it.num_samples == 1 and seq.request.params.best_of == 1
-            for it, seq in zip(items, running, strict=True)
-        ):
-            self._steady = SteadyRows([], [], [], [], [])
-            return
+        num_kept = 0
+        for it, seq in zip(items, running):
+            if not (it.seq is seq and it.num_new_tokens == 1 and it.num_samples == 1
+                    and seq.request.params.best_of == 1):
+                break
+            num_kept += 1
+        running = running[:num_kept]
         eos, max_model_len = self.eos_token_ids, self.max_model_len
         stops, limits = [], []
         for seq in running:
@@ -125,4 +134,4 @@ class SteadyMixin(SchedulerState):
             limits.append(0 if seq.detokenizer is not None or seq.logprobs is not None else
                           min(seq.num_prompt_tokens + params.max_tokens, max_model_len))
         bm = self.block_manager
-        self._steady = SteadyRows(list(running), list(items), list(map(bm.seq_blocks, running)), stops, limits)
+        self._steady = SteadyRows(running, items[:num_kept], list(map(bm.seq_blocks, running)), stops, limits)
