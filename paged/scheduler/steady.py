@@ -135,3 +135,8 @@ class SteadyMixin(SchedulerState):
                           min(seq.num_prompt_tokens + params.max_tokens, max_model_len))
         bm = self.block_manager
         self._steady = SteadyRows(running, items[:num_kept], list(map(bm.seq_blocks, running)), stops, limits)
+        # every row a steady one, each past its first token (which the lean update does not time):
+        # this step is applied as a steady one too
+        if items and num_kept == len(items) == len(self.running) and all(
+                len(seq.token_ids) > seq.num_prompt_tokens for seq in running):
+            self._steady_out = out
