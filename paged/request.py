@@ -255,10 +255,9 @@ class Sequence:
 
 def _held_output(tokens: list[int] | array | memoryview, seq_tokens: tuple[list[int] | array, array] | None,
                  num_prompt: int) -> array | memoryview:
-    """A finished completion's tokens held compactly: a view of its sequence's output when equal
-    to it (plain sampling), else an array of its own (a beam hypothesis, a pruned sequence); as it
-    is when held so already. `seq_tokens` is the sequence's tokens as they were (a list is compared
-    as it is, without a conversion) and as held now."""
+    """A finished completion's tokens held compactly: a view of its sequence's output when equal to it
+    (plain sampling), else an array of its own (a beam hypothesis, a pruned sequence); as it is when held
+    so already. `seq_tokens`: the sequence's tokens as they were (a list compared as is) and as held now."""
     if not isinstance(tokens, list):
         return tokens
     if seq_tokens is not None:
@@ -300,7 +299,12 @@ class Request:
         self.client_id = client_id
         # a follow-up: its prompt_token_ids are only its own new tokens until `follow` prepends the parent's
         self.follows = follows
-        self.seqs: list[Sequence] = [Sequence(self, list(prompt_token_ids))]
+        self.seqs: list[Sequence] = [Sequence(self, list(self.prompt_token_ids))]  # the list's ints, shared
+        # the prompt as 4-byte ints when given or held so (`expand`): the next `compact` copies it (None: none)
+        packed = type(prompt_token_ids) is array and prompt_token_ids.typecode == "i"
+        self.packed_prompt: array | None = prompt_token_ids if packed else None  # type: ignore[assignment]
+        # (block size, the prompt's chained block hashes): `paged.memory.hashing.request_block_hashes`
+        self.prompt_hashes: tuple[int, list[bytes]] | None = None
         self.first_token_time: float | None = None
         # engine time of each step that gave the request tokens (any of its sequences): the chunks a
         # streaming client sees, whose gaps are vLLM's inter-token latencies; 8 bytes a step, no objects
@@ -337,6 +341,7 @@ class Request:
         # unpacked: the parent, finished, may hold its tokens compacted (`compact`)
         self.prompt_token_ids = [*parent.prompt_token_ids, *parent.outputs()[0].token_ids, *self.prompt_token_ids]
         self.seqs = [Sequence(self, list(self.prompt_token_ids))]
+        self.prompt_hashes = self.packed_prompt = None
         self.arrival_time = parent.finish_time + self.follows.think_time_s
 
     def compact(self) -> None:
@@ -349,10 +354,13 @@ class Request:
         prompt (`follow`); one not yet submitted is `expand`ed first."""
         n = len(self.prompt_token_ids)
         outputs = {}
+        packed, self.packed_prompt = self.packed_prompt, None
         for seq in self.seqs:
             was = seq.token_ids
             if not isinstance(was, array):
-                seq.token_ids = array("i", was)  # type: ignore[assignment]
+                # every sequence starts with the prompt: copied as held (`expand`), only the rest converted
+                held = array("i", was) if packed is None else packed + array("i", was[n:])
+                seq.token_ids = held  # type: ignore[assignment]
             outputs[seq.index] = (was, seq.token_ids)
         if not self.seqs:
             self.prompt_token_ids = array("i", self.prompt_token_ids)  # type: ignore[assignment]
@@ -366,11 +374,15 @@ class Request:
 
     def expand(self) -> None:
         """Undo `compact` before the request is submitted: its sequences' token ids grow as lists."""
-        if not isinstance(self.prompt_token_ids, list):
-            self.prompt_token_ids = self.prompt_token_ids.tolist()
+        packed = self.prompt_token_ids
+        if isinstance(packed, list):
+            return
+        self.prompt_token_ids = prompt = packed.tolist()
+        self.packed_prompt = packed if isinstance(packed, array) else None
         for seq in self.seqs:
             if not isinstance(seq.token_ids, list):
-                seq.token_ids = seq.token_ids.tolist()
+                # one not yet run is the prompt's array: the prompt's ints, shared
+                seq.token_ids = list(prompt) if seq.token_ids is packed else seq.token_ids.tolist()
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -13,7 +13,7 @@ from paged.config import compose_config
 from paged.engine.builder import build_engine
 from paged.engine.runner import FollowUps, drive, to_request
 from paged.experiment.run import held_requests, workload_for
-from paged.request import Request
+from paged.request import FollowUp, Request, SamplingParams
 
 SIM = ["executor=sim", "model=llama-3-8b", "hardware=h100-sxm", "logger=none", "progress=false"]
 
@@ -72,3 +72,26 @@ def test_released_follow_up_waits_compacted_and_compacting_again_changes_nothing
     held = [c.token_ids for c in parent.completions]
     parent.compact()
     assert _view([parent]) == before and [c.token_ids for c in parent.completions] == held
+
+
+def test_the_packed_prompt_goes_with_the_prompt_it_packs():
+    """`expand` keeps the prompt's array (`packed_prompt`) for the next `compact` to copy; a follow-up's
+    new prompt (`follow`) drops it."""
+    request = Request("r", [1, 2, 3], SamplingParams())
+    request.compact()
+    request.expand()
+    packed = request.packed_prompt
+    assert packed is not None and packed.tolist() == [1, 2, 3] and request.prompt_token_ids == [1, 2, 3]
+    request.seqs[0].token_ids += [7, 8]
+    request.finish_time = 1.0
+    request.compact()  # the packed prompt copied, the outputs converted
+    assert request.packed_prompt is None and packed.tolist() == [1, 2, 3]
+    assert request.seqs[0].token_ids.tolist() == [1, 2, 3, 7, 8] and request.prompt_token_ids.tolist() == [1, 2, 3]
+    child = Request("c", [9], SamplingParams(), follows=FollowUp("r"))
+    child.compact()
+    child.expand()
+    child.follow(request)
+    assert child.packed_prompt is None and child.prompt_token_ids == [1, 2, 3, 7, 8, 9]
+    child.seqs[0].token_ids.append(4)
+    child.compact()
+    assert child.seqs[0].token_ids.tolist() == [1, 2, 3, 7, 8, 9, 4]

@@ -77,6 +77,17 @@ def test_steady_steps_schedule_and_apply_what_the_general_path_does(allocator, o
     assert steady_outputs == general_outputs
 
 
+@pytest.mark.parametrize("allocator", ["naive", "prefix"])
+def test_arrivals_and_finishes_keep_the_steady_step(allocator):
+    """With room, only a batch's first step and the steps whose rows are all new prompts take the
+    general path: requests waiting (admitted after the rows), rows that finished (dropped) and
+    sequences that joined (decoding after the rows) keep the rest steady."""
+    steps, _, num_steady = _run(True, (f"allocator={allocator}",), seed=3)
+    rows = [step[0] for step in steps]
+    all_new = sum(1 for r in rows if all(n > 1 for _, n, _, _ in r))
+    assert num_steady == len(steps) - all_new, (num_steady, len(steps), all_new)
+
+
 def _same(a: HostBatch, b: HostBatch) -> None:
     for field in dataclasses.fields(HostBatch):
         x, y = getattr(a, field.name), getattr(b, field.name)

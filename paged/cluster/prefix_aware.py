@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from paged.cluster.replica import ReplicaView
 from paged.cluster.router import Router
-from paged.memory.hashing import prompt_block_hashes
+from paged.memory.hashing import request_block_hashes
 from paged.request import Request
 
 
@@ -39,7 +39,7 @@ class PrefixAwareRouter(Router):
         self.num_prefix_routed = 0  # requests routed by their prefix match (the rest: by load)
 
     def route(self, request: Request, replicas: Sequence[ReplicaView]) -> ReplicaView:
-        chain = prompt_block_hashes(request.prompt_token_ids, replicas[0].block_size, request.cache_salt)
+        chain = request_block_hashes(request, replicas[0].block_size)  # the chain its replica's index reuses
         loads = {r.index: r.load_metric("num_requests") for r in replicas}
         least = min(replicas, key=lambda r: (loads[r.index], r.index))
         best, best_blocks = least, 0

@@ -17,7 +17,7 @@ import weakref
 from collections import Counter
 
 from paged.memory.allocator import BlockAllocator
-from paged.memory.hashing import block_hash
+from paged.memory.hashing import extend_chain, request_block_hashes
 from paged.memory.kv_tiers import BlockPairs, KVTiers
 from paged.request import Sequence
 
@@ -187,21 +187,24 @@ class PrefixIndex:
 
     def forget(self, seq: Sequence) -> None:
         """`seq` finished: it is never admitted again, so its chain goes now rather than with the
-        sequence (a finished request keeps its sequences: a fleet hour's chains were 400 MB)."""
+        sequence (a finished request keeps its sequences: a fleet hour's chains were 400 MB), and
+        its request's prompt chain with it (a later sequence of the request would hash it again)."""
         self._chains.pop(seq, None)
+        seq.request.prompt_hashes = None
 
     def chain(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The first `num_blocks` chained block hashes of `seq` (its full blocks' tokens)."""
         return self._chain(seq, num_blocks)[:num_blocks]
 
     def _chain(self, seq: Sequence, num_blocks: int) -> list[bytes]:
-        """The first `num_blocks` chained block hashes of `seq`, extending the cached chain."""
+        """The first `num_blocks` chained block hashes of `seq`, extending the cached chain. A new
+        chain starts as its request's prompt chain (`request_block_hashes`, which a router may have
+        computed already): every sequence of a request starts with its prompt."""
         chain = self._chains.get(seq)
         if chain is None:
-            chain = self._chains[seq] = []
-        bs, tokens = self.block_size, seq.token_ids
-        for i in range(len(chain), num_blocks):
-            # The salt keys the first block only; chaining carries it to every later one.
-            parent, salt = (chain[-1], None) if chain else (None, seq.request.cache_salt)
-            chain.append(block_hash(parent, tokens[i * bs : (i + 1) * bs], salt))
+            request = seq.request
+            prompt = request_block_hashes(request, self.block_size) if num_blocks else []
+            chain = self._chains[seq] = prompt[:num_blocks]
+        if num_blocks > len(chain):
+            extend_chain(chain, seq.token_ids, self.block_size, num_blocks, seq.request.cache_salt)
         return chain

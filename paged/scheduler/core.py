@@ -138,6 +138,7 @@ class Scheduler(UpdateMixin, LaggedUpdateMixin, HandoffMixin, KVQueriesMixin, St
 
     def abort(self, request: Request, reason: str) -> None:
         request.abort_reason = reason
+        request.prompt_hashes = None  # a router's, for one refused at intake: it never reaches the index
         for seq in request.seqs:
             seq.status = SeqStatus.FINISHED  # before `free`: a finished sequence's prefix chain goes with its blocks
             seq.finish_reason = FinishReason.ABORTED

@@ -46,6 +46,8 @@ class SteadyMixin(SchedulerState):
     """`Scheduler`'s steady decode step (its base class). `Scheduler.__init__` sets the state it uses."""
 
     _run: Callable[[SchedulerOutput, StepBudget, list[list[Sequence]], float], None]
+    _admit: Callable[[SchedulerOutput, StepBudget, float], None]
+    prefill_first: bool
     # None: this scheduler's parts rule the steady step out (`_init_steady`)
     _steady: SteadyRows | None
     # the output of the last step scheduled, when every row of it was a steady row
@@ -59,43 +61,82 @@ class SteadyMixin(SchedulerState):
         self.num_steady_steps = 0  # steps scheduled from the last step's rows (all or some of them)
 
     def _run_steady(self, out: SchedulerOutput, budget: StepBudget, now: float) -> bool:
-        """Schedule the steady step if this is one (False: it is not, and nothing changed)."""
+        """Schedule the steady step if this is one (False: it is not, and nothing changed). Rows
+        that finished since are left out and sequences that joined the batch since decode after
+        the rows through the general path (`_carry_over`); with requests waiting,
+        decode-first admits them after the rows as `_schedule_queues` would (there too the rows
+        come first: every running gang is one decode, so none is a prompt in progress, and their
+        order is admission's)."""
         steady, running = self._steady, self.running
         self._steady_out = None
-        if (steady is None or self.waiting or self.swapped or not running or len(running) > budget.tokens
-                or running != steady.running):
+        if (steady is None or self.swapped or not running or len(running) > budget.tokens
+                or (self.waiting and self.prefill_first)):
             return False
+        if running != steady.running and not self._carry_over(steady, running):
+            return False
+        steady = self._steady
+        assert steady is not None
         self.num_steady_steps += 1
-        grown, copies = self.block_manager.grow_decodes(running, steady.blocks)
+        num_kept, num_rows = len(steady.running), len(running)  # before the general path preempts any
+        grown, copies = self.block_manager.grow_decodes(running[:num_kept], steady.blocks)
         # every row grown this way is a decode: it sampled its last token in the step before
-        out.scheduled = steady.items[:grown] if grown < len(running) else list(steady.items)
+        out.scheduled = steady.items[:grown] if grown < num_kept else list(steady.items)
         out.blocks_to_copy.extend(copies)
         out.num_decode_rows = grown
         budget.tokens -= grown
-        if grown < len(running):
+        if grown < num_rows:
             self._run(out, budget, [[seq] for seq in running[grown:]], now)
-        else:
+        if self.waiting and not self.swapped:  # a preemption may have swapped a row out: no admission
+            self._admit(out, budget, now)
+        if grown == num_rows == len(out.scheduled):
             self._steady_out = out
         return True
 
+    def _carry_over(self, steady: SteadyRows, running: list[Sequence]) -> bool:
+        """Whether `running` is the steady rows' sequences less those that finished since (a step's
+        finished rows leave the batch, the rest decode on), then sequences that joined since
+        (admitted, their prompts computed), each a lone sequence with one token to compute (the
+        general path would make each its own gang, a decode, in this order); if so, the steady
+        rows become those of the sequences that stay."""
+        kept = [i for i, seq in enumerate(steady.running) if not seq.is_finished]
+        num_kept = len(kept)
+        if len(running) < num_kept or any(steady.running[i] is not seq for i, seq in zip(kept, running)):
+            return False
+        if not all(len(seq.request.seqs) == 1 and seq.request.params.best_of == 1
+                   and len(seq.token_ids) - seq.num_computed_tokens == 1 for seq in running[num_kept:]):
+            return False
+        if num_kept < len(steady.running):
+            self._steady = SteadyRows(*([rows[i] for i in kept] for rows in (
+                steady.running, steady.items, steady.blocks, steady.stops, steady.limits)))
+        return True
+
     def _remember_steady(self, out: SchedulerOutput) -> None:
-        """After a step is scheduled: keep its rows for the next when they are the running
-        sequences in order, each a lone sequence decoding one token that it samples."""
+        """After a step is scheduled: keep its first rows for the next, as far as they are the
+        running sequences in order, each a lone sequence decoding one token that it samples."""
         if self._steady is None or self._steady_out is out:
             return
         items, running = out.scheduled, self.running
-        if len(items) != len(running) or not items or not all(
-            it.seq is seq and it.num_new_tokens == 1 and it.num_samples == 1 and seq.request.params.best_of == 1
-            for it, seq in zip(items, running, strict=True)
-        ):
-            self._steady = SteadyRows([], [], [], [], [])
-            return
+        num_kept = 0
+        for it, seq in zip(items, running):
+            if not (it.seq is seq and it.num_new_tokens == 1 and it.num_samples == 1
+                    and seq.request.params.best_of == 1):
+                break
+            num_kept += 1
+        running = running[:num_kept]
         eos, max_model_len = self.eos_token_ids, self.max_model_len
         stops, limits = [], []
         for seq in running:
             params = seq.request.params
-            stops.append(frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos))
+            # no stop token ids (nearly every row): the EOS set itself, no new set per row per step
+            stop_ids = params.stop_token_ids
+            stops.append((frozenset(stop_ids) | (frozenset() if params.ignore_eos else eos)) if stop_ids
+                         else frozenset() if params.ignore_eos else eos)
             limits.append(0 if seq.detokenizer is not None or seq.logprobs is not None else
                           min(seq.num_prompt_tokens + params.max_tokens, max_model_len))
         bm = self.block_manager
-        self._steady = SteadyRows(list(running), list(items), list(map(bm.seq_blocks, running)), stops, limits)
+        self._steady = SteadyRows(running, items[:num_kept], list(map(bm.seq_blocks, running)), stops, limits)
+        # every row a steady one, each past its first token (which the lean update does not time):
+        # this step is applied as a steady one too
+        if items and num_kept == len(items) == len(self.running) and all(
+                len(seq.token_ids) > seq.num_prompt_tokens for seq in running):
+            self._steady_out = out
