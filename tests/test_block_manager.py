@@ -16,6 +16,8 @@ from paged.memory import (
     NoFreeBlocksError,
     PrefixCachingAllocator,
 )
+from paged.memory.allocator import plain_blocks
+from paged.memory.reservation import MaxReservation
 from paged.request import Request, SamplingParams, Sequence
 from tests.hypothesis_budget import examples
 
@@ -536,3 +538,28 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 BlockManagerMachine.TestCase.settings = settings(max_examples=examples(200), stateful_step_count=50, deadline=None)
 TestBlockManagerMachine = BlockManagerMachine.TestCase
+
+
+def test_a_block_edge_takes_allocate_only_where_allocate_blocks_is_the_base_class():
+    """`plain_blocks` is what lets a block's edge take `allocate()` for `allocate_blocks(1)`: the
+    built-in paged allocators keep the base class's, the buddy allocator (extents) does not."""
+    assert plain_blocks(NaiveAllocator(4, 4)) and plain_blocks(PrefixCachingAllocator(4, 4))
+    assert not plain_blocks(BuddyAllocator(4, 4))
+
+
+@pytest.mark.parametrize("cls", ALLOCATORS)
+def test_free_clears_the_books_of_reserved_and_shared_blocks(cls):
+    """`free` drops each reference and clears a block's slots (used and reserved, as `account(b, 0, 0)`
+    would) only when nobody holds it any more: a block a fork still holds keeps its books."""
+    bm = BlockManager(cls(num_blocks=16, block_size=4), 0.0, MaxReservation(16))
+    parent = make_seq([1, 2, 3, 4, 5, 6])
+    run_prefill(bm, parent)
+    reserved = bm.stats().num_reserved_slots
+    assert reserved > 0
+    child = parent.fork(1)
+    bm.fork(parent, child)
+    bm.free(parent)
+    assert (bm.ledger.num_used, bm.ledger.num_reserved) == (6, reserved)  # the child holds every block
+    bm.free(child)
+    assert (bm.ledger.num_used, bm.ledger.num_reserved) == (0, 0)
+    assert bm.ledger._fill == [0] * 16 and bm.ledger._future == [0] * 16

@@ -125,3 +125,25 @@ def test_step_costs_carry_their_sums_from_call_to_call(model, hardware, num_gpus
                 assert got.versions[j] == expected.decode_version
             ran = cap if cap < 100 else cap // 3  # the later calls run fewer steps than they priced
             offset += ran
+
+
+@pytest.mark.parametrize(("model", "hardware", "num_gpus"), [
+    ("llama-3-8b", "h100-sxm", 1), ("llama-3-70b", "h100-sxm", 4),
+])
+def test_step_of_a_decode_batch_takes_the_dense_parts_of_its_size(model, hardware, num_gpus):
+    """`step` of a step that samples every token it computes reads its size's kept parts
+    (`decode_parts`): they are `_dense`'s of that size, to the bit, on a first and a later step; a
+    prefill step (more tokens than rows sampled) still prices its own."""
+    cost_model = _model(model, hardware, num_gpus, "auto", None)
+    L = cost_model.spec.num_layers
+    for n in (1, 3, 64, 1, 3):
+        shape = StepShape(n, n, n, decode_contexts=[100 + i for i in range(n)], block_size=16)
+        got = cost_model.step(shape)
+        linear, elementwise, communication, head = cost_model._dense(n, n)
+        assert (got.linear_s, got.elementwise_s, got.communication_s, got.head_s) == (
+            L * linear, L * elementwise, communication, head)
+    prefill = StepShape(300, 1, 2, decode_contexts=[100], block_size=16, num_prefill_rows=1, prefill_queries=299,
+                        prefill_context=299, prefill_pairs=299 * 150)
+    linear, _, _, head = cost_model._dense(300, 2)
+    got = cost_model.step(prefill)
+    assert (got.linear_s, got.head_s) == (L * linear, head) and 300 not in cost_model._decode_parts

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 # the reservations whose growth over a window is known from now: the slots they cover grow with the
 # sequence (exact) or stay what was reserved at admission (Orca's)
 _RESERVATIONS = (ExactReservation, MaxReservation, Pow2Reservation, OracleReservation)
+_NONE: frozenset[int] = frozenset()
 
 
 class FastForward:
@@ -170,7 +171,10 @@ class FastForward:
         for seq, length in zip(seqs, lengths):
             request = seq.request
             params = request.params
-            stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos)
+            # no stop token ids (nearly every row): the EOS set itself (or the empty one), no new set per row
+            stop_ids = params.stop_token_ids
+            stops = ((frozenset(stop_ids) | (_NONE if params.ignore_eos else eos)) if stop_ids
+                     else _NONE if params.ignore_eos else eos)
             blocks = bm.seq_blocks(seq)
             # `try_append_slots`' common-path test and `mark_computed`'s early return, as they ask them
             common = (

@@ -106,6 +106,14 @@ class BlockAllocator(ABC):
         return self.num_free_blocks == self.num_blocks
 
 
+def plain_blocks(allocator: BlockAllocator) -> bool:
+    """Whether `allocator` keeps the base class's `allocate_blocks` and `can_allocate_blocks`: then
+    `allocate_blocks(1)`, once `num_free_blocks` is positive, is `[allocate()]`."""
+    cls = type(allocator)
+    return (cls.allocate_blocks is BlockAllocator.allocate_blocks
+            and cls.can_allocate_blocks is BlockAllocator.can_allocate_blocks)
+
+
 class RefCountedAllocator(BlockAllocator):
     """Reference counting shared by the built-in allocators; subclasses say where a block goes
     when its last reference is dropped (`_release`)."""

@@ -4,8 +4,9 @@ the classes it delegates to."""
 
 from __future__ import annotations
 
-from paged.memory.allocator import BlockAllocator, NoFreeBlocksError
+from paged.memory.allocator import BlockAllocator, NoFreeBlocksError, plain_blocks
 from paged.memory.block_swap import SwapMixin
+from paged.memory.kv_accounting import AccountingMixin
 from paged.memory.kv_tiers import KVTiers
 from paged.memory.prefix_index import PrefixIndex
 from paged.memory.reservation import ExactReservation, Reservation, final_length
@@ -13,10 +14,9 @@ from paged.memory.seq_blocks import AllocStatus, _SeqBlocks
 from paged.memory.slot_ledger import SlotLedger
 from paged.memory.swap_space import SwapSpace
 from paged.request import Request, Sequence
-from paged.step import KVStats
 
 
-class BlockManager(SwapMixin):
+class BlockManager(SwapMixin, AccountingMixin):
     """The scheduler's view of KV memory; the allocator below it only knows block ids.
 
     Contract with the caller: after `allocate` returns h, the caller sets `seq.num_computed_tokens = h`; after a
@@ -49,6 +49,8 @@ class BlockManager(SwapMixin):
         if sliding_window is not None and sliding_window <= 0:
             raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window!r}")
         self.allocator = allocator
+        # the base class's `allocate_blocks` and `can_allocate_blocks`: a block's edge takes `allocate()` directly
+        self._plain_blocks = plain_blocks(allocator)
         self.reservation = reservation or ExactReservation()
         self.max_model_len = max_model_len
         # False: the no-sharing baseline; a sequence copies every block it shares before its next step
@@ -228,8 +230,7 @@ class BlockManager(SwapMixin):
             if common and last == num_tokens - 1 and last % bs and refcount(block := state.table[last // bs]) == 1:
                 filled.append(block)
                 state.num_slots = num_tokens
-            elif (common and last == num_tokens - 1 and last == len(state.table) * bs
-                  and alloc.num_free_blocks and alloc.can_allocate_blocks(1)):
+            elif common and last == num_tokens - 1 and last == len(state.table) * bs and self._can_open():
                 # at a block's edge with a full table (all of a batch's rows at once when their lengths agree)
                 self._open_block(state, num_tokens)
             elif (grew := self.try_append_slots(seq)) is not None:
@@ -244,21 +245,28 @@ class BlockManager(SwapMixin):
         """`try_append_slots` of a decode step at a block's edge with a full table (exact
         reservation, no sliding window, a free block), as `grow_decodes` takes it; False where the
         step is not that one (nothing changed)."""
-        state, alloc, num_tokens = self._seqs[seq.seq_id], self.allocator, len(seq.token_ids)
+        state, num_tokens = self._seqs[seq.seq_id], len(seq.token_ids)
         if (self.share_blocks and self.sliding_window is None and type(self.reservation) is ExactReservation
                 and state.num_slots == num_tokens - 1 == seq.num_computed_tokens == len(state.table) * self.block_size
-                and alloc.num_free_blocks and alloc.can_allocate_blocks(1)):
+                and self._can_open()):
             self._open_block(state, num_tokens)
             return True
         return False
 
+    def _can_open(self) -> bool:
+        """Whether one block can be allocated now (`can_allocate_blocks(1)`, by the free count alone
+        where the allocator's is the base class's)."""
+        alloc = self.allocator
+        return bool(alloc.num_free_blocks) and (self._plain_blocks or alloc.can_allocate_blocks(1))
+
     def _open_block(self, state: _SeqBlocks, num_tokens: int) -> None:
         """One new private block, its first slot filled; the full block before it keeps its books
-        (filled, nothing reserved), so only the new one is accounted."""
-        table = state.table
-        table += self.allocator.allocate_blocks(1)
+        (filled, nothing reserved), so only the new one is accounted (`account_table`'s numbers)."""
+        table, alloc = state.table, self.allocator
+        # `allocate_blocks(1)` after `_can_open`: the base class's is `[allocate()]`
+        table.append(alloc.allocate() if self._plain_blocks else alloc.allocate_blocks(1)[0])
         self._num_logical_blocks += 1
-        self.ledger.account_table(table, (len(table) - 1,), num_tokens, state.final)
+        self.ledger.open_block(table[-1], len(table) - 1, state.final)
         state.num_slots = num_tokens
 
     def _shared_write_targets(self, seq: Sequence, state: _SeqBlocks) -> list[int]:
@@ -349,8 +357,11 @@ class BlockManager(SwapMixin):
         self._num_logical_blocks -= len(state.table) - state.num_dropped
         if state.num_announced > state.num_published:
             self.prefix_index.withdraw(seq, state.num_published, state.num_announced)
-        for block_id in reversed(state.table[state.num_dropped :]):
-            self._release(block_id)
+        alloc_free, refcount, clear = self.allocator.free, self.allocator.refcount, self.ledger.clear
+        for block_id in reversed(state.table[state.num_dropped :]):  # `_release` of each, its calls bound once
+            alloc_free(block_id)
+            if not refcount(block_id):
+                clear(block_id)
         if seq.is_finished:  # a preempted sequence keeps its chain for its readmission
             self.prefix_index.forget(seq)
 
@@ -364,36 +375,6 @@ class BlockManager(SwapMixin):
     def has_blocks(self, seq: Sequence) -> bool:
         """Whether `seq` holds blocks, on the device or swapped out."""
         return seq.seq_id in self._seqs or self.swap_space.holds(seq)
-
-    # -- accounting ------------------------------------------------------------------------------
-
-    def stats(self, blocked_blocks: int = 0) -> KVStats:
-        """The cache now; `blocked_blocks` is what the request waiting for memory needs (0 when none
-        waits), which decides what free memory is stranded."""
-        num_free = self.allocator.num_free_blocks
-        cpu = self.cpu_allocator
-        return KVStats(
-            num_total_blocks=self.num_total_blocks,
-            num_allocated_blocks=self.num_total_blocks - num_free,
-            num_free_blocks=num_free,
-            num_cached_free_blocks=self.allocator.num_cached_free_blocks,
-            num_token_slots_used=self.ledger.num_used,
-            block_size=self.block_size,
-            num_queried_tokens=self.num_queried_tokens,
-            num_hit_tokens=self.num_hit_tokens,
-            num_reserved_slots=self.ledger.num_reserved,
-            num_unassigned_blocks=self.allocator.num_unassigned_blocks,
-            num_stranded_free_blocks=self.allocator.num_stranded_free_blocks(blocked_blocks) if blocked_blocks else 0,
-            num_cpu_blocks=cpu.num_blocks if cpu else 0,
-            num_free_cpu_blocks=cpu.num_free_blocks if cpu else 0,
-            num_logical_blocks=self._num_logical_blocks, **self.prefix_index.tier_counts(),
-        )
-
-    def block_counts(self) -> tuple[int, int, int, int]:
-        """`stats()`'s total, free, unassigned and logical blocks, without building it (a
-        fast-forward window's statistics at its block edges)."""
-        alloc = self.allocator
-        return self.num_total_blocks, alloc.num_free_blocks, alloc.num_unassigned_blocks, self._num_logical_blocks
 
     def _cdiv(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -40,6 +40,11 @@ class SlotLedger:
         for i in indices:
             self.account(table[i], min(bs, max(num_tokens - i * bs, 0)), self._cap(i, final))
 
+    def open_block(self, block_id: int, index: int, final: int) -> None:
+        """`account_table` of a freshly allocated `index`-th block whose first slot a sequence filling
+        `final` slots just filled (a decode step at a block's edge)."""
+        self.account(block_id, 1, self._cap(index, final))
+
     def append_token(self, block_id: int) -> None:
         """One more slot of `block_id` filled: the common decode step, kept cheap."""
         self._fill[block_id] += 1
@@ -76,8 +81,11 @@ class SlotLedger:
         self.account(dst, self._fill[src], self._cap(index, final))
 
     def clear(self, block_id: int) -> None:
-        """Nobody holds `block_id` any more: it has no token states left."""
-        self.account(block_id, 0, 0)
+        """Nobody holds `block_id` any more: it has no token states left (`account(block_id, 0, 0)`)."""
+        fill, future = self._fill, self._future
+        self.num_used -= fill[block_id]
+        self.num_reserved -= future[block_id]
+        fill[block_id] = future[block_id] = 0
 
     def _cap(self, index: int, final: int) -> int:
         """Slots of a table's `index`-th block that a sequence filling `final` slots uses."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from paged.memory import BlockManager
-from paged.request import Sequence
+from paged.request import SeqStatus, Sequence
 from paged.scheduler.budget import StepBudget
 from paged.scheduler.state import SchedulerState
 from paged.step import ScheduledSeq, SchedulerOutput
@@ -98,9 +98,10 @@ class SteadyMixin(SchedulerState):
         (admitted, their prompts computed), each a lone sequence with one token to compute (the
         general path would make each its own gang, a decode, in this order); if so, the steady
         rows become those of the sequences that stay."""
-        kept = [i for i, seq in enumerate(steady.running) if not seq.is_finished]
+        kept = [i for i, seq in enumerate(steady.running) if seq.status is not SeqStatus.FINISHED]
         num_kept = len(kept)
-        if len(running) < num_kept or any(steady.running[i] is not seq for i, seq in zip(kept, running)):
+        # a sequence compares by identity (it defines no equality): one list comparison, not a walk
+        if len(running) < num_kept or running[:num_kept] != [steady.running[i] for i in kept]:
             return False
         if not all(len(seq.request.seqs) == 1 and seq.request.params.best_of == 1
                    and len(seq.token_ids) - seq.num_computed_tokens == 1 for seq in running[num_kept:]):

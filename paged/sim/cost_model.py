@@ -224,7 +224,9 @@ class CostModel:
         shape of the same step (`step_shape` with that window) and its number of layers; the first
         one's decode kernel is the one reported. Empty: every layer attends as `shape`."""
         hw, L = self.hw, self.spec.num_layers
-        linear, elementwise, communication, head = self._dense(shape.num_tokens, shape.num_sampled)
+        t, n = shape.num_tokens, shape.num_sampled
+        # a step that samples every token it computes (decodes): its batch size's parts, computed once
+        linear, elementwise, communication, head = self.decode_parts(t)[:4] if t == n else self._dense(t, n)
         attention_s = launch_bound = 0.0
         version = None
         for part, num_layers in layer_shapes or ((shape, L),):
