@@ -180,3 +180,26 @@ def test_bad_plugin_paths_fail_clearly(override, message):
         make_engine(override)
     assert message in str(err.value)
     assert "expected the import path of a" in str(err.value)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_intake_refuses_a_prompt_token_outside_the_vocabulary_held_as_a_list_or_packed(packed):
+    """A prompt held packed beside its list (`Request.packed_prompt`) has its bounds read off the
+    buffer: the same verdicts as the list's, with the first bad id and its position named."""
+    from array import array
+
+    from paged.memory import BlockManager, PrefixCachingAllocator
+    from paged.request import Request
+    from paged.scheduler.rejection import intake_rejection
+
+    bm = BlockManager(PrefixCachingAllocator(num_blocks=64, block_size=4))
+
+    def verdict(tokens: list[int]) -> str | None:
+        request = Request("r", array("i", tokens) if packed else tokens, SamplingParams(max_tokens=4))
+        request.expand()
+        assert (request.packed_prompt is not None) == packed
+        return intake_rejection(request, bm, max_model_len=64, max_num_seqs=4, has_tokenizer=False, vocab_size=100)
+
+    assert verdict([0, 5, 99, 7]) is None
+    assert verdict([3, 100, 7, 200]) == "prompt token id 100 (position 1) is outside the model's vocabulary [0, 100)"
+    assert verdict([3, 4, -1]) == "prompt token id -1 (position 2) is outside the model's vocabulary [0, 100)"

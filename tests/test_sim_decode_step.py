@@ -144,6 +144,6 @@ def test_step_of_a_decode_batch_takes_the_dense_parts_of_its_size(model, hardwar
             L * linear, L * elementwise, communication, head)
     prefill = StepShape(300, 1, 2, decode_contexts=[100], block_size=16, num_prefill_rows=1, prefill_queries=299,
                         prefill_context=299, prefill_pairs=299 * 150)
-    linear, _, _, head = cost_model._dense(300, 2)
+    linear, _, _, head = cost_model._dense(300, 1)
     got = cost_model.step(prefill)
     assert (got.linear_s, got.head_s) == (L * linear, head) and 300 not in cost_model._decode_parts

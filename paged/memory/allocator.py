@@ -108,10 +108,11 @@ class BlockAllocator(ABC):
 
 def plain_blocks(allocator: BlockAllocator) -> bool:
     """Whether `allocator` keeps the base class's `allocate_blocks` and `can_allocate_blocks`: then
-    `allocate_blocks(1)`, once `num_free_blocks` is positive, is `[allocate()]`."""
+    `allocate_blocks(1)`, once `num_free_blocks` is positive, is `[allocate()]`. A proxy that passes
+    calls on (a KV group's view of a shared pool) does not say so."""
     cls = type(allocator)
-    return (cls.allocate_blocks is BlockAllocator.allocate_blocks
-            and cls.can_allocate_blocks is BlockAllocator.can_allocate_blocks)
+    return (getattr(cls, "allocate_blocks", None) is BlockAllocator.allocate_blocks
+            and getattr(cls, "can_allocate_blocks", None) is BlockAllocator.can_allocate_blocks)
 
 
 class RefCountedAllocator(BlockAllocator):

@@ -19,6 +19,7 @@ from collections import Counter
 from paged.memory.allocator import BlockAllocator
 from paged.memory.hashing import extend_chain, request_block_hashes
 from paged.memory.kv_tiers import BlockPairs, KVTiers
+from paged.memory.prefix import PrefixCachingAllocator
 from paged.request import Sequence
 
 
@@ -33,6 +34,9 @@ class PrefixIndex:
         self.allocator = allocator
         self.block_size = allocator.block_size
         self.enabled = allocator.caches_prefixes
+        # `allocator.peek`, as the cache map's `get` where the allocator is the plain prefix-caching one
+        # (a KV group's view of a shared pool keys its hashes first)
+        self._peek = allocator.peeker() if type(allocator) is PrefixCachingAllocator else allocator.peek
         self.tiers = tiers if self.enabled else None
         if self.tiers is not None:
             allocator.on_evict = self._evicted  # type: ignore[attr-defined]  # a PrefixCachingAllocator's hook
@@ -49,10 +53,10 @@ class PrefixIndex:
         max_blocks = self._max_hit_blocks(seq)
         if max_blocks == 0:
             return []
-        chain = self._chain(seq, max_blocks)
+        chain, peek = self._chain(seq, max_blocks), self._peek
         hits = []
         for i in range(max_blocks):
-            block_id = self.allocator.peek(chain[i])
+            block_id = peek(chain[i])
             if block_id is None:
                 break
             hits.append(block_id)
@@ -126,9 +130,9 @@ class PrefixIndex:
         taking no reference."""
         if not self.enabled:
             return 0
-        hits = 0
+        hits, peek = 0, self._peek
         for h in chain:
-            if self.allocator.peek(h) is None:
+            if peek(h) is None:
                 break
             hits += 1
         while self.tiers is not None and hits < len(chain) and self.tiers.holds(chain[hits]):

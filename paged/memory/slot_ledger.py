@@ -35,10 +35,19 @@ class SlotLedger:
         self._future[block_id] = future
 
     def account_table(self, table: list[int], indices: Iterable[int], num_tokens: int, final: int) -> None:
-        """`account` the table's blocks at `indices` for a sequence of `num_tokens` filling `final` slots."""
-        bs = self.block_size
+        """`account` the table's blocks at `indices` for a sequence of `num_tokens` filling `final` slots
+        (inlined: the totals' integer changes summed, each block's books set as `account` sets them)."""
+        bs, fills, futures = self.block_size, self._fill, self._future
+        used = reserved = 0
         for i in indices:
-            self.account(table[i], min(bs, max(num_tokens - i * bs, 0)), self._cap(i, final))
+            block_id, start = table[i], i * bs
+            fill = min(bs, max(num_tokens - start, 0))
+            future = max(min(max(final - start, 0), bs) - fill, 0)  # `_cap(i, final)` less the filled
+            used += fill - fills[block_id]
+            reserved += future - futures[block_id]
+            fills[block_id], futures[block_id] = fill, future
+        self.num_used += used
+        self.num_reserved += reserved
 
     def open_block(self, block_id: int, index: int, final: int) -> None:
         """`account_table` of a freshly allocated `index`-th block whose first slot a sequence filling

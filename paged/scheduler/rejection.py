@@ -8,6 +8,8 @@ the cache cannot give even with nothing else running.
 
 from __future__ import annotations
 
+import numpy as np
+
 from paged.memory import AllocStatus, BlockManager
 from paged.request import Request, Sequence
 
@@ -22,7 +24,7 @@ def intake_rejection(
     params, num_prompt = request.params, request.num_prompt_tokens
     if num_prompt == 0:
         return "empty prompt"
-    if vocab_size is not None and (bad := _out_of_vocabulary(request.prompt_token_ids, vocab_size)) is not None:
+    if vocab_size is not None and (bad := _out_of_vocabulary(request, vocab_size)) is not None:
         return bad
     if num_prompt > max_model_len:
         return f"prompt has {num_prompt} tokens, more than max_model_len={max_model_len}"
@@ -40,8 +42,14 @@ def intake_rejection(
     return block_manager.rejection(request)
 
 
-def _out_of_vocabulary(token_ids: list[int], vocab_size: int) -> str | None:
-    if 0 <= min(token_ids) and max(token_ids) < vocab_size:
+def _out_of_vocabulary(request: Request, vocab_size: int) -> str | None:
+    token_ids, packed = request.prompt_token_ids, request.packed_prompt
+    if packed is not None:  # held packed beside its list (`Request.expand`): its bounds read off the buffer
+        tokens = np.frombuffer(packed, np.dtype(packed.typecode))
+        low, high = int(tokens.min()), int(tokens.max())
+    else:
+        low, high = min(token_ids), max(token_ids)
+    if 0 <= low and high < vocab_size:
         return None
     i, t = next((i, t) for i, t in enumerate(token_ids) if not 0 <= t < vocab_size)
     return f"prompt token id {t} (position {i}) is outside the model's vocabulary [0, {vocab_size})"
