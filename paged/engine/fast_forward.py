@@ -198,13 +198,14 @@ class FastForward:
         # a contiguous allocator's extents: only a window that adds no block is planned here
         free = 0 if bm.allocator.contiguous else bm.allocator.num_free_blocks
         tables = [len(bm.block_table(seq)) for seq in seqs]
-        reservation = bm.reservation
+        # what each reservation covers does not change while the window is planned: asked once, not per probe
+        grows = list(map(bm.reservation.growth_slots, seqs))
 
         def needed(k: int) -> int:
             # after k steps a sequence has length + k tokens; its table covers them (and its reservation)
             total = 0
-            for seq, length, table in zip(seqs, lengths, tables):
-                covered = max(length + k - 1, reservation.growth_slots(seq))
+            for length, grow, table in zip(lengths, grows, tables):
+                covered = max(length + k - 1, grow)
                 total += max(-(-covered // bs) - table, 0)
             return total
 
