@@ -3,8 +3,9 @@
 //
 // Every op runs over rows (tokens) in parallel with OpenMP (static schedule, the caller's thread
 // count; inputs smaller than kParallelGrain elements run on the calling thread), allocates
-// nothing, and reproduces torch's fp32 arithmetic on the same CPU operation by operation, so the
-// model's outputs stay bit-identical to its torch formulation:
+// nothing once warm (the bf16 norms' row buffers grow to the widest row, then stay), and
+// reproduces torch's fp32 arithmetic on the same CPU operation by operation, so the model's
+// outputs stay bit-identical to its torch formulation:
 //   - no FMA contraction anywhere in this file (the push_options region below): torch rounds every
 //     elementwise product and sum separately (`x * cos + rot * sin`, `x * x` before summing);
 //   - the RMSNorm sum of squares follows ATen's cascade_sum order for a contiguous inner reduction
@@ -29,9 +30,9 @@
 //     (its scalar tail), the two can differ in fp32's last place but round to the same bf16 silu for
 //     every bf16 input (tests/test_layer_ops_bf16.py checks all of them against F.silu);
 //   - RoPE rounds x * cos and rotate_half(x) * sin, then their sum; the tables are bf16 too.
-// The bf16 row kernels widen chunks of a row to fp32 on the stack, compute there, and narrow the
-// result: loops over one element width, which the compiler vectorises well (mixed 16/32-bit loops
-// it does not). The narrowing is integer round-to-nearest-even, not AVX512-BF16's VCVTNEPS2BF16:
+// The bf16 row kernels widen a row to fp32 (the norms: whole rows, into per-thread buffers; SiLU
+// and RoPE: chunks on the stack), compute there, and narrow the result: loops over one element
+// width, which the compiler vectorises well (mixed 16/32-bit loops it does not). The narrowing is integer round-to-nearest-even, not AVX512-BF16's VCVTNEPS2BF16:
 // that instruction flushes fp32 denormals to zero, torch's conversion keeps them.
 #pragma once
 
@@ -39,6 +40,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "common.h"
 
@@ -52,9 +54,6 @@ namespace layer {
 constexpr int64_t kParallelGrain = 16384;
 
 // ---- bf16 rows ---------------------------------------------------------------------------------
-
-inline float to_float(float v) { return v; }
-inline float to_float(uint16_t h) { return bf16_to_float(h); }
 
 // common.h's float_to_bf16, in the high half of an fp32 pattern and without a branch (so it
 // vectorises): round to nearest even, NaN kept quiet.
@@ -88,8 +87,8 @@ inline int64_t ceil_log2(int64_t x) {
 
 // sum(x[i] * x[i]) of the row as fp32, in the order of ATen's vectorized_inner_sum over L-lane
 // vectors (L = 1: its scalar_inner_sum, used when the row is shorter than one vector).
-template <int L, typename T>
-inline float sum_squares(const T* x, int64_t n) {
+template <int L>
+inline float sum_squares(const float* x, int64_t n) {
   constexpr int kLevels = 4, kIlp = 4;
   const int64_t nvec = n / L, rows = nvec / kIlp;  // rows of kIlp vectors
   float acc[kLevels][kIlp][L];
@@ -97,10 +96,10 @@ inline float sum_squares(const T* x, int64_t n) {
   const int64_t level_power = std::max<int64_t>(4, ceil_log2(rows) / kLevels);
   const int64_t level_step = int64_t{1} << level_power, level_mask = level_step - 1;
   auto add_row = [&](int64_t r) {
-    const T* p = x + r * kIlp * L;
+    const float* p = x + r * kIlp * L;
     for (int k = 0; k < kIlp; ++k)
       for (int l = 0; l < L; ++l) {
-        const float v = to_float(p[k * L + l]);
+        const float v = p[k * L + l];
         acc[0][k][l] += v * v;
       }
   };
@@ -122,14 +121,14 @@ inline float sum_squares(const T* x, int64_t n) {
       for (int l = 0; l < L; ++l) acc[0][k][l] += acc[j][k][l];
   for (int64_t v = rows * kIlp; v < nvec; ++v)  // vectors left over from the ILP rows
     for (int l = 0; l < L; ++l) {
-      const float e = to_float(x[v * L + l]);
+      const float e = x[v * L + l];
       acc[0][0][l] += e * e;
     }
   for (int k = 1; k < kIlp; ++k)
     for (int l = 0; l < L; ++l) acc[0][0][l] += acc[0][k][l];
   float total = 0.f;
   for (int64_t e = nvec * L; e < n; ++e) {
-    const float v = to_float(x[e]);
+    const float v = x[e];
     total += v * v;
   }
   for (int l = 0; l < L; ++l) total += acc[0][0][l];
@@ -138,8 +137,7 @@ inline float sum_squares(const T* x, int64_t n) {
 
 constexpr int kSumLanes = 8;
 
-template <typename T>
-inline float rstd_of(const T* x, int64_t n, float eps) {
+inline float rstd_of(const float* x, int64_t n, float eps) {
   const float sum = n >= kSumLanes ? sum_squares<kSumLanes>(x, n) : sum_squares<1>(x, n);
   return 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
 }
@@ -148,54 +146,75 @@ inline void scale_row(float* out, const float* x, const float* w, int64_t n, flo
   for (int64_t i = 0; i < n; ++i) out[i] = (x[i] * rstd) * w[i];
 }
 
-// HF's order in bf16: normalise in fp32, round, times the weight, round.
-inline void scale_row(uint16_t* out, const uint16_t* x, const uint16_t* w, int64_t n, float rstd) {
-  float xs[kChunk], ws[kChunk];
-  for (int64_t c = 0; c < n; c += kChunk) {
-    const int64_t m = std::min(kChunk, n - c);
-    widen(x + c, xs, m);
-    widen(w + c, ws, m);
-    for (int64_t i = 0; i < m; ++i) xs[i] = round_bf16(xs[i] * rstd) * ws[i];
-    narrow(xs, out + c, m);
-  }
-}
-
-inline void add_row(float* residual, const float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) residual[i] = residual[i] + x[i];
-}
-
-inline void add_row(uint16_t* residual, const uint16_t* x, int64_t n) {
-  float rs[kChunk], xs[kChunk];
-  for (int64_t c = 0; c < n; c += kChunk) {
-    const int64_t m = std::min(kChunk, n - c);
-    widen(residual + c, rs, m);
-    widen(x + c, xs, m);
-    for (int64_t i = 0; i < m; ++i) rs[i] = rs[i] + xs[i];
-    narrow(rs, residual + c, m);
-  }
-}
-
 // out[t] = rms_norm(x[t]) * w; out may be x (each row is read before it is written).
-template <typename T>
-inline void rms_norm(T* out, int64_t out_stride, const T* x, int64_t x_stride, const T* w, int64_t rows, int64_t H,
-                     float eps, int num_threads) {
+inline void rms_norm(float* out, int64_t out_stride, const float* x, int64_t x_stride, const float* w, int64_t rows,
+                     int64_t H, float eps, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * H >= kParallelGrain)
   for (int64_t t = 0; t < rows; ++t) {
-    const T* row = x + t * x_stride;
+    const float* row = x + t * x_stride;
     scale_row(out + t * out_stride, row, w, H, rstd_of(row, H, eps));
   }
 }
 
 // residual[t] += x[t]; x[t] = rms_norm(residual[t]) * w.
-template <typename T>
-inline void add_rms_norm(T* x, int64_t x_stride, T* residual, int64_t r_stride, const T* w, int64_t rows, int64_t H,
-                         float eps, int num_threads) {
+inline void add_rms_norm(float* x, int64_t x_stride, float* residual, int64_t r_stride, const float* w, int64_t rows,
+                         int64_t H, float eps, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * H >= kParallelGrain)
   for (int64_t t = 0; t < rows; ++t) {
-    T* xr = x + t * x_stride;
-    T* rr = residual + t * r_stride;
-    add_row(rr, xr, H);
+    float* xr = x + t * x_stride;
+    float* rr = residual + t * r_stride;
+    for (int64_t i = 0; i < H; ++i) rr[i] = rr[i] + xr[i];
     scale_row(xr, rr, w, H, rstd_of(rr, H, eps));
+  }
+}
+
+// bf16 rows are widened to fp32 once, into per-thread buffers that grow with the widest row seen
+// (so a call allocates nothing once warm): the sum of squares and the scaling then run on fp32
+// rows, where they vectorise, instead of converting every element on each of the norm's three
+// reads. Widening is exact, so the sums are those of the bf16 rows, in the same order.
+enum RowBuffer { kRow, kRowIn, kWeight };
+inline float* row_buffer(RowBuffer which, int64_t n) {
+  thread_local std::vector<float> buffers[3];
+  std::vector<float>& b = buffers[which];
+  if (static_cast<int64_t>(b.size()) < n) b.resize(n);
+  return b.data();
+}
+
+// HF's order in bf16: normalise the widened row xs in fp32, round, times the weight, round.
+inline void scale_row(uint16_t* out, const float* xs, const float* ws, int64_t n, float rstd) {
+  float* scaled = row_buffer(kRowIn, n);
+  for (int64_t i = 0; i < n; ++i) scaled[i] = round_bf16(xs[i] * rstd) * ws[i];
+  narrow(scaled, out, n);
+}
+
+inline void rms_norm(uint16_t* out, int64_t out_stride, const uint16_t* x, int64_t x_stride, const uint16_t* w,
+                     int64_t rows, int64_t H, float eps, int num_threads) {
+  float* ws = row_buffer(kWeight, H);  // the caller's; the team only reads it
+  widen(w, ws, H);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * H >= kParallelGrain)
+  for (int64_t t = 0; t < rows; ++t) {
+    float* xs = row_buffer(kRow, H);
+    widen(x + t * x_stride, xs, H);
+    scale_row(out + t * out_stride, xs, ws, H, rstd_of(xs, H, eps));
+  }
+}
+
+// The residual sum is rounded to bf16 (what the residual tensor keeps) before the norm reads it.
+inline void add_rms_norm(uint16_t* x, int64_t x_stride, uint16_t* residual, int64_t r_stride, const uint16_t* w,
+                         int64_t rows, int64_t H, float eps, int num_threads) {
+  float* ws = row_buffer(kWeight, H);
+  widen(w, ws, H);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * H >= kParallelGrain)
+  for (int64_t t = 0; t < rows; ++t) {
+    uint16_t* xr = x + t * x_stride;
+    uint16_t* rr = residual + t * r_stride;
+    float* rs = row_buffer(kRow, H);
+    float* xs = row_buffer(kRowIn, H);
+    widen(rr, rs, H);
+    widen(xr, xs, H);
+    for (int64_t i = 0; i < H; ++i) rs[i] = round_bf16(rs[i] + xs[i]);
+    narrow(rs, rr, H);
+    scale_row(xr, rs, ws, H, rstd_of(rs, H, eps));
   }
 }
 
