@@ -39,7 +39,8 @@ import torch
 from paged.kernels.backends import cpu as _cpu
 from paged.kernels.input_checks import check_disjoint
 
-__all__ = ["DTYPES", "add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul", "unavailable_reason"]
+__all__ = ["DTYPES", "add_rms_norm", "entry_point", "exp_lanes", "rms_norm", "rotary_embedding", "run", "silu_and_mul",
+           "unavailable_reason"]
 
 # The entry points' name endings per dtype (paged_attention_cpu.cpp: `rms_norm_cpu`, `rms_norm_bf16_cpu`, ...).
 _SUFFIX = {torch.float32: "_cpu", torch.bfloat16: "_bf16_cpu"}
@@ -47,7 +48,7 @@ DTYPES = tuple(_SUFFIX)
 
 
 @cache
-def _exp_lanes() -> int:
+def exp_lanes() -> int:
     """Vectorized<float>::size() where torch's exp is Sleef's vector expf (its AVX512 / AVX2
     builds), else 0: libm's expf for every element."""
     return {"AVX512": 16, "AVX2": 8}.get(torch.backends.cpu.get_cpu_capability(), 0)
@@ -106,12 +107,17 @@ def _eps(eps: object) -> float:
     return float(eps)
 
 
-def _run(op: str, dtype: torch.dtype, *args: object) -> None:
-    """Calls the entry point of `op` for `dtype`; raises on a refusal."""
-    entry = op + _SUFFIX[dtype]
-    status = getattr(_lib(), entry)(*args)
+@cache
+def entry_point(op: str, dtype: torch.dtype):  # noqa: ANN201 - a ctypes function
+    """The library's entry point of `op` for `dtype` (`rms_norm` and float32: `rms_norm_cpu`), looked up once."""
+    return getattr(_lib(), op + _SUFFIX[dtype])
+
+
+def run(op: str, dtype: torch.dtype, *args: object) -> None:
+    """Calls the entry point of `op` for `dtype` on raw arguments; raises on a refusal."""
+    status = entry_point(op, dtype)(*args)
     if status:
-        raise ValueError(f"cpu {entry} refused its arguments: {_cpu._STATUS.get(status, status)}")
+        raise ValueError(f"cpu {op + _SUFFIX[dtype]} refused its arguments: {_cpu._STATUS.get(status, status)}")
 
 
 def _out(out: torch.Tensor | None, num_rows: int, cols: int, x: torch.Tensor, may_be_x: bool) -> torch.Tensor:
@@ -136,7 +142,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     out = _out(out, x.shape[0], x.shape[1], x, may_be_x=True)
     if x.numel() == 0:
         return out
-    _run("rms_norm", x.dtype, out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), weight.data_ptr(),
+    run("rms_norm", x.dtype, out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), weight.data_ptr(),
          x.shape[0], x.shape[1], eps, torch.get_num_threads())
     return out
 
@@ -153,7 +159,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     if x.numel() == 0:
         return x
     check_disjoint(("x", x), ("residual", residual), ("weight", weight))
-    _run("add_rms_norm", x.dtype, x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0),
+    run("add_rms_norm", x.dtype, x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0),
          weight.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
     return x
 
@@ -169,9 +175,9 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     if x.shape[0] == 0:
         return out
     # bf16 needs no exp_lanes: its silu comes from a table, which rounds as torch's for every input (layer_ops.h)
-    exp_lanes = (_exp_lanes(),) if x.dtype == torch.float32 else ()
-    _run("silu_and_mul", x.dtype, out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), x.shape[0], inter,
-         *exp_lanes, torch.get_num_threads())
+    lanes = (exp_lanes(),) if x.dtype == torch.float32 else ()
+    run("silu_and_mul", x.dtype, out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), x.shape[0], inter,
+         *lanes, torch.get_num_threads())
     return out
 
 
@@ -220,5 +226,5 @@ def rotary_embedding(
     tables = cos.contiguous(), sin.contiguous()
     check_disjoint(("qk", qk), ("cos", tables[0]), ("sin", tables[1]), ("positions", positions))
     positions = positions.contiguous()
-    _run("rotary_embedding", qk.dtype, qk.data_ptr(), qk.stride(0), positions.data_ptr(), tables[0].data_ptr(),
+    run("rotary_embedding", qk.dtype, qk.data_ptr(), qk.stride(0), positions.data_ptr(), tables[0].data_ptr(),
          tables[1].data_ptr(), num_rows, tables[0].shape[0], num_heads, head_dim, torch.get_num_threads())

@@ -25,9 +25,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from paged.kernels import fused_ops as native
+from paged.kernels import fused_calls as native
 from paged.kernels.backends.interface import KernelBackend
 from paged.kernels.backends.layer_plans import FusedLayerOpsMixin
+from paged.kernels.fused_ops import DTYPES as NATIVE_DTYPES
 
 # per step, what `rope` needs for its positions (see `TorchLayerOps.rotation`)
 Rotation = tuple[torch.Tensor, ...]
@@ -69,35 +70,36 @@ class TorchLayerOps:
 
 
 class NativeCpuLayerOps(TorchLayerOps):
-    """The cpu backend's fused kernels for fp32 and bf16 CPU tensors (`native.DTYPES`); other dtypes
-    take the torch formulas."""
+    """The cpu backend's fused kernels for fp32 and bf16 CPU tensors (`NATIVE_DTYPES`), called the
+    lean way a forward's own tensors allow (`paged.kernels.fused_calls`); other dtypes take the torch
+    formulas."""
 
     name = "native"
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if x.dtype not in native.DTYPES:
+        if x.dtype not in NATIVE_DTYPES:
             return super().rms_norm(x, weight, eps)
         return native.rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if x.dtype not in native.DTYPES:
+        if x.dtype not in NATIVE_DTYPES:
             return super().add_rms_norm(x, residual, weight, eps)
         return native.add_rms_norm(x, residual, weight, eps)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype not in native.DTYPES:
+        if x.dtype not in NATIVE_DTYPES:
             return super().silu_and_mul(x)
         return native.silu_and_mul(x)
 
     def rotation(self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Rotation:
         """The positions and the whole tables: the kernel looks the rows up itself."""
-        if cos.dtype not in native.DTYPES:
+        if cos.dtype not in NATIVE_DTYPES:
             return super().rotation(positions, cos, sin)
         return positions, cos, sin
 
     def rope(self, qkv: torch.Tensor, rotation: Rotation, num_heads: int, head_dim: int) -> torch.Tensor:
         """Rotates `qkv`'s first heads in place (no copy of q or k) and returns them as a view."""
-        if qkv.dtype not in native.DTYPES:
+        if qkv.dtype not in NATIVE_DTYPES:
             return super().rope(qkv, rotation, num_heads, head_dim)
         native.rotary_embedding(qkv, *rotation, num_heads, head_dim)
         return qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
