@@ -10,7 +10,7 @@
 //
 // Masking is the portable path's: weights of slots before the window or past the context are
 // exactly 0 (their logits, possibly NaN, never reach exp), their V slots are zeroed as they are
-// widened, and a block no head sees is never read. The next group's tiles are prefetched.
+// widened, and a block no head sees is never read. The next two groups' tiles are prefetched.
 #pragma once
 
 #include "bf16_dot.h"
@@ -75,7 +75,11 @@ void v3_attend_split_bf16(const Args& a, V3Scratch& s, int kvh, const int32_t* t
       }
       if (!any) continue;  // no head of the group sees it: never read
     }
+    // The next group into L1, the one after into L2: asking two groups ahead measured 10-20%
+    // faster than one on contexts of 1K and more (SmolLM2's shape, one thread, tiles scattered).
     for (int next = b + nb; next < std::min(b + nb + step, b_end); ++next) prefetch_tiles<BF16>(a, table[next], kvh);
+    for (int next = b + nb + step; next < std::min(b + nb + 2 * step, b_end); ++next)
+      prefetch_tiles<BF16, 1>(a, table[next], kvh);
     for (int i = 0; i < nb; ++i) {
       const uint16_t* k = tile_ptr<BF16>(a.key_cache, a, table[b + i], kvh);
       v_tiles[i] = tile_ptr<BF16>(a.value_cache, a, table[b + i], kvh);

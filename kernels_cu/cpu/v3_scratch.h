@@ -59,14 +59,15 @@ struct V3Scratch {
 
 // Asks for the next block's K and V tiles while this one is computed: the block table scatters
 // the tiles, so the hardware prefetcher, which follows streams, cannot anticipate the jump.
-template <typename C>
+// `locality`: __builtin_prefetch's, 3 into L1, 1 into L2 only.
+template <typename C, int locality = 3>
 inline void prefetch_tiles(const Args& a, int64_t block, int kvh) {
   const int64_t bytes = static_cast<int64_t>(a.head_size) * a.block_size * sizeof(typename C::storage);
   const char* k = reinterpret_cast<const char*>(tile_ptr<C>(a.key_cache, a, block, kvh));
   const char* v = reinterpret_cast<const char*>(tile_ptr<C>(a.value_cache, a, block, kvh));
   for (int64_t at = 0; at < bytes; at += 64) {
-    __builtin_prefetch(k + at);
-    __builtin_prefetch(v + at);
+    __builtin_prefetch(k + at, 0, locality);
+    __builtin_prefetch(v + at, 0, locality);
   }
 }
 
