@@ -86,16 +86,26 @@ inline void bf16_logits(int rows, int D, float scale, const uint16_t* q, const u
   }
 }
 
-// The largest of p[lo .. hi) (0 <= lo < hi <= P, P a multiple of 16); other slots may hold NaN.
+// The largest of p[lo .. hi) (0 <= lo < hi <= P, P a multiple of 8); other slots may hold NaN,
+// and only p[0 .. P) is read.
 template <int P>
 inline float max_in(const float* p, int lo, int hi) {
   __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int off = 0; off < P; off += 16) {
     const int a = std::clamp(lo - off, 0, 16), b = std::clamp(hi - off, 0, 16);
     const __mmask16 in = static_cast<__mmask16>(((1u << b) - 1) & ~((1u << a) - 1));
-    m = _mm512_mask_max_ps(m, in, m, _mm512_loadu_ps(p + off));
+    m = _mm512_mask_max_ps(m, in, m, _mm512_maskz_loadu_ps(in, p + off));
   }
   return _mm512_reduce_max_ps(m);
+}
+
+// The sum of p[0 .. P) (P a multiple of 8), in vectors: the order differs from a running sum.
+template <int P>
+inline float sum_of(const float* p) {
+  __m512 t = _mm512_setzero_ps();
+  for (int off = 0; off < P; off += 16)
+    t = _mm512_add_ps(t, _mm512_maskz_loadu_ps(P - off >= 16 ? 0xffff : 0xff, p + off));
+  return _mm512_reduce_add_ps(t);
 }
 
 // The bits of the slots [lo, hi) of a block (both clamped to [0, BS)).
@@ -153,6 +163,8 @@ void bf16_logits(int rows, int D, float scale, const uint16_t* q, const uint16_t
                  int ps);
 template <int P>
 float max_in(const float* p, int lo, int hi);
+template <int P>
+float sum_of(const float* p);
 template <int BS, int NB>
 void bf16_values(int rows, int D, const uint16_t* const* v, int nb, int lo, int hi, const float* p, int ps,
                  const char* sees, float* acc);

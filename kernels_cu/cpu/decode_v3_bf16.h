@@ -44,13 +44,11 @@ inline void v3_softmax_group(const Args& a, V3Scratch& s, int g, int head, int q
     s.ref[g] = new_ref;
   }
   const float ref = s.ref[g];
-  float total = 0.f;
-#pragma omp simd reduction(+ : total)
+#pragma omp simd
   for (int off = 0; off < P; ++off) {  // the select keeps NaN logits of masked slots out of exp
     pr[off] = exp_nonpositive(off >= lo && off < hi ? pr[off] - ref : kMasked);
-    total += pr[off];
   }
-  s.sum[g] += total;
+  s.sum[g] += sum_of<P>(pr);  // masked slots are exactly 0
 }
 
 // decode_v3.h's v3_attend_split for a bf16 query (in s.qb) over a bf16 cache.
