@@ -21,6 +21,9 @@
 // scale, ALiBi adds slope * (key - query position), and block-sparse attention skips a block no
 // head of the group sees (never reading it) and gives weight 0 to the heads that do not see it.
 // A split that sees nothing keeps exp-sum 0, which is its weight in the merge.
+//
+// This is the portable path (any CPU, any dtype). A bf16 query over a bf16 cache on a CPU with
+// AVX512-BF16 takes decode_v3_bf16.h's split instead (v3_attend); the rest (plan, merge) is shared.
 #pragma once
 
 #include "common.h"
@@ -29,7 +32,6 @@
 #include "v3_scratch.h"
 
 namespace paged_cpu {
-
 
 // The query pattern one K-tile vector multiplies: a K tile is [D/x][BS][x], so an x-chunk of the
 // query repeats along each row of the tile; W = max(x, kLanes) floats hold one repetition unit.
