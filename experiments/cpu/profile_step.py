@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 import paged.executor.model_executor as model_executor
+import paged.executor.step_sampling as step_sampling
 import paged.kernels.planned as planned
 from paged import LLM, SamplingParams
 from paged.executor.step_plan import InputBuffers
@@ -73,7 +74,7 @@ def instrument(timer: StepTimer) -> None:
     for cls, category in ((planned.DecodeAttention, "attention (decode)"),
                           (planned.PrefillAttention, "attention (prefill)"), (planned.CacheWrite, "KV cache write")):
         cls.__call__ = timer.wrap(category, cls.__call__)
-    model_executor.sample = timer.wrap("sampling", model_executor.sample)
+    step_sampling.sample = timer.wrap("sampling", step_sampling.sample)
     model_executor.plan_batch = timer.wrap("input preparation", model_executor.plan_batch)
     InputBuffers.upload = timer.wrap("input preparation", InputBuffers.upload)
     Linear.__call__ = timer.wrap("matmul (layers)", Linear.__call__)
