@@ -5,7 +5,8 @@
 // - The tiles are never converted to fp32 scratch: K through vdpbf16ps, V widened in registers.
 // - Blocks go in groups of kGroupSlots / BS (4 at BS = 16): the group's logits and softmax first
 //   (one max and rescale per group), then one pass over the value sums, [G][D][16] floats that
-//   each pass loads and stores whole; per block, that traffic cost more than the arithmetic.
+//   each pass loads and stores whole (a profile of the per-block version put its hottest
+//   instructions on those loads and stores).
 //   Under block-sparse attention each block has its own set of heads, so groups hold one block.
 //
 // Masking is the portable path's: weights of slots before the window or past the context are
