@@ -104,6 +104,10 @@ def _grid() -> list[V3Case]:
 GRID = _grid()
 LONG = (
     V3Case(torch.float32, 64, 16, 3, 3, (16384, 5000, 1)),  # SmolLM2's attention shape
+    # the same in bf16 (the AVX512-BF16 path where the CPU has it: groups of 4 blocks), and with
+    # ALiBi (the reference max moves) and a window whose first slot is mid-group
+    V3Case(torch.bfloat16, 64, 16, 3, 3, (16384, 5000, 1)),
+    V3Case(torch.bfloat16, 64, 16, 3, 3, (16384, 5003, 70), alibi=True, window=4001),
     V3Case(torch.bfloat16, 128, 32, 8, 1, (16000, 33), cache=E4M3, alibi=True),
     V3Case(torch.float16, 256, 8, 4, 2, (16384, 9001), window=4000, sparse=SPARSE),
 )

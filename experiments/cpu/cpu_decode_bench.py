@@ -4,8 +4,9 @@
     python experiments/cpu/cpu_decode_bench.py --quick
 
 SmolLM2-135M's attention shape (9 query heads over 3 KV heads, head 64, block 16), one layer's
-decode call, over a batch of 32 x 1K contexts (the issue's bar: v3 not slower than v2 there), 8 x 4K
-and 1 x 16K. Each op is called as the executor calls it once a step is planned
+decode call, over a batch of 32 x 400 contexts (the serving benchmark's kind: prompts of 32-512
+tokens plus outputs), 32 x 1K (the issue's bar: v3 not slower than v2 there), 8 x 4K and 1 x 16K.
+Each op is called as the executor calls it once a step is planned
 (`paged.kernels.planned.DecodeAttention`): the backend's op on checked arguments, v2 at vLLM's
 partition size 512, v3 with the split plan `decode_workspace` made for the step (its split count
 is printed). Block tables are random permutations, so tiles are scattered as in a long-running
@@ -34,7 +35,7 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 9, 3, 64, 16
 SCALE = HEAD_SIZE**-0.5
 PARTITION_SIZE = 512
 # name -> (sequences, context length)
-WORKLOADS = {"32 x 1K": (32, 1024), "8 x 4K": (8, 4096), "1 x 16K": (1, 16384)}
+WORKLOADS = {"32 x 400": (32, 400), "32 x 1K": (32, 1024), "8 x 4K": (8, 4096), "1 x 16K": (1, 16384)}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 

@@ -21,56 +21,17 @@
 // scale, ALiBi adds slope * (key - query position), and block-sparse attention skips a block no
 // head of the group sees (never reading it) and gives weight 0 to the heads that do not see it.
 // A split that sees nothing keeps exp-sum 0, which is its weight in the merge.
+//
+// This is the portable path (any CPU, any dtype). A bf16 query over a bf16 cache on a CPU with
+// AVX512-BF16 takes decode_v3_bf16.h's split instead (v3_attend); the rest (plan, merge) is shared.
 #pragma once
 
 #include "common.h"
+#include "decode_v3_bf16.h"
 #include "prefill.h"  // exp_nonpositive
+#include "v3_scratch.h"
 
 namespace paged_cpu {
-
-// Mirrors paged/kernels/split_plan.py's MAX_SPLITS: bounds the scratch a plan can ask for.
-constexpr int kMaxSplits = 256;
-// A head's reference max is raised this far above a new block max when it must move. Rescaling
-// the partial sums costs as much as a block's V work, and under ALiBi (logits rising toward the
-// query) the max would move on nearly every block; with the slack it moves a few times per
-// sequence. exp(logit - reference) stays <= 1, so exp_nonpositive applies; fp32's relative
-// precision does not depend on the scale, and only terms below e^-(87 - 16) of the largest, far
-// under its rounding, flush to 0.
-constexpr float kRescaleSlack = 16.f;
-
-// Width of v3's lane-folded sums (v3_values): 8 floats, one AVX2 vector (two NEON ones). Every
-// block size is a multiple of it.
-constexpr int kLanes = 8;
-
-struct SplitArgs {
-  int num_splits, split_blocks;
-};
-
-struct V3Scratch {
-  std::vector<float> q;      // [D]: one query head
-  std::vector<float> qx;     // [G][D/x][W]: each head's query chunks, repeated to W = max(x, kLanes)
-  std::vector<float> kt;     // [D/x][BS][x]: a non-fp32 K tile as fp32
-  std::vector<float> vt;     // [D][BS]: a V tile as fp32, 0 where masked
-  std::vector<float> p;      // [G][BS]: one block's logits, then weights
-  std::vector<float> vacc;   // [G][D][kLanes]: sums of weighted values, the slots folded onto lanes
-  std::vector<float> ref, sum;  // [G]: reference max (-inf: nothing seen yet) and exp-sum
-  std::vector<float> o;      // [G][D]: the split's normalised output
-  std::vector<char> sees;    // [G]: block-sparse, whether each head sees the current block
-
-  void init(int G, int D, int BS) {
-    const size_t tile = static_cast<size_t>(D) * BS;
-    q.resize(D);
-    qx.resize(static_cast<size_t>(G) * D * 2);  // W / x <= kLanes / 4
-    kt.resize(tile);
-    vt.resize(tile);
-    p.resize(static_cast<size_t>(G) * BS);
-    vacc.assign(static_cast<size_t>(G) * D * kLanes, 0.f);
-    ref.resize(G);
-    sum.resize(G);
-    o.resize(static_cast<size_t>(G) * D);
-    sees.resize(G);
-  }
-};
 
 // The query pattern one K-tile vector multiplies: a K tile is [D/x][BS][x], so an x-chunk of the
 // query repeats along each row of the tile; W = max(x, kLanes) floats hold one repetition unit.
@@ -172,18 +133,6 @@ inline void v3_values(int G, int D, const float* vf, const float* p, const char*
   }
 }
 
-// Asks for the next block's K and V tiles while this one is computed: the block table scatters
-// the tiles, so the hardware prefetcher, which follows streams, cannot anticipate the jump.
-template <typename C>
-inline void prefetch_tiles(const Args& a, int64_t block, int kvh) {
-  const int64_t bytes = static_cast<int64_t>(a.head_size) * a.block_size * sizeof(typename C::storage);
-  const char* k = reinterpret_cast<const char*>(tile_ptr<C>(a.key_cache, a, block, kvh));
-  const char* v = reinterpret_cast<const char*>(tile_ptr<C>(a.value_cache, a, block, kvh));
-  for (int64_t at = 0; at < bytes; at += 64) {
-    __builtin_prefetch(k + at);
-    __builtin_prefetch(v + at);
-  }
-}
 
 // The G heads of KV head `kvh` over blocks [b_begin, b_end) of a context of L tokens whose window
 // starts at `first`: s.o gets the normalised output, s.ref / s.sum the reference max and exp-sum.
@@ -237,16 +186,24 @@ void v3_attend_split(const Args& a, V3Scratch& s, int kvh, const int32_t* table,
     }
     v3_values<BS>(G, D, vf, s.p.data(), sees, s.vacc.data());
   }
-  for (int g = 0; g < G; ++g) {
-    float* acc = s.vacc.data() + static_cast<int64_t>(g) * D * kLanes;
-    const float inv = s.sum[g] > 0.f ? 1.f / s.sum[g] : 0.f;
-    for (int d = 0; d < D; ++d) {
-      float total = 0.f;
-      for (int i = 0; i < kLanes; ++i) total += acc[d * kLanes + i];
-      s.o[g * D + d] = total * inv;
+  v3_finish<kLanes>(s, G, D);
+}
+
+// One split of sequence `seq`'s KV head `kvh`: a bf16 query over a bf16 cache takes the
+// AVX512-BF16 path (decode_v3_bf16.h) where the CPU has it, everything else the portable one.
+template <typename C, int BS>
+void v3_attend(const Args& a, V3Scratch& s, int seq, int kvh, int L, int first, int b_begin, int b_end) {
+  const int G = a.num_heads / a.num_kv_heads, head0 = kvh * G;
+  const int32_t* table = a.block_tables + seq * a.bt_stride;
+  if constexpr (kBf16Dot && std::is_same_v<C, BF16>) {
+    if (a.dtype == kBF16) {
+      bf16_load_query(a, seq, head0, G, G, s.qb.data());
+      v3_attend_split_bf16<BS>(a, s, kvh, table, L, first, b_begin, b_end);
+      return;
     }
-    std::fill(acc, acc + static_cast<int64_t>(D) * kLanes, 0.f);
   }
+  v3_load_query<C>(a, seq, head0, G, s);
+  v3_attend_split<C, BS>(a, s, kvh, table, L, first, b_begin, b_end);
 }
 
 // The split plan's coverage, checked before anything runs: 0, or the status code (13: counts out
@@ -288,9 +245,7 @@ void run_v3(const Args& a, const SplitArgs& plan) {
       const int64_t b_begin = first / BS + static_cast<int64_t>(split) * plan.split_blocks;
       const int64_t b_end = std::min<int64_t>(b_begin + plan.split_blocks, (L + BS - 1) / BS);
       if (b_begin < b_end) {
-        v3_load_query<C>(a, seq, head0, G, s);
-        v3_attend_split<C, BS>(a, s, kvh, a.block_tables + seq * a.bt_stride, L, first, static_cast<int>(b_begin),
-                               static_cast<int>(b_end));
+        v3_attend<C, BS>(a, s, seq, kvh, L, first, static_cast<int>(b_begin), static_cast<int>(b_end));
       } else {  // past the context (or an empty sequence): weight 0
         std::fill(s.o.begin(), s.o.end(), 0.f);
         std::fill(s.ref.begin(), s.ref.end(), -std::numeric_limits<float>::infinity());

@@ -21,8 +21,15 @@
 // adds slope * (key - query position) to a row's logits, and under block-sparse attention a row
 // skips a block its head does not see from its query's sparse block, as a row skips one past its
 // position; a block no row of the tile sees is never read.
+//
+// A bf16 query over a bf16 cache on AVX512-BF16 (prefill_tile's `dot`) takes the logits straight
+// from the bf16 K tile with vdpbf16ps (bf16_dot.h: no transposed fp32 copy; denormals flushed,
+// pairs summed in fp32) and takes each row's block max and exp-sum in vectors; the V tile and the
+// weighted values are the fp32 path's. Measured on SmolLM2's shape, 8 x 400-token prompts, one
+// thread, alternating processes: 30.8 -> 23.6 ms per call (medians).
 #pragma once
 
+#include "bf16_dot.h"
 #include "common.h"
 
 namespace paged_cpu {
@@ -55,6 +62,7 @@ inline float exp_nonpositive(float x) {
 
 struct PrefillScratch {
   std::vector<float> q, o;  // [R][D], row r = query j * G + head g
+  std::vector<uint16_t> qb; // [R][D]: the bf16 query (the bf16 path)
   std::vector<float> m, l;  // [R]: running max logit and exp-sum
   std::vector<float> p;     // [R][BS]: one block's logits, then their exps
   std::vector<float> kt;    // [D][BS]
@@ -64,6 +72,7 @@ struct PrefillScratch {
   void init(int rows, int D, int BS) {
     sees.resize(rows);
     q.resize(static_cast<size_t>(rows) * D);
+    qb.resize(static_cast<size_t>(rows) * D);
     o.resize(static_cast<size_t>(rows) * D);
     m.resize(rows);
     l.resize(rows);
@@ -132,17 +141,24 @@ inline void tile_values(int R, int D, int n, const float* p, const float* vt, fl
   }
 }
 
-// One work item: queries j0 .. j0 + nq of sequence `seq`, the G heads of KV head `kvh`.
-template <typename C, int BS>
+// One work item: queries j0 .. j0 + nq of sequence `seq`, the G heads of KV head `kvh`. `dot`: a
+// bf16 query over a bf16 cache on AVX512-BF16: the logits straight from the K tile (bf16_dot.h),
+// no fp32 copy of it, and each row's exp-sum over whole vectors (masked slots are exactly 0).
+template <typename C, int BS, bool dot>
 void prefill_tile(const Args& a, PrefillScratch& s, int seq, int kvh, int j0, int nq) {
   using S = typename C::storage;
   constexpr int x = x_of<C>();
   const int G = a.num_heads / a.num_kv_heads, D = a.head_size, R = nq * G, head0 = kvh * G;
   const int row0 = a.query_start_loc[seq] + j0;
   const int first_pos = a.seq_lens[seq] - (a.query_start_loc[seq + 1] - a.query_start_loc[seq]) + j0;
-  for (int j = 0; j < nq; ++j)
-    for (int g = 0; g < G; ++g)
-      load_query_row(a, (row0 + j) * a.q_stride_seq + (head0 + g) * a.q_stride_head, D, s.q.data() + (j * G + g) * D);
+  if constexpr (dot) {
+    bf16_load_query(a, row0, head0, G, R, s.qb.data());
+  } else {
+    for (int j = 0; j < nq; ++j)
+      for (int g = 0; g < G; ++g)
+        load_query_row(a, (row0 + j) * a.q_stride_seq + (head0 + g) * a.q_stride_head, D,
+                       s.q.data() + (j * G + g) * D);
+  }
   std::fill(s.o.begin(), s.o.begin() + R * D, 0.f);
   std::fill(s.m.begin(), s.m.begin() + R, -std::numeric_limits<float>::infinity());
   std::fill(s.l.begin(), s.l.begin() + R, 0.f);
@@ -170,12 +186,16 @@ void prefill_tile(const Args& a, PrefillScratch& s, int seq, int kvh, int j0, in
     }
     const S* k = tile_ptr<C>(a.key_cache, a, table[b], kvh);
     const S* v = tile_ptr<C>(a.value_cache, a, table[b], kvh);
-    for (int c = 0; c < D / x; ++c)
-      for (int off = 0; off < BS; ++off)
-        for (int i = 0; i < x; ++i) s.kt[(c * x + i) * BS + off] = dequant<C>(k[(c * BS + off) * x + i], k_scale);
+    if constexpr (dot) {
+      bf16_logits<BS>(R, D, a.scale, s.qb.data(), k, a.sparse.on() ? s.sees.data() : nullptr, s.p.data(), BS);
+    } else {
+      for (int c = 0; c < D / x; ++c)
+        for (int off = 0; off < BS; ++off)
+          for (int i = 0; i < x; ++i) s.kt[(c * x + i) * BS + off] = dequant<C>(k[(c * BS + off) * x + i], k_scale);
+      tile_logits<BS>(R, D, a.scale, s.q.data(), s.kt.data(), s.p.data());
+    }
     for (int off = 0; off < n; ++off)
       for (int d = 0; d < D; ++d) s.vt[off * D + d] = off < skip ? 0.f : dequant<C>(v[d * BS + off], v_scale);
-    tile_logits<BS>(R, D, a.scale, s.q.data(), s.kt.data(), s.p.data());
     for (int r = 0; r < R; ++r) {
       float* pr = s.p.data() + r * BS;
       const int pos = first_pos + r / G;
@@ -187,7 +207,11 @@ void prefill_tile(const Args& a, PrefillScratch& s, int seq, int kvh, int j0, in
       }
       if (a.alibi_slopes) add_alibi(pr, BS, a.alibi_slopes[head0 + r % G], start - pos);
       float block_max = pr[lo];
-      for (int off = lo + 1; off < visible; ++off) block_max = std::max(block_max, pr[off]);
+      if constexpr (dot) {
+        block_max = max_in<BS>(pr, lo, visible);
+      } else {
+        for (int off = lo + 1; off < visible; ++off) block_max = std::max(block_max, pr[off]);
+      }
       const float m_old = s.m[r], m_new = std::max(m_old, block_max);
 #pragma omp simd
       for (int off = 0; off < BS; ++off) {
@@ -195,7 +219,11 @@ void prefill_tile(const Args& a, PrefillScratch& s, int seq, int kvh, int j0, in
         pr[off] = exp_nonpositive(off >= lo && off < visible ? shifted : kMasked);
       }
       float sum = 0.f;
-      for (int off = lo; off < visible; ++off) sum += pr[off];
+      if constexpr (dot) {
+        sum = sum_of<BS>(pr);  // masked slots are exactly 0
+      } else {
+        for (int off = lo; off < visible; ++off) sum += pr[off];
+      }
       if (m_new != m_old) {
         const float alpha = std::exp(m_old - m_new);  // 0 on the first block (m_old = -inf)
         float* orow = s.o.data() + r * D;
@@ -240,7 +268,14 @@ void run_prefill(const Args& a) {
                                        tile_start.begin()) - 1;
       const int j0 = static_cast<int>(tile - tile_start[seq]) * kTileQ;
       const int q_len = a.query_start_loc[seq + 1] - a.query_start_loc[seq];
-      prefill_tile<C, BS>(a, s, seq, kvh, j0, std::min(kTileQ, q_len - j0));
+      const int nq = std::min(kTileQ, q_len - j0);
+      if constexpr (kBf16Dot && std::is_same_v<C, BF16>) {
+        if (a.dtype == kBF16) {
+          prefill_tile<C, BS, true>(a, s, seq, kvh, j0, nq);
+          continue;
+        }
+      }
+      prefill_tile<C, BS, false>(a, s, seq, kvh, j0, nq);
     }
   }
 }
