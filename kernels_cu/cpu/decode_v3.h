@@ -23,11 +23,12 @@
 // A split that sees nothing keeps exp-sum 0, which is its weight in the merge.
 //
 // This is the portable path (any CPU, any dtype). A bf16 query over a bf16 cache on a CPU with
-// AVX512-BF16 takes decode_v3_bf16.h's split instead (v3_attend); the rest (plan, merge) is shared.
+// AVX512-BF16, and an fp32 query over an fp32 cache on any AVX-512 CPU, take decode_v3_grouped.h's
+// split instead (v3_attend); the rest (plan, merge) is shared.
 #pragma once
 
 #include "common.h"
-#include "decode_v3_bf16.h"
+#include "decode_v3_grouped.h"
 #include "prefill.h"  // exp_nonpositive
 #include "v3_scratch.h"
 
@@ -189,8 +190,9 @@ void v3_attend_split(const Args& a, V3Scratch& s, int kvh, const int32_t* table,
   v3_finish<kLanes>(s, G, D);
 }
 
-// One split of sequence `seq`'s KV head `kvh`: a bf16 query over a bf16 cache takes the
-// AVX512-BF16 path (decode_v3_bf16.h) where the CPU has it, everything else the portable one.
+// One split of sequence `seq`'s KV head `kvh`: a bf16 query over a bf16 cache (on AVX512-BF16) and
+// an fp32 one over an fp32 cache (on AVX-512) take the grouped path (decode_v3_grouped.h), everything
+// else the portable one.
 template <typename C, int BS>
 void v3_attend(const Args& a, V3Scratch& s, int seq, int kvh, int L, int first, int b_begin, int b_end) {
   const int G = a.num_heads / a.num_kv_heads, head0 = kvh * G;
@@ -198,7 +200,16 @@ void v3_attend(const Args& a, V3Scratch& s, int seq, int kvh, int L, int first, 
   if constexpr (kBf16Dot && std::is_same_v<C, BF16>) {
     if (a.dtype == kBF16) {
       bf16_load_query(a, seq, head0, G, G, s.qb.data());
-      v3_attend_split_bf16<BS>(a, s, kvh, table, L, first, b_begin, b_end);
+      v3_attend_split_grouped<C, BS>(a, s, s.qb.data(), kvh, table, L, first, b_begin, b_end);
+      return;
+    }
+  }
+  if constexpr (kF32Tiles && std::is_same_v<C, F32>) {
+    if (a.dtype == kF32) {
+      for (int g = 0; g < G; ++g)
+        load_query_row(a, seq * a.q_stride_seq + (head0 + g) * a.q_stride_head, a.head_size,
+                       s.qf.data() + g * a.head_size);
+      v3_attend_split_grouped<C, BS>(a, s, s.qf.data(), kvh, table, L, first, b_begin, b_end);
       return;
     }
   }

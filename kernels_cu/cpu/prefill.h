@@ -23,13 +23,13 @@
 // position; a block no row of the tile sees is never read.
 //
 // A bf16 query over a bf16 cache on AVX512-BF16 (prefill_tile's `dot`) takes the logits straight
-// from the bf16 K tile with vdpbf16ps (bf16_dot.h: no transposed fp32 copy; denormals flushed,
+// from the bf16 K tile with vdpbf16ps (vec_tiles.h: no transposed fp32 copy; denormals flushed,
 // pairs summed in fp32) and takes each row's block max and exp-sum in vectors; the V tile and the
 // weighted values are the fp32 path's. Measured on SmolLM2's shape, 8 x 400-token prompts, one
 // thread, alternating processes: 30.8 -> 23.6 ms per call (medians).
 #pragma once
 
-#include "bf16_dot.h"
+#include "vec_tiles.h"
 #include "common.h"
 
 namespace paged_cpu {
@@ -142,7 +142,7 @@ inline void tile_values(int R, int D, int n, const float* p, const float* vt, fl
 }
 
 // One work item: queries j0 .. j0 + nq of sequence `seq`, the G heads of KV head `kvh`. `dot`: a
-// bf16 query over a bf16 cache on AVX512-BF16: the logits straight from the K tile (bf16_dot.h),
+// bf16 query over a bf16 cache on AVX512-BF16: the logits straight from the K tile (vec_tiles.h),
 // no fp32 copy of it, and each row's exp-sum over whole vectors (masked slots are exactly 0).
 template <typename C, int BS, bool dot>
 void prefill_tile(const Args& a, PrefillScratch& s, int seq, int kvh, int j0, int nq) {
@@ -187,7 +187,7 @@ void prefill_tile(const Args& a, PrefillScratch& s, int seq, int kvh, int j0, in
     const S* k = tile_ptr<C>(a.key_cache, a, table[b], kvh);
     const S* v = tile_ptr<C>(a.value_cache, a, table[b], kvh);
     if constexpr (dot) {
-      bf16_logits<BS>(R, D, a.scale, s.qb.data(), k, a.sparse.on() ? s.sees.data() : nullptr, s.p.data(), BS);
+      vec_logits<BS>(R, D, a.scale, s.qb.data(), k, a.sparse.on() ? s.sees.data() : nullptr, s.p.data(), BS);
     } else {
       for (int c = 0; c < D / x; ++c)
         for (int off = 0; off < BS; ++off)

@@ -1,5 +1,5 @@
 // Decode v3's per-thread state and what its two split paths share (decode_v3.h's portable one,
-// decode_v3_bf16.h's AVX512-BF16 one): the constants, the scratch, the tile prefetch and the
+// decode_v3_grouped.h's AVX-512 one): the constants, the scratch, the tile prefetch and the
 // split's last step, which sums the lane-folded value sums and normalises them.
 #pragma once
 
@@ -20,9 +20,9 @@ constexpr float kRescaleSlack = 16.f;
 // Width of v3's lane-folded sums (v3_values): 8 floats, one AVX2 vector (two NEON ones). Every
 // block size is a multiple of it.
 constexpr int kLanes = 8;
-// The bf16 path's lanes (bf16_lanes: up to 16) and the slots of its block groups (a group's
+// The grouped path's lanes (tile_lanes: up to 16) and the slots of its block groups (a group's
 // weights multiply its V tiles in one pass over the sums, whose loads and stores dominate).
-constexpr int kBf16MaxLanes = 16;
+constexpr int kTileMaxLanes = 16;
 constexpr int kGroupSlots = 64;
 
 struct SplitArgs {
@@ -34,8 +34,9 @@ struct V3Scratch {
   std::vector<float> qx;     // [G][D/x][W]: each head's query chunks, repeated to W = max(x, kLanes)
   std::vector<float> kt;     // [D/x][BS][x]: a non-fp32 K tile as fp32
   std::vector<float> vt;     // [D][BS]: a V tile as fp32, 0 where masked
-  std::vector<uint16_t> qb;  // [G][D]: the bf16 query (the bf16 path)
-  std::vector<float> p;      // [G][BS], bf16 path [G][kGroupSlots]: logits, then weights
+  std::vector<uint16_t> qb;  // [G][D]: the bf16 query (the grouped bf16 path)
+  std::vector<float> qf;     // [G][D]: the fp32 query (the grouped fp32 path)
+  std::vector<float> p;      // [G][BS], grouped path [G][kGroupSlots]: logits, then weights
   std::vector<float> vacc;   // [G][D][E]: sums of weighted values, the slots folded onto E lanes
   std::vector<float> ref, sum;  // [G]: reference max (-inf: nothing seen yet) and exp-sum
   std::vector<float> o;      // [G][D]: the split's normalised output
@@ -48,8 +49,9 @@ struct V3Scratch {
     kt.resize(tile);
     vt.resize(tile);
     qb.resize(static_cast<size_t>(G) * D);
+    qf.resize(static_cast<size_t>(G) * D);
     p.resize(static_cast<size_t>(G) * std::max(BS, kGroupSlots));
-    vacc.assign(static_cast<size_t>(G) * D * std::max(kLanes, kBf16MaxLanes), 0.f);
+    vacc.assign(static_cast<size_t>(G) * D * std::max(kLanes, kTileMaxLanes), 0.f);
     ref.resize(G);
     sum.resize(G);
     o.resize(static_cast<size_t>(G) * D);

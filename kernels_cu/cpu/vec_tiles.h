@@ -1,25 +1,28 @@
-// bf16 attention tiles on AVX512-BF16: a bf16 query against a bf16 cache without converting the
-// tiles to fp32 scratch first (decode v3's and prefill's fast path when both are bf16).
+// Attention tiles in AVX-512 registers, without converting them to fp32 scratch first: a bf16 query
+// against a bf16 cache on AVX512-BF16 (decode v3's and prefill's fast path when both are bf16),
+// and an fp32 query against an fp32 cache on any AVX-512 CPU (decode v3's grouped path).
 //
-// Logits: a K tile is [D/8][BS][8] bf16 (x = 8), so one 512-bit load holds 4 consecutive slots of
-// an 8-dim chunk; vdpbf16ps multiplies it by the query's chunk broadcast 4 times and adds the pairs
-// into 16 fp32 lanes (lane 4s + j: slot s's dim pair j). Over the D/8 chunks each row keeps BS/4
-// such accumulators; fold4 then sums each slot's 4 lanes and puts the slots in order. Values: a V
-// tile is [D][BS] bf16; each 16-element vector is widened to fp32 in registers (bf16 is the top
-// half of an fp32: a zero-extension and a shift), masked slots zeroed by the same instruction
-// (the cache may hold NaN there, and 0 * NaN is NaN), and multiplied by the fp32 weights into
-// sums folded onto E = min(BS, 16) lanes per (row, dim), summed over the lanes by the caller.
+// Logits: a K tile is [D/x][BS][x] with x = 16 bytes of elements (8 bf16, 4 fp32), so one
+// 512-bit load holds 4 consecutive slots of an x-dim chunk; it is multiplied by the query's chunk
+// broadcast 4 times into 16 fp32 lanes (lane 4s + j: slot s's part j): vdpbf16ps adds bf16 pairs,
+// fp32 takes FMAs. Over the D/x chunks each row keeps BS/4 such accumulators; fold4 then sums each
+// slot's 4 lanes and puts the slots in order. Values: a V tile is [D][BS]; each 16-element vector
+// is read as fp32 in registers (bf16 is the top half of an fp32: a zero-extension and a shift),
+// masked slots zeroed by the same instruction (the cache may hold NaN there, and 0 * NaN is NaN),
+// and multiplied by the fp32 weights into sums folded onto E = min(BS, 16) lanes per (row, dim),
+// summed over the lanes by the caller.
 //
 // Precision: vdpbf16ps treats denormal inputs as 0, flushes denormal results and rounds each pair
-// sum to fp32 (not one fused product per element), so the logits differ from the fp32-converting
-// path by a few fp32 ulps; the weights and the weighted values stay fp32. Attention's tolerance to
-// the float64 reference (and the bf16 output's rounding, 2^-9) is far above that. Compiled only
-// where the compiler targets AVX512-BF16 (-march=native on such a CPU): kBf16Dot says whether.
+// sum to fp32 (not one fused product per element), so bf16 logits differ from the fp32-converting
+// path by a few fp32 ulps; the weights and the weighted values stay fp32. fp32 tiles sum the same
+// products in another order than the portable path (a few ulps too). Attention's tolerance to the
+// float64 reference is far above that. Compiled only where the compiler targets AVX-512
+// (-march=native on such a CPU), the bf16 dot only with AVX512-BF16: kF32Tiles and kBf16Dot say whether.
 #pragma once
 
 #include "common.h"
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -30,10 +33,16 @@ constexpr bool kBf16Dot = true;
 #else
 constexpr bool kBf16Dot = false;
 #endif
+// fp32 tiles take the same path on any AVX-512 CPU: FMAs where bf16 takes vdpbf16ps.
+#if defined(__AVX512F__)
+constexpr bool kF32Tiles = true;
+#else
+constexpr bool kF32Tiles = false;
+#endif
 
 // Lanes of the folded value sums for block size BS: a 16-float vector holds 16 / E rows of V.
 template <int BS>
-constexpr int bf16_lanes() { return BS < 16 ? BS : 16; }
+constexpr int tile_lanes() { return BS < 16 ? BS : 16; }
 
 // Rows (query heads) of the bf16 query as raw bf16 bits, [rows][D] contiguous: row r is head
 // `head0 + r % G` of query row `row0 + r / G`.
@@ -46,7 +55,7 @@ inline void bf16_load_query(const Args& a, int64_t row0, int head0, int G, int r
   }
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 
 // Lane 4s + j of a, b, c, d holds part j of slot s, 4 + s, 8 + s, 12 + s: the slots' sums, in order.
 inline __m512 fold4(__m512 a, __m512 b, __m512 c, __m512 d) {
@@ -59,21 +68,32 @@ inline __m512 fold4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm512_permutexvar_ps(order, r);
 }
 
-// p[r * ps + 0..BS) = scale * q[r] . k[slot] for the rows whose `sees` is set (all without `sees`).
-template <int BS>
-inline void bf16_logits(int rows, int D, float scale, const uint16_t* q, const uint16_t* k, const char* sees,
-                        float* p, int ps) {
-  constexpr int R = BS / 4;  // accumulators per row
+// One 64-byte piece of a K tile (4 slots of a 16-byte chunk of dims) times the query's chunk `qc`
+// (broadcast to the 4 slots), added into acc: fp32 FMAs, or bf16 pair products on vdpbf16ps.
+inline __m512 dot_piece(__m512 acc, __m512i qc, const float* k) {
+  return _mm512_fmadd_ps(_mm512_castsi512_ps(qc), _mm512_loadu_ps(k), acc);
+}
+#if defined(__AVX512BF16__)
+inline __m512 dot_piece(__m512 acc, __m512i qc, const uint16_t* k) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)qc, (__m512bh)_mm512_loadu_si512(k));
+}
+#endif
+
+// p[r * ps + 0..BS) = scale * q[r] . k[slot] for the rows whose `sees` is set (all without `sees`):
+// q [rows][D] and the K tile [D/x][BS][x] of one element type T (x = 16 / sizeof(T)).
+template <int BS, typename T>
+inline void vec_logits(int rows, int D, float scale, const T* q, const T* k, const char* sees, float* p, int ps) {
+  constexpr int R = BS / 4, X = 16 / static_cast<int>(sizeof(T));  // accumulators per row; dims per chunk
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int r = 0; r < rows; ++r) {
     if (sees && !sees[r]) continue;
     __m512 acc[R];
     for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
-    const uint16_t* qr = q + r * D;
-    for (int c = 0; c < D / 8; ++c) {
-      const __m512bh qc = (__m512bh)_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + c * 8)));
-      const uint16_t* kc = k + c * BS * 8;
-      for (int i = 0; i < R; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], qc, (__m512bh)_mm512_loadu_si512(kc + i * 32));
+    const T* qr = q + r * D;
+    for (int c = 0; c < D / X; ++c) {
+      const __m512i qc = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + c * X)));
+      const T* kc = k + c * BS * X;
+      for (int i = 0; i < R; ++i) acc[i] = dot_piece(acc[i], qc, kc + i * 4 * X);
     }
     float* pr = p + r * ps;
     if constexpr (R < 4) {  // BS = 8: 8 slots
@@ -116,18 +136,26 @@ inline uint64_t slot_bits(int lo, int hi) {
   return ((uint64_t{1} << hi) - 1) & ~((uint64_t{1} << lo) - 1);
 }
 
+// 16 elements of a V tile as fp32, those outside `mask` 0 (the cache may hold NaN there, and
+// 0 * NaN is NaN): fp32 read as is (masked lanes not read), bf16 widened in registers.
+inline __m512 load_values(__mmask16 mask, const float* src) { return _mm512_maskz_loadu_ps(mask, src); }
+inline __m512 load_values(__mmask16 mask, const uint16_t* src) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_maskz_cvtepu16_epi32(mask, raw), 16));
+}
+
 // acc[r][d][0..E) += sum over the group's blocks i < nb of V tile v[i]'s row d times the weights
 // p[r * ps + i * BS + 0..BS), folded onto E lanes (slot s on lane s % E), for the rows whose
 // `sees` is set. Slot lo .. hi - 1 of the group (block i holds its slots i * BS ..) are read;
 // the others as 0, and blocks from nb on not at all (their weights must be 0). Rows go RB at a
 // time with their weights held in registers: measured 10-25% faster on SmolLM2's shape than
 // reading a weight with each FMA.
-template <int BS, int NB>
-inline void bf16_values(int rows, int D, const uint16_t* const* v, int nb, int lo, int hi, const float* p, int ps,
-                        const char* sees, float* acc) {
-  constexpr int E = bf16_lanes<BS>(), H = BS / E;  // H: vectors per V row (1 for BS = 8: 2 rows per vector)
+template <int BS, int NB, typename T>
+inline void vec_values(int rows, int D, const T* const* v, int nb, int lo, int hi, const float* p, int ps,
+                       const char* sees, float* acc) {
+  constexpr int E = tile_lanes<BS>(), H = BS / E;  // H: vectors per V row (1 for BS = 8: 2 rows per vector)
   __mmask16 mask[NB][H];
-  const uint16_t* tile[NB];
+  const T* tile[NB];
   for (int i = 0; i < NB; ++i) {
     const uint64_t slots = i < nb ? slot_bits<BS>(lo - i * BS, hi - i * BS) : 0;
     tile[i] = v[i < nb ? i : 0];  // a readable address; its mask is 0
@@ -151,8 +179,7 @@ inline void bf16_values(int rows, int D, const uint16_t* const* v, int nb, int l
     for (int j = 0; j < vectors; ++j) {
       __m512 vf[W];
       for (int k = 0; k < W; ++k) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile[k / H] + (j * H + k % H) * 16));
-        vf[k] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_maskz_cvtepu16_epi32(mask[k / H][k % H], raw), 16));
+        vf[k] = load_values(mask[k / H][k % H], tile[k / H] + (j * H + k % H) * 16);
       }
       for (int rr = 0; rr < RB; ++rr) {
         if (!on[rr]) continue;
@@ -166,17 +193,16 @@ inline void bf16_values(int rows, int D, const uint16_t* const* v, int nb, int l
 }
 
 #else
-// Declared for the callers' discarded `if constexpr (kBf16Dot ...)` branches; never instantiated.
-template <int BS>
-void bf16_logits(int rows, int D, float scale, const uint16_t* q, const uint16_t* k, const char* sees, float* p,
-                 int ps);
+// Declared for the callers' discarded `if constexpr (kF32Tiles / kBf16Dot ...)` branches; never instantiated.
+template <int BS, typename T>
+void vec_logits(int rows, int D, float scale, const T* q, const T* k, const char* sees, float* p, int ps);
 template <int P>
 float max_in(const float* p, int lo, int hi);
 template <int P>
 float sum_of(const float* p);
-template <int BS, int NB>
-void bf16_values(int rows, int D, const uint16_t* const* v, int nb, int lo, int hi, const float* p, int ps,
-                 const char* sees, float* acc);
-#endif  // __AVX512BF16__
+template <int BS, int NB, typename T>
+void vec_values(int rows, int D, const T* const* v, int nb, int lo, int hi, const float* p, int ps,
+                const char* sees, float* acc);
+#endif  // __AVX512F__
 
 }  // namespace paged_cpu

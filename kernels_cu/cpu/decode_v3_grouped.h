@@ -1,8 +1,10 @@
-// Decode v3's split on AVX512-BF16 (bf16_dot.h), for a bf16 query over a bf16 cache: the same
+// Decode v3's split with its tiles in AVX-512 registers (vec_tiles.h), for a bf16 query over a
+// bf16 cache on AVX512-BF16 and an fp32 query over an fp32 cache on any AVX-512 CPU: the same
 // split, online softmax and masking as decode_v3.h's portable path, with two changes measured on
 // SmolLM2's shape (G = 3, D = 64, BS = 16) where each block's work is small.
 //
-// - The tiles are never converted to fp32 scratch: K through vdpbf16ps, V widened in registers.
+// - The tiles are never converted to fp32 scratch: K through vdpbf16ps or FMAs, V read into
+//   registers (bf16 widened there).
 // - Blocks go in groups of kGroupSlots / BS (4 at BS = 16): the group's logits and softmax first
 //   (one max and rescale per group), then one pass over the value sums, [G][D][16] floats that
 //   each pass loads and stores whole (a profile of the per-block version put its hottest
@@ -11,10 +13,10 @@
 //
 // Masking is the portable path's: weights of slots before the window or past the context are
 // exactly 0 (their logits, possibly NaN, never reach exp), their V slots are zeroed as they are
-// widened, and a block no head sees is never read. The next two groups' tiles are prefetched.
+// read, and a block no head sees is never read. The next two groups' tiles are prefetched.
 #pragma once
 
-#include "bf16_dot.h"
+#include "vec_tiles.h"
 #include "common.h"
 #include "prefill.h"  // exp_nonpositive, kMasked
 #include "v3_scratch.h"
@@ -52,17 +54,19 @@ inline void v3_softmax_group(const Args& a, V3Scratch& s, int g, int head, int q
   s.sum[g] += sum_of<P>(pr);  // masked slots are exactly 0
 }
 
-// decode_v3.h's v3_attend_split for a bf16 query (in s.qb) over a bf16 cache.
-template <int BS>
-void v3_attend_split_bf16(const Args& a, V3Scratch& s, int kvh, const int32_t* table, int L, int first, int b_begin,
-                          int b_end) {
-  constexpr int NB = kGroupSlots / BS, P = kGroupSlots, E = bf16_lanes<BS>();
+// decode_v3.h's v3_attend_split for a query (`q`, [G][D]) over a cache of the same element type,
+// C = BF16 or F32.
+template <typename C, int BS>
+void v3_attend_split_grouped(const Args& a, V3Scratch& s, const typename C::storage* q, int kvh, const int32_t* table,
+                             int L, int first, int b_begin, int b_end) {
+  using S = typename C::storage;
+  constexpr int NB = kGroupSlots / BS, P = kGroupSlots, E = tile_lanes<BS>();
   const int G = a.num_heads / a.num_kv_heads, D = a.head_size, head0 = kvh * G, query_pos = L - 1;
   const char* sees = a.sparse.on() ? s.sees.data() : nullptr;
   const int step = sees ? 1 : NB;
   std::fill(s.ref.begin(), s.ref.end(), -std::numeric_limits<float>::infinity());
   std::fill(s.sum.begin(), s.sum.end(), 0.f);
-  const uint16_t* v_tiles[NB];
+  const S* v_tiles[NB];
   for (int b = b_begin; b < b_end; b += step) {
     const int nb = std::min(step, b_end - b), start = b * BS;
     const int lo = std::max(first - start, 0), hi = std::min(nb * BS, L - start);
@@ -76,17 +80,17 @@ void v3_attend_split_bf16(const Args& a, V3Scratch& s, int kvh, const int32_t* t
     }
     // The next group into L1, the one after into L2: asking two groups ahead measured 10-20%
     // faster than one on contexts of 1K and more (SmolLM2's shape, one thread, tiles scattered).
-    for (int next = b + nb; next < std::min(b + nb + step, b_end); ++next) prefetch_tiles<BF16>(a, table[next], kvh);
+    for (int next = b + nb; next < std::min(b + nb + step, b_end); ++next) prefetch_tiles<C>(a, table[next], kvh);
     for (int next = b + nb + step; next < std::min(b + nb + 2 * step, b_end); ++next)
-      prefetch_tiles<BF16, 1>(a, table[next], kvh);
+      prefetch_tiles<C, 1>(a, table[next], kvh);
     for (int i = 0; i < nb; ++i) {
-      const uint16_t* k = tile_ptr<BF16>(a.key_cache, a, table[b + i], kvh);
-      v_tiles[i] = tile_ptr<BF16>(a.value_cache, a, table[b + i], kvh);
-      bf16_logits<BS>(G, D, a.scale, s.qb.data(), k, sees, s.p.data() + i * BS, P);
+      const S* k = tile_ptr<C>(a.key_cache, a, table[b + i], kvh);
+      v_tiles[i] = tile_ptr<C>(a.value_cache, a, table[b + i], kvh);
+      vec_logits<BS>(G, D, a.scale, q, k, sees, s.p.data() + i * BS, P);
     }
     for (int g = 0; g < G; ++g)
       if (!sees || sees[g]) v3_softmax_group<E>(a, s, g, head0 + g, query_pos, start, lo, hi);
-    bf16_values<BS, NB>(G, D, v_tiles, nb, lo, hi, s.p.data(), P, sees, s.vacc.data());
+    vec_values<BS, NB>(G, D, v_tiles, nb, lo, hi, s.p.data(), P, sees, s.vacc.data());
   }
   v3_finish<E>(s, G, D);
 }
