@@ -89,19 +89,7 @@ inline void v3_softmax_row(const Args& a, V3Scratch& s, int g, int head, int que
   if (a.alibi_slopes) add_alibi(pr, BS, a.alibi_slopes[head], start - query_pos);
   float block_max = pr[lo];
   for (int off = lo + 1; off < hi; ++off) block_max = std::max(block_max, pr[off]);
-  const float old_ref = s.ref[g];
-  if (block_max > old_ref) {
-    const float new_ref = block_max + kRescaleSlack;
-    if (old_ref != -std::numeric_limits<float>::infinity()) {
-      const float alpha = std::exp(old_ref - new_ref);
-      const int64_t n = static_cast<int64_t>(a.head_size) * kLanes;
-      float* acc = s.vacc.data() + g * n;
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) acc[j] *= alpha;
-      s.sum[g] *= alpha;
-    }
-    s.ref[g] = new_ref;
-  }
+  raise_reference(s, g, block_max, static_cast<int64_t>(a.head_size) * kLanes);
   const float ref = s.ref[g];
 #pragma omp simd
   for (int off = 0; off < BS; ++off) {  // the select keeps NaN logits of masked slots out of exp
@@ -150,14 +138,7 @@ void v3_attend_split(const Args& a, V3Scratch& s, int kvh, const int32_t* table,
   for (int b = b_begin; b < b_end; ++b) {
     const int start = b * BS;
     const int lo = std::max(first - start, 0), hi = std::min(BS, L - start);
-    if (sees) {
-      bool any = false;
-      for (int g = 0; g < G; ++g) {
-        s.sees[g] = a.sparse.sees(query_pos, start, a.sparse.offset(head0 + g, G));
-        any |= s.sees[g];
-      }
-      if (!any) continue;  // no head of the group sees it: never read
-    }
+    if (sees && !mark_seeing_heads(a, s, query_pos, start, head0, G)) continue;  // no head sees it: never read
     if (b + 1 < b_end) prefetch_tiles<C>(a, table[b + 1], kvh);
     const S* k = tile_ptr<C>(a.key_cache, a, table[b], kvh);
     const float* kf;

@@ -59,6 +59,33 @@ struct V3Scratch {
   }
 };
 
+// Block-sparse: sets s.sees[g] for the G heads from head0 that see the block starting at `start`
+// (for the query at query_pos); whether any does.
+inline bool mark_seeing_heads(const Args& a, V3Scratch& s, int query_pos, int start, int head0, int G) {
+  bool any = false;
+  for (int g = 0; g < G; ++g) {
+    s.sees[g] = a.sparse.sees(query_pos, start, a.sparse.offset(head0 + g, G));
+    any |= s.sees[g];
+  }
+  return any;
+}
+
+// Raises head g's reference max to `max` + kRescaleSlack when `max` passes it, rescaling its
+// exp-sum and its `n` partial value sums (none yet while the reference is -inf).
+inline void raise_reference(V3Scratch& s, int g, float max, int64_t n) {
+  const float old_ref = s.ref[g];
+  if (!(max > old_ref)) return;
+  const float new_ref = max + kRescaleSlack;
+  if (old_ref != -std::numeric_limits<float>::infinity()) {
+    const float alpha = std::exp(old_ref - new_ref);
+    float* acc = s.vacc.data() + g * n;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) acc[j] *= alpha;
+    s.sum[g] *= alpha;
+  }
+  s.ref[g] = new_ref;
+}
+
 // Asks for the next block's K and V tiles while this one is computed: the block table scatters
 // the tiles, so the hardware prefetcher, which follows streams, cannot anticipate the jump.
 // `locality`: __builtin_prefetch's, 3 into L1, 1 into L2 only.
