@@ -143,7 +143,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     if x.numel() == 0:
         return out
     run("rms_norm", x.dtype, out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), weight.data_ptr(),
-         x.shape[0], x.shape[1], eps, torch.get_num_threads())
+        x.shape[0], x.shape[1], eps, torch.get_num_threads())
     return out
 
 
@@ -160,7 +160,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         return x
     check_disjoint(("x", x), ("residual", residual), ("weight", weight))
     run("add_rms_norm", x.dtype, x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0),
-         weight.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+        weight.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
     return x
 
 
@@ -177,7 +177,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     # bf16 needs no exp_lanes: its silu comes from a table, which rounds as torch's for every input (layer_ops.h)
     lanes = (exp_lanes(),) if x.dtype == torch.float32 else ()
     run("silu_and_mul", x.dtype, out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), x.shape[0], inter,
-         *lanes, torch.get_num_threads())
+        *lanes, torch.get_num_threads())
     return out
 
 
@@ -227,4 +227,4 @@ def rotary_embedding(
     check_disjoint(("qk", qk), ("cos", tables[0]), ("sin", tables[1]), ("positions", positions))
     positions = positions.contiguous()
     run("rotary_embedding", qk.dtype, qk.data_ptr(), qk.stride(0), positions.data_ptr(), tables[0].data_ptr(),
-         tables[1].data_ptr(), num_rows, tables[0].shape[0], num_heads, head_dim, torch.get_num_threads())
+        tables[1].data_ptr(), num_rows, tables[0].shape[0], num_heads, head_dim, torch.get_num_threads())
