@@ -2,8 +2,8 @@
 
 Run from the project root, old and new kernels alternating in separate processes:
 
-    PAGED_KERNELS_DIR=<kernels_cu of a tree> python experiments/results/bench-vs-vllm/issue47-avx512bf16/decode_heavy.py \
-        bfloat16|float32 32
+    PAGED_KERNELS_DIR=<kernels_cu of a tree> \
+        python experiments/results/bench-vs-vllm/issue47-avx512bf16/decode_heavy.py bfloat16|float32 32
 """
 
 from __future__ import annotations
