@@ -110,3 +110,12 @@ def test_partition_must_be_whole_blocks() -> None:
     with pytest.raises(ValueError, match="partition_size=24 must be a positive multiple of block_size=16"):
         kernels.paged_attention(x.query, x.key_cache, x.value_cache, x.block_tables, x.seq_lens, x.scale,
                                 backend="cpu", version="v2", partition_size=24)
+
+
+def test_bad_march_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = attention_inputs(AttentionCase(torch.float32, 64, 16, 1, 1, 32, (5,)))
+    monkeypatch.setenv("PAGED_CPU_MARCH", "x86-64 -O0")
+    monkeypatch.setattr(cpu_backend, "_library", None)
+    with pytest.raises(ValueError, match=r"PAGED_CPU_MARCH='x86-64 -O0' is not a -march value"):
+        kernels.paged_attention(x.query, x.key_cache, x.value_cache, x.block_tables, x.seq_lens, x.scale,
+                                backend="cpu")

@@ -7,12 +7,14 @@ of `paged.kernels.features`. Decode v3 splits each (sequence, KV head) into the 
 `paged.kernels.split_plan` plan, made once per step for the OpenMP threads (`decode_workspace`).
 The library is built with the host compiler (`$CXX`, else `g++`) into the on-disk kernel cache,
 keyed by the sources' hash, the compiler, the flags and the CPU, and loaded once per process
-through ctypes. `attention_mass` and `copy_slots` (for the KV presses) are native too. Attention reads any
-float cache dtype under any query dtype (a bf16 model over an fp32
-cache, `kernel.kv_cache_dtype`). `reshape_and_cache` is native for float caches, a copy in the
-activations' dtype or a converting write into another (fp8 caches use the torch reference's
-quantising writer), `copy_blocks` is the torch reference's. The same library
-holds the model's fused layer ops, which `paged.kernels.layer_ops` calls.
+through ctypes. It targets this CPU (`-march=native`); `PAGED_CPU_MARCH` names another target (e.g.
+`x86-64-v3`: AVX2 without AVX-512) to run the code paths of a CPU one does not have.
+`attention_mass` and `copy_slots` (for the KV presses) are native too. Attention reads any float
+cache dtype under any query dtype (a bf16 model over an fp32 cache, `kernel.kv_cache_dtype`).
+`reshape_and_cache` is native for float caches, a copy in the activations' dtype or a converting
+write into another (fp8 caches use the torch reference's quantising writer), `copy_blocks` is the
+torch reference's. The same library holds the model's fused layer ops, which
+`paged.kernels.layer_ops` calls.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import ctypes
 import hashlib
 import logging
 import math
+import os
 import platform
+import re
 import threading
 from functools import cache
 from pathlib import Path
@@ -44,7 +48,7 @@ SOURCE_DIR = "cpu"
 MAIN = f"{SOURCE_DIR}/paged_attention_cpu.cpp"
 # -fno-trapping-math lets the vectoriser evaluate both arms of a select (no FP traps are enabled);
 # unlike -ffast-math it changes no result.
-FLAGS = ("-std=c++17", "-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-fPIC", "-shared")
+FLAGS = ("-std=c++17", "-O3", "-fno-trapping-math", "-fopenmp", "-fPIC", "-shared")
 # common.h's DType codes: the query's and the cache's.
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 _STATUS = {
@@ -145,11 +149,20 @@ def _sources_hash(root: Path) -> str:
     return digest.hexdigest()
 
 
+def march() -> str:
+    """The `-march` the library is built for: `PAGED_CPU_MARCH`, else `native`."""
+    value = os.environ.get("PAGED_CPU_MARCH", "native")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", value):
+        raise ValueError(f"PAGED_CPU_MARCH={value!r} is not a -march value (native, x86-64-v3, x86-64-v4, ...)")
+    return value
+
+
 def build() -> Path:
     """Builds (or finds in the cache) the shared library; raises with the reason on failure."""
     root = source_dir()
     return host_compiler.build(
-        _CACHE, f'#include "{MAIN}"\n', FLAGS, include_dir=root, key_parts=[_sources_hash(root), _host_id()]
+        _CACHE, f'#include "{MAIN}"\n', (*FLAGS, f"-march={march()}"), include_dir=root,
+        key_parts=[_sources_hash(root), _host_id()],
     )
 
 
