@@ -116,6 +116,11 @@ def test_bad_march_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
     x = attention_inputs(AttentionCase(torch.float32, 64, 16, 1, 1, 32, (5,)))
     monkeypatch.setenv("PAGED_CPU_MARCH", "x86-64 -O0")
     monkeypatch.setattr(cpu_backend, "_library", None)
-    with pytest.raises(ValueError, match=r"PAGED_CPU_MARCH='x86-64 -O0' is not a -march value"):
-        kernels.paged_attention(x.query, x.key_cache, x.value_cache, x.block_tables, x.seq_lens, x.scale,
-                                backend="cpu")
+    cpu_backend._load_failure.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"PAGED_CPU_MARCH='x86-64 -O0' is not a -march value"):
+            kernels.paged_attention(x.query, x.key_cache, x.value_cache, x.block_tables, x.seq_lens, x.scale,
+                                    backend="cpu")
+    finally:
+        # the failure seen under the bad value must not outlive it: the process's later calls build again
+        cpu_backend._load_failure.cache_clear()
