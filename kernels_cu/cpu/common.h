@@ -109,6 +109,16 @@ struct BlockSparse {
     const int q_block = q / block_size, k_block = k / block_size;
     return k_block > q_block - local_blocks || (k_block + offset) % vert_stride == 0;
   }
+  // Which of the G query heads from `head0` (one KV head's group) see key position k from a query at
+  // q, into sees[0, G); whether any does.
+  bool mark_group(char* sees, int q, int k, int head0, int G) const {
+    bool any = false;
+    for (int g = 0; g < G; ++g) {
+      sees[g] = this->sees(q, k, offset(head0 + g, G));
+      any |= sees[g];
+    }
+    return any;
+  }
 };
 
 struct Args {

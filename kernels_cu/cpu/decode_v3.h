@@ -138,7 +138,8 @@ void v3_attend_split(const Args& a, V3Scratch& s, int kvh, const int32_t* table,
   for (int b = b_begin; b < b_end; ++b) {
     const int start = b * BS;
     const int lo = std::max(first - start, 0), hi = std::min(BS, L - start);
-    if (sees && !mark_seeing_heads(a, s, query_pos, start, head0, G)) continue;  // no head sees it: never read
+    // a block no head sees is never read
+    if (sees && !a.sparse.mark_group(s.sees.data(), query_pos, start, head0, G)) continue;
     if (b + 1 < b_end) prefetch_tiles<C>(a, table[b + 1], kvh);
     const S* k = tile_ptr<C>(a.key_cache, a, table[b], kvh);
     const float* kf;

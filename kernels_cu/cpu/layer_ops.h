@@ -32,8 +32,9 @@
 //   - RoPE rounds x * cos and rotate_half(x) * sin, then their sum; the tables are bf16 too.
 // The bf16 row kernels widen a row to fp32 (the norms: whole rows, into per-thread buffers; SiLU
 // and RoPE: chunks on the stack), compute there, and narrow the result: loops over one element
-// width, which the compiler vectorises well (mixed 16/32-bit loops it does not). The narrowing is integer round-to-nearest-even, not AVX512-BF16's VCVTNEPS2BF16:
-// that instruction flushes fp32 denormals to zero, torch's conversion keeps them.
+// width, which the compiler vectorises well (mixed 16/32-bit loops it does not). The narrowing is
+// integer round-to-nearest-even, not AVX512-BF16's VCVTNEPS2BF16: that instruction flushes fp32
+// denormals to zero, torch's conversion keeps them.
 #pragma once
 
 #include <algorithm>

@@ -201,17 +201,6 @@ void for_each_kv_head(const Args& a, Init init, Body body) {
   }
 }
 
-// Block-sparse: which of the G heads from `head0` see key position `pos` from `query_pos` (into
-// s.sees), and whether any does.
-inline bool group_sees(const Args& a, Scratch& s, int G, int head0, int query_pos, int pos) {
-  bool any = false;
-  for (int g = 0; g < G; ++g) {
-    s.sees[g] = a.sparse.sees(query_pos, pos, a.sparse.offset(head0 + g, G));
-    any |= s.sees[g];
-  }
-  return any;
-}
-
 // Softmax attention of the G query heads of KV head `kvh` (their query at `query_pos`) over the
 // `n` positions from `start` (a block boundary) that `table`, the sequence's block table, points
 // at, less the first `skip` (before the window, in its first block): the normalised output goes
@@ -227,7 +216,7 @@ void attend_span(const Args& a, Scratch& s, int kvh, const int32_t* table, int q
   for (int b = 0; b < nb; ++b) {
     const int pos = start + b * bs, valid = std::min(bs, n - b * bs);
     float* logits = s.logits.data() + b * bs;
-    const bool seen = !a.sparse.on() || group_sees(a, s, G, head0, query_pos, pos);
+    const bool seen = !a.sparse.on() || a.sparse.mark_group(s.sees.data(), query_pos, pos, head0, G);
     if (seen) {
       block_logits<C, BS_T>(a, G, tile_ptr<C>(a.key_cache, a, table[pos / bs], kvh), k_scale, s, valid, logits,
                             stride);
@@ -255,7 +244,7 @@ void attend_span(const Args& a, Scratch& s, int kvh, const int32_t* table, int q
   }
   for (int b = 0; b < nb; ++b) {
     const int pos = start + b * bs;
-    if (a.sparse.on() && !group_sees(a, s, G, head0, query_pos, pos)) continue;
+    if (a.sparse.on() && !a.sparse.mark_group(s.sees.data(), query_pos, pos, head0, G)) continue;
     block_values<C, BS_T>(a, G, tile_ptr<C>(a.value_cache, a, table[pos / bs], kvh), v_scale, s, b == 0 ? skip : 0,
                           std::min(bs, n - b * bs), s.logits.data() + b * bs, stride);
   }

@@ -59,17 +59,6 @@ struct V3Scratch {
   }
 };
 
-// Block-sparse: sets s.sees[g] for the G heads from head0 that see the block starting at `start`
-// (for the query at query_pos); whether any does.
-inline bool mark_seeing_heads(const Args& a, V3Scratch& s, int query_pos, int start, int head0, int G) {
-  bool any = false;
-  for (int g = 0; g < G; ++g) {
-    s.sees[g] = a.sparse.sees(query_pos, start, a.sparse.offset(head0 + g, G));
-    any |= s.sees[g];
-  }
-  return any;
-}
-
 // Raises head g's reference max to `max` + kRescaleSlack when `max` passes it, rescaling its
 // exp-sum and its `n` partial value sums (none yet while the reference is -inf).
 inline void raise_reference(V3Scratch& s, int g, float max, int64_t n) {
