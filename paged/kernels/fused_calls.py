@@ -58,10 +58,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     rows, width = x.shape
     inter = width // 2
     out = torch.empty(rows, inter, dtype=x.dtype)
-    # bf16 needs no exp_lanes (fused_ops.silu_and_mul)
-    exp_lanes = (fused_ops.exp_lanes(),) if x.dtype == torch.float32 else ()
-    fused_ops.run("silu_and_mul", x.dtype, out.data_ptr(), inter, x.data_ptr(), width, rows, inter, *exp_lanes,
-                  torch.get_num_threads())
+    fused_ops.run("silu_and_mul", x.dtype, out.data_ptr(), inter, x.data_ptr(), width, rows, inter,
+                  *fused_ops.silu_lanes(x.dtype), torch.get_num_threads())
     return out
 
 

@@ -40,7 +40,7 @@ from paged.kernels.backends import cpu as _cpu
 from paged.kernels.input_checks import check_disjoint
 
 __all__ = ["DTYPES", "add_rms_norm", "entry_point", "exp_lanes", "rms_norm", "rotary_embedding", "run", "silu_and_mul",
-           "unavailable_reason"]
+           "silu_lanes", "unavailable_reason"]
 
 # The entry points' name endings per dtype (paged_attention_cpu.cpp: `rms_norm_cpu`, `rms_norm_bf16_cpu`, ...).
 _SUFFIX = {torch.float32: "_cpu", torch.bfloat16: "_bf16_cpu"}
@@ -52,6 +52,12 @@ def exp_lanes() -> int:
     """Vectorized<float>::size() where torch's exp is Sleef's vector expf (its AVX512 / AVX2
     builds), else 0: libm's expf for every element."""
     return {"AVX512": 16, "AVX2": 8}.get(torch.backends.cpu.get_cpu_capability(), 0)
+
+
+def silu_lanes(dtype: torch.dtype) -> tuple[int, ...]:
+    """The silu_and_mul entry point's extra argument for `dtype`: fp32's `exp_lanes`; bf16 takes none
+    (its silu comes from a table, which rounds as torch's for every input: layer_ops.h)."""
+    return (exp_lanes(),) if dtype == torch.float32 else ()
 
 
 def unavailable_reason() -> str | None:
@@ -174,10 +180,8 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     out = _out(out, x.shape[0], inter, x, may_be_x=False)
     if x.shape[0] == 0:
         return out
-    # bf16 needs no exp_lanes: its silu comes from a table, which rounds as torch's for every input (layer_ops.h)
-    lanes = (exp_lanes(),) if x.dtype == torch.float32 else ()
     run("silu_and_mul", x.dtype, out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), x.shape[0], inter,
-        *lanes, torch.get_num_threads())
+        *silu_lanes(x.dtype), torch.get_num_threads())
     return out
 
 
