@@ -145,7 +145,6 @@ struct Args {
   int num_threads;
 };
 
-
 template <typename C>
 constexpr int x_of() { return 16 / static_cast<int>(sizeof(typename C::storage)); }
 

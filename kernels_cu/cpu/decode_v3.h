@@ -122,7 +122,6 @@ inline void v3_values(int G, int D, const float* vf, const float* p, const char*
   }
 }
 
-
 // The G heads of KV head `kvh` over blocks [b_begin, b_end) of a context of L tokens whose window
 // starts at `first`: s.o gets the normalised output, s.ref / s.sum the reference max and exp-sum.
 template <typename C, int BS>
