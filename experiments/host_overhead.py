@@ -78,14 +78,15 @@ def launch_costs(batches: Sequence[int], repeats: int, *, real_driver: bool = Fa
     if real_driver:
         device = torch.device("cuda", torch.cuda.current_device())
         runner = CudaBackend().runner(torch.empty(0, device=device))
-        stream = runner._stream()[0]
+        stream = Device(device.index).create_stream(torch.cuda.current_stream(device))
         backend_of = _cuda_backend_of
     else:
-        from tests.fake_driver.scenario import ForeignStream, HostMemoryCuda
+        from tests.fake_driver.scenario import HostMemoryCuda
 
         Device(0).set_current()
         device, stream = torch.device("cpu"), Device(0).create_stream()
-        runner = CudaRunner(0, stream_source=lambda index: ForeignStream(int(stream.handle)))
+        handle = int(stream.handle)
+        runner = CudaRunner(0, stream_source=lambda index: handle)
         backend_of = HostMemoryCuda
     results: dict[str, dict[str, float]] = {key: {} for key in LAUNCH_KEYS}
     for batch in batches:

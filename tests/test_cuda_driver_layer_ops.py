@@ -124,3 +124,29 @@ def test_layer_op_launches_get_the_arguments_of_their_tensors(layer_run: fake_dr
     # the fused qkv output, rotated where it lies: rows of q, k and v heads
     rope = next(c for c in calls if c["op"] == "rotary_embedding")
     assert rope["row_stride"] == (ARCH["num_heads"] + 2 * ARCH["num_kv_heads"]) * ARCH["head_dim"]
+
+
+@pytest.mark.parametrize(("version", "dtype"), CASES)
+def test_later_layers_write_and_attend_with_their_own_tensors(layer_run: fake_driver.Run, version: str,
+                                                              dtype: str) -> None:
+    """The later layers run the first layer's cache write and attention launches, packed once, in one
+    bound call (`paged.kernels.planned.WriteThenDecode`): each launch's arguments as the driver reads
+    them are the first layer's with that layer's addresses in place of the first's, nothing else."""
+    r, launched = _case(layer_run, version, dtype)
+    assert r["joined"]
+    kernels = {lowered for kernel, lowered in r["names"].items() if "attention" in kernel or "cache" in kernel}
+    attention = [c for c in launched if c["name"] in kernels]
+    per_layer = len(attention) // r["layers"]
+    assert per_layer == LAUNCHES_PER_LAYER[version] - 4  # the cache write and attention's kernels
+    first, tensors = attention[:per_layer], r["tensors"]
+    for layer in range(1, r["layers"]):
+        ours = tensors[layer]
+        assert ours["key_cache"] != tensors[0]["key_cache"] and ours["value_cache"] != tensors[0]["value_cache"]
+        swapped = {tensors[0][role]: address for role, address in ours.items()}
+        launches = attention[layer * per_layer : (layer + 1) * per_layer]
+        for launch, planned in zip(launches, first, strict=True):
+            assert launch["name"] == planned["name"] and launch["grid"] == planned["grid"]
+            assert _decode(launch) == [(size, swapped.get(value, value) if size == 8 else value)
+                                       for size, value in _decode(planned)]
+        pointers = {value for launch in launches for size, value in _decode(launch) if size == 8}
+        assert set(ours.values()) <= pointers

@@ -1,14 +1,17 @@
 """A step's decode attention and cache write on a backend that runs `Launch`es (emu here, cuda alike): the first
 layer's launches serve the later layers with their own query, caches and output swapped in
-(`paged.kernels.planned._LayerLaunches`), and every layer's output is what the op computes for it
-alone; a layer whose query is laid out otherwise plans its own launches."""
+(`paged.kernels.planned._LayerLaunches`, and both ops in one call: `WriteThenDecode`), and every layer's output
+is what the op computes for it alone; a layer whose query is laid out otherwise plans its own launches."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from paged import kernels
+from paged.executor.attention import PagedAttention
+from paged.executor.step_plan import HostBatch, HostRows, InputBuffers
 from paged.kernels.backends.emu import BACKEND as EMU
 from paged.kernels.planned import AttentionSettings, CacheWrite, DecodeAttention, Rows
 from paged.kernels.testing import AttentionCase, attention_inputs, random_cache
@@ -101,3 +104,42 @@ def test_every_layers_cache_write_from_the_first_layers_launch_equals_the_op() -
     # the later layers run from the first's launch; tensors laid out otherwise plan their own
     assert write.layer_launches is not None and write.layer_launches.run((key, value, *caches, None, None))
     assert not write.layer_launches.run((key.contiguous(), value, *caches, None, None))
+
+
+@pytest.mark.parametrize("version", ["v1", "v2", "v3"])
+def test_a_decode_steps_later_layers_write_and_attend_in_one_call_as_the_ops_do(version: str) -> None:
+    """The executor's attention (`PagedAttention`): after the first layer, a decode step's layers run
+    the cache write and the attention from the first layer's launches in one call; every layer's
+    cache and output are what the two ops alone give, also for a layer whose key is laid out
+    otherwise (which runs the ops one by one)."""
+    case = AttentionCase(torch.float16, 64, 16, 4, 2, 32, (5, 40, 77))
+    x = attention_inputs(case)
+    tables, lens = x.block_tables.numpy(), x.seq_lens.numpy()
+    rows, positions = np.arange(len(lens)), lens.astype(np.int64) - 1
+    slots = tables[rows, positions // 16].astype(np.int64) * 16 + positions % 16
+    starts = np.arange(len(lens) + 1, dtype=np.int32)
+    host = HostBatch(rows, positions, slots, rows, HostRows(None, tables, lens, starts, max(case.seq_lens), 1), None)
+    caches = [random_cache(x.key_cache.shape[0], 2, 64, 16, torch.float16, generator=torch.Generator().manual_seed(i))
+              for i in range(LAYERS)]
+    step = PagedAttention(InputBuffers(torch.device("cpu")).upload(host), [c[0] for c in caches],
+                          [c[1] for c in caches], AttentionSettings(EMU, x.scale, 32), decode_version=version,
+                          num_heads=8)
+    for layer in range(LAYERS):
+        gen = torch.Generator().manual_seed(10 + layer)
+        # q, k and v as the model passes them: slices of one fused projection
+        fused = torch.randn(len(lens), (8 + 2 + 2) * 64, generator=gen).half()
+        q, k, v = (fused[:, a * 64 : b * 64].view(len(lens), -1, 64) for a, b in ((0, 8), (8, 10), (10, 12)))
+        if layer == LAYERS - 1:
+            k = k.contiguous()
+        expected = [c.clone() for c in caches[layer]]
+        kernels.reshape_and_cache(k, v, *expected, torch.from_numpy(slots), backend=EMU)
+        alone = kernels.paged_attention(q, *expected, x.block_tables, x.seq_lens, x.scale, version=version,
+                                        backend=EMU, partition_size=32)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        assert step(layer, q, k, v, out) is out
+        joined = step.layers[layer][0].joined
+        assert joined is not None
+        # run again (the same values): a layer laid out as the first runs in one call, one laid out otherwise not
+        assert joined((k, v, *caches[layer], None, None, out, q)) == (layer < LAYERS - 1)
+        assert torch.equal(out, alone)
+        assert all(torch.equal(c, e) for c, e in zip(caches[layer], expected, strict=True))

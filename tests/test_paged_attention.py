@@ -62,7 +62,7 @@ def test_mixed_step_equals_decode_and_prefill_alone_and_per_sequence_attention(b
         qkv[i] = (torch.randn(n, HEADS, HEAD_SIZE, generator=gen), torch.randn(n, KV_HEADS, HEAD_SIZE, generator=gen),
                   torch.randn(n, KV_HEADS, HEAD_SIZE, generator=gen))
     mixed, attn = _attend(list(range(len(SEQS))), qkv, (key_cache, value_cache), backend)
-    decode_op = attn.layers[0][1]  # (write, decode, prefill, KV tensor) of layer 0
+    decode_op = attn.layers[0][0].decode  # layer 0's (ops, KV tensor)
     assert decode_op is not None and decode_op.version == "v2"
     assert attn.batch.decode_tokens.tolist() == [0, 29]
     assert attn.batch.prefill.query_start_loc.tolist() == [0, 20, 28, 58]
@@ -70,7 +70,7 @@ def test_mixed_step_equals_decode_and_prefill_alone_and_per_sequence_attention(b
     decode, alone = _attend([0, 3], qkv, (key_cache.clone(), value_cache.clone()), backend)
     assert alone.batch.decode_tokens is None and alone.batch.prefill is None
     prefill, alone = _attend([1, 2, 4], qkv, (key_cache.clone(), value_cache.clone()), backend)
-    assert alone.layers[0][1] is None and alone.batch.prefill_tokens is None
+    assert alone.layers[0][0].decode is None and alone.batch.prefill_tokens is None
     torch.testing.assert_close(mixed[[0, 29]], decode, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(mixed[torch.cat([torch.arange(1, 29), torch.arange(30, 60)])], prefill,
                                atol=1e-5, rtol=1e-5)

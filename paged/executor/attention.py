@@ -26,7 +26,7 @@ from paged.executor.attention_scores import StepScores
 from paged.executor.kv_scales import KVScales
 from paged.executor.step_plan import BatchInput
 from paged.kernels.backends.interface import CacheView
-from paged.kernels.planned import AttentionSettings, CacheWrite, DecodeAttention, PrefillAttention
+from paged.kernels.planned import AttentionSettings, CacheWrite, DecodeAttention, PrefillAttention, WriteThenDecode
 from paged.kv_layout import KVLayout
 
 
@@ -38,6 +38,18 @@ class LayerRoute:
     group: int
     kind: int
     slot: int
+
+
+@dataclass
+class _StepOps:
+    """One (group, type) pair's ops for the step. `joined`: a decode-only step's later layers as
+    one call (`WriteThenDecode`), made after the first layer (`planned` once it was tried)."""
+
+    write: CacheWrite
+    decode: DecodeAttention | None
+    prefill: PrefillAttention | None
+    joined: WriteThenDecode | None = None
+    planned: bool = False
 
 
 def layer_routes(layout: KVLayout, kinds: Sequence[int]) -> tuple[LayerRoute, ...]:
@@ -79,7 +91,7 @@ class PagedAttention:
         self.scores = scores
         num_blocks, num_kv_heads, head_size, block_size = value_caches[0].shape
         writes: dict[int, CacheWrite] = {}
-        ops: dict[tuple[int, int], tuple[DecodeAttention | None, PrefillAttention | None]] = {}
+        ops: dict[tuple[int, int], _StepOps] = {}
         for route in routes:
             rows = batch.group(route.group)
             if route.group not in writes:
@@ -91,33 +103,43 @@ class PagedAttention:
                     rows.decode, s, decode_version, num_heads, num_kv_heads, head_size, num_blocks, block_size)
                 prefill = None if rows.prefill is None else PrefillAttention(
                     rows.prefill, s, num_kv_heads, head_size, num_blocks, block_size)
-                ops[route.group, route.kind] = decode, prefill
-        # per layer: its cache write, its decode and prefill ops, its KV tensor
-        self.layers = [(writes[r.group], *ops[r.group, r.kind], r.slot) for r in routes]
+                ops[route.group, route.kind] = _StepOps(writes[route.group], decode, prefill)
+        # per layer: its ops and its KV tensor
+        self.layers = [(ops[r.group, r.kind], r.slot) for r in routes]
         self.groups = [r.group for r in routes]
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
         """Layer `layer`'s attention output, written into `out` when given (a contiguous tensor like
         `q`, as `torch.ops.paged.attention` passes it), else into a new tensor."""
-        b = self.batch
-        write, decode, prefill, slot = self.layers[layer]
-        caches = self.key_caches[slot], self.value_caches[slot]
-        scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        ops, slot = self.layers[layer]
+        key_cache, value_cache = caches = self.key_caches[slot], self.value_caches[slot]
+        k_scale = v_scale = None
         if self.kv_scales is not None:
-            scales = self.kv_scales.for_layer(layer, k, v)
-        write(k, v, *caches, *scales)
+            k_scale, v_scale = self.kv_scales.for_layer(layer, k, v)
+        scales = k_scale, v_scale
+        if ops.joined is not None:
+            if out is None:
+                out = torch.empty_like(q)
+            if ops.joined((k, v, key_cache, value_cache, k_scale, v_scale, out, q)):
+                return out
+        ops.write(k, v, *caches, *scales)
         if self.scores is not None:
             self._score(layer, q, caches, scales)
-        if prefill is None:
-            assert decode is not None
-            return decode(q, *caches, *scales, out=out)
-        if decode is None:
-            return prefill(q, *caches, *scales, out=out)
+        if ops.prefill is None:
+            assert ops.decode is not None
+            out = ops.decode(q, *caches, *scales, out=out)
+            if not ops.planned:
+                ops.planned = True
+                ops.joined = None if self.scores is not None else WriteThenDecode.of(ops.write, ops.decode)
+            return out
+        if ops.decode is None:
+            return ops.prefill(q, *caches, *scales, out=out)
+        b = self.batch
         if out is None:
             out = torch.empty_like(q)
-        out[b.decode_tokens] = decode(q[b.decode_tokens], *caches, *scales)
-        out[b.prefill_tokens] = prefill(q[b.prefill_tokens], *caches, *scales)
+        out[b.decode_tokens] = ops.decode(q[b.decode_tokens], *caches, *scales)
+        out[b.prefill_tokens] = ops.prefill(q[b.prefill_tokens], *caches, *scales)
         return out
 
     def _score(self, layer: int, q: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor],
@@ -126,7 +148,8 @@ class PagedAttention:
         that a step no press scores runs exactly as before."""
         assert self.scores is not None
         b = self.batch
-        _, decode, prefill, _ = self.layers[layer]
+        ops = self.layers[layer][0]
+        decode, prefill = ops.decode, ops.prefill
         for op, tokens, is_decode in ((decode, b.decode_tokens, True), (prefill, b.prefill_tokens, False)):
             if op is not None:
                 rows_q = q if tokens is None or decode is None or prefill is None else q[tokens]

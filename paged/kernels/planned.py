@@ -15,6 +15,7 @@ Scales of an fp8 cache are passed per call as fp32 `[num_kv_heads]` tensors on t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +24,7 @@ import torch
 from paged.kernels import input_checks, step_checks
 from paged.kernels.backends.interface import CacheView, KernelBackend
 from paged.kernels.backends.launch import LaunchPlan, RunnerBackend
-from paged.kernels.backends.launch_api import VECTOR_BYTES, Launch, Ptr
+from paged.kernels.backends.launch_api import VECTOR_BYTES, BoundPart, Ptr
 from paged.kernels.features import FP8_DTYPES, AttentionFeatures, BlockSparse
 from paged.kernels.ops import narrower_window, serving_backend
 from paged.kernels.registry import get_backend
@@ -129,7 +130,14 @@ class _LayerLaunches:
     def __init__(self, plan: LaunchPlan, slots: list[list[tuple[int, int]]],
                  layouts: tuple[tuple[tuple[int, ...], tuple[int, ...], bool] | None, ...]) -> None:
         # `plan.keep` stays referenced here: the launches carry its tensors' addresses
-        self.plan, self.slots, self.layouts = plan, slots, layouts
+        self.plan, self.slots = plan, slots
+        self.roles = _Roles(layouts)
+        self.launch = plan.runner.bind(self.parts(range(len(layouts))))
+
+    def parts(self, where: Sequence[int]) -> list[BoundPart]:
+        """The launches to bind (`Runner.bind`) for a call whose addresses hold role j's at `where[j]`."""
+        return [(self.plan.unit, item, [(i, where[j]) for i, j in launch_slots])
+                for item, launch_slots in zip(self.plan.launches, self.slots, strict=True)]
 
     @classmethod
     def of(cls, plan: LaunchPlan, roles: tuple[torch.Tensor | None, ...]) -> _LayerLaunches | None:
@@ -149,19 +157,10 @@ class _LayerLaunches:
     def run(self, roles: tuple[torch.Tensor | None, ...]) -> bool:
         """This layer's launches with `roles` swapped in; False (nothing run) where its tensors are
         not laid out as the first layer's."""
-        for t, layout in zip(roles, self.layouts, strict=True):
-            if t is None or layout is None:
-                if t is not layout:  # both None, or one missing
-                    return False
-            elif t.shape != layout[0] or t.stride() != layout[1] or (layout[2] and t.data_ptr() % VECTOR_BYTES):
-                return False
-        launches = []
-        for item, slots in zip(self.plan.launches, self.slots):
-            args = list(item.args)
-            for i, j in slots:
-                args[i] = Ptr(roles[j].data_ptr())
-            launches.append(Launch(item.kernel, item.grid, item.block, item.shared_memory, tuple(args)))
-        self.plan.runner.run(self.plan.unit, launches)
+        addresses = self.roles.addresses(roles)
+        if addresses is None:
+            return False
+        self.launch(addresses)
         return True
 
     def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -172,6 +171,63 @@ class _LayerLaunches:
         if out is None:
             out = torch.empty_like(query)
         return out if self.run((out, query, key_cache, value_cache, k_scale, v_scale)) else None
+
+
+class _Roles:
+    """The first layer's tensors (roles) as a later layer must lay out its own: the same shape and
+    strides, 16-byte aligned where the first's were, absent where the first's were."""
+
+    def __init__(self, layouts: tuple[tuple[tuple[int, ...], tuple[int, ...], bool] | None, ...]) -> None:
+        self.layouts = layouts
+        self.absent = tuple(j for j, layout in enumerate(layouts) if layout is None)
+        self.present = tuple((j, *layout) for j, layout in enumerate(layouts) if layout is not None)
+
+    def addresses(self, roles: tuple[torch.Tensor | None, ...]) -> list[int] | None:
+        """The roles' addresses (0 for an absent one), or None where one is not laid out as the
+        first layer's."""
+        for j in self.absent:
+            if roles[j] is not None:
+                return None
+        addresses = [0] * len(self.layouts)
+        for j, shape, stride, aligned in self.present:
+            t = roles[j]
+            if t is None or t.shape != shape or t.stride() != stride:
+                return None
+            address = addresses[j] = t.data_ptr()
+            if aligned and address % VECTOR_BYTES:
+                return None
+        return addresses
+
+
+class WriteThenDecode:
+    """A decode-only step's later layers in one call: the layer's cache write and its decode
+    attention, each from the first layer's launches (`_LayerLaunches`), their tensors checked once
+    (the caches and scales are roles of both). Roles: key, value, key_cache, value_cache, k_scale,
+    v_scale, out, query."""
+
+    # where each of the decode's roles (out, query, caches, scales) sits among these
+    DECODE_ROLES = (6, 7, 2, 3, 4, 5)
+
+    def __init__(self, write: _LayerLaunches, decode: _LayerLaunches) -> None:
+        self.roles = _Roles(write.roles.layouts + decode.roles.layouts[:2])
+        self.launch = write.plan.runner.bind(write.parts(range(6)) + decode.parts(self.DECODE_ROLES))
+
+    @classmethod
+    def of(cls, write: CacheWrite, decode: DecodeAttention) -> WriteThenDecode | None:
+        """None unless both ops run from their first layer's launches over the same caches."""
+        w, d = write.layer_launches, decode.layer_launches
+        if w is None or d is None or w.roles.layouts[2:] != d.roles.layouts[2:] or w.plan.runner is not d.plan.runner:
+            return None
+        return cls(w, d)
+
+    def __call__(self, roles: tuple[torch.Tensor | None, ...]) -> bool:
+        """Both ops' launches for `roles`; False (nothing run) where a tensor is not laid out as the
+        first layer's."""
+        addresses = self.roles.addresses(roles)
+        if addresses is None:
+            return False
+        self.launch(addresses)
+        return True
 
 
 class DecodeAttention(_Planned):

@@ -1,12 +1,13 @@
 """The `layer` scenario of scenario.py: one decode step of a small Llama model whose layer ops are
-the fused CUDA kernels (`RunnerLayerOps`) and whose attention is the planned cache write and decode
-attention, all through `HostMemoryCuda` and the real `CudaRunner` on the recording fake driver.
+the fused CUDA kernels (`RunnerLayerOps`) and whose attention is the executor's (`PagedAttention`:
+the planned cache write and decode attention), all through `HostMemoryCuda` and the real
+`CudaRunner` on the recording fake driver.
 
     python -m tests.fake_driver.scenario layer OUT.json
 
 Each case reports the lowered kernel names and, for every layer-op call in order, what the test
 needs to derive that launch's arguments (addresses, row strides, widths) independently of the
-launch plan.
+launch plan, and each layer's attention tensors (their addresses).
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from paged.kernels.planned import AttentionSettings, CacheWrite, DecodeAttention, Rows
+from paged.executor.attention import PagedAttention
+from paged.executor.step_plan import HostBatch, HostRows, InputBuffers
+from paged.kernels.planned import AttentionSettings
 from paged.kernels.testing import random_cache
 from paged.kernels.toolchain.specs import attention_unit, cache_unit, layer_unit
 from paged.model.layer_ops import Rotation, RunnerLayerOps
 from paged.model.llama import LlamaModel
 from paged.model.tiny import random_state, tiny_arch
-from tests.fake_driver.scenario import Case, ForeignStream, HostMemoryCuda, _lowered, _stream_id
+from tests.fake_driver.scenario import Case, HostMemoryCuda, _lowered, _stream_id
 
 # Two layers of hidden 128: q heads 2 and one KV head of 64 (a native head size).
 ARCH = {"vocab_size": 256, "hidden_size": 128, "intermediate_size": 256, "num_layers": 2, "num_heads": 2,
@@ -85,16 +88,19 @@ def decode_case(version: str, dtype: torch.dtype, backend: HostMemoryCuda, strea
     positions = seq_lens.astype(np.int64) - 1
     slots = tables[np.arange(len(SEQ_LENS)), positions // BLOCK].astype(np.int64) * BLOCK + positions % BLOCK
     starts = np.arange(len(SEQ_LENS) + 1, dtype=np.int32)
-    rows = Rows(torch.from_numpy(tables), torch.from_numpy(seq_lens), torch.from_numpy(starts), tables, seq_lens,
-                starts, max_seq_len=max(SEQ_LENS), max_query_len=1)
-    settings = AttentionSettings(backend, head**-0.5, PARTITION)
-    write = CacheWrite(torch.from_numpy(slots), slots, backend, NUM_BLOCKS * BLOCK)
-    decode = DecodeAttention(rows, settings, version, model_arch.num_heads, model_arch.num_kv_heads, head, NUM_BLOCKS,
-                             BLOCK)
+    rows = np.arange(len(SEQ_LENS))
+    host = HostBatch(rows, positions, slots, rows, HostRows(None, tables, seq_lens, starts, max(SEQ_LENS), 1), None)
+    # the executor's per-layer attention: its later layers write and attend in one bound call
+    step = PagedAttention(InputBuffers(torch.device("cpu")).upload(host), [c[0] for c in caches],
+                          [c[1] for c in caches], AttentionSettings(backend, head**-0.5, PARTITION),
+                          decode_version=version, num_heads=model_arch.num_heads)
+    tensors: list[dict[str, int]] = []
 
     def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        write(k, v, *caches[layer])
-        return decode(q, *caches[layer])
+        out = step(layer, q, k, v)
+        tensors.append({"q": _ptr(q), "k": _ptr(k), "v": _ptr(v), "key_cache": _ptr(caches[layer][0]),
+                        "value_cache": _ptr(caches[layer][1]), "out": _ptr(out)})
+        return out
 
     # The fake driver runs no kernel: the step's values are meaningless, only its launches count.
     model.forward(torch.tensor([7, 11]), torch.from_numpy(positions), attention)
@@ -102,7 +108,8 @@ def decode_case(version: str, dtype: torch.dtype, backend: HostMemoryCuda, strea
     for unit in (layer_unit(dtype), cache_unit(dtype), attention_unit(dtype, head, BLOCK, version, PARTITION)):
         lowered = _lowered(unit, arch)
         names |= dict(zip(lowered["kernels"], lowered["names"]))
-    return {"calls": ops.calls, "names": names, "stream": _stream_id(stream), "layers": model_arch.num_layers}
+    return {"calls": ops.calls, "names": names, "stream": _stream_id(stream), "layers": model_arch.num_layers,
+            "tensors": tensors, "joined": step.layers[0][0].joined is not None}
 
 
 def layer_cases(arch: str) -> list[Case]:
@@ -111,7 +118,7 @@ def layer_cases(arch: str) -> list[Case]:
     from paged.kernels.backends.cuda import CudaRunner
 
     stream = Device(0).create_stream()
-    backend = HostMemoryCuda(CudaRunner(0, stream_source=lambda index: ForeignStream(int(stream.handle))))
+    backend = HostMemoryCuda(CudaRunner(0, stream_source=lambda index: int(stream.handle)))
     return [Case(f"decode-{version}-{str(dtype).removeprefix('torch.')}",
                  lambda v=version, d=dtype: decode_case(v, d, backend, stream, arch))
             for version in ("v1", "v2") for dtype in (torch.float16, torch.float32)]

@@ -14,7 +14,7 @@ from paged import kernels
 from paged.kernels.backends.interface import CacheView
 from paged.kernels.testing import random_cache
 from paged.kernels.toolchain.specs import cache_unit, mass_unit
-from tests.fake_driver.scenario import Case, ForeignStream, HostMemoryCuda, _lowered, _stream_id
+from tests.fake_driver.scenario import Case, HostMemoryCuda, _lowered, _stream_id
 
 HEADS, KV_HEADS, HEAD, BLOCK, NUM_BLOCKS = 4, 2, 64, 16, 6
 SEQ_LENS, NUM_QUERIES, LAST, SCALE, SOFT_CAP = (40, 9), (5, 1), 3, 0.125, 30.0
@@ -49,6 +49,6 @@ def press_cases(arch: str) -> list[Case]:
     from paged.kernels.backends.cuda import CudaRunner
 
     stream = Device(0).create_stream()
-    backend = HostMemoryCuda(CudaRunner(0, stream_source=lambda index: ForeignStream(int(stream.handle))))
+    backend = HostMemoryCuda(CudaRunner(0, stream_source=lambda index: int(stream.handle)))
     return [Case("mass", lambda: mass_case(backend, stream, arch)),
             Case("slots", lambda: slots_case(backend, stream, arch))]

@@ -55,16 +55,6 @@ class Case:
     run: Callable[[], dict[str, Any]]
 
 
-class ForeignStream:
-    """A stream handle offered through the CUDA stream protocol, as torch.cuda.Stream offers it."""
-
-    def __init__(self, handle: int) -> None:
-        self.handle = handle
-
-    def __cuda_stream__(self) -> tuple[int, int]:
-        return (0, self.handle)
-
-
 class HostMemoryCuda(RunnerBackend):
     """The cuda backend's launch plans and runner over host tensors."""
 
@@ -265,7 +255,7 @@ def mistyped_plan_case(stream: Any) -> dict[str, Any]:
     from paged.kernels.backends.cuda import CudaRunner
     from paged.kernels.backends.launch_api import Launch, Ptr
 
-    runner = CudaRunner(0, stream_source=lambda index: ForeignStream(int(stream.handle)))
+    runner = CudaRunner(0, stream_source=lambda index: int(stream.handle))
     unit = cache_unit(torch.float16)
     kernel = unit.kernels[1]  # copy_blocks: key caches, value caches, block mapping, numel per block
     buffers = torch.zeros(4, dtype=torch.int64)
@@ -308,7 +298,7 @@ def launch_cases(arch: str) -> list[Case]:
         streams.append(device.create_stream())
     Device(0).set_current()
     active = {"stream": streams[0]}
-    runner = CudaRunner(0, stream_source=lambda index: ForeignStream(int(active["stream"].handle)))
+    runner = CudaRunner(0, stream_source=lambda index: int(active["stream"].handle))
     backend = HostMemoryCuda(runner)
     cases = []
     for case in attention_grid() + default_partition_grid():
@@ -355,7 +345,7 @@ def launch_cases(arch: str) -> list[Case]:
         return {"streams": [first["stream"], second["stream"]]}
 
     def other_device() -> dict[str, Any]:
-        on_one = CudaRunner(1, stream_source=lambda index: ForeignStream(int(streams[1].handle)))
+        on_one = CudaRunner(1, stream_source=lambda index: int(streams[1].handle))
         before = _current_device()
         result = cache_case(torch.float16, HostMemoryCuda(on_one), streams[1], arch)
         return {**result, "current_before": before, "current_after": _current_device()}
@@ -371,7 +361,7 @@ def swap_cases() -> list[Case]:
     from paged.kernels.backends.cuda import CudaRunner
 
     stream = Device(0).create_stream()
-    backend = HostMemoryCuda(CudaRunner(0, stream_source=lambda index: ForeignStream(int(stream.handle))))
+    backend = HostMemoryCuda(CudaRunner(0, stream_source=lambda index: int(stream.handle)))
     cases = [Case(f"swap-{str(dtype).removeprefix('torch.')}", lambda d=dtype: swap_case(d, backend, stream))
              for dtype in (torch.float32, torch.float16, torch.bfloat16)]
     return [*cases, Case("swap-pageable", lambda: swap_case(torch.float16, backend, stream, pinned=False))]

@@ -5,7 +5,9 @@ driver copies on the same stream.
 A launch costs a few µs of host: each kernel's argument types are checked at its first launch and
 it gets a parameter block the driver reads through a fixed `void**`, so a launch is one
 `struct.pack_into` of its arguments and one driver call; shared memory is checked only past what
-the kernel was already allowed (`python experiments/host_overhead.py` measures it).
+the kernel was already allowed (`python experiments/host_overhead.py` measures it). Launches a model
+repeats layer after layer are bound (`CudaRunner.bind`): packed once, each into a block of its own,
+so a later layer writes only its tensors' addresses before the driver call.
 
 cuda-python is imported where it is first needed, so this module (and the backend's support
 declaration) loads on machines without it. `tests/fake_driver/` runs `CudaRunner` against a
@@ -26,6 +28,7 @@ import numpy as np
 import torch
 
 from paged.kernels.backends import launch
+from paged.kernels.backends.launch_api import BoundPart
 from paged.kernels.backends.v3_plans import DeviceLimits
 from paged.kernels.toolchain import nvrtc
 from paged.kernels.toolchain.specs import Unit
@@ -41,7 +44,7 @@ SLOT_BYTES = 8
 DRIVER_BRANCHES = {12: "R525", 13: "R580"}
 PACKAGES = "cuda-python, cuda-core and nvidia-cuda-nvrtc"
 
-StreamSource = Callable[[int], Any]  # device index -> an object with __cuda_stream__
+StreamSource = Callable[[int], int]  # device index -> the raw handle of the stream to launch on
 
 
 class CudaDriverError(RuntimeError):
@@ -78,18 +81,33 @@ def driver_version() -> int:
     return version
 
 
-def torch_stream(index: int) -> torch.cuda.Stream:
-    return torch.cuda.current_stream(index)
+def torch_stream(index: int) -> int:
+    """torch's current stream of device `index` as its raw handle, read as torch.compile's generated
+    code reads it (`torch.cuda.current_stream` makes a Stream object at every launch); through the
+    public call where a torch build lacks the private one (CPU builds do)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+
+
+class _ParamBlock:
+    """A parameter block: one 8-byte slot per argument (`slots`, a ctypes array; `view`, its bytes)
+    and the `void**` array at address `params` that points at the slots, which `cuLaunchKernel`
+    reads (and copies during the call)."""
+
+    def __init__(self, n: int) -> None:
+        self.slots = (ctypes.c_uint64 * n)()
+        self.pointers = (ctypes.c_void_p * n)(*(ctypes.addressof(self.slots) + SLOT_BYTES * i for i in range(n)))
+        self.view = memoryview(self.slots).cast("B")
+        self.params = ctypes.addressof(self.pointers)
 
 
 @dataclass
 class _Kernel:
-    """A loaded kernel, what the driver says about it, and its parameter block: one 8-byte slot per
-    argument, packed by `packer`, with the `void**` array (at address `params`) that points at the
-    slots. The driver copies the parameters during `cuLaunchKernel`, so one block serves every
-    launch (a runner launches from one thread, its executor's). The block is made, and the plan's
-    argument types checked against the kernel's parameters, at the kernel's first launch: a plan
-    passes the same types to a kernel every time."""
+    """A loaded kernel, what the driver says about it, and its parameter block, into which `packer`
+    writes a launch's arguments. The driver copies the parameters during `cuLaunchKernel`, so one
+    block serves every launch (a runner launches from one thread, its executor's). The block is
+    made, and the plan's argument types checked against the kernel's parameters, at the kernel's
+    first launch: a plan passes the same types to a kernel every time."""
 
     handle: Any  # cuda.core.Kernel
     static_smem: int
@@ -97,27 +115,63 @@ class _Kernel:
     dynamic_smem_limit: int  # raised by the opt-in attribute, never lowered
     function: Any = None  # driver.CUfunction: the CUkernel, which cuLaunchKernel takes in the current context
     packer: struct.Struct | None = None
-    slots: Any = field(default=None, repr=False)  # ctypes array the arguments are packed into
-    pointers: Any = field(default=None, repr=False)  # ctypes void* array, one per slot
-    view: memoryview | None = field(default=None, repr=False)
-    params: int = 0
+    block: _ParamBlock | None = field(default=None, repr=False)
 
     def prepare(self, item: launch.Launch, driver: Any) -> None:
-        n = len(item.args)
-        self.slots = (ctypes.c_uint64 * n)()
-        self.pointers = (ctypes.c_void_p * n)(*(ctypes.addressof(self.slots) + SLOT_BYTES * i for i in range(n)))
-        self.view = memoryview(self.slots).cast("B")
-        self.params = ctypes.addressof(self.pointers)
+        self.block = _ParamBlock(len(item.args))
         self.packer = struct.Struct("<" + "".join(ARG_CODES[type(a)] for a in item.args))
         self.function = driver.CUfunction(int(self.handle.handle))
+
+    def packed(self, item: launch.Launch) -> _ParamBlock:
+        """`item`'s arguments in a block of their own (the kernel's own block is rewritten at
+        every launch)."""
+        assert self.packer is not None, "a kernel is prepared at its first check"
+        block = _ParamBlock(len(item.args))
+        self.packer.pack_into(block.view, 0, *item.args)
+        return block
+
+
+def _refused(item: launch.Launch, err: Any) -> None:
+    raise RuntimeError(f"cuLaunchKernel of {item.kernel} (grid {item.grid}, block {item.block}, "
+                       f"{item.shared_memory} bytes of shared memory) failed: {err!r}")
+
+
+class _BoundLaunches:
+    """`CudaRunner.bind`'s launches, each with its arguments packed once into a block of its own: a
+    call writes each block's changed pointers (slot i takes `addresses[j]` for each (i, j) of its
+    slots) and launches it on the caller's current stream, in this device's context."""
+
+    def __init__(self, runner: CudaRunner, kernels: Sequence[_Kernel], parts: Sequence[BoundPart]) -> None:
+        self.runner = runner
+        self.blocks = [kernel.packed(item) for kernel, (_, item, _) in zip(kernels, parts, strict=True)]
+        self.items = [(item, block.slots, tuple(changed), kernel.function, *item.grid, item.block,
+                       item.shared_memory, block.params)
+                      for kernel, (_, item, changed), block in zip(kernels, parts, self.blocks, strict=True)]
+
+    def __call__(self, addresses: Sequence[int]) -> None:
+        if self.runner._is_current():
+            self._launch(addresses)
+            return
+        with self.runner._current():
+            self._launch(addresses)
+
+    def _launch(self, addresses: Sequence[int]) -> None:
+        driver = self.runner._driver
+        launch_kernel, stream = driver.cuLaunchKernel, self.runner._stream()
+        for item, slots, changed, function, gx, gy, gz, block, shared_memory, params in self.items:
+            for i, j in changed:
+                slots[i] = addresses[j]
+            (err,) = launch_kernel(function, gx, gy, gz, block, 1, 1, shared_memory, stream, params, 0)
+            if err != driver.CUresult.CUDA_SUCCESS:
+                _refused(item, err)
 
 
 class CudaRunner:
     """One device's kernel table and streams; units compile (or load from the cache) on first use.
 
     Launches go to the stream `stream_source(index)` names (torch's current stream of the device by
-    default), wrapped once per stream handle. The caller's current context (torch's current device)
-    is the same after every call as before it.
+    default) by its raw handle, for which the driver's `CUstream` is made once. The caller's current
+    context (torch's current device) is the same after every call as before it.
     """
 
     # Swaps are cuMemcpyAsync on the stream; from pageable memory they would block the host.
@@ -147,7 +201,7 @@ class CudaRunner:
                                    int(properties.max_threads_per_multiprocessor),
                                    int(properties.max_registers_per_multiprocessor))
         self._kernels: dict[str, _Kernel] = {}
-        self._streams: dict[int, Any] = {}  # handle -> (cuda.core Stream, driver.CUstream)
+        self._streams: dict[int, Any] = {}  # raw handle -> driver.CUstream
         self._context: int | None = None  # this device's primary context, once it was made current
 
     def _is_current(self) -> bool:
@@ -190,14 +244,13 @@ class CudaRunner:
         what the kernel declares statically."""
         return self.max_shared_memory - self._kernel(unit, kernel).static_smem
 
-    def _stream(self) -> tuple[Any, Any]:
-        """The caller's current stream as a cuda.core Stream and as the driver's handle."""
-        foreign = self._stream_source(self.index)
-        handle = int(foreign.__cuda_stream__()[1])
-        if handle not in self._streams:
-            stream = self.device.create_stream(foreign)
-            self._streams[handle] = (stream, self._driver.CUstream(int(stream.handle)))
-        return self._streams[handle]
+    def _stream(self) -> Any:
+        """The caller's current stream, as the driver's handle."""
+        handle = self._stream_source(self.index)
+        stream = self._streams.get(handle)
+        if stream is None:
+            stream = self._streams[handle] = self._driver.CUstream(handle)
+        return stream
 
     def _check_arguments(self, kernel: _Kernel, item: launch.Launch) -> None:
         sizes = tuple(ARG_SIZES[type(a)] for a in item.args)
@@ -239,29 +292,42 @@ class CudaRunner:
             self._launch(launches)
 
     def _launch(self, launches: Sequence[launch.Launch]) -> None:
-        driver, kernels = self._driver, self._kernels
-        stream = self._stream()[1]
+        driver = self._driver
+        stream = self._stream()
         for item in launches:
-            kernel = kernels[item.kernel]
-            if kernel.packer is None:
-                self._check_arguments(kernel, item)
-                kernel.prepare(item, driver)
-            if item.shared_memory > kernel.dynamic_smem_limit:
-                self._check_shared_memory(kernel, item)
-            kernel.packer.pack_into(kernel.view, 0, *item.args)
+            kernel = self._checked(item)
+            kernel.packer.pack_into(kernel.block.view, 0, *item.args)
             # grid and block are the driver's to check (it refuses a bad one with CUDA_ERROR_INVALID_VALUE)
             (err,) = driver.cuLaunchKernel(kernel.function, *item.grid, item.block, 1, 1, item.shared_memory, stream,
-                                           kernel.params, 0)
+                                           kernel.block.params, 0)
             if err != driver.CUresult.CUDA_SUCCESS:
-                raise RuntimeError(f"cuLaunchKernel of {item.kernel} (grid {item.grid}, block {item.block}, "
-                                   f"{item.shared_memory} bytes of shared memory) failed: {err!r}")
+                _refused(item, err)
+
+    def _checked(self, item: launch.Launch) -> _Kernel:
+        """`item`'s kernel, its arguments checked at its first launch and its shared memory allowed."""
+        kernel = self._kernels[item.kernel]
+        if kernel.packer is None:
+            self._check_arguments(kernel, item)
+            kernel.prepare(item, self._driver)
+        if item.shared_memory > kernel.dynamic_smem_limit:
+            self._check_shared_memory(kernel, item)
+        return kernel
+
+    def bind(self, parts: Sequence[BoundPart]) -> _BoundLaunches:
+        """The parts' launches packed once, each into a block of its own: a call writes only the
+        changed pointers and launches (issue 43's ≤ 5 µs a launch: no `Launch`, no full repack)."""
+        for unit, item, _ in parts:
+            self._kernel(unit, item.kernel)
+        with self._current():
+            kernels = [self._checked(item) for _, item, _ in parts]
+        return _BoundLaunches(self, kernels, parts)
 
     def copy(self, copies: Sequence[launch.Copy]) -> None:
         """One cuMemcpyAsync per copy on the stream, as vLLM's swap_blocks: the driver tells
         host-to-device, device-to-host and device-to-device apart by the (unified) addresses."""
         driver = self._driver
         with self._current():
-            stream = self._stream()[1]
+            stream = self._stream()
             for item in copies:
                 (err,) = driver.cuMemcpyAsync(int(item.dst), int(item.src), item.nbytes, stream)
                 if err != driver.CUresult.CUDA_SUCCESS:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from paged.kernels.backends.launch import RunnerBackend
-from paged.kernels.backends.launch_api import Copy, Launch, Ptr
+from paged.kernels.backends.launch_api import BoundPart, Copy, Launch, Ptr, Relaunches
 from paged.kernels.backends.v3_plans import DeviceLimits
 from paged.kernels.toolchain import emulator, host_compiler
 from paged.kernels.toolchain.specs import Unit
@@ -57,6 +57,9 @@ class EmuRunner:
                 status = emulator.kernel(launch.kernel)(ctypes.byref(dims), args)
                 if status:
                     raise RuntimeError(f"emulated launch of {launch.kernel} failed: {_STATUS.get(status, status)}")
+
+    def bind(self, parts: Sequence[BoundPart]) -> Relaunches:
+        return Relaunches(self, parts)
 
     def copy(self, copies: Sequence[Copy]) -> None:
         for item in copies:

@@ -6,7 +6,7 @@ driver, the emu backend on the CPU). Plans live in `launch.py` (attention, cache
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -43,6 +43,11 @@ class Copy:
     nbytes: int
 
 
+# A launch to bind (`Runner.bind`): its unit, the launch as planned, and the pointer arguments a
+# call changes, as (argument i, index j of the address it takes).
+BoundPart = tuple[Unit, Launch, Sequence[tuple[int, int]]]
+
+
 class Runner(Protocol):
     # Copies run asynchronously, so host memory in them must be page-locked.
     needs_pinned_host: bool
@@ -53,6 +58,27 @@ class Runner(Protocol):
 
     def run(self, unit: Unit, launches: Sequence[Launch]) -> None: ...
 
+    def bind(self, parts: Sequence[BoundPart]) -> Callable[[Sequence[int]], None]:
+        """Launches made ready to run again with some pointers changed: a call with `addresses`
+        runs each part's launch with its argument i set to `addresses[j]` for each (i, j) of the
+        part's slots (a model's later layers, whose launches differ from the first's only there)."""
+        ...
+
     def copy(self, copies: Sequence[Copy]) -> None:
         """Runs the copies in order."""
         ...
+
+
+@dataclass(frozen=True)
+class Relaunches:
+    """`Runner.bind` for a runner with nothing to prepare ahead: each call makes the `Launch`es anew."""
+
+    runner: Runner
+    parts: Sequence[BoundPart]
+
+    def __call__(self, addresses: Sequence[int]) -> None:
+        for unit, item, slots in self.parts:
+            args = list(item.args)
+            for i, j in slots:
+                args[i] = Ptr(addresses[j])
+            self.runner.run(unit, [Launch(item.kernel, item.grid, item.block, item.shared_memory, tuple(args))])
