@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from paged.config import KernelConfig, ModelConfig
 from paged.executor.model_executor import ModelExecutor
 from paged.kernels.backends.emu import RUNNER, EmuBackend
-from paged.kernels.backends.launch_api import Launch
+from paged.kernels.backends.launch_api import BoundPart, Launch, Relaunches
 from paged.kernels.toolchain import emulator, host_compiler, specs
 from paged.kernels.toolchain.specs import Unit
 from paged.model.layer_ops import TORCH_OPS, RunnerLayerOps, layer_ops_for
@@ -52,6 +52,9 @@ class RecordingEmu(EmuBackend):
     def run(self, unit: Unit, launches: Sequence[Launch]) -> None:
         self.launches += launches
         RUNNER.run(unit, launches)
+
+    def bind(self, parts: Sequence[BoundPart]) -> Relaunches:
+        return Relaunches(self, parts)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -320,3 +323,37 @@ def test_the_torch_formulas_cost_this_many_aten_kernels_per_layer(dtype: torch.d
             TORCH_OPS.add_rms_norm(x, residual, weight, EPS)
         TORCH_OPS.silu_and_mul(gate_up)
     assert counted.count == expected
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_layouts_later_calls_run_its_bound_launch_with_their_own_tensors(emu: RecordingEmu,
+                                                                           dtype: torch.dtype) -> None:
+    """`RunnerLayerOps` (`paged.kernels.bound_calls`): a layer's ops over tensors laid out as an
+    earlier layer's run that layer's launch, bound once, with their own addresses: the same values
+    as the checked ops and one launch each; a call whose tensors share a start goes to the checked
+    op and raises as it does."""
+    ops = RunnerLayerOps(emu)
+    positions, cos, sin = _rope_inputs(dtype, 64, num_tokens=3)
+    for layer in range(3):
+        gen = torch.Generator().manual_seed(20 + layer)
+        # views of fused projections, as the model passes them
+        qkv = torch.randn(3, 4 * 64 + 8, generator=gen).to(dtype)[:, 8:]
+        x, residual, weight = (torch.randn(3, 128, generator=gen).to(dtype) for _ in range(3))
+        weight = weight[0].contiguous()
+        gate_up = torch.randn(3, 2 * 96, generator=gen).to(dtype)
+        want_qkv, want_residual = qkv.clone(), residual.clone()
+        emu.rotary_embedding(want_qkv, positions, cos, sin, 3, 64)
+        want_norm = emu.rms_norm(x, weight, 1e-5)
+        want_add = emu.add_rms_norm(x.clone(), want_residual, weight, 1e-5)
+        want_silu = emu.silu_and_mul(gate_up)
+        emu.launches.clear()
+        ops.rope(qkv, ops.rotation(positions, cos, sin), 3, 64)
+        assert torch.equal(qkv, want_qkv)
+        assert torch.equal(ops.rms_norm(x, weight, 1e-5), want_norm)
+        assert torch.equal(ops.add_rms_norm(x, residual, weight, 1e-5), want_add)
+        assert torch.equal(residual, want_residual)
+        assert torch.equal(ops.silu_and_mul(gate_up), want_silu)
+        assert len(emu.launches) == 4  # one launch per op, bound or checked
+    assert all(bound is not None for bound in ops.bound._bound.values())
+    with pytest.raises(ValueError, match="overlap"):
+        ops.add_rms_norm(x, x, weight, 1e-5)

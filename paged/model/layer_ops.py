@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from paged.kernels import fused_calls as native
 from paged.kernels.backends.interface import KernelBackend
 from paged.kernels.backends.layer_plans import FusedLayerOpsMixin
+from paged.kernels.bound_calls import BoundLayerOps
 from paged.kernels.fused_ops import DTYPES as NATIVE_DTYPES
 
 # per step, what `rope` needs for its positions (see `TorchLayerOps.rotation`)
@@ -107,23 +108,25 @@ class NativeCpuLayerOps(TorchLayerOps):
 
 class RunnerLayerOps(TorchLayerOps):
     """The CUDA kernels of kernels_cu/layer_ops.cuh through a runner backend (cuda, emu), for every
-    model dtype. The norms write in place where the native cpu ops do; nothing reads a tensor's
-    values on the host, so a CUDA graph can capture a step."""
+    model dtype, each layout's launch bound at its first call (`paged.kernels.bound_calls`). The
+    norms write in place where the native cpu ops do; nothing reads a tensor's values on the host,
+    so a CUDA graph can capture a step."""
 
     name = "fused"
 
     def __init__(self, backend: FusedLayerOpsMixin) -> None:
         self.backend = backend
+        self.bound = BoundLayerOps(backend)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return self.backend.rms_norm(x, weight, eps)
+        return self.bound.rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """`residual += x` in place, then the norm of the sum written over `x`, which is returned."""
-        return self.backend.add_rms_norm(x, residual, weight, eps)
+        return self.bound.add_rms_norm(x, residual, weight, eps)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backend.silu_and_mul(x)
+        return self.bound.silu_and_mul(x)
 
     def rotation(self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Rotation:
         """The positions and the whole tables: the kernel looks the rows up itself."""
@@ -131,7 +134,7 @@ class RunnerLayerOps(TorchLayerOps):
 
     def rope(self, qkv: torch.Tensor, rotation: Rotation, num_heads: int, head_dim: int) -> torch.Tensor:
         """Rotates `qkv`'s first heads in place (no copy of q or k) and returns them as a view."""
-        self.backend.rotary_embedding(qkv, *rotation, num_heads, head_dim)
+        self.bound.rotary_embedding(qkv, *rotation, num_heads, head_dim)
         return qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
 
 

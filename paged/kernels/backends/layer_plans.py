@@ -14,13 +14,14 @@ projections); anything else raises `ValueError` naming the argument and what is 
 from __future__ import annotations
 
 from abc import abstractmethod
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from paged.kernels.backends.launch_api import VECTOR_BYTES, Launch, Ptr, Runner
 from paged.kernels.input_checks import check_disjoint
-from paged.kernels.toolchain.specs import CXX_TYPES, layer_kernel, layer_unit
+from paged.kernels.toolchain.specs import CXX_TYPES, Unit, layer_kernel, layer_unit
 
 WARP_SIZE = 32
 # One CTA covers a row: up to 1024 threads for the norms and SwiGLU (a 16-byte vector each per
@@ -44,6 +45,14 @@ def _require_int32(name: str, value: int) -> None:
 
 def _ptr(t: torch.Tensor) -> Ptr:
     return Ptr(t.data_ptr())
+
+
+class Ran(NamedTuple):
+    """The launch an op ran, with its runner and unit."""
+
+    runner: Runner
+    unit: Unit
+    launch: Launch
 
 
 class FusedLayerOpsMixin:
@@ -92,55 +101,25 @@ class FusedLayerOpsMixin:
         return weight
 
     def _run(self, t: torch.Tensor, op: str, vectorized: bool, grid_rows: int, threads: int,
-             args: tuple[Ptr | np.int32 | np.float32, ...]) -> None:
+             args: tuple[Ptr | np.int32 | np.float32, ...]) -> Ran:
         unit = layer_unit(t.dtype)
         kernel = layer_kernel(unit.dtype, op, vectorized)
-        self.runner(t).run(unit, [Launch(kernel, (grid_rows, 1, 1), threads, 0, args)])
+        ran = Ran(self.runner(t), unit, Launch(kernel, (grid_rows, 1, 1), threads, 0, args))
+        ran.runner.run(unit, [ran.launch])
+        return ran
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """`weight * F.rms_norm(x.float(), (H,), eps=eps).to(x.dtype)` for x `[T, H]`, as a new tensor."""
-        x = self._rows("x", x)
-        weight, eps = self._weight(weight, x), _eps(eps)
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        if x.numel() == 0:
-            return out
-        vectorized = _vectors_fit(x.shape[1], x, out) and _aligned(weight)
-        args = (_ptr(out), _ptr(x), _ptr(weight), np.int32(out.stride(0)), np.int32(x.stride(0)), np.int32(x.shape[1]),
-                np.float32(eps))
-        self._run(x, "rms_norm", vectorized, x.shape[0], _row_threads(x, x.shape[1], vectorized), args)
-        return out
+        return self.rms_norm_ran(x, weight, eps)[0]
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """In one pass per row: `residual += x` in place (rounded to the dtype), then
         `x = weight * rms_norm(residual)` in place; returns `x`."""
-        x = self._rows("x", x, written=True)
-        residual = self._rows("residual", residual, x.shape[1], like=x, written=True)
-        if residual.shape[0] != x.shape[0]:
-            raise ValueError(f"residual must be {list(x.shape)} like x, got shape {tuple(residual.shape)}")
-        weight, eps = self._weight(weight, x), _eps(eps)
-        if x.numel() == 0:
-            return x
-        check_disjoint(("x", x), ("residual", residual), ("weight", weight))
-        vectorized = _vectors_fit(x.shape[1], x, residual) and _aligned(weight)
-        args = (_ptr(x), _ptr(residual), _ptr(weight), np.int32(x.stride(0)), np.int32(residual.stride(0)),
-                np.int32(x.shape[1]), np.float32(eps))
-        self._run(x, "add_rms_norm", vectorized, x.shape[0], _row_threads(x, x.shape[1], vectorized), args)
-        return x
+        return self.add_rms_norm_ran(x, residual, weight, eps)[0]
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """`F.silu(x[:, :I]) * x[:, I:]` for x `[T, 2I]` (the fused gate/up output), as a new `[T, I]` tensor."""
-        x = self._rows("x", x)
-        if x.shape[1] % 2 or x.shape[1] == 0:
-            raise ValueError(f"x must be [T, 2 * intermediate], got shape {tuple(x.shape)} (odd or zero width)")
-        inter = x.shape[1] // 2
-        out = torch.empty((x.shape[0], inter), dtype=x.dtype, device=x.device)
-        if x.shape[0] == 0:
-            return out
-        # The up half starts `inter` elements into each row: vectors fit it when they fit `inter`.
-        vectorized = _vectors_fit(inter, x, out)
-        args = (_ptr(out), _ptr(x), np.int32(out.stride(0)), np.int32(x.stride(0)), np.int32(inter))
-        self._run(x, "silu_and_mul", vectorized, x.shape[0], _row_threads(x, inter, vectorized), args)
-        return out
+        return self.silu_and_mul_ran(x)[0]
 
     def rotary_embedding(self, qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          num_heads: int, head_dim: int) -> None:
@@ -148,6 +127,52 @@ class FusedLayerOpsMixin:
         num_heads * head_dim]`, e.g. the fused qkv output: q and k heads together), HF's rotate_half
         layout: `x * cos + rotate_half(x) * sin` with the `[P, head_dim]` tables' rows at `positions`
         (int64 `[T]`). Positions are not read on the host: each must lie in `[0, P)`."""
+        self.rotary_embedding_ran(qk, positions, cos, sin, num_heads, head_dim)
+
+    # Each op as the public one above, and the launch it ran (None where it had no rows), which a
+    # caller repeating the op over tensors laid out alike may bind (`paged.model.layer_ops`).
+
+    def rms_norm_ran(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, Ran | None]:
+        x = self._rows("x", x)
+        weight, eps = self._weight(weight, x), _eps(eps)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        if x.numel() == 0:
+            return out, None
+        vectorized = _vectors_fit(x.shape[1], x, out) and _aligned(weight)
+        args = (_ptr(out), _ptr(x), _ptr(weight), np.int32(out.stride(0)), np.int32(x.stride(0)), np.int32(x.shape[1]),
+                np.float32(eps))
+        return out, self._run(x, "rms_norm", vectorized, x.shape[0], _row_threads(x, x.shape[1], vectorized), args)
+
+    def add_rms_norm_ran(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                         eps: float) -> tuple[torch.Tensor, Ran | None]:
+        x = self._rows("x", x, written=True)
+        residual = self._rows("residual", residual, x.shape[1], like=x, written=True)
+        if residual.shape[0] != x.shape[0]:
+            raise ValueError(f"residual must be {list(x.shape)} like x, got shape {tuple(residual.shape)}")
+        weight, eps = self._weight(weight, x), _eps(eps)
+        if x.numel() == 0:
+            return x, None
+        check_disjoint(("x", x), ("residual", residual), ("weight", weight))
+        vectorized = _vectors_fit(x.shape[1], x, residual) and _aligned(weight)
+        args = (_ptr(x), _ptr(residual), _ptr(weight), np.int32(x.stride(0)), np.int32(residual.stride(0)),
+                np.int32(x.shape[1]), np.float32(eps))
+        return x, self._run(x, "add_rms_norm", vectorized, x.shape[0], _row_threads(x, x.shape[1], vectorized), args)
+
+    def silu_and_mul_ran(self, x: torch.Tensor) -> tuple[torch.Tensor, Ran | None]:
+        x = self._rows("x", x)
+        if x.shape[1] % 2 or x.shape[1] == 0:
+            raise ValueError(f"x must be [T, 2 * intermediate], got shape {tuple(x.shape)} (odd or zero width)")
+        inter = x.shape[1] // 2
+        out = torch.empty((x.shape[0], inter), dtype=x.dtype, device=x.device)
+        if x.shape[0] == 0:
+            return out, None
+        # The up half starts `inter` elements into each row: vectors fit it when they fit `inter`.
+        vectorized = _vectors_fit(inter, x, out)
+        args = (_ptr(out), _ptr(x), np.int32(out.stride(0)), np.int32(x.stride(0)), np.int32(inter))
+        return out, self._run(x, "silu_and_mul", vectorized, x.shape[0], _row_threads(x, inter, vectorized), args)
+
+    def rotary_embedding_ran(self, qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                             num_heads: int, head_dim: int) -> tuple[None, Ran | None]:
         if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0:
             raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
         if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
@@ -172,12 +197,13 @@ class FusedLayerOpsMixin:
             raise ValueError(f"sin must be a contiguous {list(cos.shape)} table like cos, got shape "
                              f"{tuple(sin.shape)} strides {sin.stride()}")
         if qk.shape[0] == 0:
-            return
+            return None, None
         check_disjoint(("qk", qk[:, :width]), ("cos", cos), ("sin", sin), ("positions", positions))
         positions = positions.contiguous()
         args = (_ptr(qk), _ptr(positions), _ptr(cos), _ptr(sin), np.int32(qk.stride(0)), np.int32(num_heads),
                 np.int32(head_dim))
-        self._run(qk, "rotary_embedding", False, qk.shape[0], _threads(width // 2, MAX_ROPE_THREADS), args)
+        return None, self._run(qk, "rotary_embedding", False, qk.shape[0], _threads(width // 2, MAX_ROPE_THREADS),
+                               args)
 
 
 def _eps(eps: object) -> float:
