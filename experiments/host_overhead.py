@@ -15,7 +15,8 @@
   model calls it, through `torch.ops.paged.attention` (`paged.kernels.torch_ops.layer_attention`:
   its output allocated, the dispatcher, the step's planned cache write and decode attention from the
   forward context, two launches), and `attention_us`, that step's attention called without the op:
-  the difference is what the op adds.
+  the difference is what the op adds; `layer_ops_us`, one decode layer's fused ops as the model
+  calls them (`RunnerLayerOps`: RoPE, two residual adds with RMSNorm, SiLU-and-mul; four launches).
 - `step_overhead_ms`: host ms of one engine step of that many decode rows with a model whose
   forward returns at once (as vLLM measures its engine's overhead): scheduling, block tables,
   the step's input tensors, attention planning, sampling bookkeeping, output processing. The heap is
@@ -50,7 +51,9 @@ from paged.utils.threads import cpu_name  # noqa: E402  (the repository root is 
 
 # SmolLM2-135M's attention: 9 query heads over 3 KV heads of 64
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK, SEQ_LEN = 9, 3, 64, 16, 512
-LAUNCH_KEYS = ("launch_us", "layer_us", "op_us", "cuda_core_launch_us", "torch_op_us", "attention_us")
+LAUNCH_KEYS = ("launch_us", "layer_us", "op_us", "cuda_core_launch_us", "torch_op_us", "attention_us", "layer_ops_us")
+# SmolLM2-135M's hidden and intermediate sizes, for a layer's fused ops
+HIDDEN, INTERMEDIATE = 576, 1536
 
 
 def median_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
@@ -153,6 +156,7 @@ def _batch_launch_costs(
         torch_op_us = median_us(lambda: layer_attention(0, x.query, k, v), 500, repeats)
         attention_us = median_us(lambda: step(0, x.query, k, v), 500, repeats)
     costs = {
+        "layer_ops_us": _layer_ops_us(backend_of(runner), batch, device, repeats),
         "launch_us": median_us(lambda: runner.run(unit, launches), 5000, repeats) / len(launches),
         "layer_us": median_us(lambda: layer(x.query, x.key_cache, x.value_cache), 500, repeats),
         "op_us": median_us(op, 500, repeats),
@@ -163,6 +167,34 @@ def _batch_launch_costs(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return costs
+
+
+def _layer_ops_us(backend: Any, batch: int, device: Any, repeats: int) -> float:
+    """Host µs of one decode layer's fused ops as the model calls them (`RunnerLayerOps`): RoPE over
+    the fused qkv output, two residual adds with RMSNorm, SiLU-and-mul; after a first layer, as a
+    step's later layers run them."""
+    import torch
+
+    from paged.model.layer_ops import RunnerLayerOps
+
+    ops = RunnerLayerOps(backend)
+    half = torch.float16
+    qkv = torch.randn(batch, (HEADS + 2 * KV_HEADS) * HEAD_SIZE).to(device, half)
+    x, residual = (torch.randn(batch, HIDDEN).to(device, half) for _ in range(2))
+    weight = torch.ones(HIDDEN, dtype=half, device=device)
+    gate_up = torch.randn(batch, 2 * INTERMEDIATE).to(device, half)
+    rotation = ops.rotation(torch.arange(batch, device=device), *(torch.randn(2048, HEAD_SIZE).to(device, half)
+                                                                   for _ in range(2)))
+
+    def layer() -> None:
+        ops.rope(qkv, rotation, HEADS + KV_HEADS, HEAD_SIZE)
+        ops.add_rms_norm(x, residual, weight, 1e-5)
+        ops.silu_and_mul(gate_up)
+        ops.add_rms_norm(x, residual, weight, 1e-5)
+
+    with torch.inference_mode():
+        layer()
+        return median_us(layer, 500, repeats)
 
 
 def _decode_step(x: Any, backend: Any, device: Any) -> Any:
