@@ -16,7 +16,9 @@
   its output allocated, the dispatcher, the step's planned cache write and decode attention from the
   forward context, two launches), and `attention_us`, that step's attention called without the op:
   the difference is what the op adds; `layer_ops_us`, one decode layer's fused ops as the model
-  calls them (`RunnerLayerOps`: RoPE, two residual adds with RMSNorm, SiLU-and-mul; four launches).
+  calls them (`RunnerLayerOps`: RoPE, two residual adds with RMSNorm, SiLU-and-mul; four launches);
+  `prefill_us`, one layer of a step whose rows each prefill 16 tokens, through the executor's
+  attention (its cache write and prefill attention; two launches).
 - `step_overhead_ms`: host ms of one engine step of that many decode rows with a model whose
   forward returns at once (as vLLM measures its engine's overhead): scheduling, block tables,
   the step's input tensors, attention planning, sampling bookkeeping, output processing. The heap is
@@ -51,7 +53,9 @@ from paged.utils.threads import cpu_name  # noqa: E402  (the repository root is 
 
 # SmolLM2-135M's attention: 9 query heads over 3 KV heads of 64
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK, SEQ_LEN = 9, 3, 64, 16, 512
-LAUNCH_KEYS = ("launch_us", "layer_us", "op_us", "cuda_core_launch_us", "torch_op_us", "attention_us", "layer_ops_us")
+LAUNCH_KEYS = ("launch_us", "layer_us", "op_us", "cuda_core_launch_us", "torch_op_us", "attention_us", "layer_ops_us",
+               "prefill_us")
+PROMPT = 16  # tokens each row of `prefill_us`'s step prefills
 # SmolLM2-135M's hidden and intermediate sizes, for a layer's fused ops
 HIDDEN, INTERMEDIATE = 576, 1536
 
@@ -157,6 +161,7 @@ def _batch_launch_costs(
         attention_us = median_us(lambda: step(0, x.query, k, v), 500, repeats)
     costs = {
         "layer_ops_us": _layer_ops_us(backend_of(runner), batch, device, repeats),
+        "prefill_us": _prefill_us(backend_of(runner), batch, device, repeats),
         "launch_us": median_us(lambda: runner.run(unit, launches), 5000, repeats) / len(launches),
         "layer_us": median_us(lambda: layer(x.query, x.key_cache, x.value_cache), 500, repeats),
         "op_us": median_us(op, 500, repeats),
@@ -195,6 +200,40 @@ def _layer_ops_us(backend: Any, batch: int, device: Any, repeats: int) -> float:
     with torch.inference_mode():
         layer()
         return median_us(layer, 500, repeats)
+
+
+def _prefill_us(backend: Any, batch: int, device: Any, repeats: int) -> float:
+    """Host µs of one layer of a step whose `batch` rows each prefill `PROMPT` tokens, through the
+    executor's attention (`PagedAttention`: the cache write and the prefill attention), after a
+    first layer, as a step's later layers run it."""
+    import numpy as np
+    import torch
+
+    from paged.executor.attention import PagedAttention
+    from paged.executor.step_plan import HostBatch, HostRows, InputBuffers
+    from paged.kernels.planned import AttentionSettings
+    from paged.kernels.testing import random_cache
+
+    blocks = -(-PROMPT // BLOCK)
+    tables = np.arange(batch * blocks, dtype=np.int32).reshape(batch, blocks)
+    lens = np.full(batch, PROMPT, dtype=np.int32)
+    starts = np.arange(0, batch * PROMPT + 1, PROMPT, dtype=np.int32)
+    positions = np.tile(np.arange(PROMPT, dtype=np.int64), batch)
+    rows = np.repeat(np.arange(batch), PROMPT)
+    slots = tables[rows, positions // BLOCK].astype(np.int64) * BLOCK + positions % BLOCK
+    host = HostBatch(np.zeros(len(slots), dtype=np.int64), positions, slots, starts[1:] - 1, None,
+                     HostRows(None, tables, lens, starts, PROMPT, PROMPT))
+    layers = [[t.to(device) for t in random_cache(batch * blocks, KV_HEADS, HEAD_SIZE, BLOCK, torch.float16)]
+              for _ in range(2)]
+    step = PagedAttention(InputBuffers(device).upload(host), [c[0] for c in layers], [c[1] for c in layers],
+                          AttentionSettings(backend, HEAD_SIZE**-0.5, 512), decode_version=None, num_heads=HEADS)
+    qkv = torch.randn(len(slots), (HEADS + 2 * KV_HEADS) * HEAD_SIZE).to(device, torch.float16)
+    q, k, v = (qkv[:, a * HEAD_SIZE : b * HEAD_SIZE].view(len(slots), -1, HEAD_SIZE)
+               for a, b in ((0, HEADS), (HEADS, HEADS + KV_HEADS), (HEADS + KV_HEADS, HEADS + 2 * KV_HEADS)))
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    with torch.inference_mode():
+        step(0, q, k, v, out)
+        return median_us(lambda: step(1, q, k, v, out), 500, repeats)
 
 
 def _decode_step(x: Any, backend: Any, device: Any) -> Any:

@@ -130,7 +130,7 @@ def test_layer_op_launches_get_the_arguments_of_their_tensors(layer_run: fake_dr
 def test_later_layers_write_and_attend_with_their_own_tensors(layer_run: fake_driver.Run, version: str,
                                                               dtype: str) -> None:
     """The later layers run the first layer's cache write and attention launches, packed once, in one
-    bound call (`paged.kernels.planned.WriteThenDecode`): each launch's arguments as the driver reads
+    bound call (`paged.kernels.planned.WriteThenAttend`): each launch's arguments as the driver reads
     them are the first layer's with that layer's addresses in place of the first's, nothing else."""
     r, launched = _case(layer_run, version, dtype)
     assert r["joined"]

@@ -39,7 +39,7 @@ def test_the_benchmark_writes_launch_and_step_overheads_keyed_by_batch(tmp_path:
     assert results["launch_unavailable"] is None, results["launch_unavailable"]
     assert results["torch_ops_registration_ms"] > 0
     for key in ("launch_us", "layer_us", "op_us", "cuda_core_launch_us", "torch_op_us", "attention_us",
-                "layer_ops_us"):
+                "layer_ops_us", "prefill_us"):
         assert set(results[key]) == {"1", "4"} and all(v > 0 for v in results[key].values()), key
     # a layer's call plans before it launches, and the op also checks every input: neither costs less than
     # the launch

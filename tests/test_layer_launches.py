@@ -1,6 +1,6 @@
 """A step's decode attention and cache write on a backend that runs `Launch`es (emu here, cuda alike): the first
 layer's launches serve the later layers with their own query, caches and output swapped in
-(`paged.kernels.planned._LayerLaunches`, and both ops in one call: `WriteThenDecode`), and every layer's output
+(`paged.kernels.planned._LayerLaunches`, and both ops in one call: `WriteThenAttend`), and every layer's output
 is what the op computes for it alone; a layer whose query is laid out otherwise plans its own launches."""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def test_a_layer_whose_query_is_laid_out_otherwise_plans_its_own_launches() -> N
     fused = torch.zeros(query.shape[0], 3 * query.shape[1] * query.shape[2], dtype=query.dtype)
     fused[:, : query.shape[1] * query.shape[2]] = query.reshape(query.shape[0], -1)
     sliced = fused[:, : query.shape[1] * query.shape[2]].view(query.shape)
-    assert decode.layer_launches.decode(sliced, key, value, None, None) is None
+    assert decode.layer_launches.attend(sliced, key, value, None, None) is None
     out = decode(sliced, key, value)
     alone = kernels.paged_attention(query, key, value, x.block_tables, x.seq_lens, x.scale, version="v2",
                                     backend=EMU, partition_size=32)
@@ -78,8 +78,8 @@ def test_a_layer_given_its_output_tensor_writes_the_attention_there() -> None:
     assert decode(*layers[0], out=first) is first
     query, key, value = layers[1]
     second = torch.empty_like(query)
-    assert decode.layer_launches.decode(query, key, value, None, None, second) is second
-    assert decode.layer_launches.decode(query, key, value, None, None, second[:, :1]) is None  # not laid out as planned
+    assert decode.layer_launches.attend(query, key, value, None, None, second) is second
+    assert decode.layer_launches.attend(query, key, value, None, None, second[:, :1]) is None  # not laid out as planned
     for (query, key, value), out in zip(layers, (first, second)):
         alone = kernels.paged_attention(query, key, value, x.block_tables, x.seq_lens, x.scale, version="v2",
                                         backend=EMU, partition_size=32)
@@ -106,35 +106,44 @@ def test_every_layers_cache_write_from_the_first_layers_launch_equals_the_op() -
     assert not write.layer_launches.run((key.contiguous(), value, *caches, None, None))
 
 
-@pytest.mark.parametrize("version", ["v1", "v2", "v3"])
-def test_a_decode_steps_later_layers_write_and_attend_in_one_call_as_the_ops_do(version: str) -> None:
-    """The executor's attention (`PagedAttention`): after the first layer, a decode step's layers run
-    the cache write and the attention from the first layer's launches in one call; every layer's
+@pytest.mark.parametrize("version", ["v1", "v2", "v3", "prefill"])
+def test_a_steps_later_layers_write_and_attend_in_one_call_as_the_ops_do(version: str) -> None:
+    """The executor's attention (`PagedAttention`): after the first layer, a step whose rows all
+    decode (`version` v1/v2/v3) or all prefill (after cached tokens) runs each layer's cache write
+    and attention from the first layer's launches in one call (`WriteThenAttend`); every layer's
     cache and output are what the two ops alone give, also for a layer whose key is laid out
     otherwise (which runs the ops one by one)."""
     case = AttentionCase(torch.float16, 64, 16, 4, 2, 32, (5, 40, 77))
     x = attention_inputs(case)
     tables, lens = x.block_tables.numpy(), x.seq_lens.numpy()
-    rows, positions = np.arange(len(lens)), lens.astype(np.int64) - 1
-    slots = tables[rows, positions // 16].astype(np.int64) * 16 + positions % 16
-    starts = np.arange(len(lens) + 1, dtype=np.int32)
-    host = HostBatch(rows, positions, slots, rows, HostRows(None, tables, lens, starts, max(case.seq_lens), 1), None)
+    q_lens = np.array([1, 1, 1] if version != "prefill" else [5, 17, 30])
+    starts = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    seq_rows = np.repeat(np.arange(len(lens)), q_lens)
+    positions = np.concatenate([np.arange(n - q, n) for n, q in zip(lens, q_lens, strict=True)]).astype(np.int64)
+    slots = tables[seq_rows, positions // 16].astype(np.int64) * 16 + positions % 16
+    rows = HostRows(None, tables, lens, starts, max(case.seq_lens), int(q_lens.max()))
+    decode, prefill = (rows, None) if version != "prefill" else (None, rows)
+    host = HostBatch(np.zeros(len(slots), dtype=np.int64), positions, slots, starts[1:] - 1, decode, prefill)
     caches = [random_cache(x.key_cache.shape[0], 2, 64, 16, torch.float16, generator=torch.Generator().manual_seed(i))
               for i in range(LAYERS)]
     step = PagedAttention(InputBuffers(torch.device("cpu")).upload(host), [c[0] for c in caches],
-                          [c[1] for c in caches], AttentionSettings(EMU, x.scale, 32), decode_version=version,
-                          num_heads=8)
+                          [c[1] for c in caches], AttentionSettings(EMU, x.scale, 32),
+                          decode_version=None if version == "prefill" else version, num_heads=8)
     for layer in range(LAYERS):
         gen = torch.Generator().manual_seed(10 + layer)
         # q, k and v as the model passes them: slices of one fused projection
-        fused = torch.randn(len(lens), (8 + 2 + 2) * 64, generator=gen).half()
-        q, k, v = (fused[:, a * 64 : b * 64].view(len(lens), -1, 64) for a, b in ((0, 8), (8, 10), (10, 12)))
+        fused = torch.randn(len(slots), (8 + 2 + 2) * 64, generator=gen).half()
+        q, k, v = (fused[:, a * 64 : b * 64].view(len(slots), -1, 64) for a, b in ((0, 8), (8, 10), (10, 12)))
         if layer == LAYERS - 1:
             k = k.contiguous()
         expected = [c.clone() for c in caches[layer]]
         kernels.reshape_and_cache(k, v, *expected, torch.from_numpy(slots), backend=EMU)
-        alone = kernels.paged_attention(q, *expected, x.block_tables, x.seq_lens, x.scale, version=version,
-                                        backend=EMU, partition_size=32)
+        if version == "prefill":
+            alone = kernels.prefill_attention(q, *expected, x.block_tables, torch.from_numpy(starts), x.seq_lens,
+                                              x.scale, backend=EMU)
+        else:
+            alone = kernels.paged_attention(q, *expected, x.block_tables, x.seq_lens, x.scale, version=version,
+                                            backend=EMU, partition_size=32)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         assert step(layer, q, k, v, out) is out
         joined = step.layers[layer][0].joined

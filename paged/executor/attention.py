@@ -26,7 +26,7 @@ from paged.executor.attention_scores import StepScores
 from paged.executor.kv_scales import KVScales
 from paged.executor.step_plan import BatchInput
 from paged.kernels.backends.interface import CacheView
-from paged.kernels.planned import AttentionSettings, CacheWrite, DecodeAttention, PrefillAttention, WriteThenDecode
+from paged.kernels.planned import AttentionSettings, CacheWrite, DecodeAttention, PrefillAttention, WriteThenAttend
 from paged.kv_layout import KVLayout
 
 
@@ -42,13 +42,14 @@ class LayerRoute:
 
 @dataclass
 class _StepOps:
-    """One (group, type) pair's ops for the step. `joined`: a decode-only step's later layers as
-    one call (`WriteThenDecode`), made after the first layer (`planned` once it was tried)."""
+    """One (group, type) pair's ops for the step. `joined`: the later layers of a step that only
+    decodes or only prefills, as one call (`WriteThenAttend`), made after the first layer
+    (`planned` once it was tried)."""
 
     write: CacheWrite
     decode: DecodeAttention | None
     prefill: PrefillAttention | None
-    joined: WriteThenDecode | None = None
+    joined: WriteThenAttend | None = None
     planned: bool = False
 
 
@@ -114,27 +115,23 @@ class PagedAttention:
         `q`, as `torch.ops.paged.attention` passes it), else into a new tensor."""
         ops, slot = self.layers[layer]
         key_cache, value_cache = caches = self.key_caches[slot], self.value_caches[slot]
-        k_scale = v_scale = None
-        if self.kv_scales is not None:
-            k_scale, v_scale = self.kv_scales.for_layer(layer, k, v)
-        scales = k_scale, v_scale
+        scales = (None, None) if self.kv_scales is None else self.kv_scales.for_layer(layer, k, v)
         if ops.joined is not None:
             if out is None:
                 out = torch.empty_like(q)
-            if ops.joined((k, v, key_cache, value_cache, k_scale, v_scale, out, q)):
+            if ops.joined((k, v, key_cache, value_cache, *scales, out, q)):
                 return out
         ops.write(k, v, *caches, *scales)
         if self.scores is not None:
             self._score(layer, q, caches, scales)
-        if ops.prefill is None:
-            assert ops.decode is not None
-            out = ops.decode(q, *caches, *scales, out=out)
+        if ops.prefill is None or ops.decode is None:
+            attend = ops.prefill if ops.decode is None else ops.decode
+            assert attend is not None
+            out = attend(q, *caches, *scales, out=out)
             if not ops.planned:
                 ops.planned = True
-                ops.joined = None if self.scores is not None else WriteThenDecode.of(ops.write, ops.decode)
+                ops.joined = None if self.scores is not None else WriteThenAttend.of(ops.write, attend)
             return out
-        if ops.decode is None:
-            return ops.prefill(q, *caches, *scales, out=out)
         b = self.batch
         if out is None:
             out = torch.empty_like(q)

@@ -163,11 +163,11 @@ class _LayerLaunches:
         self.launch(addresses)
         return True
 
-    def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """A decode layer's output (in `out` when given), or None where its tensors are not laid out
-        as the first layer's."""
+        """An attention layer's output (in `out` when given), or None where its tensors are not laid
+        out as the first layer's."""
         if out is None:
             out = torch.empty_like(query)
         return out if self.run((out, query, key_cache, value_cache, k_scale, v_scale)) else None
@@ -199,23 +199,23 @@ class _Roles:
         return addresses
 
 
-class WriteThenDecode:
-    """A decode-only step's later layers in one call: the layer's cache write and its decode
-    attention, each from the first layer's launches (`_LayerLaunches`), their tensors checked once
-    (the caches and scales are roles of both). Roles: key, value, key_cache, value_cache, k_scale,
-    v_scale, out, query."""
+class WriteThenAttend:
+    """The later layers of a step whose rows all decode, or all prefill, in one call: the layer's
+    cache write and its attention, each from the first layer's launches (`_LayerLaunches`), their
+    tensors checked once (the caches and scales are roles of both). Roles: key, value, key_cache,
+    value_cache, k_scale, v_scale, out, query."""
 
-    # where each of the decode's roles (out, query, caches, scales) sits among these
-    DECODE_ROLES = (6, 7, 2, 3, 4, 5)
+    # where each of the attention's roles (out, query, caches, scales) sits among these
+    ATTENTION_ROLES = (6, 7, 2, 3, 4, 5)
 
-    def __init__(self, write: _LayerLaunches, decode: _LayerLaunches) -> None:
-        self.roles = _Roles(write.roles.layouts + decode.roles.layouts[:2])
-        self.launch = write.plan.runner.bind(write.parts(range(6)) + decode.parts(self.DECODE_ROLES))
+    def __init__(self, write: _LayerLaunches, attend: _LayerLaunches) -> None:
+        self.roles = _Roles(write.roles.layouts + attend.roles.layouts[:2])
+        self.launch = write.plan.runner.bind(write.parts(range(6)) + attend.parts(self.ATTENTION_ROLES))
 
     @classmethod
-    def of(cls, write: CacheWrite, decode: DecodeAttention) -> WriteThenDecode | None:
+    def of(cls, write: CacheWrite, attend: DecodeAttention | PrefillAttention) -> WriteThenAttend | None:
         """None unless both ops run from their first layer's launches over the same caches."""
-        w, d = write.layer_launches, decode.layer_launches
+        w, d = write.layer_launches, attend.layer_launches
         if w is None or d is None or w.roles.layouts[2:] != d.roles.layouts[2:] or w.plan.runner is not d.plan.runner:
             return None
         return cls(w, d)
@@ -251,7 +251,7 @@ class DecodeAttention(_Planned):
         """The layer's output, in `out` when given (a contiguous tensor like the query): the later
         layers' launches write it there, other paths copy it in."""
         if self.layer_launches is not None:
-            result = self.layer_launches.decode(query, key_cache, value_cache, k_scale, v_scale, out)
+            result = self.layer_launches.attend(query, key_cache, value_cache, k_scale, v_scale, out)
             if result is not None:
                 return result
         cache = self._cache(key_cache, value_cache, k_scale, v_scale)
@@ -281,19 +281,33 @@ class PrefillAttention(_Planned):
             rows.host_query_start_loc, rows.host_seq_lens, rows.host_block_tables, block_size, num_kv_heads,
             head_size, self.window, rows.block_tables.device,
         )
+        self.layer_launches: _LayerLaunches | None = None
 
     def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-        """The rows' output, copied into `out` when given."""
+        """The rows' output, in `out` when given: on a backend that runs `Launch`es the later layers
+        run from the first layer's launch (`_LayerLaunches`) and write it there, other paths copy it in."""
+        if self.layer_launches is not None:
+            result = self.layer_launches.attend(query, key_cache, value_cache, k_scale, v_scale, out)
+            if result is not None:
+                return result
         cache = self._cache(key_cache, value_cache, k_scale, v_scale)
-        if self.features is None:
+        first = self.features is None
+        if first:
             input_checks.check_prefill_attention(query, cache, self.rows.query_start_loc)
             self.features = self._check_first(query, cache, None)
-        return into(out, self.backend.prefill_attention(
-            query, cache, self.rows.query_start_loc, self.settings.scale, self.rows.max_query_len,
-            self.rows.max_seq_len, self.window, self.features, plan=self.plan,
-        ))
+        r = self.rows
+        if not (first and isinstance(self.backend, RunnerBackend)):
+            return into(out, self.backend.prefill_attention(
+                query, cache, r.query_start_loc, self.settings.scale, r.max_query_len, r.max_seq_len, self.window,
+                self.features, plan=self.plan,
+            ))
+        plan = self.backend.prefill_launches(query, cache, r.query_start_loc, self.settings.scale, r.max_query_len,
+                                             self.window, self.features)
+        plan.runner.run(plan.unit, plan.launches)
+        self.layer_launches = _LayerLaunches.of(plan, (plan.out, query, key_cache, value_cache, k_scale, v_scale))
+        return into(out, plan.out)
 
 
 class CacheWrite:

@@ -149,15 +149,13 @@ class _BoundLaunches:
                       for kernel, (_, item, changed), block in zip(kernels, parts, self.blocks, strict=True)]
 
     def __call__(self, addresses: Sequence[int]) -> None:
-        if self.runner._is_current():
-            self._launch(addresses)
+        runner = self.runner
+        if not runner._is_current():
+            with runner._current():
+                self(addresses)
             return
-        with self.runner._current():
-            self._launch(addresses)
-
-    def _launch(self, addresses: Sequence[int]) -> None:
-        driver = self.runner._driver
-        launch_kernel, stream = driver.cuLaunchKernel, self.runner._stream()
+        driver = runner._driver
+        launch_kernel, stream = driver.cuLaunchKernel, runner._stream()
         for item, slots, changed, function, gx, gy, gz, block, shared_memory, params in self.items:
             for i, j in changed:
                 slots[i] = addresses[j]

@@ -252,9 +252,18 @@ class RunnerBackend(FusedLayerOpsMixin, TorchBackend):
         self, query: torch.Tensor, cache: CacheView, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
         max_seq_len: int, sliding_window: int | None, features: AttentionFeatures = NONE, plan: object = None,
     ) -> torch.Tensor:
-        """One launch for the batch: a CTA per 128 (fp16 / bf16 up to head 128) or 64 (query, head)
-        rows of a sequence and KV head, the grid sized by `max_query_len` (tiles past a sequence's
-        rows return at once)."""
+        launches = self.prefill_launches(query, cache, query_start_loc, scale, max_query_len, sliding_window, features)
+        launches.runner.run(launches.unit, launches.launches)
+        return launches.out
+
+    def prefill_launches(
+        self, query: torch.Tensor, cache: CacheView, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
+        sliding_window: int | None, features: AttentionFeatures = NONE,
+    ) -> LaunchPlan:
+        """`prefill_attention`'s launch, not yet run (`paged.kernels.planned` runs a step's later
+        layers from the first's launch): one for the batch, a CTA per 128 (fp16 / bf16 up to head
+        128) or 64 (query, head) rows of a sequence and KV head, the grid sized by `max_query_len`
+        (tiles past a sequence's rows return at once)."""
         runner = self.runner(query)
         num_heads, head_size = query.shape[1], query.shape[2]
         key_cache, value_cache = cache.key_cache, cache.value_cache
@@ -277,8 +286,8 @@ class RunnerBackend(FusedLayerOpsMixin, TorchBackend):
             np.int32(key_cache.stride(0)), np.int32(key_cache.stride(1)), np.int32(sliding_window or 0),
             *_feature_args(cache, features),
         )
-        runner.run(unit, [Launch(unit.kernels[0], grid, PREFILL_WARPS * WARP_SIZE, smem, args)])
-        return out
+        launches = [Launch(unit.kernels[0], grid, PREFILL_WARPS * WARP_SIZE, smem, args)]
+        return LaunchPlan(runner, unit, launches, out, (query, block_tables, seq_lens, query_start_loc))
 
     def reshape_and_cache(
         self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
