@@ -6,7 +6,7 @@ and FlashInfer (kernel_peers.py), all measured in one run.
     python experiments/gpu/kernel_bench.py [--batch 1 4 16 64 256] [--context 512 1024 4096 16384]
         [--shapes 64x4096 256x1024 1x16384] [--dtype float16 bfloat16] [--kv-cache-dtype auto fp8_e4m3]
         [--iters 100] [--repeats 11] [--peers sdpa-flash sdpa-cudnn flex flashinfer]
-        [--flashinfer-src .flashinfer] [--device auto|cuda|cpu]
+        [--flashinfer-src .flashinfer] [--device auto|cuda|cpu] [--v3-splits 1 2 8]
 
 Shapes: 64 query / 8 KV heads, head 128, block 16 (kernel_inputs.py), every `--batch` x `--context`
 or the `--shapes` given; fp16 and bf16; `--kv-cache-dtype fp8_e4m3` adds rows with a one-byte cache
@@ -18,6 +18,9 @@ the earlier tables in docs/gpu.md, is printed beside it. Then `auto` (what kerne
 backend), the faster of ours with its %, and fi/v3 (FlashInfer's µs over v3's: >= 0.9 means v3 is at
 least 0.9x FlashInfer's speed). A cell that cannot run is `-` with a note number; notes print under
 the row that first needs them. After the table, the issue's targets where their rows were measured.
+`--v3-splits N ...` adds a column per N: v3 with its split count forced to N (the planner's choice
+is the `v3` column), to see which count each row wants. Splits hold whole 32-token tiles, so an N
+that does not divide a row's tiles gives the fewest splits of ceil(tiles / N) tiles (33 of 128: 32).
 
 How it times, and why (kernel_timing.py):
 - CUDA graphs. A small decode call runs for a few µs, less than the Python and launch overhead of
@@ -47,7 +50,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from unittest import mock
 
@@ -61,7 +64,10 @@ from kernel_timing import Probe, Timer, Timing, reason  # noqa: E402
 
 from paged import kernels  # noqa: E402
 from paged.config.choices import VERSIONS  # noqa: E402
-from paged.kernels.features import KV_CACHE_DTYPES, cache_dtype  # noqa: E402
+from paged.kernels.backends.interface import CacheView  # noqa: E402
+from paged.kernels.features import KV_CACHE_DTYPES, NONE, cache_dtype  # noqa: E402
+from paged.kernels.limits import DEFAULT_PARTITION_SIZE  # noqa: E402
+from paged.kernels.split_plan import MAX_SPLITS  # noqa: E402
 from paged.kernels.toolchain import nvrtc, specs  # noqa: E402
 from paged.kernels.toolchain.cache_dir import ENV_VAR  # noqa: E402
 
@@ -134,8 +140,9 @@ def our_backend(device: torch.device) -> str:
 class Bench:
     """The table: our kernels and the peers per row, the probes once, the results kept for the targets."""
 
-    def __init__(self, timer: Timer, peers: Peers) -> None:
+    def __init__(self, timer: Timer, peers: Peers, v3_splits: Sequence[int] = ()) -> None:
         self.timer, self.peers, self.notes = timer, peers, Notes()
+        self.v3_splits = tuple(v3_splits)
         self.backend = our_backend(timer.device)
         self.copy = timer.copy_probe()
         self.read, self.read_lines = timer.read_probes()
@@ -150,6 +157,23 @@ class Bench:
         seq_lens = torch.full((sets[0].query.shape[0],), context, dtype=torch.int32, device=self.timer.device)
         return [functools.partial(kernels.paged_attention, s.query, s.key_cache, s.value_cache, s.block_tables,
                                   seq_lens, SCALE, version=version, backend=backend, max_seq_len=context, **scales)
+                for s in sets]
+
+    def _forced_v3(self, sets: list[Inputs], context: int, splits: int,
+                   scales: dict[str, torch.Tensor]) -> list[Callable[[], torch.Tensor]]:
+        """v3 with `splits` splits, through the backend with a workspace planned for that count."""
+        backend = kernels.get_backend(self.backend)
+        first = sets[0]
+        batch, heads, head = first.query.shape
+        _, kv_heads, _, block = first.value_cache.shape
+        seq_lens = torch.full((batch,), context, dtype=torch.int32, device=self.timer.device)
+        workspace = backend.decode_workspace(batch, heads, kv_heads, head, block, "v3", DEFAULT_PARTITION_SIZE,
+                                             context, None, self.timer.device, first.key_cache.dtype,
+                                             num_splits=splits)
+        return [functools.partial(backend.paged_attention, s.query,
+                                  CacheView(s.key_cache, s.value_cache, s.block_tables, seq_lens,
+                                            scales.get("k_scale"), scales.get("v_scale")),
+                                  SCALE, "v3", DEFAULT_PARTITION_SIZE, context, None, NONE, workspace)
                 for s in sets]
 
     def row(self, batch: int, context: int, dtype: torch.dtype, kv: str) -> str:
@@ -167,6 +191,11 @@ class Bench:
                 cells[version] = Cell(self.timer.graphed(self._calls(sets, context, self.backend, version, scales)))
             except Exception as e:  # v1 past the device's shared memory, a version not built yet
                 cells[version] = Cell(None, reason(e))
+        for splits in self.v3_splits:
+            try:
+                cells[f"v3/{splits}"] = Cell(self.timer.graphed(self._forced_v3(sets, context, splits, scales)))
+            except Exception as e:  # more splits than the row has tiles, or than the scratch allows
+                cells[f"v3/{splits}"] = Cell(None, reason(e))
         bytes_read = kv_bytes(batch, context, kv_dtype)
         cells["torch"] = Cell(None, "its fp32 copies of K/V would not fit")
         if 2 * bytes_read <= TORCH_MAX_BYTES:
@@ -195,7 +224,7 @@ class Bench:
 
     @property
     def columns(self) -> list[str]:
-        return [*VERSIONS, "torch", *self.peers.names]
+        return [*VERSIONS, *(f"v3/{n}" for n in self.v3_splits), "torch", *self.peers.names]
 
     def print_header(self) -> None:
         device = self.timer.device
@@ -245,9 +274,14 @@ def main() -> None:
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     parser.add_argument("--arch", default="sm_90", help="compile target when no GPU is present")
     parser.add_argument("--full", action="store_true", help="time every instantiation, not only the defaults")
+    parser.add_argument("--v3-splits", type=int, nargs="+", default=[],
+                        help="also time v3 with its split count forced to each (a column each)")
     args = parser.parse_args()
     if args.iters < 1 or args.repeats < 3:
         parser.error("--iters must be at least 1 and --repeats at least 3 (for an interquartile range)")
+    bad = [n for n in args.v3_splits if not 1 <= n <= MAX_SPLITS]
+    if bad:
+        parser.error(f"--v3-splits {bad[0]} is not a split count; allowed: 1..{MAX_SPLITS}")
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device")
@@ -261,7 +295,7 @@ def main() -> None:
         major, minor = torch.cuda.get_device_capability()
         compile_times(f"sm_{major}{minor}", args.full)
     timer = Timer(torch.device(device), args.iters, args.repeats)
-    bench = Bench(timer, Peers(timer, args.peers, args.flashinfer_src))
+    bench = Bench(timer, Peers(timer, args.peers, args.flashinfer_src), args.v3_splits)
     bench.print_header()
     shapes = args.shapes or [(b, c) for b in args.batch for c in args.context]
     for batch, context in shapes:

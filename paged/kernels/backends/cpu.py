@@ -248,16 +248,17 @@ class CpuBackend(TorchBackend):
     def decode_workspace(
         self, num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int, block_size: int, version: str,
         partition_size: int, max_seq_len: int, sliding_window: int | None, device: torch.device,
-        cache_dtype: torch.dtype | None = None,
+        cache_dtype: torch.dtype | None = None, num_splits: int | None = None,
     ) -> SplitPlan | None:
         """v3's split plan for the step over a `cache_dtype` cache (None: 16-bit; the kernel
-        allocates its small merge scratch per call); `None` for v1 and v2."""
+        allocates its small merge scratch per call), `num_splits` splits where given; `None` for
+        v1 and v2."""
         if version != "v3":
             return None
         element = 2 if cache_dtype is None else cache_dtype.itemsize
         return plan_splits(num_seqs, num_kv_heads, max_seq_len, block_size,
                            Hardware(torch.get_num_threads(), V3_SLOTS_PER_THREAD), sliding_window=sliding_window,
-                           kv_bytes_per_token=2 * head_size * element)
+                           num_splits=num_splits, kv_bytes_per_token=2 * head_size * element)
 
     def paged_attention(
         self, query: torch.Tensor, cache: CacheView, scale: float, version: str, partition_size: int, max_seq_len: int,

@@ -150,13 +150,14 @@ class RunnerBackend(FusedLayerOpsMixin, TorchBackend):
     def decode_workspace(
         self, num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int, block_size: int, version: str,
         partition_size: int, max_seq_len: int, sliding_window: int | None, device: torch.device,
-        cache_dtype: torch.dtype | None = None,
+        cache_dtype: torch.dtype | None = None, num_splits: int | None = None,
     ) -> V2Scratch | V3Workspace | None:
-        """v2's per-partition exp sums, max logits and outputs, or v3's split plan and its scratch,
-        for rows of up to `max_seq_len` over a `cache_dtype` cache (None: 16-bit)."""
+        """v2's per-partition exp sums, max logits and outputs, or v3's split plan (of `num_splits`
+        splits where given) and its scratch, for rows of up to `max_seq_len` over a `cache_dtype`
+        cache (None: 16-bit)."""
         if version == "v3":
             return v3_workspace(self.device_limits(device), num_seqs, num_heads, num_kv_heads, head_size, block_size,
-                                max_seq_len, sliding_window, device,
+                                max_seq_len, sliding_window, device, num_splits=num_splits,
                                 cache_element_size=2 if cache_dtype is None else cache_dtype.itemsize)
         if version != "v2":
             return None
