@@ -92,7 +92,8 @@ def into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
 
 
 class _Planned:
-    """Checks the rows' values at construction and the tensors on the first call."""
+    """Checks the rows' values at construction and the tensors on the first call; on a backend that
+    runs `Launch`es, keeps the first layer's launches for the later layers (`_LayerLaunches`)."""
 
     def __init__(self, rows: Rows, settings: AttentionSettings, num_blocks: int, block_size: int) -> None:
         step_checks.check_rows(
@@ -104,6 +105,24 @@ class _Planned:
         self.backend = settings.backend
         self.window = narrower_window(settings.sliding_window, rows.max_seq_len)
         self.features: AttentionFeatures | None = None  # checked on the first call
+        self.layer_launches: _LayerLaunches | None = None
+
+    def _from_first(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                    out: torch.Tensor | None) -> torch.Tensor | None:
+        """A later layer's output from the first layer's launches, or None (none kept, or this
+        layer's tensors are not laid out as the first's)."""
+        if self.layer_launches is None:
+            return None
+        return self.layer_launches.attend(query, key_cache, value_cache, k_scale, v_scale, out)
+
+    def _run_first(self, plan: LaunchPlan, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                   out: torch.Tensor | None) -> torch.Tensor:
+        """Runs the first layer's `plan` and keeps its launches for the later layers."""
+        plan.runner.run(plan.unit, plan.launches)
+        self.layer_launches = _LayerLaunches.of(plan, (plan.out, query, key_cache, value_cache, k_scale, v_scale))
+        return into(out, plan.out)
 
     def _cache(self, key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale: torch.Tensor | None,
                v_scale: torch.Tensor | None) -> CacheView:
@@ -243,17 +262,15 @@ class DecodeAttention(_Planned):
             rows.num_seqs, num_heads, num_kv_heads, head_size, block_size, version, settings.partition_size,
             rows.max_seq_len, self.window, rows.block_tables.device, settings.cache_dtype,
         )
-        self.layer_launches: _LayerLaunches | None = None
 
     def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
         """The layer's output, in `out` when given (a contiguous tensor like the query): the later
         layers' launches write it there, other paths copy it in."""
-        if self.layer_launches is not None:
-            result = self.layer_launches.attend(query, key_cache, value_cache, k_scale, v_scale, out)
-            if result is not None:
-                return result
+        result = self._from_first(query, key_cache, value_cache, k_scale, v_scale, out)
+        if result is not None:
+            return result
         cache = self._cache(key_cache, value_cache, k_scale, v_scale)
         first = self.features is None
         if first:
@@ -264,10 +281,8 @@ class DecodeAttention(_Planned):
                 self.window, self.features, self.workspace)
         if not (first and isinstance(self.backend, RunnerBackend)):
             return into(out, self.backend.paged_attention(*args))
-        plan = self.backend.decode_launches(*args)
-        plan.runner.run(plan.unit, plan.launches)
-        self.layer_launches = _LayerLaunches.of(plan, (plan.out, query, key_cache, value_cache, k_scale, v_scale))
-        return into(out, plan.out)
+        return self._run_first(self.backend.decode_launches(*args), query, key_cache, value_cache, k_scale, v_scale,
+                               out)
 
 
 class PrefillAttention(_Planned):
@@ -281,17 +296,15 @@ class PrefillAttention(_Planned):
             rows.host_query_start_loc, rows.host_seq_lens, rows.host_block_tables, block_size, num_kv_heads,
             head_size, self.window, rows.block_tables.device,
         )
-        self.layer_launches: _LayerLaunches | None = None
 
     def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
         """The rows' output, in `out` when given: on a backend that runs `Launch`es the later layers
         run from the first layer's launch (`_LayerLaunches`) and write it there, other paths copy it in."""
-        if self.layer_launches is not None:
-            result = self.layer_launches.attend(query, key_cache, value_cache, k_scale, v_scale, out)
-            if result is not None:
-                return result
+        result = self._from_first(query, key_cache, value_cache, k_scale, v_scale, out)
+        if result is not None:
+            return result
         cache = self._cache(key_cache, value_cache, k_scale, v_scale)
         first = self.features is None
         if first:
@@ -305,9 +318,7 @@ class PrefillAttention(_Planned):
             ))
         plan = self.backend.prefill_launches(query, cache, r.query_start_loc, self.settings.scale, r.max_query_len,
                                              self.window, self.features)
-        plan.runner.run(plan.unit, plan.launches)
-        self.layer_launches = _LayerLaunches.of(plan, (plan.out, query, key_cache, value_cache, k_scale, v_scale))
-        return into(out, plan.out)
+        return self._run_first(plan, query, key_cache, value_cache, k_scale, v_scale, out)
 
 
 class CacheWrite:
