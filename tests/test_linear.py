@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from paged.kernels import bf16_linear
 from paged.model import linear
 from paged.model.linear import Linear, onednn_bf16_supported, onednn_unsupported_reason, resolve_gemm
 
@@ -65,3 +66,32 @@ def test_bf16_without_cpu_support_falls_back_to_torch_and_onednn_is_refused(monk
     assert resolve_gemm("auto", torch.float32, CPU) == "onednn"
     with pytest.raises(ValueError, match="runs bfloat16 only on a CPU with AVX512 bf16 support"):
         resolve_gemm("onednn", torch.bfloat16, CPU)
+
+
+@pytest.mark.skipif(bf16_linear.unavailable_reason() is not None, reason="no AVX512-BF16 build of the cpu library")
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 64, 300])
+def test_a_bf16_layer_on_avx512_bf16_is_the_bf16_gemm(rows: int) -> None:
+    """`paged.kernels.bf16_linear` (one core up to 8 rows, the threads past them): fp32 sums of the
+    bf16 products rounded once, as oneDNN's bf16 GEMM gives them (to its last bit at decode sizes in
+    practice; to one bf16 ulp here); a 3-d input keeps its shape."""
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(192, 80, generator=g).bfloat16()
+    x = torch.randn(rows, 80, generator=g).bfloat16()
+    layer = Linear(weight, None, "onednn")
+    assert layer.bf16 is not None
+    exact = (x.double() @ weight.double().T).bfloat16()
+    torch.testing.assert_close(layer(x), exact, rtol=2**-7, atol=1e-2)
+    assert layer(x.view(1, rows, 80)).shape == (1, rows, 192)
+    assert torch.equal(layer(x.view(1, rows, 80))[0], layer(x))
+    if layer.bf16_rows is None:  # no AMX: one copy of the weight, the packed one
+        assert layer.weight is None
+
+
+@pytest.mark.skipif(bf16_linear.unavailable_reason() is not None, reason="no AVX512-BF16 build of the cpu library")
+def test_a_bf16_layer_the_loop_cannot_tile_stays_with_onednn() -> None:
+    """Outputs not a multiple of 64, or a bias: oneDNN's packed layer, as before."""
+    weight = torch.randn(96, 80).bfloat16()
+    assert Linear(weight, None, "onednn").bf16 is None
+    assert Linear(torch.randn(128, 80).bfloat16(), torch.zeros(128).bfloat16(), "onednn").bf16 is None
+    with pytest.raises(ValueError, match=r"out a multiple of 64 .* got torch.bfloat16 \(96, 80\)"):
+        bf16_linear.PackedBf16(weight)

@@ -34,6 +34,7 @@
 #include "cache_convert.h"
 #include "common.h"
 #include "decode_v3.h"
+#include "gemm_bf16.h"
 #include "layer_ops.h"
 #include "prefill.h"
 #include "slots.h"
@@ -609,5 +610,34 @@ extern "C" int reshape_and_cache_cpu(int element_size, const void *key, const in
         static_cast<uint16_t *>(key_cache), static_cast<uint16_t *>(value_cache), slot_mapping, num_tokens,
         num_kv_heads, head_size, block_size, num_threads);
   }
+  return 0;
+}
+
+// The bf16 linear (gemm_bf16.h): whether this build has it (16 outputs a register, or 0), the
+// weight's packing, and the layer.
+extern "C" int gemm_bf16_lanes_cpu() { return paged_cpu::gemm::SUPPORTED ? paged_cpu::gemm::LANES : 0; }
+
+extern "C" int gemm_bf16_pack_cpu(const uint16_t *weight, int64_t out_features, int64_t in_features,
+                                  uint16_t *packed) {
+  if (!paged_cpu::gemm::SUPPORTED) return 7;
+  if (out_features <= 0 || in_features <= 0 || out_features % (paged_cpu::gemm::LANES * paged_cpu::gemm::BLOCKS) ||
+      in_features % 2)
+    return 15;
+#if defined(__AVX512BF16__)
+  paged_cpu::gemm::pack(weight, out_features, in_features, packed);
+#endif
+  return 0;
+}
+
+extern "C" int gemm_bf16_cpu(uint16_t *y, int64_t y_stride, const uint16_t *x, int64_t x_stride, const uint16_t *packed,
+                             int64_t num_rows, int64_t out_features, int64_t in_features, int num_threads) {
+  if (!paged_cpu::gemm::SUPPORTED) return 7;
+  if (num_threads <= 0) return 6;
+  if (num_rows < 0 || out_features <= 0 || in_features <= 0 ||
+      out_features % (paged_cpu::gemm::LANES * paged_cpu::gemm::BLOCKS) || in_features % 2)
+    return 15;
+#if defined(__AVX512BF16__)
+  paged_cpu::gemm::linear(y, y_stride, x, x_stride, packed, num_rows, out_features, in_features, num_threads);
+#endif
   return 0;
 }

@@ -11,6 +11,10 @@ oneDNN cannot run) or `auto` (onednn for fp32 models on a CPU with oneDNN, and f
 CPU has AVX512 bf16; torch otherwise).
 The two kernels sum in different orders, so their logits differ in the last bits; greedy outputs
 match vLLM's either way (docs/speed.md).
+
+A bf16 layer that `onednn` serves on a CPU with AVX512-BF16 runs `paged.kernels.bf16_linear`'s loop
+instead (its own packed copy of the weight): every call where the CPU has no AMX, the calls of a
+few rows (a decode step's) where it has, oneDNN's copy then serving the rest.
 """
 
 from __future__ import annotations
@@ -19,11 +23,17 @@ import torch
 import torch.nn.functional as F
 
 from paged.config.choices import GEMMS
+from paged.kernels import bf16_linear
+from paged.kernels.bf16_linear import PackedBf16
 
 # oneDNN picks its weight layout for an expected row count; decode batches are tens of rows, and the
 # layout chosen for 64 also runs prefill's thousands of rows at full speed (measured: 194 GFLOP/s).
 _ROWS_HINT = 64
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _has_amx() -> bool:
+    return bool(torch.cpu._is_amx_tile_supported())
 
 
 def onednn_bf16_supported() -> bool:
@@ -63,9 +73,19 @@ class Linear:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.packed = gemm == "onednn"
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT) if self.packed else weight
+        # a bf16 layer on AVX512-BF16 (paged.kernels.bf16_linear): every call, or, where AMX makes
+        # oneDNN's large-row GEMMs faster, the calls of a few rows, the layer keeping oneDNN's copy too
+        self.bf16 = PackedBf16(weight) if self.packed and bf16_linear.serves(weight, bias) else None
+        self.bf16_rows = bf16_linear.ONE_CORE_ROWS if _has_amx() else None  # None: every call
+        if self.bf16 is not None and self.bf16_rows is None:
+            self.packed, self.weight = False, None  # one copy of the weight: the packed one
+        else:
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT) if self.packed else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bf16 is not None and (self.bf16_rows is None or (x.dim() == 2 and x.shape[0] <= self.bf16_rows)):
+            rows = x.reshape(-1, self.in_features)
+            return self.bf16(rows if rows.stride(1) == 1 else rows.contiguous()).view(*x.shape[:-1], self.out_features)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
