@@ -11,8 +11,8 @@ run at oneDNN's own AVX512-BF16 speed (~400 GFLOP/s there at 512 rows).
 
 `PackedBf16(weight)` packs a `[out, in]` bf16 weight once; calling it with `x` `[rows, in]`
 (contiguous columns) returns `x @ weight.T` in bf16, the sums in fp32 rounded once, as a bf16 GEMM
-does (oneDNN's results at 1-8 rows were bit-identical in a check, a last-bit difference at most
-otherwise: the sums are ordered alike). `paged.model.linear` uses it for every call of a bf16
+does (oneDNN's to the bit at 1 and 3 rows in a check, one element in 7,680 an ulp apart at 8 rows:
+the sums are ordered nearly alike). `paged.model.linear` uses it for every call of a bf16
 layer where the CPU has no AMX, and for the calls of up to `ONE_CORE_ROWS` rows where it has (AMX
 tiles make oneDNN's large-row GEMMs faster; that layer keeps oneDNN's copy of the weight too).
 """
