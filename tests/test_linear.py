@@ -95,3 +95,13 @@ def test_a_bf16_layer_the_loop_cannot_tile_stays_with_onednn() -> None:
     assert Linear(torch.randn(128, 80).bfloat16(), torch.zeros(128).bfloat16(), "onednn").bf16 is None
     with pytest.raises(ValueError, match=r"out a multiple of 64 .* got torch.bfloat16 \(96, 80\)"):
         bf16_linear.PackedBf16(weight)
+
+
+def test_the_description_says_where_bf16_layers_run_the_loop() -> None:
+    assert linear.describe_gemm("onednn", torch.float32) == "onednn"
+    assert linear.describe_gemm("torch", torch.bfloat16) == "torch"
+    if bf16_linear.unavailable_reason() is None:
+        assert linear.describe_gemm("onednn", torch.bfloat16).startswith(
+            "onednn (the AVX512-BF16 loop for the bf16 layers it tiles")
+    else:
+        assert linear.describe_gemm("onednn", torch.bfloat16) == "onednn"

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 import torch
 
+from paged.model.linear import describe_gemm
 from paged.model.llama import LlamaModel
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,8 @@ def describe(ex: Described) -> str:
     dtype = str(ex.dtype).removeprefix("torch.") + ex.dtype_note
     kv = f", KV cache {ex.kv_cache_dtype_name}" if ex.cache_dtype != ex.dtype else ""
     # BLOOM keeps F.linear and its own norms: only a Llama model has these choices
-    layers = f"; gemm {ex.gemm}, {ex.model.ops.name} norms/RoPE/SwiGLU" if isinstance(ex.model, LlamaModel) else ""
+    layers = (f"; gemm {describe_gemm(ex.gemm, ex.dtype)}, {ex.model.ops.name} norms/RoPE/SwiGLU"
+              if isinstance(ex.model, LlamaModel) else "")
     graphs = "; steps from CUDA graphs" if ex.graphs is not None else ""
     graphs += "; async scheduling" if ex.async_scheduling else ""
     cpu = f"; {ex.threads.count}" + " per rank" * (ex.num_devices > 1) if ex.device.type == "cpu" else ""

@@ -36,6 +36,14 @@ def _has_amx() -> bool:
     return bool(torch.cpu._is_amx_tile_supported())
 
 
+def describe_gemm(gemm: str, dtype: torch.dtype) -> str:
+    """`gemm` as the executor's description names it, with where bf16 layers run the packed loop."""
+    if gemm != "onednn" or dtype != torch.bfloat16 or bf16_linear.unavailable_reason() is not None:
+        return gemm
+    rows = f", calls of up to {bf16_linear.ONE_CORE_ROWS} rows" if _has_amx() else ""
+    return f"{gemm} (the AVX512-BF16 loop for the bf16 layers it tiles{rows})"
+
+
 def onednn_bf16_supported() -> bool:
     """oneDNN's bf16 matmul needs AVX512 bf16 (or AMX); without it a packed bf16 call fails at run time."""
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
