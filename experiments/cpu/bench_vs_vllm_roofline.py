@@ -5,9 +5,10 @@ benchmark runs (fp32 and bf16 GEMMs differ ~3x on a CPU with AVX512-BF16), and i
 every GEMM path on offer: torch's `F.linear` and the prepacked oneDNN matmul that paged's linears
 use (`paged/model/linear.py`, `Linear(weight, None, "onednn")`), which beats `F.linear` at the
 model's shapes (issue 15: ~200 against ~180 fp32 GFLOP/s); the `onednn` rows are that layer, which
-in bf16 on a CPU with AVX512-BF16 and no AMX runs `paged.kernels.bf16_linear`'s loop instead. A peak below what paged itself reaches
-would flatter every row. Each path runs at the model's fused shapes (512 rows) and at 2048^3, on all
-cores; every number is printed, so the reader sees where the peak comes from.
+in bf16 on a CPU with AVX512-BF16 and no AMX runs `paged.kernels.bf16_linear`'s loop instead. A
+peak below what paged itself reaches would flatter every row. Each path runs at the model's fused
+shapes (512 rows) and at 2048^3, on all cores; every number is printed, so the reader sees where
+the peak comes from.
 
 Workload FLOPs = per request 2 x (non-embedding matmul params) x (prompt + output - 1 tokens)
 + 2 x (lm_head params) x output + 4 x layers x heads x head_dim x (context per processed token,

@@ -5,9 +5,10 @@ matmul splits each call over the OpenMP threads, which paged lets sleep between 
 (`OMP_WAIT_POLICY=PASSIVE`, fair to a busy neighbour), so every call pays their wake-up:
 SmolLM2-135M's 120 layer calls of one row took ~20 ms a step (~11 GB/s of weights) on a 2-core
 AVX512-BF16 EPYC. This loop on the calling thread streams ~19 GB/s on one core and wakes nobody:
-~11 ms at one row, ~16 ms at eight where oneDNN takes ~21; so up to `ONE_CORE_ROWS` rows run on
-the calling thread, more over `torch.get_num_threads()` threads, where its 4-row x 64-output tiles
-run at oneDNN's own AVX512-BF16 speed (~400 GFLOP/s there at 512 rows).
+~11 ms at one row, ~12 at four; from about six rows two threads win despite their wake-up (13.4 ms
+at six rows against 14.6 on one, 18.2 against 25.8 at sixteen; oneDNN ~25). So up to
+`ONE_CORE_ROWS` rows run on the calling thread, more over `torch.get_num_threads()` threads, where
+its 4-row x 64-output tiles run at oneDNN's own AVX512-BF16 speed (~400 GFLOP/s there at 512 rows).
 
 `PackedBf16(weight)` packs a `[out, in]` bf16 weight once; calling it with `x` `[rows, in]`
 (contiguous columns) returns `x @ weight.T` in bf16, the sums in fp32 rounded once, as a bf16 GEMM
@@ -25,8 +26,9 @@ import torch
 
 from paged.kernels.backends import cpu as _cpu
 
-# Up to this many rows the loop on one core beats oneDNN's threads (docs/speed.md).
-ONE_CORE_ROWS = 8
+# Up to this many rows the loop on one core beats two woken threads (docs/speed.md: measured 4 against 8
+# end to end, alternating: 4 won at 8 and 32 requests).
+ONE_CORE_ROWS = 4
 # out_features must fill whole tiles of 4 blocks of 16 outputs; in_features whole pairs.
 OUT_MULTIPLE, IN_MULTIPLE = 64, 2
 
