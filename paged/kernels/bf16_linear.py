@@ -52,11 +52,6 @@ def serves(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
             and unavailable_reason() is None)
 
 
-def _check(status: int, what: str) -> None:
-    if status:
-        raise ValueError(f"cpu {what} refused its arguments: {_cpu._STATUS.get(status, status)}")
-
-
 class PackedBf16:
     """A bf16 weight packed for gemm_bf16.h's loop."""
 
@@ -70,8 +65,8 @@ class PackedBf16:
         weight = weight.contiguous()
         self.packed = torch.empty_like(weight)
         lib = _cpu.load()
-        _check(lib.gemm_bf16_pack_cpu(weight.data_ptr(), self.out_features, self.in_features,
-                                      self.packed.data_ptr()), "gemm_bf16_pack_cpu")
+        _cpu.check_status("gemm_bf16_pack_cpu", lib.gemm_bf16_pack_cpu(weight.data_ptr(), self.out_features,
+                                                                       self.in_features, self.packed.data_ptr()))
         self._linear = lib.gemm_bf16_cpu
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -83,6 +78,7 @@ class PackedBf16:
         rows = x.shape[0]
         y = torch.empty(rows, self.out_features, dtype=torch.bfloat16)
         threads = 1 if rows <= ONE_CORE_ROWS else torch.get_num_threads()
-        _check(self._linear(y.data_ptr(), self.out_features, x.data_ptr(), x.stride(0), self.packed.data_ptr(), rows,
-                            self.out_features, self.in_features, threads), "gemm_bf16_cpu")
+        _cpu.check_status("gemm_bf16_cpu", self._linear(y.data_ptr(), self.out_features, x.data_ptr(), x.stride(0),
+                                                        self.packed.data_ptr(), rows, self.out_features,
+                                                        self.in_features, threads))
         return y

@@ -121,9 +121,7 @@ def entry_point(op: str, dtype: torch.dtype):  # noqa: ANN201 - a ctypes functio
 
 def run(op: str, dtype: torch.dtype, *args: object) -> None:
     """Calls the entry point of `op` for `dtype` on raw arguments; raises on a refusal."""
-    status = entry_point(op, dtype)(*args)
-    if status:
-        raise ValueError(f"cpu {op + _SUFFIX[dtype]} refused its arguments: {_cpu._STATUS.get(status, status)}")
+    _cpu.check_status(op + _SUFFIX[dtype], entry_point(op, dtype)(*args))
 
 
 def _out(out: torch.Tensor | None, num_rows: int, cols: int, x: torch.Tensor, may_be_x: bool) -> torch.Tensor:

@@ -224,11 +224,12 @@ def _call(
         cache.block_size, float(scale), sliding_window or 0, *(None if t is None else t.data_ptr() for t in vectors),
         *sparse_ints, *tail,
     )
-    _check_status(entry, status)
+    check_status(entry, status)
     return out
 
 
-def _check_status(entry: str, status: int) -> None:
+def check_status(entry: str, status: int) -> None:
+    """Raises naming the entry point and why where the library refused a call (status != 0)."""
     if status:
         raise ValueError(f"cpu {entry} refused its arguments: {_STATUS.get(status, status)}")
 
@@ -321,7 +322,7 @@ class CpuBackend(TorchBackend):
             _addresses([c.data_ptr() for c in value_caches]), mapping.data_ptr(), mapping.shape[0], num_heads,
             value_caches[0].shape[2], block_size, torch.get_num_threads(),
         )
-        _check_status("copy_slots_cpu", status)
+        check_status("copy_slots_cpu", status)
 
     def reshape_and_cache(
         self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -347,7 +348,7 @@ class CpuBackend(TorchBackend):
         else:
             entry, status = "convert_and_cache_cpu", load().convert_and_cache_cpu(
                 _DTYPES[key.dtype], _DTYPES[key_cache.dtype], key.data_ptr(), *tail)
-        _check_status(entry, status)
+        check_status(entry, status)
 
     def swap_blocks(
         self, src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], block_mapping: torch.Tensor
@@ -362,7 +363,7 @@ class CpuBackend(TorchBackend):
             _addresses([math.prod(c.shape[1:]) * c.element_size() for c in src_caches]), mapping.data_ptr(),
             mapping.shape[0], torch.get_num_threads(),
         )
-        _check_status("swap_blocks_cpu", status)
+        check_status("swap_blocks_cpu", status)
 
 
 BACKEND = CpuBackend()
