@@ -59,8 +59,8 @@ def test_configure_applies_the_choice_to_torch_and_logs_it(monkeypatch, caplog, 
 def test_the_wait_policy_is_set_only_where_the_user_chose_none():
     env: dict[str, str] = {}
     assert threads.set_wait_policy_env(env) is True
-    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert threads.wait_policy(env) == "OMP_WAIT_POLICY=PASSIVE"
+    assert env == {"GOMP_SPINCOUNT": str(threads.DEFAULT_SPIN_COUNT)}
+    assert threads.wait_policy(env) == f"GOMP_SPINCOUNT={threads.DEFAULT_SPIN_COUNT}"
     for name, value in [("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "300000"), ("KMP_BLOCKTIME", "200")]:
         env = {name: value}
         assert threads.set_wait_policy_env(env) is False
@@ -84,10 +84,11 @@ def test_run_py_sets_the_wait_policy_before_torch_loads():
         "spec = importlib.util.spec_from_file_location('run_module', 'run.py')\n"
         "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
         "from paged.utils import threads\n"
-        "print(os.environ.get('OMP_WAIT_POLICY'), threads._env_before_torch, threads.wait_policy())"
+        "print(os.environ.get('GOMP_SPINCOUNT'), threads._env_before_torch, threads.wait_policy())"
     )
-    assert _python(code) == "PASSIVE True OMP_WAIT_POLICY=PASSIVE"
-    assert _python(code, OMP_WAIT_POLICY="ACTIVE") == "ACTIVE None OMP_WAIT_POLICY=ACTIVE"
+    spin = threads.DEFAULT_SPIN_COUNT
+    assert _python(code) == f"{spin} True GOMP_SPINCOUNT={spin}"
+    assert _python(code, OMP_WAIT_POLICY="PASSIVE") == "None None OMP_WAIT_POLICY=PASSIVE"
 
 
 def test_torch_imported_first_is_reported_as_the_default_spin_unless_the_user_chose():

@@ -15,17 +15,18 @@ Settings (`paged.utils.threads`):
 
 - `old`: the behaviour before issue 30: libgomp's spinning wait (GOMP_SPINCOUNT=300000, its
   default) and one thread per core (`model.num_threads=<cores>`);
-- `new`: paged's default (OMP_WAIT_POLICY=PASSIVE, one thread per core);
+- `new`: paged's default (since issue 47 a short spin, `GOMP_SPINCOUNT=500`; one thread per core);
+- `passive`: waiting threads sleep at once (OMP_WAIT_POLICY=PASSIVE, the default from issue 30 to 47);
 - `one-thread`: paged's default with `model.num_threads=1`, for reference;
-- `short-spin`: a short spin before sleeping (GOMP_SPINCOUNT=10000, ~0.1-0.5 ms), the alternative
-  to PASSIVE should sleeping at once cost a quiet machine too much; `spin-3k` and `spin-1k` shorter
-  still (GOMP_SPINCOUNT=3000, 1000).
+- `short-spin`, `spin-3k`, `spin-1k`, `spin-500`, `spin-300`: a spin of GOMP_SPINCOUNT=10000, 3000,
+  1000, 500, 300 pauses before sleeping (issue 47: how much of the quiet gain of spinning a bound
+  keeps, and at what cost beside a neighbour).
 
 Runs alternate: every round runs each model and setting quiet, then beside each neighbour. The
 table shows medians, busy / quiet, and "others" (cores that processes other than the run and its
 neighbour kept busy during the quiet runs, from /proc/stat: above ~0.1 the machine was not idle and
-the numbers are disturbed). The issue's target: beside `spin`, SmolLM2 with the new default keeps
->= 40% of its quiet output tok/s, and its quiet speed is not below the old one's.
+the numbers are disturbed). The target: beside `spin`, SmolLM2 with the new default keeps >= 50% of
+its quiet output tok/s (issue 47; issue 30 asked 40%), and its quiet speed is not below the old one's.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ from rich.console import Console
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[2]
-TARGET_MODEL, TARGET_NEIGHBOUR, TARGET_RATIO = "smollm2-135m", "spin", 0.40
+# issue 30 asked >= 0.40 of the quiet speed beside a busy core; issue 47, trading some of it for a short spin, >= 0.50
+TARGET_MODEL, TARGET_NEIGHBOUR, TARGET_RATIO = "smollm2-135m", "spin", 0.50
 # The variables paged.utils.threads reads or sets: cleared from each run's environment, so a setting's own
 # values (and nothing inherited from this shell) choose how its threads wait.
 THREAD_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "OMP_NUM_THREADS")
@@ -67,11 +69,14 @@ def settings() -> dict[str, tuple[dict[str, str], list[str]]]:
     return {
         "old": ({"GOMP_SPINCOUNT": "300000"}, [f"model.num_threads={_cores()}"]),
         "new": ({}, []),
+        "passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, []),
         "one-thread": ({}, ["model.num_threads=1"]),
         "short-spin": ({"GOMP_SPINCOUNT": "10000"}, []),
-        # issue 47's bounded spin, shorter still: does any spin keep >= 0.5 of quiet beside a neighbour?
+        # issue 47's bounded spins: which keeps >= 0.5 of quiet beside a neighbour, and how much quiet gain?
         "spin-3k": ({"GOMP_SPINCOUNT": "3000"}, []),
         "spin-1k": ({"GOMP_SPINCOUNT": "1000"}, []),
+        "spin-500": ({"GOMP_SPINCOUNT": "500"}, []),
+        "spin-300": ({"GOMP_SPINCOUNT": "300"}, []),
     }
 
 
@@ -152,7 +157,7 @@ def verdict(results: dict[tuple[str, str], Cell]) -> str:
     if new is None or TARGET_NEIGHBOUR not in new.busy:
         return f"target not measured: it needs model {TARGET_MODEL}, setting new and neighbour {TARGET_NEIGHBOUR}"
     ratio = _median(new.busy[TARGET_NEIGHBOUR]) / _median(new.quiet)
-    line = (f"target (issue 30): {TARGET_MODEL}, new default, beside {TARGET_NEIGHBOUR}: {ratio:.2f} of quiet "
+    line = (f"target (issues 30, 47): {TARGET_MODEL}, new default, beside {TARGET_NEIGHBOUR}: {ratio:.2f} of quiet "
             f"(>= {TARGET_RATIO:.2f}): {'met' if ratio >= TARGET_RATIO else 'NOT met'}")
     if old is not None:
         quiet = _median(new.quiet) / _median(old.quiet)

@@ -5,13 +5,20 @@ libgomp.so.1), and oneDNN, MKL's GNU threading layer and the `-fopenmp` library 
 bind to that one copy, so one team of `torch.get_num_threads()` threads runs them all.
 
 libgomp's default wait is a spin: a thread that reaches the end of a parallel loop busy-waits for
-GOMP_SPINCOUNT=300000 pause instructions (milliseconds on a recent x86, where a pause takes ~140
-cycles) before it sleeps. On a quiet machine that saves a wake-up per loop; beside a process that keeps
-a core busy, the spinning workers take the cores the main thread (which runs the Python between
-loops) and the straggling worker need, and a run kept 18-29% of its quiet speed (issue 30).
-`OMP_WAIT_POLICY=PASSIVE` makes a waiting thread sleep at once. libgomp reads it once, when torch
-loads it, so `paged/__init__.py` calls `set_wait_policy_env` before anything imports torch, and a
-wait setting already in the environment (the user's) is left alone.
+GOMP_SPINCOUNT=300000 pause instructions (milliseconds on a recent x86) before it sleeps. On a quiet
+machine that saves a wake-up per loop; beside a process that keeps a core busy, the spinning workers
+take the cores the main thread (which runs the Python between loops) and the straggling worker need,
+and a run kept 18-29% of its quiet speed (issue 30). Sleeping at once (`OMP_WAIT_POLICY=PASSIVE`,
+paged's default until issue 47) is the fairest, but then every parallel loop of a step wakes the
+worker again (tens of µs on a VM; a decode step runs hundreds of loops). So paged asks for a short
+spin, `GOMP_SPINCOUNT=500` (`DEFAULT_SPIN_COUNT`: ~12 µs where a pause takes 25 ns, as on the
+AVX512-BF16 EPYC it was measured on, ~25 µs at Intel's ~45 ns): long enough to bridge the gaps
+between a step's loops, short against the gaps between steps and against a neighbour's time slice.
+Measured there (experiments/cpu/neighbour_bench.py, docs/speed.md#shared-machines): +9-10% output
+tok/s quiet, and 0.63-0.66 of the quiet speed kept beside a busy core (0.75-0.80 sleeping at once;
+issue 47's floor is 0.5). `OMP_WAIT_POLICY=PASSIVE` stays the setting for a shared machine. libgomp
+reads these once, when torch loads it, so `paged/__init__.py` calls `set_wait_policy_env` before
+anything imports torch, and a wait setting already in the environment (the user's) is left alone.
 
 The thread count is `model.num_threads`, else the user's OMP_NUM_THREADS, else the cores this process
 may run on (`os.sched_getaffinity`): torch's own defaults, now chosen in one place and logged. Under
@@ -34,7 +41,8 @@ log = logging.getLogger(__name__)
 # The variables that choose how an idle OpenMP thread waits: the standard one, libgomp's spin count
 # (which overrides the policy) and Intel OpenMP's block time. Any of them set means someone chose.
 WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
-DEFAULT_WAIT_POLICY = "PASSIVE"
+# Pause instructions an idle worker spins before it sleeps (see the top of this module).
+DEFAULT_SPIN_COUNT = 500
 
 # Whether `set_wait_policy_env` ran before torch was imported (so before libgomp read the
 # environment), and whether it set the policy itself: a policy it set after torch loaded is not this
@@ -44,14 +52,14 @@ _set_by_paged = False
 
 
 def set_wait_policy_env(environ: MutableMapping[str, str] | None = None) -> bool:
-    """Sets `OMP_WAIT_POLICY=PASSIVE` unless one of `WAIT_VARIABLES` is already set; returns whether
-    it set it. Takes effect only where torch is not yet imported (libgomp reads it on load); child
+    """Sets `GOMP_SPINCOUNT=DEFAULT_SPIN_COUNT` unless one of `WAIT_VARIABLES` is already set; returns
+    whether it set it. Takes effect only where torch is not yet imported (libgomp reads it on load); child
     processes inherit it either way."""
     global _env_before_torch, _set_by_paged
     env = os.environ if environ is None else environ
     if any(name in env for name in WAIT_VARIABLES):
         return False
-    env["OMP_WAIT_POLICY"] = DEFAULT_WAIT_POLICY
+    env["GOMP_SPINCOUNT"] = str(DEFAULT_SPIN_COUNT)
     if environ is None and _env_before_torch is None:
         _env_before_torch, _set_by_paged = "torch" not in sys.modules, True
     return True
