@@ -91,6 +91,16 @@ def test_run_py_sets_the_wait_policy_before_torch_loads():
     assert _python(code, OMP_WAIT_POLICY="PASSIVE") == "None None OMP_WAIT_POLICY=PASSIVE"
 
 
+def test_a_child_that_is_not_paged_inherits_the_users_wait_not_pageds():
+    # a peer benchmark's vLLM must wait as it does without paged: paged's own spin count is left out
+    code = ("import os, paged\nfrom paged.utils import threads\n"
+            "env = threads.user_environment()\n"
+            "print(os.environ.get('GOMP_SPINCOUNT'), env.get('GOMP_SPINCOUNT'), env.get('OMP_WAIT_POLICY'))")
+    assert _python(code) == f"{threads.DEFAULT_SPIN_COUNT} None None"
+    assert _python(code, GOMP_SPINCOUNT="7") == "7 7 None"
+    assert _python(code, OMP_WAIT_POLICY="PASSIVE") == "None None PASSIVE"
+
+
 def test_torch_imported_first_is_reported_as_the_default_spin_unless_the_user_chose():
     code = "import torch, paged\nfrom paged.utils import threads\nprint(threads.wait_policy())"
     assert _python(code) == "libgomp's default spin (torch was imported before paged)"

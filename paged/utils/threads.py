@@ -65,6 +65,16 @@ def set_wait_policy_env(environ: MutableMapping[str, str] | None = None) -> bool
     return True
 
 
+def user_environment() -> dict[str, str]:
+    """This process's environment less the wait setting `set_wait_policy_env` added: what a child that
+    is not paged should inherit (a peer benchmark's vLLM waits as it would without paged: libgomp's
+    default spin, or the user's own setting)."""
+    env = dict(os.environ)
+    if _set_by_paged:
+        env.pop("GOMP_SPINCOUNT", None)
+    return env
+
+
 def wait_policy(environ: Mapping[str, str] | None = None) -> str:
     """How this process's OpenMP threads wait, in words, as the environment set it at torch's load."""
     env = os.environ if environ is None else environ
