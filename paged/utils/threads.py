@@ -12,8 +12,9 @@ and a run kept 18-29% of its quiet speed (issue 30). Sleeping at once (`OMP_WAIT
 paged's default until issue 47) is the fairest, but then every parallel loop of a step wakes the
 worker again (tens of µs on a VM; a decode step runs hundreds of loops). So paged asks for a short
 spin, `GOMP_SPINCOUNT=500` (`DEFAULT_SPIN_COUNT`: ~12 µs where a pause takes 25 ns, as on the
-AVX512-BF16 EPYC it was measured on, ~25 µs at Intel's ~45 ns): long enough to bridge the gaps
-between a step's loops, short against the gaps between steps and against a neighbour's time slice.
+AVX512-BF16 EPYC it was measured on; about twice that where it takes ~45 ns, as on recent Intel
+CPUs, not measured): long enough to bridge the gaps between a step's loops, short against the gaps
+between steps and against a neighbour's time slice.
 Measured there (experiments/cpu/neighbour_bench.py, docs/speed.md#shared-machines): +9-10% output
 tok/s quiet, and 0.63-0.66 of the quiet speed kept beside a busy core (0.75-0.80 sleeping at once;
 issue 47's floor is 0.5). `OMP_WAIT_POLICY=PASSIVE` stays the setting for a shared machine. libgomp
