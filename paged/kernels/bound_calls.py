@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from paged.kernels.backends.launch_api import VECTOR_BYTES, Ptr
+from paged.kernels.backends.launch_api import VECTOR_BYTES, pointer_slots
 from paged.kernels.backends.layer_plans import FusedLayerOpsMixin, Ran
 
 # Layouts kept per ops object; past it the table starts again (a model has a few per step size).
@@ -38,13 +38,10 @@ def _layout(t: object) -> tuple[Any, ...] | None:
 def _bind(ran: Ran | None, roles: Sequence[torch.Tensor]) -> Bound | None:
     """`ran`'s launch bound with `roles`' addresses as its changing arguments, or None where a role's
     address is not among them (or two roles share one)."""
-    if ran is None:
+    slots = None if ran is None else pointer_slots([ran.launch], [t.data_ptr() for t in roles])
+    if slots is None:
         return None
-    where = {t.data_ptr(): j for j, t in enumerate(roles)}
-    slots = [(i, where[int(a)]) for i, a in enumerate(ran.launch.args) if isinstance(a, Ptr) and int(a) in where]
-    if len(where) != len(roles) or {j for _, j in slots} != set(range(len(roles))):
-        return None
-    return ran.runner.bind([(ran.unit, ran.launch, slots)])
+    return ran.runner.bind([(ran.unit, ran.launch, slots[0])])
 
 
 class BoundLayerOps:

@@ -15,7 +15,7 @@ Scales of an fp8 cache are passed per call as fp32 `[num_kv_heads]` tensors on t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +24,7 @@ import torch
 from paged.kernels import input_checks, step_checks
 from paged.kernels.backends.interface import CacheView, KernelBackend
 from paged.kernels.backends.launch import LaunchPlan, RunnerBackend
-from paged.kernels.backends.launch_api import VECTOR_BYTES, BoundPart, Ptr
+from paged.kernels.backends.launch_api import VECTOR_BYTES, BoundPart, pointer_slots
 from paged.kernels.features import FP8_DTYPES, AttentionFeatures, BlockSparse
 from paged.kernels.ops import narrower_window, serving_backend
 from paged.kernels.registry import get_backend
@@ -138,6 +138,21 @@ class _Planned:
         return features
 
 
+class _BoundRoles:
+    """A bound launch (`Runner.bind`) and the layout its roles must have: a call runs it with the
+    roles' addresses, or returns False (nothing run) where one is not laid out as the first layer's."""
+
+    def __init__(self, roles: _Roles, launch: Callable[[Sequence[int]], None]) -> None:
+        self.roles, self.launch = roles, launch
+
+    def __call__(self, roles: tuple[torch.Tensor | None, ...]) -> bool:
+        addresses = self.roles.addresses(roles)
+        if addresses is None:
+            return False
+        self.launch(addresses)
+        return True
+
+
 class _LayerLaunches:
     """A step's launches of one op as the first layer made them (its decode attention, its cache
     write), to run every later layer: a layer's launches differ only in the addresses of its
@@ -151,7 +166,9 @@ class _LayerLaunches:
         # `plan.keep` stays referenced here: the launches carry its tensors' addresses
         self.plan, self.slots = plan, slots
         self.roles = _Roles(layouts)
-        self.launch = plan.runner.bind(self.parts(range(len(layouts))))
+        # run(roles): a later layer's launches with its roles swapped in; False (nothing run) where
+        # they are not laid out as the first layer's
+        self.run = _BoundRoles(self.roles, plan.runner.bind(self.parts(range(len(layouts)))))
 
     def parts(self, where: Sequence[int]) -> list[BoundPart]:
         """The launches to bind (`Runner.bind`) for a call whose addresses hold role j's at `where[j]`."""
@@ -162,25 +179,12 @@ class _LayerLaunches:
     def of(cls, plan: LaunchPlan, roles: tuple[torch.Tensor | None, ...]) -> _LayerLaunches | None:
         """`roles` of the first layer. None where a role's address is not among the arguments (the
         plan copied it into shape) or two roles share one: then every layer plans its own launches."""
-        where = {int(t.data_ptr()): j for j, t in enumerate(roles) if t is not None}
-        if len(where) != sum(t is not None for t in roles) or 0 in where:
-            return None
-        slots = [[(i, where[int(a)]) for i, a in enumerate(item.args) if isinstance(a, Ptr) and int(a) in where]
-                 for item in plan.launches]
-        if {j for launch_slots in slots for _, j in launch_slots} != set(where.values()):
+        slots = pointer_slots(plan.launches, [None if t is None else t.data_ptr() for t in roles])
+        if slots is None:
             return None
         layouts = tuple(None if t is None else (tuple(t.shape), tuple(t.stride()), t.data_ptr() % VECTOR_BYTES == 0)
                         for t in roles)
         return cls(plan, slots, layouts)
-
-    def run(self, roles: tuple[torch.Tensor | None, ...]) -> bool:
-        """This layer's launches with `roles` swapped in; False (nothing run) where its tensors are
-        not laid out as the first layer's."""
-        addresses = self.roles.addresses(roles)
-        if addresses is None:
-            return False
-        self.launch(addresses)
-        return True
 
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
@@ -218,7 +222,7 @@ class _Roles:
         return addresses
 
 
-class WriteThenAttend:
+class WriteThenAttend(_BoundRoles):
     """The later layers of a step whose rows all decode, or all prefill, in one call: the layer's
     cache write and its attention, each from the first layer's launches (`_LayerLaunches`), their
     tensors checked once (the caches and scales are roles of both). Roles: key, value, key_cache,
@@ -228,8 +232,8 @@ class WriteThenAttend:
     ATTENTION_ROLES = (6, 7, 2, 3, 4, 5)
 
     def __init__(self, write: _LayerLaunches, attend: _LayerLaunches) -> None:
-        self.roles = _Roles(write.roles.layouts + attend.roles.layouts[:2])
-        self.launch = write.plan.runner.bind(write.parts(range(6)) + attend.parts(self.ATTENTION_ROLES))
+        super().__init__(_Roles(write.roles.layouts + attend.roles.layouts[:2]),
+                         write.plan.runner.bind(write.parts(range(6)) + attend.parts(self.ATTENTION_ROLES)))
 
     @classmethod
     def of(cls, write: CacheWrite, attend: DecodeAttention | PrefillAttention) -> WriteThenAttend | None:
@@ -239,14 +243,6 @@ class WriteThenAttend:
             return None
         return cls(w, d)
 
-    def __call__(self, roles: tuple[torch.Tensor | None, ...]) -> bool:
-        """Both ops' launches for `roles`; False (nothing run) where a tensor is not laid out as the
-        first layer's."""
-        addresses = self.roles.addresses(roles)
-        if addresses is None:
-            return False
-        self.launch(addresses)
-        return True
 
 
 class DecodeAttention(_Planned):

@@ -48,6 +48,20 @@ class Copy:
 BoundPart = tuple[Unit, Launch, Sequence[tuple[int, int]]]
 
 
+def pointer_slots(launches: Sequence[Launch], addresses: Sequence[int | None]) -> list[list[tuple[int, int]]] | None:
+    """For each launch, its (argument i, j) pairs where argument i is the pointer `addresses[j]` (None: an
+    absent tensor): the slots a later call with other tensors laid out alike rewrites. None where two
+    addresses are one, one is 0, or one is among no launch's arguments (the plan copied that tensor)."""
+    where = {a: j for j, a in enumerate(addresses) if a is not None}
+    if len(where) != sum(a is not None for a in addresses) or 0 in where:
+        return None
+    slots = [[(i, where[int(a)]) for i, a in enumerate(item.args) if isinstance(a, Ptr) and int(a) in where]
+             for item in launches]
+    if {j for launch_slots in slots for _, j in launch_slots} != set(where.values()):
+        return None
+    return slots
+
+
 class Runner(Protocol):
     # Copies run asynchronously, so host memory in them must be page-locked.
     needs_pinned_host: bool
