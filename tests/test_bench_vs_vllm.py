@@ -17,7 +17,7 @@ import pytest
 from rich.console import Console
 
 from paged.model.arch import LlamaArch
-from paged.model.linear import onednn_unsupported_reason
+from paged.model.linear import onednn_unsupported_reason, packed_unsupported_reason
 
 pytestmark = pytest.mark.subprocess
 
@@ -89,7 +89,7 @@ def test_a_paged_row_keeps_its_own_dtype(bench):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_roofline_takes_the_best_of_f_linear_and_prepacked_onednn(bench, dtype):
+def test_roofline_takes_the_best_of_f_linear_prepacked_onednn_and_the_packed_loop(bench, dtype):
     import torch
 
     arch = LlamaArch(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
@@ -100,8 +100,11 @@ def test_roofline_takes_the_best_of_f_linear_and_prepacked_onednn(bench, dtype):
     skipped = onednn_unsupported_reason(getattr(torch, dtype), torch.device("cpu"))
     onednn = {k.split(" ", 1)[1] for k in peak.gflops if k.startswith("onednn ")}
     assert onednn == (set() if skipped else shapes) and peak.onednn_skipped == skipped
+    packed_skipped = packed_unsupported_reason(getattr(torch, dtype), torch.device("cpu"))
+    packed = {k.split(" ", 1)[1] for k in peak.gflops if k.startswith("packed ")}
+    assert packed == (set() if packed_skipped else shapes) and peak.packed_skipped == packed_skipped
     assert peak.peak == max(peak.gflops.values()) and peak.gflops[peak.best] == peak.peak
-    assert ("not measured" in peak.describe()) == bool(skipped)
+    assert ("not measured" in peak.describe()) == bool(skipped or packed_skipped)
 
 
 def test_vllm_setup_failure_fails_every_vllm_row_and_starts_nothing(bench, tmp_path):

@@ -64,7 +64,7 @@ def test_mistyped_key_in_a_plugin_node_is_rejected_naming_the_key_and_the_close_
         ("scheduler.max_num_partial_prefills=0", "scheduler.max_num_partial_prefills=0 must be > 0"),
         ("scheduler.long_prefill_token_threshold=-1", "must be >= 0"),
         ("model.dtype=float8", "model.dtype='float8' is not supported"),
-        ("model.gemm=cublas", "model.gemm='cublas' is not supported; allowed: auto, torch, onednn"),
+        ("model.gemm=cublas", "model.gemm='cublas' is not supported; allowed: auto, torch, onednn, packed"),
         ("allocator.watermark=1.5", "allocator.watermark=1.5 must be in [0, 1)"),
         ("model.dtype=half", "model.dtype='half' is not supported; allowed: auto, float32, float16, bfloat16"),
     ],

@@ -12,6 +12,7 @@ from paged import kernels
 from paged.config import KernelConfig, ModelConfig
 from paged.executor.model_executor import ModelExecutor
 from paged.model.layer_ops import NATIVE_CPU_OPS, TORCH_OPS
+from paged.model.linear import describe_gemm
 from paged.model.llama import LlamaModel
 from paged.request import Request, SamplingParams
 from paged.step import ScheduledSeq, SchedulerOutput
@@ -177,7 +178,7 @@ def test_unknown_arch_key_is_rejected() -> None:
         make_executor(num_layer=3)
 
 
-@pytest.mark.parametrize("gemm", ["torch", "auto"])
+@pytest.mark.parametrize("gemm", ["torch", "onednn", "auto"])
 def test_native_layer_ops_and_gemms_generate_what_the_torch_formulas_recompute(gemm: str) -> None:
     """On the native cpu backend the norms, RoPE and SwiGLU are the native kernels; they keep the
     torch formulas' fp32 results, so paged generation (decode on v3, `auto`'s pick on cpu) equals a
@@ -189,7 +190,8 @@ def test_native_layer_ops_and_gemms_generate_what_the_torch_formulas_recompute(g
     ex.init_kv_cache(num_blocks=256, block_size=BLOCK)
     if ex.backend.name != "cpu":
         pytest.skip(f"native cpu backend unavailable: {ex.kernel_description}")
-    assert ex.model.ops is NATIVE_CPU_OPS and f"gemm {ex.gemm}, native norms/RoPE/SwiGLU" in ex.description
+    assert ex.model.ops is NATIVE_CPU_OPS
+    assert f"gemm {describe_gemm(ex.gemm, ex.dtype)}, native norms/RoPE/SwiGLU" in ex.description
     assert kernels.choose_version(100, len(PROMPTS), ex.arch.num_heads, backend=ex.backend.name) == "v3"
     outputs = generate(ex, PROMPTS, max_tokens=8)
     ex.model.ops = TORCH_OPS

@@ -184,6 +184,7 @@ def json_report(results: list[SystemResult], peak: MatmulPeak, roofline_tok_s: f
 
     return {
         "dtype": peak.dtype, "matmul_gflops": peak.gflops, "onednn_skipped": peak.onednn_skipped,
+        "packed_skipped": peak.packed_skipped,
         "peak_gflops": peak.peak, "peak_kernel": peak.best, "roofline_tok_s": roofline_tok_s,
         "agreement": agree, "agreement_first_tokens": FIRST_TOKENS,
         "agreement_references": {"vllm": vllm and vllm.name, "fp32": fp32 and fp32.name},

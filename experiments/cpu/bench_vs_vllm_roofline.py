@@ -2,11 +2,11 @@
 
 A "% of the roofline" is only as honest as its peak, so the peak is measured here, in the dtype the
 benchmark runs (fp32 and bf16 GEMMs differ ~3x on a CPU with AVX512-BF16), and it is the best of
-every GEMM path on offer: torch's `F.linear` and the prepacked oneDNN matmul that paged's linears
-use (`paged/model/linear.py`, `Linear(weight, None, "onednn")`), which beats `F.linear` at the
-model's shapes (issue 15: ~200 against ~180 fp32 GFLOP/s); the `onednn` rows are that layer, which
-in bf16 on a CPU with AVX512-BF16 and no AMX runs `paged.kernels.bf16_linear`'s loop instead. A
-peak below what paged itself reaches would flatter every row. Each path runs at the model's fused
+every GEMM path on offer: torch's `F.linear`, the prepacked oneDNN matmul (`paged/model/linear.py`,
+`Linear(weight, None, "onednn")`), which beats `F.linear` at the model's shapes (issue 15: ~200
+against ~180 fp32 GFLOP/s), and paged's packed AVX-512 loop (`Linear(weight, None, "packed")`, what
+`model.gemm=auto` runs where the CPU has it). A peak below what paged itself reaches would flatter
+every row. Each path runs at the model's fused
 shapes (512 rows) and at 2048^3, on all cores; every number is printed, so the reader sees where
 the peak comes from.
 
@@ -27,18 +27,20 @@ import torch
 import torch.nn.functional as F
 
 from paged.model.arch import LlamaArch
-from paged.model.linear import Linear, onednn_unsupported_reason
+from paged.model.linear import Linear, onednn_unsupported_reason, packed_unsupported_reason
 
 SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
 
 
 @dataclass
 class MatmulPeak:
-    """GFLOP/s per "kernel shape" in one dtype; `onednn_skipped` says why the prepacked path was not measured."""
+    """GFLOP/s per "kernel shape" in one dtype; `onednn_skipped` and `packed_skipped` say why the prepacked
+    oneDNN path or the packed loop was not measured."""
 
     dtype: str
     gflops: dict[str, float]
     onednn_skipped: str | None = None
+    packed_skipped: str | None = None
 
     @property
     def peak(self) -> float:
@@ -57,6 +59,8 @@ class MatmulPeak:
             lines.append(f"  {kernel}: {shapes}")
         if self.onednn_skipped:
             lines.append(f"  onednn (prepacked): not measured, {self.onednn_skipped}")
+        if self.packed_skipped:
+            lines.append(f"  packed (paged's AVX-512 loop): not measured, {self.packed_skipped}")
         lines.append(f"  peak: {self.peak:.0f} GFLOP/s ({self.best})")
         return "\n".join(lines)
 
@@ -99,24 +103,27 @@ def _best_seconds(call: Callable[[], torch.Tensor], repeats: int) -> float:
 
 def measure_roofline(arch: LlamaArch, dtype: str = "float32", tokens: int = 512, gemm_size: int = 2048,
                      repeats: int = 5) -> MatmulPeak:
-    """GFLOP/s of `F.linear` and of prepacked oneDNN linears in `dtype`, at the model's shapes and gemm_size^3."""
+    """GFLOP/s of `F.linear`, prepacked oneDNN linears and the packed loop in `dtype`, at the model's shapes and
+    gemm_size^3 (a shape the loop cannot tile is timed on the oneDNN layer `packed` leaves it to)."""
     torch_dtype = getattr(torch, dtype)
     shapes = {name: (tokens, i, o) for name, (i, o) in matmul_shapes(arch).items()}
     shapes[f"{gemm_size}^3"] = (gemm_size, gemm_size, gemm_size)
-    skipped = onednn_unsupported_reason(torch_dtype, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    skipped = {"onednn": onednn_unsupported_reason(torch_dtype, cpu),
+               "packed": packed_unsupported_reason(torch_dtype, cpu)}
     previous = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
     gflops: dict[str, float] = {}
     try:
         with torch.inference_mode():
-            for kernel in ("F.linear", "onednn"):
-                if kernel == "onednn" and skipped:
+            for kernel in ("F.linear", "onednn", "packed"):
+                if skipped.get(kernel):
                     continue
                 for name, (m, k, n) in shapes.items():
                     x, w = torch.randn(m, k, dtype=torch_dtype), torch.randn(n, k, dtype=torch_dtype)
-                    call = partial(F.linear, x, w) if kernel == "F.linear" else partial(Linear(w, None, "onednn"), x)
+                    call = partial(F.linear, x, w) if kernel == "F.linear" else partial(Linear(w, None, kernel), x)
                     seconds = _best_seconds(call, repeats)
                     gflops[f"{kernel} {name}"] = 2 * m * k * n / seconds / 1e9
     finally:
         torch.set_num_threads(previous)
-    return MatmulPeak(dtype, gflops, skipped)
+    return MatmulPeak(dtype, gflops, skipped["onednn"], skipped["packed"])

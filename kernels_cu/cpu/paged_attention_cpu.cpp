@@ -34,7 +34,7 @@
 #include "cache_convert.h"
 #include "common.h"
 #include "decode_v3.h"
-#include "gemm_bf16.h"
+#include "gemm_packed.h"
 #include "layer_ops.h"
 #include "prefill.h"
 #include "slots.h"
@@ -613,31 +613,50 @@ extern "C" int reshape_and_cache_cpu(int element_size, const void *key, const in
   return 0;
 }
 
-// The bf16 linear (gemm_bf16.h): whether this build has it (16 outputs a register, or 0), the
-// weight's packing, and the layer.
-extern "C" int gemm_bf16_lanes_cpu() { return paged_cpu::gemm::SUPPORTED ? paged_cpu::gemm::LANES : 0; }
-
-extern "C" int gemm_bf16_pack_cpu(const uint16_t *weight, int64_t out_features, int64_t in_features,
-                                  uint16_t *packed) {
-  if (!paged_cpu::gemm::SUPPORTED) return 7;
-  if (out_features <= 0 || in_features <= 0 || out_features % (paged_cpu::gemm::LANES * paged_cpu::gemm::BLOCKS) ||
-      in_features % 2)
-    return 15;
-#if defined(__AVX512BF16__)
-  paged_cpu::gemm::pack(weight, out_features, in_features, packed);
+// The packed linear (gemm_packed.h), `kind` 0 for fp32, 1 for bf16: whether this build has it (16
+// outputs a register, or 0), the weight's packing, and the layer.
+namespace {
+template <class F>
+int with_gemm_kind(int kind, F &&run) {
+#if defined(__AVX512F__)
+  if (kind == 0) return run(paged_cpu::gemm::F32{});
 #endif
-  return 0;
+#if defined(__AVX512BF16__)
+  if (kind == 1) return run(paged_cpu::gemm::Bf16{});
+#endif
+  return 7;  // a kind this build lacks, or none
 }
 
-extern "C" int gemm_bf16_cpu(uint16_t *y, int64_t y_stride, const uint16_t *x, int64_t x_stride, const uint16_t *packed,
-                             int64_t num_rows, int64_t out_features, int64_t in_features, int num_threads) {
-  if (!paged_cpu::gemm::SUPPORTED) return 7;
+bool gemm_shape_ok(int kind, int64_t out_features, int64_t in_features) {
+  return out_features > 0 && in_features > 0 && out_features % paged_cpu::gemm::OUT_MULTIPLE == 0 &&
+         in_features % (kind == 1 ? 2 : 1) == 0;
+}
+}  // namespace
+
+extern "C" int gemm_packed_lanes_cpu(int kind) {
+  return with_gemm_kind(kind, [](auto) { return 0; }) == 0 ? paged_cpu::gemm::LANES : 0;
+}
+
+extern "C" int gemm_pack_cpu(int kind, const void *weight, int64_t out_features, int64_t in_features, void *packed) {
+  if (!gemm_shape_ok(kind, out_features, in_features)) return 15;
+  return with_gemm_kind(kind, [&](auto type) {
+    using T = decltype(type);
+    paged_cpu::gemm::pack<T>(static_cast<const typename T::Elem *>(weight), out_features, in_features,
+                             static_cast<typename T::Elem *>(packed));
+    return 0;
+  });
+}
+
+extern "C" int gemm_packed_cpu(int kind, void *y, int64_t y_stride, const void *x, int64_t x_stride,
+                               const void *packed, int64_t num_rows, int64_t out_features, int64_t in_features,
+                               int num_threads) {
   if (num_threads <= 0) return 6;
-  if (num_rows < 0 || out_features <= 0 || in_features <= 0 ||
-      out_features % (paged_cpu::gemm::LANES * paged_cpu::gemm::BLOCKS) || in_features % 2)
-    return 15;
-#if defined(__AVX512BF16__)
-  paged_cpu::gemm::linear(y, y_stride, x, x_stride, packed, num_rows, out_features, in_features, num_threads);
-#endif
-  return 0;
+  if (num_rows < 0 || !gemm_shape_ok(kind, out_features, in_features)) return 15;
+  return with_gemm_kind(kind, [&](auto type) {
+    using T = decltype(type);
+    paged_cpu::gemm::linear<T>(static_cast<typename T::Elem *>(y), y_stride, static_cast<const typename T::Elem *>(x),
+                               x_stride, static_cast<const typename T::Elem *>(packed), num_rows, out_features,
+                               in_features, num_threads);
+    return 0;
+  });
 }

@@ -137,7 +137,8 @@ class ModelConfig:
     arch: dict[str, Any] = field(default_factory=dict)
     # Attention window in tokens (Mistral-style); None: the checkpoint's own (none for most models)
     sliding_window: int | None = None
-    # The linear layers' kernel (paged.model.linear): auto, torch (F.linear) or onednn (prepacked)
+    # The linear layers' kernel (paged.model.linear): auto, torch (F.linear), onednn (prepacked) or packed
+    # (paged's AVX-512 loop, oneDNN for the layers it cannot tile)
     gemm: str = "auto"
     # source=gguf: reuse the dequantized weights cached on disk (keyed by the file's SHA-256); false: dequantize
     weight_cache: bool = True

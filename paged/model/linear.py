@@ -5,16 +5,17 @@ sizes (tens of rows) that repacking is most of the work and MKL reaches ~110 fp3
 project's 2-core machine. oneDNN's matmul with the weight reordered once into its blocked layout
 (the path inductor's weight prepacking uses) reaches ~190-200 GFLOP/s from 32 rows up, and 2.2x on
 the 49K-row lm_head. The blocked layout is opaque, so a packed layer keeps no plain copy.
+At decode sizes oneDNN still does not stream the weight at the memory's pace; paged's own packed
+loop (`paged.kernels.packed_linear`, fp32 on AVX-512, bf16 on AVX512-BF16) does, and matches oneDNN
+with many rows.
 
-`model.gemm` picks the kernel: `torch` (F.linear everywhere), `onednn` (prepacked; refused where
-oneDNN cannot run) or `auto` (onednn for fp32 models on a CPU with oneDNN, and for bf16 ones where the
-CPU has AVX512 bf16; torch otherwise).
-The two kernels sum in different orders, so their logits differ in the last bits; greedy outputs
-match vLLM's either way (docs/speed.md).
-
-A bf16 layer that `onednn` serves on a CPU with AVX512-BF16 runs `paged.kernels.bf16_linear`'s loop
-instead (its own packed copy of the weight): every call where the CPU has no AMX, the calls of a
-few rows (a decode step's) where it has, oneDNN's copy then serving the rest.
+`model.gemm` picks the kernel: `torch` (F.linear everywhere), `onednn` (prepacked), `packed` (paged's
+loop for the layers it tiles, oneDNN for the rest; refused where the CPU lacks the loop's
+instructions) or `auto` (packed where it runs, else onednn for fp32 and for bf16 where the CPU has
+AVX512 bf16, else torch). Where the CPU has AMX, oneDNN's bf16 GEMMs of many rows run on its tiles, so
+a packed bf16 layer there takes only the calls of up to `packed_linear.ONE_CORE_ROWS` rows and keeps
+oneDNN's copy for the rest (unmeasured: no AMX machine yet). The kernels sum in different orders, so
+their logits differ in the last bits; greedy outputs match vLLM's either way (docs/speed.md).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from paged.config.choices import GEMMS
-from paged.kernels import bf16_linear
-from paged.kernels.bf16_linear import PackedBf16
+from paged.kernels import packed_linear
+from paged.kernels.packed_linear import PackedLinear
 
 # oneDNN picks its weight layout for an expected row count; decode batches are tens of rows, and the
 # layout chosen for 64 also runs prefill's thousands of rows at full speed (measured: 194 GFLOP/s).
@@ -36,12 +37,18 @@ def _has_amx() -> bool:
     return bool(torch.cpu._is_amx_tile_supported())
 
 
+def _packed_rows(dtype: torch.dtype) -> int | None:
+    """The row counts a packed layer takes: None for every call, else calls of up to this many rows."""
+    return packed_linear.ONE_CORE_ROWS if dtype == torch.bfloat16 and _has_amx() else None
+
+
 def describe_gemm(gemm: str, dtype: torch.dtype) -> str:
-    """`gemm` as the executor's description names it, with where bf16 layers run the packed loop."""
-    if gemm != "onednn" or dtype != torch.bfloat16 or bf16_linear.unavailable_reason() is not None:
+    """`gemm` as the executor's description names it, with which calls the packed loop takes."""
+    if gemm != "packed":
         return gemm
-    rows = f", calls of up to {bf16_linear.ONE_CORE_ROWS} rows" if _has_amx() else ""
-    return f"{gemm} (the AVX512-BF16 loop for the bf16 layers it tiles{rows})"
+    rows = _packed_rows(dtype)
+    calls = "every call" if rows is None else f"calls of up to {rows} rows"
+    return f"packed (the AVX-512 loop, {calls} of the layers it tiles; oneDNN for the rest)"
 
 
 def onednn_bf16_supported() -> bool:
@@ -49,28 +56,36 @@ def onednn_bf16_supported() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def onednn_unsupported_reason(dtype: torch.dtype, device: torch.device) -> str | None:
-    """Why prepacked oneDNN linears cannot run for this model, or None."""
+def onednn_unsupported_reason(dtype: torch.dtype, device: torch.device, gemm: str = "onednn") -> str | None:
+    """Why prepacked oneDNN linears (what `gemm` needs) cannot run for this model, or None."""
     if device.type != "cpu":
-        return f"model.gemm=onednn runs on a CPU, not on {device}"
+        return f"model.gemm={gemm} runs on a CPU, not on {device}"
     if dtype not in _ONEDNN_DTYPES:
-        return f"model.gemm=onednn supports float32 and bfloat16 models, not {dtype}"
+        return f"model.gemm={gemm} supports float32 and bfloat16 models, not {dtype}"
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
-        return "model.gemm=onednn needs a torch build with oneDNN (mkldnn)"
+        return f"model.gemm={gemm} needs a torch build with oneDNN (mkldnn)"
     if dtype == torch.bfloat16 and not onednn_bf16_supported():
-        return "model.gemm=onednn runs bfloat16 only on a CPU with AVX512 bf16 support; this one has none"
+        return f"model.gemm={gemm} runs bfloat16 only on a CPU with AVX512 bf16 support; this one has none"
     return None
 
 
+def packed_unsupported_reason(dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why `model.gemm=packed` cannot run for this model (its loop, or the oneDNN it leaves the rest to)."""
+    reason = onednn_unsupported_reason(dtype, device, "packed")
+    if reason is None and (loop := packed_linear.unavailable_reason(dtype)) is not None:
+        reason = f"model.gemm=packed cannot run {dtype} here: {loop}"
+    return reason
+
+
 def resolve_gemm(gemm: str, dtype: torch.dtype, device: torch.device) -> str:
-    """The kernel `model.gemm` resolves to: `torch` or `onednn`."""
+    """The kernel `model.gemm` resolves to: `torch`, `onednn` or `packed`."""
     if gemm not in GEMMS:
         raise ValueError(f"model.gemm={gemm!r} is not supported; allowed: {', '.join(GEMMS)}")
-    reason = onednn_unsupported_reason(dtype, device)
-    if gemm == "onednn" and reason:
-        raise ValueError(reason)
+    reasons = {"onednn": onednn_unsupported_reason(dtype, device), "packed": packed_unsupported_reason(dtype, device)}
+    if reasons.get(gemm):
+        raise ValueError(reasons[gemm])
     if gemm == "auto":
-        return "torch" if reason else "onednn"
+        return next((kind for kind in ("packed", "onednn") if reasons[kind] is None), "torch")
     return gemm
 
 
@@ -80,20 +95,18 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gemm: str) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        self.packed = gemm == "onednn"
-        # a bf16 layer on AVX512-BF16 (paged.kernels.bf16_linear): every call, or, where AMX makes
-        # oneDNN's large-row GEMMs faster, the calls of a few rows, the layer keeping oneDNN's copy too
-        self.bf16 = PackedBf16(weight) if self.packed and bf16_linear.serves(weight, bias) else None
-        self.bf16_rows = bf16_linear.ONE_CORE_ROWS if _has_amx() else None  # None: every call
-        if self.bf16 is not None and self.bf16_rows is None:
-            self.packed, self.weight = False, None  # one copy of the weight: the packed one
-        else:
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT) if self.packed else weight
+        self.loop = PackedLinear(weight) if gemm == "packed" and packed_linear.serves(weight, bias) else None
+        self.loop_rows = _packed_rows(weight.dtype) if self.loop is not None else None  # None: every call
+        self.packed = gemm in ("onednn", "packed") and (self.loop is None or self.loop_rows is not None)
+        if self.packed:
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT)
+        else:  # F.linear's plain weight, or none where the loop takes every call (one copy: the loop's)
+            self.weight = None if self.loop is not None else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bf16 is not None and (self.bf16_rows is None or (x.dim() == 2 and x.shape[0] <= self.bf16_rows)):
+        if self.loop is not None and (self.loop_rows is None or (x.dim() == 2 and x.shape[0] <= self.loop_rows)):
             rows = x.reshape(-1, self.in_features)
-            return self.bf16(rows if rows.stride(1) == 1 else rows.contiguous()).view(*x.shape[:-1], self.out_features)
+            return self.loop(rows if rows.stride(1) == 1 else rows.contiguous()).view(*x.shape[:-1], self.out_features)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -65,7 +65,7 @@ _STATUS = {
     12: "sizes must be positive (head_dim even) and exp_lanes 0, 8 or 16",
     13: f"the v3 split plan needs 1 <= num_splits <= {MAX_SPLITS} and split_blocks >= 1",
     14: "the v3 split plan's splits cannot hold the blocks a row of max_seq_len attends to",
-    15: "the bf16 linear needs out_features a multiple of 64 and in_features even",
+    15: "the packed linear needs out_features a multiple of 64 (and in_features even in bf16)",
 }
 # v3 work items per OpenMP thread the planner aims for when it splits: with a few each, dynamic
 # scheduling evens out the threads (one item per thread leaves them idle on a remainder).
@@ -98,12 +98,13 @@ _SIGNATURES = {
     # num_threads
     "rms_norm_cpu": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                      ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int],
-    # The bf16 linear (paged/kernels/bf16_linear.py): lanes (0: not built for this CPU); weight, out_features,
-    # in_features, packed; y, y row stride, x, x row stride, packed, rows, out_features, in_features, num_threads
-    "gemm_bf16_lanes_cpu": [],
-    "gemm_bf16_pack_cpu": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p],
-    "gemm_bf16_cpu": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                      ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int],
+    # The packed linear (paged/kernels/packed_linear.py), kind 0 fp32 / 1 bf16: lanes (0: not built for this
+    # CPU); kind, weight, out_features, in_features, packed; kind, y, y row stride, x, x row stride, packed, rows,
+    # out_features, in_features, num_threads
+    "gemm_packed_lanes_cpu": [ctypes.c_int],
+    "gemm_pack_cpu": [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p],
+    "gemm_packed_cpu": [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int],
     # x, x row stride, residual, residual row stride, weight, rows, hidden, eps, num_threads
     "add_rms_norm_cpu": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                          ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int],

@@ -1,0 +1,152 @@
+// A linear layer on AVX-512 with its weight packed once: fp32 (FMAs) and bf16 (AVX512-BF16's
+// vdpbf16ps); paged/kernels/packed_linear.py says when each runs.
+//
+// y[m][o] = sum_k x[m][k] * w[o][k] with fp32 sums, each in the order of k (bf16: a pair of k per
+// instruction, denormals flushed, one rounding to bf16 at the end, as a bf16 GEMM does). With a
+// few rows (a decode step's) a layer is bound by streaming its weight, and the cost that matters is
+// the rest: oneDNN's small-M matmul reached ~11 GB/s of bf16 weights and ~15 GB/s of fp32 ones at
+// one row on a 2-core AVX512 EPYC, against 19-28 GB/s here. With many rows (prefill) the tiles of
+// 6 rows x 64 outputs keep 24 sums in registers (of 32) and run at oneDNN's speed.
+//
+// The weight is packed once as [out/16][in/K][16][K] (K = inputs an instruction takes per output:
+// 1 for fp32, 2 for bf16): for each block of 16 outputs, K consecutive inputs of every output side
+// by side, so one 64-byte load feeds 16 outputs, and each block is read once per TILE_ROWS rows.
+// Threads split the blocks of 16 outputs evenly (SmolLM2's 576 outputs are 36 blocks, 9 tiles of 4:
+// split by tiles, one thread would get 5 of 9).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include <omp.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace paged_cpu {
+namespace gemm {
+
+constexpr int LANES = 16;      // outputs per register
+constexpr int BLOCKS = 4;      // output blocks a tile keeps in registers
+constexpr int TILE_ROWS = 6;   // rows a tile keeps in registers: 6 x 4 sums + 4 weights + 1 input of 32
+constexpr int OUT_MULTIPLE = LANES * BLOCKS;  // what the Python side requires (whole tiles)
+
+#if defined(__AVX512F__)
+// fp32: one input per output and instruction, an FMA.
+struct F32 {
+  using Elem = float;
+  using Weights = __m512;
+  static constexpr int K = 1;
+  static Weights load(const Elem *w) { return _mm512_loadu_ps(w); }
+  static Weights broadcast(const Elem *x) { return _mm512_set1_ps(*x); }
+  static __m512 madd(__m512 acc, Weights w, Weights x) { return _mm512_fmadd_ps(w, x, acc); }
+  static void store(Elem *y, __m512 acc) { _mm512_storeu_ps(y, acc); }
+};
+#endif
+
+#if defined(__AVX512BF16__)
+// bf16: a pair of inputs per output and instruction (vdpbf16ps), the sums rounded once to bf16.
+struct Bf16 {
+  using Elem = uint16_t;
+  using Weights = __m512bh;
+  static constexpr int K = 2;
+  static Weights load(const Elem *w) { return (__m512bh)_mm512_loadu_si512(w); }
+  static Weights broadcast(const Elem *x) {
+    uint32_t pair;
+    std::memcpy(&pair, x, sizeof(pair));
+    return (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+  }
+  static __m512 madd(__m512 acc, Weights w, Weights x) { return _mm512_dpbf16_ps(acc, w, x); }
+  static void store(Elem *y, __m512 acc) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i *>(y), (__m256i)_mm512_cvtneps_pbh(acc));
+  }
+};
+#endif
+
+template <class T>
+inline void pack(const typename T::Elem *w, int64_t out_features, int64_t in_features, typename T::Elem *packed) {
+  const int64_t steps = in_features / T::K;
+  for (int64_t block = 0; block < out_features / LANES; ++block)
+    for (int64_t s = 0; s < steps; ++s)
+      for (int lane = 0; lane < LANES; ++lane)
+        std::memcpy(packed + ((block * steps + s) * LANES + lane) * T::K,
+                    w + (block * LANES + lane) * in_features + s * T::K, T::K * sizeof(typename T::Elem));
+}
+
+// MR rows of x against NB blocks of 16 outputs starting at `block`.
+template <class T, int MR, int NB>
+inline void tile(typename T::Elem *y, int64_t y_stride, const typename T::Elem *x, int64_t x_stride,
+                 const typename T::Elem *packed, int64_t steps, int64_t block) {
+  __m512 acc[MR][NB];
+  for (int m = 0; m < MR; ++m)
+    for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
+  const int64_t block_elems = steps * LANES * T::K;
+  const typename T::Elem *w = packed + block * block_elems;
+  for (int64_t s = 0; s < steps; ++s) {
+    typename T::Weights wv[NB];
+    for (int b = 0; b < NB; ++b) wv[b] = T::load(w + b * block_elems + s * LANES * T::K);
+    for (int m = 0; m < MR; ++m) {
+      const typename T::Weights xv = T::broadcast(x + m * x_stride + s * T::K);
+      for (int b = 0; b < NB; ++b) acc[m][b] = T::madd(acc[m][b], wv[b], xv);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int b = 0; b < NB; ++b) T::store(y + m * y_stride + (block + b) * LANES, acc[m][b]);
+}
+
+// Every row against NB blocks from `block`: their weights come from memory once and from the cache
+// for each further TILE_ROWS rows.
+template <class T, int NB>
+inline void blocks_rows(typename T::Elem *y, int64_t y_stride, const typename T::Elem *x, int64_t x_stride,
+                        const typename T::Elem *packed, int64_t num_rows, int64_t steps, int64_t block) {
+  static_assert(TILE_ROWS == 6, "the row remainders below count down from 6");
+  for (int64_t m = 0; m < num_rows; m += TILE_ROWS) {
+    typename T::Elem *y_m = y + m * y_stride;
+    const typename T::Elem *x_m = x + m * x_stride;
+    switch (num_rows - m) {
+      case 5: tile<T, 5, NB>(y_m, y_stride, x_m, x_stride, packed, steps, block); break;
+      case 4: tile<T, 4, NB>(y_m, y_stride, x_m, x_stride, packed, steps, block); break;
+      case 3: tile<T, 3, NB>(y_m, y_stride, x_m, x_stride, packed, steps, block); break;
+      case 2: tile<T, 2, NB>(y_m, y_stride, x_m, x_stride, packed, steps, block); break;
+      case 1: tile<T, 1, NB>(y_m, y_stride, x_m, x_stride, packed, steps, block); break;
+      default: tile<T, TILE_ROWS, NB>(y_m, y_stride, x_m, x_stride, packed, steps, block);
+    }
+  }
+}
+
+// Blocks [first, last) for every row: tiles of BLOCKS blocks, then the 1-3 left over.
+template <class T>
+inline void block_range(typename T::Elem *y, int64_t y_stride, const typename T::Elem *x, int64_t x_stride,
+                        const typename T::Elem *packed, int64_t num_rows, int64_t steps, int64_t first, int64_t last) {
+  static_assert(BLOCKS == 4, "the block remainders below count down from 4");
+  int64_t block = first;
+  for (; block + BLOCKS <= last; block += BLOCKS)
+    blocks_rows<T, BLOCKS>(y, y_stride, x, x_stride, packed, num_rows, steps, block);
+  switch (last - block) {
+    case 3: blocks_rows<T, 3>(y, y_stride, x, x_stride, packed, num_rows, steps, block); break;
+    case 2: blocks_rows<T, 2>(y, y_stride, x, x_stride, packed, num_rows, steps, block); break;
+    case 1: blocks_rows<T, 1>(y, y_stride, x, x_stride, packed, num_rows, steps, block); break;
+    default: break;
+  }
+}
+
+// The layer over `num_threads` threads, each taking an even share of the blocks (1: on the calling thread).
+template <class T>
+inline void linear(typename T::Elem *y, int64_t y_stride, const typename T::Elem *x, int64_t x_stride,
+                   const typename T::Elem *packed, int64_t num_rows, int64_t out_features, int64_t in_features,
+                   int num_threads) {
+  const int64_t steps = in_features / T::K, blocks = out_features / LANES;
+  if (num_threads == 1) {
+    block_range<T>(y, y_stride, x, x_stride, packed, num_rows, steps, 0, blocks);
+    return;
+  }
+#pragma omp parallel num_threads(num_threads)
+  {
+    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+    block_range<T>(y, y_stride, x, x_stride, packed, num_rows, steps, blocks * t / n, blocks * (t + 1) / n);
+  }
+}
+
+}  // namespace gemm
+}  // namespace paged_cpu

@@ -1,0 +1,95 @@
+"""A linear layer with its weight packed once for paged's AVX-512 loop (kernels_cu/cpu/gemm_packed.h):
+fp32 on AVX-512, bf16 on AVX512-BF16.
+
+With a few rows (a decode step's) a linear layer is bound by streaming its weight, and oneDNN's
+small-M matmul does not stream it at the memory's pace: on a 2-core AVX512-BF16 EPYC SmolLM2-135M's
+120 layer calls of a step took ~20 ms in bf16 (~11 GB/s of weights) and 22-29 ms in fp32 at one row.
+This loop keeps 6 rows x 64 outputs of fp32 sums in registers, reads each weight once per 6 rows and
+splits the outputs evenly over the threads (oneDNN's small-M split left one thread 5 of 9 tiles):
+fp32 one row 14.5 ms a step, 16 rows 23 against oneDNN's 29, 32 rows 38 against 45, 64 rows 68 against
+77, level at 512 (both compute-bound); bf16 ~11 ms at one row on one core. Numbers: docs/speed.md.
+
+Threads: an fp32 call runs on `torch.get_num_threads()` threads at every row count (two threads
+stream fp32 weights faster than one even where they must be woken: one row 17.4 against 18.6 ms a step
+under `OMP_WAIT_POLICY=PASSIVE`). A bf16 call of up to `ONE_CORE_ROWS` rows runs on the calling thread,
+which streams half the bytes (~11 ms a step at one row, no wake-up), more over the threads.
+
+`PackedLinear(weight)` packs a `[out, in]` fp32 or bf16 weight once; calling it with `x` `[rows, in]`
+(contiguous columns, the weight's dtype) returns `x @ weight.T`, the sums in fp32 in the order of the
+inputs (bf16: rounded once, as a bf16 GEMM does; oneDNN's to the bit at 1 and 3 rows in a check). Where
+it runs instead of oneDNN is `paged.model.linear`'s choice (`model.gemm`).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+from paged.kernels.backends import cpu as _cpu
+
+# Up to this many rows a bf16 call beats two woken threads on one core (docs/speed.md: measured 4 against 8
+# end to end, alternating: 4 won at 8 and 32 requests).
+ONE_CORE_ROWS = 4
+# out_features must fill whole tiles of 4 blocks of 16 outputs; bf16's in_features whole pairs.
+OUT_MULTIPLE = 64
+_KINDS = {torch.float32: 0, torch.bfloat16: 1}
+_IN_MULTIPLE = {torch.float32: 1, torch.bfloat16: 2}
+_NEEDS = {torch.float32: "AVX-512", torch.bfloat16: "AVX512-BF16"}
+
+
+@cache
+def unavailable_reason(dtype: torch.dtype) -> str | None:
+    """Why the packed loop cannot run `dtype` layers in this process; None when it can."""
+    if dtype not in _KINDS:
+        return f"the packed linear runs float32 and bfloat16 layers, not {dtype}"
+    reason = _cpu._load_failure()
+    if reason is not None:
+        return f"the native cpu library is unavailable: {reason}"
+    if not _cpu.load().gemm_packed_lanes_cpu(_KINDS[dtype]):
+        return f"the native cpu library was built for a CPU without {_NEEDS[dtype]}"
+    return None
+
+
+def serves(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether `PackedLinear` takes this layer: an fp32 or bf16 `[out, in]` cpu weight of whole tiles, no
+    bias, on a CPU (and build) that runs its dtype."""
+    return (bias is None and weight.dim() == 2 and weight.device.type == "cpu" and weight.dtype in _KINDS
+            and weight.shape[0] % OUT_MULTIPLE == 0 and weight.shape[1] % _IN_MULTIPLE[weight.dtype] == 0
+            and unavailable_reason(weight.dtype) is None)
+
+
+class PackedLinear:
+    """An fp32 or bf16 weight packed for gemm_packed.h's loop."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        if not serves(weight, None):
+            in_multiple = _IN_MULTIPLE.get(weight.dtype, 1)
+            raise ValueError(f"the packed linear takes a float32 or bfloat16 [out, in] cpu weight with out a "
+                             f"multiple of {OUT_MULTIPLE} and in of {in_multiple}, on a CPU that runs its dtype "
+                             f"({unavailable_reason(weight.dtype) or 'this one does'}), got {weight.dtype} "
+                             f"{tuple(weight.shape)} on {weight.device}")
+        self.dtype = weight.dtype
+        self.out_features, self.in_features = weight.shape
+        self._kind = _KINDS[self.dtype]
+        self._one_core_rows = ONE_CORE_ROWS if self.dtype == torch.bfloat16 else 0
+        weight = weight.contiguous()
+        self.packed = torch.empty_like(weight)
+        lib = _cpu.load()
+        _cpu.check_status("gemm_pack_cpu", lib.gemm_pack_cpu(self._kind, weight.data_ptr(), self.out_features,
+                                                             self.in_features, self.packed.data_ptr()))
+        self._linear = lib.gemm_packed_cpu
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ weight.T` for `x` `[rows, in]` in the weight's dtype with contiguous columns, as a new
+        `[rows, out]` tensor (bf16: on the calling thread up to `ONE_CORE_ROWS` rows)."""
+        if x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != self.in_features or x.stride(1) != 1:
+            raise ValueError(f"x must be {self.dtype} [rows, {self.in_features}] with contiguous columns, got "
+                             f"{x.dtype} {tuple(x.shape)} strides {x.stride()}")
+        rows = x.shape[0]
+        y = torch.empty(rows, self.out_features, dtype=self.dtype)
+        threads = 1 if rows <= self._one_core_rows else torch.get_num_threads()
+        _cpu.check_status("gemm_packed_cpu", self._linear(self._kind, y.data_ptr(), self.out_features, x.data_ptr(),
+                                                          x.stride(0), self.packed.data_ptr(), rows,
+                                                          self.out_features, self.in_features, threads))
+        return y
