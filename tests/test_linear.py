@@ -126,8 +126,9 @@ def test_a_bf16_layer_on_avx512_bf16_is_the_bf16_gemm(rows: int) -> None:
 @pytest.mark.parametrize("out_features", [64, 192, 576, 1088])
 def test_an_fp32_layer_on_avx512_is_the_fp32_gemm(rows: int, out_features: int) -> None:
     """The packed loop in fp32 on every call: sums in the order of the inputs, equal to float64's to
-    fp32 rounding, for output counts whose 16-output blocks split unevenly over threads and tiles
-    (1088 = 68 blocks: 17 tiles of 4, or 34 blocks a thread) and every row remainder of a 6-row tile.
+    fp32 rounding, for output counts that split unevenly over threads (576: 9 tiles of 4 blocks of 16)
+    or end in a partial tile (1088 = 68 blocks: 17 tiles), every row remainder of a 6-row tile, and
+    rows split over the threads in blocks of 96 (300).
     The layer keeps one copy of its weight: the packed one."""
     g = torch.Generator().manual_seed(rows * out_features)
     weight, x = torch.randn(out_features, 96, generator=g), torch.randn(rows, 96, generator=g)
@@ -141,11 +142,13 @@ def test_an_fp32_layer_on_avx512_is_the_fp32_gemm(rows: int, out_features: int) 
 
 
 @needs_f32_loop
-def test_fp32_threads_split_blocks_not_tiles() -> None:
-    """Every thread count gives the same result to the bit: each output's sum does not depend on who
-    computes it."""
+@pytest.mark.parametrize("rows", [11, 200])
+def test_fp32_results_do_not_depend_on_the_thread_count(rows: int) -> None:
+    """Every thread count gives the same result to the bit, whether the threads split the output tiles
+    (a decode's rows) or the rows (past 96: 200 rows are two blocks of 96 and one of 8): each output's
+    sum does not depend on who computes it. 576 outputs are 9 tiles, an uneven split."""
     g = torch.Generator().manual_seed(5)
-    weight, x = torch.randn(576, 64, generator=g), torch.randn(11, 64, generator=g)
+    weight, x = torch.randn(576, 64, generator=g), torch.randn(rows, 64, generator=g)
     loop = packed_linear.PackedLinear(weight)
     threads = torch.get_num_threads()
     try:
@@ -156,6 +159,7 @@ def test_fp32_threads_split_blocks_not_tiles() -> None:
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(results[0], r) for r in results[1:])
+    torch.testing.assert_close(results[0], F.linear(x, weight), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
