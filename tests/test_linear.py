@@ -106,16 +106,17 @@ def test_bf16_without_cpu_support_falls_back_to_torch_and_onednn_is_refused(monk
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 7, 9, 64, 300])
 def test_a_bf16_layer_on_avx512_bf16_is_the_bf16_gemm(rows: int) -> None:
     """The packed loop in bf16 (one core up to 4 rows, the threads past them; tiles of 6 rows and their
-    remainders): fp32 sums of the bf16 products rounded once, as oneDNN's bf16 GEMM gives them (to its
-    last bit at decode sizes in practice; to one bf16 ulp here); a 3-d input keeps its shape."""
+    remainders; 208 outputs: three tiles of 4 blocks and one block): fp32 sums of the bf16 products
+    rounded once, as oneDNN's bf16 GEMM gives them (to its last bit at decode sizes in practice; to one
+    bf16 ulp here); a 3-d input keeps its shape."""
     g = torch.Generator().manual_seed(rows)
-    weight = torch.randn(192, 80, generator=g).bfloat16()
+    weight = torch.randn(208, 80, generator=g).bfloat16()
     x = torch.randn(rows, 80, generator=g).bfloat16()
     layer = Linear(weight, None, "packed")
     assert layer.loop is not None
     exact = (x.double() @ weight.double().T).bfloat16()
     torch.testing.assert_close(layer(x), exact, rtol=2**-7, atol=1e-2)
-    assert layer(x.view(1, rows, 80)).shape == (1, rows, 192)
+    assert layer(x.view(1, rows, 80)).shape == (1, rows, 208)
     assert torch.equal(layer(x.view(1, rows, 80))[0], layer(x))
     if layer.loop_rows is None:  # no AMX: one copy of the weight, the packed one
         assert layer.weight is None and not layer.packed
@@ -123,11 +124,11 @@ def test_a_bf16_layer_on_avx512_bf16_is_the_bf16_gemm(rows: int) -> None:
 
 @needs_f32_loop
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64, 300])
-@pytest.mark.parametrize("out_features", [64, 192, 576, 1088])
+@pytest.mark.parametrize("out_features", [16, 112, 576, 592])
 def test_an_fp32_layer_on_avx512_is_the_fp32_gemm(rows: int, out_features: int) -> None:
     """The packed loop in fp32 on every call: sums in the order of the inputs, equal to float64's to
     fp32 rounding, for output counts that split unevenly over threads (576: 9 tiles of 4 blocks of 16)
-    or end in a partial tile (1088 = 68 blocks: 17 tiles), every row remainder of a 6-row tile, and
+    or end in a partial tile (16, 112 and 592: 1, 3 and 1 blocks left), every row remainder of a 6-row tile, and
     rows split over the threads in blocks of 96 (300).
     The layer keeps one copy of its weight: the packed one."""
     g = torch.Generator().manual_seed(rows * out_features)
@@ -164,15 +165,15 @@ def test_fp32_results_do_not_depend_on_the_thread_count(rows: int) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_layer_the_loop_cannot_tile_stays_with_onednn(dtype: torch.dtype) -> None:
-    """Outputs not a multiple of 64, or a bias: oneDNN's packed layer, as before."""
+    """Outputs not a multiple of 16, or a bias: oneDNN's packed layer, as before."""
     if packed_linear.unavailable_reason(dtype) is not None or onednn_unsupported_reason(dtype, CPU) is not None:
         pytest.skip(f"no packed loop or oneDNN for {dtype} here")
-    weight = torch.randn(96, 80).to(dtype)
+    weight = torch.randn(100, 80).to(dtype)
     layer = Linear(weight, None, "packed")
     assert layer.loop is None and layer.packed
     with_bias = Linear(torch.randn(128, 80).to(dtype), torch.zeros(128).to(dtype), "packed")
     assert with_bias.loop is None and with_bias.packed
-    with pytest.raises(ValueError, match=rf"out a multiple of 64 .* got {dtype} \(96, 80\)"):
+    with pytest.raises(ValueError, match=rf"out a multiple of 16 .* got {dtype} \(100, 80\)"):
         packed_linear.PackedLinear(weight)
 
 

@@ -30,7 +30,7 @@ constexpr int TILE_ROWS = 6;   // rows a tile keeps in registers: 6 x 4 sums + 4
 // would otherwise come from memory once per tile of outputs (2,900 rows: 10-13% behind oneDNN; with
 // 48-384 alike, level but for gate_up's 3072 outputs, 5% behind).
 constexpr int64_t ROW_BLOCK = 96;
-constexpr int OUT_MULTIPLE = LANES * BLOCKS;  // what the Python side requires (whole tiles)
+constexpr int OUT_MULTIPLE = LANES;  // whole blocks; a layer's last tile may hold 1-3 of them
 
 #if defined(__AVX512F__)
 // fp32: one input per output and instruction, an FMA.

@@ -31,8 +31,9 @@ from paged.kernels.backends import cpu as _cpu
 # Up to this many rows a bf16 call beats two woken threads on one core (docs/speed.md: measured 4 against 8
 # end to end, alternating: 4 won at 8 and 32 requests).
 ONE_CORE_ROWS = 4
-# out_features must fill whole tiles of 4 blocks of 16 outputs; bf16's in_features whole pairs.
-OUT_MULTIPLE = 64
+# out_features must fill whole blocks of 16 outputs (a layer's last tile of 4 may hold fewer); bf16's
+# in_features whole pairs.
+OUT_MULTIPLE = 16
 _KINDS = {torch.float32: 0, torch.bfloat16: 1}
 _IN_MULTIPLE = {torch.float32: 1, torch.bfloat16: 2}
 _NEEDS = {torch.float32: "AVX-512", torch.bfloat16: "AVX512-BF16"}

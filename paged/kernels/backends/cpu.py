@@ -65,7 +65,7 @@ _STATUS = {
     12: "sizes must be positive (head_dim even) and exp_lanes 0, 8 or 16",
     13: f"the v3 split plan needs 1 <= num_splits <= {MAX_SPLITS} and split_blocks >= 1",
     14: "the v3 split plan's splits cannot hold the blocks a row of max_seq_len attends to",
-    15: "the packed linear needs out_features a multiple of 64 (and in_features even in bf16)",
+    15: "the packed linear needs out_features a multiple of 16 (and in_features even in bf16)",
 }
 # v3 work items per OpenMP thread the planner aims for when it splits: with a few each, dynamic
 # scheduling evens out the threads (one item per thread leaves them idle on a remainder).
