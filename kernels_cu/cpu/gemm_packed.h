@@ -138,10 +138,11 @@ inline void block_range(typename T::Elem *y, int64_t y_stride, const typename T:
 
 // The layer over `num_threads` threads (1: on the calling thread). Up to ROW_BLOCK rows (decode)
 // the threads split the output tiles, so each weight comes from memory once; past it (prefill,
-// compute-bound) they split the rows in ROW_BLOCKs, evenly, each through every output. Splitting
+// compute-bound) each thread takes an even share of the rows through every output. Splitting
 // decode's 16-output blocks evenly instead (SmolLM2's 576 outputs are 9 tiles: 5 against 4) left
 // half-width tiles at the seams and measured slower end to end in bf16 (decode's layer matmuls
-// 4.32-4.50 against 4.90-4.96 s); splitting prefill's tiles was 8% slower than its rows in fp32.
+// 4.32-4.50 against 4.90-4.96 s). Splitting prefill's rows in ROW_BLOCKs left the last block short
+// (512 rows: 288 against 224, 10-15% behind oneDNN); even shares run level with it at 200-2,900 rows.
 template <class T>
 inline void linear(typename T::Elem *y, int64_t y_stride, const typename T::Elem *x, int64_t x_stride,
                    const typename T::Elem *packed, int64_t num_rows, int64_t out_features, int64_t in_features,
@@ -157,11 +158,12 @@ inline void linear(typename T::Elem *y, int64_t y_stride, const typename T::Elem
       block_range<T>(y, y_stride, x, x_stride, packed, num_rows, steps, t * BLOCKS, last);
     }
   } else {
-    const int64_t row_blocks = (num_rows + ROW_BLOCK - 1) / ROW_BLOCK;
+    // each thread an even share of the rows, in whole tiles of rows, through every output
+    const int64_t share = ((num_rows + num_threads - 1) / num_threads + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t r = 0; r < row_blocks; ++r) {
-      const int64_t m = r * ROW_BLOCK, rows = num_rows - m < ROW_BLOCK ? num_rows - m : ROW_BLOCK;
-      block_range<T>(y + m * y_stride, y_stride, x + m * x_stride, x_stride, packed, rows, steps, 0, blocks);
+    for (int64_t i = 0; i < num_threads; ++i) {
+      const int64_t m = i * share, rows = num_rows - m < share ? num_rows - m : share;
+      if (rows > 0) block_range<T>(y + m * y_stride, y_stride, x + m * x_stride, x_stride, packed, rows, steps, 0, blocks);
     }
   }
 }
