@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import platform
+import subprocess
+
 import pytest
 import torch
 
@@ -124,3 +127,21 @@ def test_bad_march_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         # the failure seen under the bad value must not outlive it: the process's later calls build again
         cpu_backend._load_failure.cache_clear()
+
+
+@pytest.mark.skipif(host_compiler.unavailable_reason() is not None, reason="no host C++ compiler")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64-v4", "sapphirerapids"])
+def test_the_library_compiles_for_every_x86_level_it_picks_paths_for(march: str) -> None:
+    """The library is built for the CPU it runs on, so this machine's build never sees another
+    level's `#if` branches: AVX2 (no AVX-512: the portable paths, no packed linear), AVX-512 without
+    bf16 (the fp32 packed linear only) and AVX512-BF16 with AMX must each compile. A syntax-only pass
+    of the same flags (a second or less each)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 -march levels")
+    flags = [f for f in cpu_backend.FLAGS if f not in ("-shared", "-O3")]
+    result = subprocess.run(
+        [host_compiler.find_compiler().path, *flags, f"-march={march}", "-fsyntax-only",
+         "-I", str(cpu_backend.source_dir()), str(cpu_backend.source_dir() / cpu_backend.MAIN)],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]

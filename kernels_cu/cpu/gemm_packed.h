@@ -33,6 +33,7 @@ constexpr int64_t ROW_BLOCK = 96;
 constexpr int OUT_MULTIPLE = LANES;  // whole blocks; a layer's last tile may hold 1-3 of them
 
 #if defined(__AVX512F__)
+// Without AVX-512 (an AVX2 build) nothing below exists and the entry points report the kind missing.
 // fp32: one input per output and instruction, an FMA.
 struct F32 {
   using Elem = float;
@@ -43,7 +44,6 @@ struct F32 {
   static __m512 madd(__m512 acc, Weights w, Weights x) { return _mm512_fmadd_ps(w, x, acc); }
   static void store(Elem *y, __m512 acc) { _mm512_storeu_ps(y, acc); }
 };
-#endif
 
 #if defined(__AVX512BF16__)
 // bf16: a pair of inputs per output and instruction (vdpbf16ps), the sums rounded once to bf16.
@@ -62,7 +62,7 @@ struct Bf16 {
     _mm256_storeu_si256(reinterpret_cast<__m256i *>(y), (__m256i)_mm512_cvtneps_pbh(acc));
   }
 };
-#endif
+#endif  // __AVX512BF16__
 
 template <class T>
 inline void pack(const typename T::Elem *w, int64_t out_features, int64_t in_features, typename T::Elem *packed) {
@@ -167,6 +167,8 @@ inline void linear(typename T::Elem *y, int64_t y_stride, const typename T::Elem
     }
   }
 }
+
+#endif  // __AVX512F__
 
 }  // namespace gemm
 }  // namespace paged_cpu

@@ -640,9 +640,11 @@ extern "C" int gemm_packed_lanes_cpu(int kind) {
 extern "C" int gemm_pack_cpu(int kind, const void *weight, int64_t out_features, int64_t in_features, void *packed) {
   if (!gemm_shape_ok(kind, out_features, in_features)) return 15;
   return with_gemm_kind(kind, [&](auto type) {
+#if defined(__AVX512F__)
     using T = decltype(type);
     paged_cpu::gemm::pack<T>(static_cast<const typename T::Elem *>(weight), out_features, in_features,
                              static_cast<typename T::Elem *>(packed));
+#endif
     return 0;
   });
 }
@@ -653,10 +655,12 @@ extern "C" int gemm_packed_cpu(int kind, void *y, int64_t y_stride, const void *
   if (num_threads <= 0) return 6;
   if (num_rows < 0 || !gemm_shape_ok(kind, out_features, in_features)) return 15;
   return with_gemm_kind(kind, [&](auto type) {
+#if defined(__AVX512F__)
     using T = decltype(type);
     paged_cpu::gemm::linear<T>(static_cast<typename T::Elem *>(y), y_stride, static_cast<const typename T::Elem *>(x),
                                x_stride, static_cast<const typename T::Elem *>(packed), num_rows, out_features,
                                in_features, num_threads);
+#endif
     return 0;
   });
 }
