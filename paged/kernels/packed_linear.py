@@ -3,16 +3,17 @@ fp32 on AVX-512, bf16 on AVX512-BF16.
 
 With a few rows (a decode step's) a linear layer is bound by streaming its weight, and oneDNN's
 small-M matmul does not stream it at the memory's pace: on a 2-core AVX512-BF16 EPYC SmolLM2-135M's
-120 layer calls of a step took ~20 ms in bf16 (~11 GB/s of weights) and 22-29 ms in fp32 at one row.
-This loop keeps 6 rows x 64 outputs of fp32 sums in registers, reads each weight once per 6 rows and
-splits the outputs evenly over the threads (oneDNN's small-M split left one thread 5 of 9 tiles):
-fp32 one row 14.5 ms a step, 16 rows 23 against oneDNN's 29, 32 rows 38 against 45, 64 rows 68 against
-77, level at 512 (both compute-bound); bf16 ~11 ms at one row on one core. Numbers: docs/speed.md.
+120 layer calls of a step took ~20 ms in bf16 (~11 GB/s of weights) and 18-22 ms in fp32 at 1-8 rows.
+This loop keeps 6 rows x 64 outputs of fp32 sums in registers and reads each weight once per 6 rows:
+fp32 11.1 ms a step at 1 and 4 rows, 13.7 at 8 (oneDNN 17.8-22.4), 22.3 at 16 (27.9), 39.7 at 32
+(44.9), 71.7 at 64 (85.6), level at 512 (both compute-bound); bf16 ~11 ms at 1 row on one core.
+Numbers and commands: docs/speed.md#issue-47.
 
 Threads: an fp32 call runs on `torch.get_num_threads()` threads at every row count (two threads
 stream fp32 weights faster than one even where they must be woken: one row 17.4 against 18.6 ms a step
 under `OMP_WAIT_POLICY=PASSIVE`). A bf16 call of up to `ONE_CORE_ROWS` rows runs on the calling thread,
-which streams half the bytes (~11 ms a step at one row, no wake-up), more over the threads.
+which streams half the bytes (~11 ms a step at one row, no wake-up), more over the threads. How the
+threads share a call (output tiles for a decode's rows, rows for a prefill's) is gemm_packed.h's.
 
 `PackedLinear(weight)` packs a `[out, in]` fp32 or bf16 weight once; calling it with `x` `[rows, in]`
 (contiguous columns, the weight's dtype) returns `x @ weight.T`, the sums in fp32 in the order of the
