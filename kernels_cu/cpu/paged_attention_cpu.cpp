@@ -627,9 +627,11 @@ int with_gemm_kind(int kind, F &&run) {
   return 7;  // a kind this build lacks, or none
 }
 
-bool gemm_shape_ok(int kind, int64_t out_features, int64_t in_features) {
+// whole blocks of 16 outputs, whole steps of T::K inputs
+template <class T>
+bool gemm_shape_ok(int64_t out_features, int64_t in_features) {
   return out_features > 0 && in_features > 0 && out_features % paged_cpu::gemm::OUT_MULTIPLE == 0 &&
-         in_features % (kind == 1 ? 2 : 1) == 0;
+         in_features % T::K == 0;
 }
 }  // namespace
 
@@ -638,10 +640,10 @@ extern "C" int gemm_packed_lanes_cpu(int kind) {
 }
 
 extern "C" int gemm_pack_cpu(int kind, const void *weight, int64_t out_features, int64_t in_features, void *packed) {
-  if (!gemm_shape_ok(kind, out_features, in_features)) return 15;
   return with_gemm_kind(kind, [&](auto type) {
 #if defined(__AVX512F__)
     using T = decltype(type);
+    if (!gemm_shape_ok<T>(out_features, in_features)) return 15;
     paged_cpu::gemm::pack<T>(static_cast<const typename T::Elem *>(weight), out_features, in_features,
                              static_cast<typename T::Elem *>(packed));
 #endif
@@ -653,10 +655,10 @@ extern "C" int gemm_packed_cpu(int kind, void *y, int64_t y_stride, const void *
                                const void *packed, int64_t num_rows, int64_t out_features, int64_t in_features,
                                int num_threads) {
   if (num_threads <= 0) return 6;
-  if (num_rows < 0 || !gemm_shape_ok(kind, out_features, in_features)) return 15;
   return with_gemm_kind(kind, [&](auto type) {
 #if defined(__AVX512F__)
     using T = decltype(type);
+    if (num_rows < 0 || !gemm_shape_ok<T>(out_features, in_features)) return 15;
     paged_cpu::gemm::linear<T>(static_cast<typename T::Elem *>(y), y_stride, static_cast<const typename T::Elem *>(x),
                                x_stride, static_cast<const typename T::Elem *>(packed), num_rows, out_features,
                                in_features, num_threads);

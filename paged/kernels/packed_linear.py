@@ -24,6 +24,7 @@ it runs instead of oneDNN is `paged.model.linear`'s choice (`model.gemm`).
 from __future__ import annotations
 
 from functools import cache
+from typing import NamedTuple
 
 import torch
 
@@ -35,9 +36,16 @@ ONE_CORE_ROWS = 4
 # out_features must fill whole blocks of 16 outputs (a layer's last tile of 4 may hold fewer); bf16's
 # in_features whole pairs.
 OUT_MULTIPLE = 16
-_KINDS = {torch.float32: 0, torch.bfloat16: 1}
-_IN_MULTIPLE = {torch.float32: 1, torch.bfloat16: 2}
-_NEEDS = {torch.float32: "AVX-512", torch.bfloat16: "AVX512-BF16"}
+
+
+class _Kind(NamedTuple):
+    code: int  # gemm_packed.h's kind
+    in_multiple: int  # inputs per instruction and output
+    needs: str  # the instructions the build must have
+    one_core_rows: int  # calls of up to this many rows stay on the calling thread
+
+
+_KINDS = {torch.float32: _Kind(0, 1, "AVX-512", 0), torch.bfloat16: _Kind(1, 2, "AVX512-BF16", ONE_CORE_ROWS)}
 
 
 @cache
@@ -48,8 +56,8 @@ def unavailable_reason(dtype: torch.dtype) -> str | None:
     reason = _cpu._load_failure()
     if reason is not None:
         return f"the native cpu library is unavailable: {reason}"
-    if not _cpu.load().gemm_packed_lanes_cpu(_KINDS[dtype]):
-        return f"the native cpu library was built for a CPU without {_NEEDS[dtype]}"
+    if not _cpu.load().gemm_packed_lanes_cpu(_KINDS[dtype].code):
+        return f"the native cpu library was built for a CPU without {_KINDS[dtype].needs}"
     return None
 
 
@@ -57,7 +65,7 @@ def serves(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether `PackedLinear` takes this layer: an fp32 or bf16 `[out, in]` cpu weight of whole tiles, no
     bias, on a CPU (and build) that runs its dtype."""
     return (bias is None and weight.dim() == 2 and weight.device.type == "cpu" and weight.dtype in _KINDS
-            and weight.shape[0] % OUT_MULTIPLE == 0 and weight.shape[1] % _IN_MULTIPLE[weight.dtype] == 0
+            and weight.shape[0] % OUT_MULTIPLE == 0 and weight.shape[1] % _KINDS[weight.dtype].in_multiple == 0
             and unavailable_reason(weight.dtype) is None)
 
 
@@ -66,7 +74,7 @@ class PackedLinear:
 
     def __init__(self, weight: torch.Tensor) -> None:
         if not serves(weight, None):
-            in_multiple = _IN_MULTIPLE.get(weight.dtype, 1)
+            in_multiple = _KINDS[weight.dtype].in_multiple if weight.dtype in _KINDS else 1
             raise ValueError(f"the packed linear takes a float32 or bfloat16 [out, in] cpu weight with out a "
                              f"multiple of {OUT_MULTIPLE} and in of {in_multiple}, on a CPU that runs its dtype "
                              f"({unavailable_reason(weight.dtype) or 'this one does'}), got {weight.dtype} "
@@ -74,11 +82,10 @@ class PackedLinear:
         self.dtype = weight.dtype
         self.out_features, self.in_features = weight.shape
         self._kind = _KINDS[self.dtype]
-        self._one_core_rows = ONE_CORE_ROWS if self.dtype == torch.bfloat16 else 0
         weight = weight.contiguous()
         self.packed = torch.empty_like(weight)
         lib = _cpu.load()
-        _cpu.check_status("gemm_pack_cpu", lib.gemm_pack_cpu(self._kind, weight.data_ptr(), self.out_features,
+        _cpu.check_status("gemm_pack_cpu", lib.gemm_pack_cpu(self._kind.code, weight.data_ptr(), self.out_features,
                                                              self.in_features, self.packed.data_ptr()))
         self._linear = lib.gemm_packed_cpu
 
@@ -88,10 +95,15 @@ class PackedLinear:
         if x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != self.in_features or x.stride(1) != 1:
             raise ValueError(f"x must be {self.dtype} [rows, {self.in_features}] with contiguous columns, got "
                              f"{x.dtype} {tuple(x.shape)} strides {x.stride()}")
+        return self.run(x)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """`__call__` without its checks, for a caller that already holds `x` as it requires (a model's
+        `Linear`, once per layer call)."""
         rows = x.shape[0]
         y = torch.empty(rows, self.out_features, dtype=self.dtype)
-        threads = 1 if rows <= self._one_core_rows else torch.get_num_threads()
-        _cpu.check_status("gemm_packed_cpu", self._linear(self._kind, y.data_ptr(), self.out_features, x.data_ptr(),
-                                                          x.stride(0), self.packed.data_ptr(), rows,
-                                                          self.out_features, self.in_features, threads))
+        threads = 1 if rows <= self._kind.one_core_rows else torch.get_num_threads()
+        status = self._linear(self._kind.code, y.data_ptr(), self.out_features, x.data_ptr(), x.stride(0),
+                              self.packed.data_ptr(), rows, self.out_features, self.in_features, threads)
+        _cpu.check_status("gemm_packed_cpu", status)
         return y

@@ -81,11 +81,11 @@ def resolve_gemm(gemm: str, dtype: torch.dtype, device: torch.device) -> str:
     """The kernel `model.gemm` resolves to: `torch`, `onednn` or `packed`."""
     if gemm not in GEMMS:
         raise ValueError(f"model.gemm={gemm!r} is not supported; allowed: {', '.join(GEMMS)}")
-    reasons = {"onednn": onednn_unsupported_reason(dtype, device), "packed": packed_unsupported_reason(dtype, device)}
-    if reasons.get(gemm):
-        raise ValueError(reasons[gemm])
-    if gemm == "auto":
-        return next((kind for kind in ("packed", "onednn") if reasons[kind] is None), "torch")
+    reasons = {"packed": packed_unsupported_reason, "onednn": onednn_unsupported_reason}
+    if gemm in reasons and (reason := reasons[gemm](dtype, device)):
+        raise ValueError(reason)
+    if gemm == "auto":  # the first that runs; the native library is only built when it is asked about
+        return next((kind for kind, why in reasons.items() if why(dtype, device) is None), "torch")
     return gemm
 
 
@@ -105,8 +105,10 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.loop is not None and (self.loop_rows is None or (x.dim() == 2 and x.shape[0] <= self.loop_rows)):
+            # the model's activations are in the weight's dtype, so only the shape needs making right
             rows = x.reshape(-1, self.in_features)
-            return self.loop(rows if rows.stride(1) == 1 else rows.contiguous()).view(*x.shape[:-1], self.out_features)
+            rows = rows if rows.stride(1) == 1 else rows.contiguous()
+            return self.loop.run(rows).view(*x.shape[:-1], self.out_features)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
