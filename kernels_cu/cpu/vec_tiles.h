@@ -10,14 +10,17 @@
 // is read as fp32 in registers (bf16 is the top half of an fp32: a zero-extension and a shift),
 // masked slots zeroed by the same instruction (the cache may hold NaN there, and 0 * NaN is NaN),
 // and multiplied by the fp32 weights into sums folded onto E = min(BS, 16) lanes per (row, dim),
-// summed over the lanes by the caller.
+// summed over the lanes by the caller; or, bf16 on AVX512-BF16 (vec_values_pairs), read as is
+// and multiplied two slots at a time by vdpbf16ps into BS / 2 lanes per (row, dim).
 //
 // Precision: vdpbf16ps treats denormal inputs as 0, flushes denormal results and rounds each pair
 // sum to fp32 (not one fused product per element), so bf16 logits differ from the fp32-converting
-// path by a few fp32 ulps; the weights and the weighted values stay fp32. fp32 tiles sum the same
-// products in another order than the portable path (a few ulps too). Attention's tolerance to the
-// float64 reference is far above that. Compiled only where the compiler targets AVX-512
-// (-march=native on such a CPU), the bf16 dot only with AVX512-BF16: kF32Tiles and kBf16Dot say whether.
+// path by a few fp32 ulps. The bf16 pair products take the weights rounded to bf16 (2^-9
+// relative, the bf16 output's own rounding; the exp-sum adds the rounded ones); fp32's stay fp32.
+// fp32 tiles sum the same products in another order than the portable path (a few ulps too).
+// Attention's tolerance to the float64 reference is far above that. Compiled only where the
+// compiler targets AVX-512 (-march=native on such a CPU), the bf16 dot only with AVX512-BF16:
+// kF32Tiles and kBf16Dot say whether.
 #pragma once
 
 #include "common.h"
@@ -43,6 +46,9 @@ constexpr bool kF32Tiles = false;
 // Lanes of the folded value sums for block size BS: a 16-float vector holds 16 / E rows of V.
 template <int BS>
 constexpr int tile_lanes() { return BS < 16 ? BS : 16; }
+// Lanes of the bf16 pair-product value sums (vec_values_pairs): one per slot pair.
+template <int BS>
+constexpr int pair_lanes() { return BS / 2; }
 
 // Rows (query heads) of the bf16 query as raw bf16 bits, [rows][D] contiguous: row r is head
 // `head0 + r % G` of query row `row0 + r / G`.
@@ -192,7 +198,87 @@ inline void vec_values(int rows, int D, const T* const* v, int nb, int lo, int h
   }
 }
 
-#else
+#if defined(__AVX512BF16__)
+// bf16 values on vdpbf16ps. A 64-byte piece of a V tile ([D][BS] bf16) holds 32 / BS dims of BS
+// slots each, so one vdpbf16ps multiplies two slots of a dim per lane: pair_lanes<BS>() lanes per
+// dim (slot pair (2i, 2i + 1) on lane i), where vec_values widens each 16 values to fp32 (two
+// instructions) and spends one FMA per 16 products. The weights must be bf16 values already
+// (round_to_bf16 after the exps, so the exp-sum adds what the dot multiplies and the weights stay
+// normalised, as flash-attention rounds P on tensor cores): converting them is exact.
+
+// p[0 .. P) rounded to the nearest bf16 (ties to even), kept as fp32 (P a multiple of 8).
+template <int P>
+inline void round_to_bf16(float* p) {
+  for (int off = 0; off < P; off += 16) {
+    const __mmask16 m = P - off >= 16 ? 0xffff : 0xff;
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, p + off));
+    _mm512_mask_storeu_ps(p + off, m, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+  }
+}
+
+// BS bf16-valued weights from p, repeated over a vector's 32 bf16 elements (one copy per dim).
+template <int BS>
+inline __m512i pair_weights(const float* p) {
+  if constexpr (BS == 32) {
+    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 16), _mm512_loadu_ps(p));
+  } else {
+    const __m512 w = BS == 16 ? _mm512_loadu_ps(p) : _mm512_broadcast_f32x8(_mm256_loadu_ps(p));
+    return (__m512i)_mm512_cvtne2ps_pbh(w, w);
+  }
+}
+
+// vec_values for bf16 tiles on pair products: acc[r][d][0 .. BS / 2) += the pair products of V
+// tile v[i]'s row d and the weights p[r * ps + i * BS + 0 .. BS), for the rows whose `sees` is
+// set; the group's slots outside lo .. hi - 1 are read as 0 and blocks from nb on not at all.
+template <int BS, int NB>
+inline void vec_values_pairs(int rows, int D, const uint16_t* const* v, int nb, int lo, int hi, const float* p,
+                             int ps, const char* sees, float* acc) {
+  static_assert(BS == 8 || BS == 16 || BS == 32, "a 64-byte piece holds whole V rows");
+  constexpr int RB = NB <= 4 ? 4 : 2;  // rows whose weights stay in registers (NB * RB <= 16)
+  __mmask32 mask[NB];
+  const uint16_t* tile[NB];
+  for (int i = 0; i < NB; ++i) {
+    const uint64_t slots = i < nb ? slot_bits<BS>(lo - i * BS, hi - i * BS) : 0;
+    uint64_t m = 0;
+    for (int c = 0; c < 32 / BS; ++c) m |= slots << (c * BS);
+    mask[i] = static_cast<__mmask32>(m);
+    tile[i] = v[i < nb ? i : 0];  // a readable address; its mask is 0
+  }
+  const int pieces = D * BS / 32;  // 64-byte pieces of a tile, one sum vector each per row
+  for (int r0 = 0; r0 < rows; r0 += RB) {
+    __m512i w[RB][NB];
+    bool on[RB];
+    for (int rr = 0; rr < RB; ++rr) {
+      on[rr] = r0 + rr < rows && (!sees || sees[r0 + rr]);
+      for (int k = 0; k < NB; ++k)
+        w[rr][k] = on[rr] ? pair_weights<BS>(p + (r0 + rr) * ps + k * BS) : _mm512_setzero_si512();
+    }
+    for (int j = 0; j < pieces; ++j) {
+      __m512i vb[NB];
+      for (int k = 0; k < NB; ++k) vb[k] = _mm512_maskz_loadu_epi16(mask[k], tile[k] + j * 32);
+      for (int rr = 0; rr < RB; ++rr) {
+        if (!on[rr]) continue;
+        float* ar = acc + (static_cast<int64_t>(r0 + rr) * D * (BS / 2) + j * 16);
+        __m512 t[2] = {_mm512_loadu_ps(ar), _mm512_setzero_ps()};  // two chains: half the latency
+        for (int k = 0; k < NB; ++k) t[k % 2] = _mm512_dpbf16_ps(t[k % 2], (__m512bh)w[rr][k], (__m512bh)vb[k]);
+        _mm512_storeu_ps(ar, _mm512_add_ps(t[0], t[1]));
+      }
+    }
+  }
+}
+#endif  // __AVX512BF16__
+#endif  // __AVX512F__
+
+#if !defined(__AVX512BF16__)
+// Declared for the callers' discarded `if constexpr (kPairs ...)` branches; never instantiated.
+template <int P>
+void round_to_bf16(float* p);
+template <int BS, int NB>
+void vec_values_pairs(int rows, int D, const uint16_t* const* v, int nb, int lo, int hi, const float* p, int ps,
+                      const char* sees, float* acc);
+#endif
+
+#if !defined(__AVX512F__)
 // Declared for the callers' discarded `if constexpr (kF32Tiles / kBf16Dot ...)` branches; never instantiated.
 template <int BS, typename T>
 void vec_logits(int rows, int D, float scale, const T* q, const T* k, const char* sees, float* p, int ps);
