@@ -24,9 +24,13 @@
 //
 // A bf16 query over a bf16 cache on AVX512-BF16 (prefill_tile's `dot`) takes the logits straight
 // from the bf16 K tile with vdpbf16ps (vec_tiles.h: no transposed fp32 copy; denormals flushed,
-// pairs summed in fp32) and takes each row's block max and exp-sum in vectors; the V tile and the
-// weighted values are the fp32 path's. Measured on SmolLM2's shape, 8 x 400-token prompts, one
-// thread, alternating processes: 30.8 -> 23.6 ms per call (medians).
+// pairs summed in fp32) and takes each row's block max and exp-sum in vectors. Measured on
+// SmolLM2's shape, 8 x 400-token prompts, one thread, alternating processes: 30.8 -> 23.6 ms per
+// call (medians). Its values are pair products too (vec_tiles.h's pair_tile_values: the V tile's
+// slot pairs transposed once per block, each row's weights rounded to bf16 and broadcast a pair
+// at a time, vdpbf16ps over 16 dims), where the fp32 path converts and transposes V element by
+// element and FMAs it: 2 threads, the same prompts, in one process alternating, 12.4 / 13.4 ->
+// 9.9 / 11.1 ms (-17 to -20%); its results differ by the weights' rounding (2^-9 relative).
 #pragma once
 
 #include "vec_tiles.h"
@@ -67,6 +71,8 @@ struct PrefillScratch {
   std::vector<float> p;     // [R][BS]: one block's logits, then their exps
   std::vector<float> kt;    // [D][BS]
   std::vector<float> vt;    // [BS][D]
+  std::vector<uint32_t> vp; // [BS/2][D]: the bf16 V tile's slot pairs (the bf16 path)
+  std::vector<uint16_t> pb; // [R][BS]: the weights in bf16 (the bf16 path)
   std::vector<char> sees;   // block-sparse: [R] whether each row sees the current block
 
   void init(int rows, int D, int BS) {
@@ -79,6 +85,8 @@ struct PrefillScratch {
     p.resize(static_cast<size_t>(rows) * BS);
     kt.resize(static_cast<size_t>(D) * BS);
     vt.resize(static_cast<size_t>(D) * BS);
+    vp.resize(static_cast<size_t>(D) * BS / 2);
+    pb.resize(static_cast<size_t>(rows) * BS);
   }
 };
 
@@ -194,8 +202,12 @@ void prefill_tile(const Args& a, PrefillScratch& s, int seq, int kvh, int j0, in
           for (int i = 0; i < x; ++i) s.kt[(c * x + i) * BS + off] = dequant<C>(k[(c * BS + off) * x + i], k_scale);
       tile_logits<BS>(R, D, a.scale, s.q.data(), s.kt.data(), s.p.data());
     }
-    for (int off = 0; off < n; ++off)
-      for (int d = 0; d < D; ++d) s.vt[off * D + d] = off < skip ? 0.f : dequant<C>(v[d * BS + off], v_scale);
+    if constexpr (dot) {
+      pair_transpose_values<BS>(v, D, skip, n, s.vp.data());
+    } else {
+      for (int off = 0; off < n; ++off)
+        for (int d = 0; d < D; ++d) s.vt[off * D + d] = off < skip ? 0.f : dequant<C>(v[d * BS + off], v_scale);
+    }
     for (int r = 0; r < R; ++r) {
       float* pr = s.p.data() + r * BS;
       const int pos = first_pos + r / G;
@@ -220,7 +232,8 @@ void prefill_tile(const Args& a, PrefillScratch& s, int seq, int kvh, int j0, in
       }
       float sum = 0.f;
       if constexpr (dot) {
-        sum = sum_of<BS>(pr);  // masked slots are exactly 0
+        round_to_bf16<BS>(pr);  // the weights pair_tile_values multiplies, so the sum adds them
+        sum = sum_of<BS>(pr);   // masked slots are exactly 0
       } else {
         for (int off = lo; off < visible; ++off) sum += pr[off];
       }
@@ -233,7 +246,11 @@ void prefill_tile(const Args& a, PrefillScratch& s, int seq, int kvh, int j0, in
       }
       s.l[r] += sum;
     }
-    tile_values<BS>(R, D, n, s.p.data(), s.vt.data(), s.o.data());
+    if constexpr (dot) {
+      pair_tile_values<BS>(R, D, s.p.data(), s.vp.data(), s.o.data(), s.pb.data());
+    } else {
+      tile_values<BS>(R, D, n, s.p.data(), s.vt.data(), s.o.data());
+    }
   }
 
   for (int j = 0; j < nq; ++j)

@@ -266,6 +266,65 @@ inline void vec_values_pairs(int rows, int D, const uint16_t* const* v, int nb, 
     }
   }
 }
+
+// Prefill's values on pair products (prefill_tile's bf16 path). The V tile ([D][BS] bf16) as
+// vp[k][d] = the pair (V[d][2k], V[d][2k + 1]) in one 32-bit word, slots outside [lo, hi) 0 (the
+// cache may hold NaN there): each row's weights then broadcast a pair at a time against 16 dims.
+template <int BS>
+inline void pair_transpose_values(const uint16_t* v, int D, int lo, int hi, uint32_t* vp) {
+  const uint32_t keep = static_cast<uint32_t>(slot_bits<BS>(lo, hi));
+  for (int k = 0; k < BS / 2; ++k) {
+    const uint32_t mask = ((keep >> (2 * k)) & 1 ? 0xffffu : 0u) | ((keep >> (2 * k + 1)) & 1 ? 0xffff0000u : 0u);
+    uint32_t* row = vp + static_cast<int64_t>(k) * D;
+    for (int d = 0; d < D; ++d) {
+      uint32_t pair;
+      std::memcpy(&pair, v + d * BS + 2 * k, sizeof pair);
+      row[d] = pair & mask;
+    }
+  }
+}
+
+// o[r][d0 .. d0 + 16 * NC) += the weights of rows r .. r + RB (pb: [R][BS] bf16 bits) times vp.
+template <int BS, int RB, int NC>
+inline void pair_values_block(int D, const uint16_t* pb, const uint32_t* vp, float* o, int r, int d0) {
+  __m512 acc[RB][NC];
+  for (int rr = 0; rr < RB; ++rr)
+    for (int c = 0; c < NC; ++c) acc[rr][c] = _mm512_loadu_ps(o + static_cast<int64_t>(r + rr) * D + d0 + 16 * c);
+  for (int k = 0; k < BS / 2; ++k) {
+    __m512i vk[NC];
+    for (int c = 0; c < NC; ++c) vk[c] = _mm512_loadu_si512(vp + static_cast<int64_t>(k) * D + d0 + 16 * c);
+    for (int rr = 0; rr < RB; ++rr) {
+      uint32_t pair;
+      std::memcpy(&pair, pb + static_cast<int64_t>(r + rr) * BS + 2 * k, sizeof pair);
+      const __m512i w = _mm512_set1_epi32(static_cast<int>(pair));
+      for (int c = 0; c < NC; ++c) acc[rr][c] = _mm512_dpbf16_ps(acc[rr][c], (__m512bh)w, (__m512bh)vk[c]);
+    }
+  }
+  for (int rr = 0; rr < RB; ++rr)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + static_cast<int64_t>(r + rr) * D + d0 + 16 * c, acc[rr][c]);
+}
+
+// o[r] += sum over slots of p[r][slot] * V[slot] for every row: p [R][BS] holds bf16 values
+// (round_to_bf16), 0 where a row may not look; vp from pair_transpose_values; pb [R][BS] is
+// scratch. 4 rows x 64 dims of o stay in registers while the slot pairs stream past. D is a
+// multiple of 16.
+template <int BS>
+inline void pair_tile_values(int R, int D, const float* p, const uint32_t* vp, float* o, uint16_t* pb) {
+  for (int i = 0; i < R * BS; i += 16) {
+    const __mmask16 m = R * BS - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (R * BS - i)) - 1);
+    _mm256_mask_storeu_epi16(pb + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, p + i)));
+  }
+  constexpr int RB = 4, NC = 4;
+  const int r_end = R - R % RB, d_end = D - D % (16 * NC);
+  for (int r = 0; r < r_end; r += RB) {
+    for (int d0 = 0; d0 < d_end; d0 += 16 * NC) pair_values_block<BS, RB, NC>(D, pb, vp, o, r, d0);
+    for (int d0 = d_end; d0 < D; d0 += 16) pair_values_block<BS, RB, 1>(D, pb, vp, o, r, d0);
+  }
+  for (int r = r_end; r < R; ++r) {
+    for (int d0 = 0; d0 < d_end; d0 += 16 * NC) pair_values_block<BS, 1, NC>(D, pb, vp, o, r, d0);
+    for (int d0 = d_end; d0 < D; d0 += 16) pair_values_block<BS, 1, 1>(D, pb, vp, o, r, d0);
+  }
+}
 #endif  // __AVX512BF16__
 #endif  // __AVX512F__
 
@@ -276,6 +335,10 @@ void round_to_bf16(float* p);
 template <int BS, int NB>
 void vec_values_pairs(int rows, int D, const uint16_t* const* v, int nb, int lo, int hi, const float* p, int ps,
                       const char* sees, float* acc);
+template <int BS>
+void pair_transpose_values(const uint16_t* v, int D, int lo, int hi, uint32_t* vp);
+template <int BS>
+void pair_tile_values(int R, int D, const float* p, const uint32_t* vp, float* o, uint16_t* pb);
 #endif
 
 #if !defined(__AVX512F__)
