@@ -171,6 +171,11 @@ inline void for_each_cache_slot(Dst* key_cache, Dst* value_cache, const int64_t*
   }
 }
 
+// Slots of a block group on the AVX-512 paths (decode_v3_grouped.h, prefill.h's bf16 tile): a
+// group's logits and softmax first, then its weights multiply its V tiles in one pass over the
+// value sums, whose loads and stores dominate per block, as do a row's softmax reductions.
+constexpr int kGroupSlots = 64;
+
 // The dequantisation scale of KV head `kvh` in `scales` (1 for a cache that is not fp8).
 inline float kv_scale(const float* scales, int kvh) { return scales ? scales[kvh] : 1.f; }
 

@@ -22,15 +22,14 @@
 // skips a block its head does not see from its query's sparse block, as a row skips one past its
 // position; a block no row of the tile sees is never read.
 //
-// A bf16 query over a bf16 cache on AVX512-BF16 (prefill_tile's `dot`) takes the logits straight
-// from the bf16 K tile with vdpbf16ps (vec_tiles.h: no transposed fp32 copy; denormals flushed,
-// pairs summed in fp32) and takes each row's block max and exp-sum in vectors. Measured on
-// SmolLM2's shape, 8 x 400-token prompts, one thread, alternating processes: 30.8 -> 23.6 ms per
-// call (medians). Its values are pair products too (vec_tiles.h's pair_tile_values: the V tile's
-// slot pairs transposed once per block, each row's weights rounded to bf16 and broadcast a pair
-// at a time, vdpbf16ps over 16 dims), where the fp32 path converts and transposes V element by
-// element and FMAs it: 2 threads, the same prompts, in one process alternating, 12.4 / 13.4 ->
-// 9.9 / 11.1 ms (-17 to -20%); its results differ by the weights' rounding (2^-9 relative).
+// A bf16 query over a bf16 cache on AVX512-BF16 takes prefill_tile_grouped: the logits straight
+// from the bf16 K tiles with vdpbf16ps (vec_tiles.h: no transposed fp32 copy; denormals flushed,
+// pairs summed in fp32; one thread, SmolLM2's shape, 8 x 400-token prompts: 30.8 -> 23.6 ms per
+// call), the values on vdpbf16ps pair products too (each V tile's slot pairs transposed once,
+// each row's weights rounded to bf16 and broadcast a pair at a time over 16 dims; the fp32 path
+// converts and transposes V element by element and FMAs it), and blocks in groups of 64 slots,
+// so a row's softmax reductions and its value sums' loads and stores come once per group, not
+// per block. Its results differ from fp32 weights by their rounding (2^-9 relative).
 #pragma once
 
 #include "vec_tiles.h"
@@ -71,8 +70,8 @@ struct PrefillScratch {
   std::vector<float> p;     // [R][BS]: one block's logits, then their exps
   std::vector<float> kt;    // [D][BS]
   std::vector<float> vt;    // [BS][D]
-  std::vector<uint32_t> vp; // [BS/2][D]: the bf16 V tile's slot pairs (the bf16 path)
-  std::vector<uint16_t> pb; // [R][BS]: the weights in bf16 (the bf16 path)
+  std::vector<uint32_t> vp; // [kGroupSlots/2][D]: a group's V tiles' slot pairs (the bf16 path)
+  std::vector<uint16_t> pb; // [R][kGroupSlots]: the weights in bf16 (the bf16 path)
   std::vector<char> sees;   // block-sparse: [R] whether each row sees the current block
 
   void init(int rows, int D, int BS) {
@@ -82,11 +81,11 @@ struct PrefillScratch {
     o.resize(static_cast<size_t>(rows) * D);
     m.resize(rows);
     l.resize(rows);
-    p.resize(static_cast<size_t>(rows) * BS);
+    p.resize(static_cast<size_t>(rows) * std::max(BS, kGroupSlots));
     kt.resize(static_cast<size_t>(D) * BS);
     vt.resize(static_cast<size_t>(D) * BS);
-    vp.resize(static_cast<size_t>(D) * BS / 2);
-    pb.resize(static_cast<size_t>(rows) * BS);
+    vp.resize(static_cast<size_t>(D) * kGroupSlots / 2);
+    pb.resize(static_cast<size_t>(rows) * kGroupSlots);
   }
 };
 
@@ -149,24 +148,56 @@ inline void tile_values(int R, int D, int n, const float* p, const float* vt, fl
   }
 }
 
-// One work item: queries j0 .. j0 + nq of sequence `seq`, the G heads of KV head `kvh`. `dot`: a
-// bf16 query over a bf16 cache on AVX512-BF16: the logits straight from the K tile (vec_tiles.h),
-// no fp32 copy of it, and each row's exp-sum over whole vectors (masked slots are exactly 0).
-template <typename C, int BS, bool dot>
+// Block-sparse: s.sees[r] = whether row r (query first_pos + r / G, head head0 + r % G) sees the
+// block starting at `start`; false when no row does (the block is not read).
+inline bool mark_sparse_rows(const Args& a, PrefillScratch& s, int first_pos, int start, int head0, int G, int R) {
+  bool any = false;
+  for (int r = 0; r < R; ++r) {
+    s.sees[r] = a.sparse.sees(first_pos + r / G, start, a.sparse.offset(head0 + r % G, G));
+    any |= s.sees[r];
+  }
+  return any;
+}
+
+// The tile's rows normalised by their exp-sums, into the output.
+inline void store_tile(const Args& a, PrefillScratch& s, int row0, int head0, int nq, int G) {
+  const int D = a.head_size;
+  for (int j = 0; j < nq; ++j)
+    for (int g = 0; g < G; ++g) {
+      const int r = j * G + g;
+      const float inv = 1.f / s.l[r];
+      float* o = s.o.data() + r * D;
+      for (int d = 0; d < D; ++d) o[d] *= inv;
+      store_out_row(a, (static_cast<int64_t>(row0 + j) * a.num_heads + head0 + g) * D, D, o);
+    }
+}
+
+// Row r's online-softmax step once its logits' max over the visible slots is known: the running
+// max raised to it (its value sums and exp-sum rescaled), returned.
+inline float raise_row_max(PrefillScratch& s, int r, int D, float block_max) {
+  const float m_old = s.m[r], m_new = std::max(m_old, block_max);
+  if (m_new != m_old) {
+    const float alpha = std::exp(m_old - m_new);  // 0 on the first block (m_old = -inf)
+    float* orow = s.o.data() + r * D;
+    for (int d = 0; d < D; ++d) orow[d] *= alpha;
+    s.l[r] *= alpha;
+    s.m[r] = m_new;
+  }
+  return m_new;
+}
+
+// One work item: queries j0 .. j0 + nq of sequence `seq`, the G heads of KV head `kvh`.
+template <typename C, int BS>
 void prefill_tile(const Args& a, PrefillScratch& s, int seq, int kvh, int j0, int nq) {
   using S = typename C::storage;
   constexpr int x = x_of<C>();
   const int G = a.num_heads / a.num_kv_heads, D = a.head_size, R = nq * G, head0 = kvh * G;
   const int row0 = a.query_start_loc[seq] + j0;
   const int first_pos = a.seq_lens[seq] - (a.query_start_loc[seq + 1] - a.query_start_loc[seq]) + j0;
-  if constexpr (dot) {
-    bf16_load_query(a, row0, head0, G, R, s.qb.data());
-  } else {
-    for (int j = 0; j < nq; ++j)
-      for (int g = 0; g < G; ++g)
-        load_query_row(a, (row0 + j) * a.q_stride_seq + (head0 + g) * a.q_stride_head, D,
-                       s.q.data() + (j * G + g) * D);
-  }
+  for (int j = 0; j < nq; ++j)
+    for (int g = 0; g < G; ++g)
+      load_query_row(a, (row0 + j) * a.q_stride_seq + (head0 + g) * a.q_stride_head, D,
+                     s.q.data() + (j * G + g) * D);
   std::fill(s.o.begin(), s.o.begin() + R * D, 0.f);
   std::fill(s.m.begin(), s.m.begin() + R, -std::numeric_limits<float>::infinity());
   std::fill(s.l.begin(), s.l.begin() + R, 0.f);
@@ -184,30 +215,15 @@ void prefill_tile(const Args& a, PrefillScratch& s, int seq, int kvh, int j0, in
     // Slots before the tile's window, in its first block: no query sees them, and V there may
     // hold anything (0 * NaN is NaN), so they are zero.
     const int skip = std::max(tile_window - start, 0);
-    if (a.sparse.on()) {
-      bool any = false;
-      for (int r = 0; r < R; ++r) {
-        s.sees[r] = a.sparse.sees(first_pos + r / G, start, a.sparse.offset(head0 + r % G, G));
-        any |= s.sees[r];
-      }
-      if (!any) continue;
-    }
+    if (a.sparse.on() && !mark_sparse_rows(a, s, first_pos, start, head0, G, R)) continue;
     const S* k = tile_ptr<C>(a.key_cache, a, table[b], kvh);
     const S* v = tile_ptr<C>(a.value_cache, a, table[b], kvh);
-    if constexpr (dot) {
-      vec_logits<BS>(R, D, a.scale, s.qb.data(), k, a.sparse.on() ? s.sees.data() : nullptr, s.p.data(), BS);
-    } else {
-      for (int c = 0; c < D / x; ++c)
-        for (int off = 0; off < BS; ++off)
-          for (int i = 0; i < x; ++i) s.kt[(c * x + i) * BS + off] = dequant<C>(k[(c * BS + off) * x + i], k_scale);
-      tile_logits<BS>(R, D, a.scale, s.q.data(), s.kt.data(), s.p.data());
-    }
-    if constexpr (dot) {
-      pair_transpose_values<BS>(v, D, skip, n, s.vp.data());
-    } else {
-      for (int off = 0; off < n; ++off)
-        for (int d = 0; d < D; ++d) s.vt[off * D + d] = off < skip ? 0.f : dequant<C>(v[d * BS + off], v_scale);
-    }
+    for (int c = 0; c < D / x; ++c)
+      for (int off = 0; off < BS; ++off)
+        for (int i = 0; i < x; ++i) s.kt[(c * x + i) * BS + off] = dequant<C>(k[(c * BS + off) * x + i], k_scale);
+    tile_logits<BS>(R, D, a.scale, s.q.data(), s.kt.data(), s.p.data());
+    for (int off = 0; off < n; ++off)
+      for (int d = 0; d < D; ++d) s.vt[off * D + d] = off < skip ? 0.f : dequant<C>(v[d * BS + off], v_scale);
     for (int r = 0; r < R; ++r) {
       float* pr = s.p.data() + r * BS;
       const int pos = first_pos + r / G;
@@ -219,48 +235,78 @@ void prefill_tile(const Args& a, PrefillScratch& s, int seq, int kvh, int j0, in
       }
       if (a.alibi_slopes) add_alibi(pr, BS, a.alibi_slopes[head0 + r % G], start - pos);
       float block_max = pr[lo];
-      if constexpr (dot) {
-        block_max = max_in<BS>(pr, lo, visible);
-      } else {
-        for (int off = lo + 1; off < visible; ++off) block_max = std::max(block_max, pr[off]);
-      }
-      const float m_old = s.m[r], m_new = std::max(m_old, block_max);
+      for (int off = lo + 1; off < visible; ++off) block_max = std::max(block_max, pr[off]);
+      const float m_new = raise_row_max(s, r, D, block_max);
 #pragma omp simd
       for (int off = 0; off < BS; ++off) {
         const float shifted = pr[off] - m_new;
         pr[off] = exp_nonpositive(off >= lo && off < visible ? shifted : kMasked);
       }
       float sum = 0.f;
-      if constexpr (dot) {
-        round_to_bf16<BS>(pr);  // the weights pair_tile_values multiplies, so the sum adds them
-        sum = sum_of<BS>(pr);   // masked slots are exactly 0
-      } else {
-        for (int off = lo; off < visible; ++off) sum += pr[off];
-      }
-      if (m_new != m_old) {
-        const float alpha = std::exp(m_old - m_new);  // 0 on the first block (m_old = -inf)
-        float* orow = s.o.data() + r * D;
-        for (int d = 0; d < D; ++d) orow[d] *= alpha;
-        s.l[r] *= alpha;
-        s.m[r] = m_new;
-      }
+      for (int off = lo; off < visible; ++off) sum += pr[off];
       s.l[r] += sum;
     }
-    if constexpr (dot) {
-      pair_tile_values<BS>(R, D, s.p.data(), s.vp.data(), s.o.data(), s.pb.data());
-    } else {
-      tile_values<BS>(R, D, n, s.p.data(), s.vt.data(), s.o.data());
-    }
+    tile_values<BS>(R, D, n, s.p.data(), s.vt.data(), s.o.data());
   }
 
-  for (int j = 0; j < nq; ++j)
-    for (int g = 0; g < G; ++g) {
-      const int r = j * G + g;
-      const float inv = 1.f / s.l[r];
-      float* o = s.o.data() + r * D;
-      for (int d = 0; d < D; ++d) o[d] *= inv;
-      store_out_row(a, (static_cast<int64_t>(row0 + j) * a.num_heads + head0 + g) * D, D, o);
+  store_tile(a, s, row0, head0, nq, G);
+}
+
+// prefill_tile for a bf16 query over a bf16 cache on AVX512-BF16, with decode_v3_grouped.h's
+// changes: the logits straight from the bf16 K tiles on vdpbf16ps (vec_tiles.h), and blocks in
+// groups of kGroupSlots / BS (one block under block-sparse attention, whose rows see blocks one
+// by one): per row one max, at most one rescale and one exp-sum per group, the weights rounded to
+// bf16 (the exp-sum adds the rounded ones), then the group's values on pair products
+// (pair_tile_values over its V tiles' transposed slot pairs, never converted to fp32).
+template <int BS>
+void prefill_tile_grouped(const Args& a, PrefillScratch& s, int seq, int kvh, int j0, int nq) {
+  constexpr int NB = kGroupSlots / BS, P = kGroupSlots;
+  const int G = a.num_heads / a.num_kv_heads, D = a.head_size, R = nq * G, head0 = kvh * G;
+  const int row0 = a.query_start_loc[seq] + j0;
+  const int first_pos = a.seq_lens[seq] - (a.query_start_loc[seq + 1] - a.query_start_loc[seq]) + j0;
+  bf16_load_query(a, row0, head0, G, R, s.qb.data());
+  std::fill(s.o.begin(), s.o.begin() + R * D, 0.f);
+  std::fill(s.m.begin(), s.m.begin() + R, -std::numeric_limits<float>::infinity());
+  std::fill(s.l.begin(), s.l.begin() + R, 0.f);
+
+  const int32_t* table = a.block_tables + seq * a.bt_stride;
+  const int last_pos = first_pos + nq - 1, b_end = last_pos / BS + 1;
+  const int tile_window = window_start(a, first_pos);  // blocks before it are never read
+  const bool sparse = a.sparse.on();
+  const int step = sparse ? 1 : NB;
+  for (int b = tile_window / BS; b < b_end; b += step) {
+    const int nb = std::min(step, b_end - b), start = b * BS;
+    // The group's slots up to the tile's last query (none past seq_len, where the cache may hold
+    // garbage) and from the tile's window (V before it may hold anything: 0 * NaN is NaN).
+    const int n = std::min(nb * BS, last_pos - start + 1), skip = std::max(tile_window - start, 0);
+    if (sparse && !mark_sparse_rows(a, s, first_pos, start, head0, G, R)) continue;
+    for (int i = 0; i < nb; ++i) {
+      const uint16_t* k = tile_ptr<BF16>(a.key_cache, a, table[b + i], kvh);
+      const uint16_t* v = tile_ptr<BF16>(a.value_cache, a, table[b + i], kvh);
+      vec_logits<BS>(R, D, a.scale, s.qb.data(), k, sparse ? s.sees.data() : nullptr, s.p.data() + i * BS, P);
+      pair_transpose_values<BS>(v, D, skip - i * BS, n - i * BS, s.vp.data() + static_cast<int64_t>(i) * BS / 2 * D);
     }
+    for (int r = 0; r < R; ++r) {
+      float* pr = s.p.data() + r * P;
+      const int pos = first_pos + r / G;
+      const int visible = std::min(n, pos - start + 1);  // causal: slots <= own position
+      const int lo = std::max(window_start(a, pos) - start, 0);  // window: slots after pos - W
+      if (visible <= lo || (sparse && !s.sees[r])) {
+        std::fill(pr, pr + P, 0.f);
+        continue;
+      }
+      if (a.alibi_slopes) add_alibi(pr, P, a.alibi_slopes[head0 + r % G], start - pos);
+      const float m = raise_row_max(s, r, D, max_in<P>(pr, lo, visible));
+#pragma omp simd
+      for (int off = 0; off < P; ++off) {  // the select keeps NaN logits of masked slots out of exp
+        pr[off] = exp_nonpositive(off >= lo && off < visible ? pr[off] - m : kMasked);
+      }
+      round_to_bf16<P>(pr);  // the weights pair_tile_values multiplies, so the sum adds them
+      s.l[r] += sum_of<P>(pr);  // masked slots are exactly 0
+    }
+    pair_tile_values(R, D, s.p.data(), P, nb * BS / 2, s.vp.data(), s.o.data(), s.pb.data());
+  }
+  store_tile(a, s, row0, head0, nq, G);
 }
 
 template <typename C, int BS>
@@ -288,11 +334,11 @@ void run_prefill(const Args& a) {
       const int nq = std::min(kTileQ, q_len - j0);
       if constexpr (kBf16Dot && std::is_same_v<C, BF16>) {
         if (a.dtype == kBF16) {
-          prefill_tile<C, BS, true>(a, s, seq, kvh, j0, nq);
+          prefill_tile_grouped<BS>(a, s, seq, kvh, j0, nq);
           continue;
         }
       }
-      prefill_tile<C, BS, false>(a, s, seq, kvh, j0, nq);
+      prefill_tile<C, BS>(a, s, seq, kvh, j0, nq);
     }
   }
 }

@@ -20,10 +20,8 @@ constexpr float kRescaleSlack = 16.f;
 // Width of v3's lane-folded sums (v3_values): 8 floats, one AVX2 vector (two NEON ones). Every
 // block size is a multiple of it.
 constexpr int kLanes = 8;
-// The grouped path's lanes (tile_lanes: up to 16) and the slots of its block groups (a group's
-// weights multiply its V tiles in one pass over the sums, whose loads and stores dominate).
+// The grouped path's lanes (tile_lanes: up to 16).
 constexpr int kTileMaxLanes = 16;
-constexpr int kGroupSlots = 64;
 
 struct SplitArgs {
   int num_splits, split_blocks;

@@ -284,18 +284,20 @@ inline void pair_transpose_values(const uint16_t* v, int D, int lo, int hi, uint
   }
 }
 
-// o[r][d0 .. d0 + 16 * NC) += the weights of rows r .. r + RB (pb: [R][BS] bf16 bits) times vp.
-template <int BS, int RB, int NC>
-inline void pair_values_block(int D, const uint16_t* pb, const uint32_t* vp, float* o, int r, int d0) {
+// o[r][d0 .. d0 + 16 * NC) += the weights of rows r .. r + RB (pb: [R][ps] bf16 bits) times the
+// first `pairs` slot pairs of vp.
+template <int RB, int NC>
+inline void pair_values_block(int D, const uint16_t* pb, int ps, int pairs, const uint32_t* vp, float* o, int r,
+                              int d0) {
   __m512 acc[RB][NC];
   for (int rr = 0; rr < RB; ++rr)
     for (int c = 0; c < NC; ++c) acc[rr][c] = _mm512_loadu_ps(o + static_cast<int64_t>(r + rr) * D + d0 + 16 * c);
-  for (int k = 0; k < BS / 2; ++k) {
+  for (int k = 0; k < pairs; ++k) {
     __m512i vk[NC];
     for (int c = 0; c < NC; ++c) vk[c] = _mm512_loadu_si512(vp + static_cast<int64_t>(k) * D + d0 + 16 * c);
     for (int rr = 0; rr < RB; ++rr) {
       uint32_t pair;
-      std::memcpy(&pair, pb + static_cast<int64_t>(r + rr) * BS + 2 * k, sizeof pair);
+      std::memcpy(&pair, pb + static_cast<int64_t>(r + rr) * ps + 2 * k, sizeof pair);
       const __m512i w = _mm512_set1_epi32(static_cast<int>(pair));
       for (int c = 0; c < NC; ++c) acc[rr][c] = _mm512_dpbf16_ps(acc[rr][c], (__m512bh)w, (__m512bh)vk[c]);
     }
@@ -304,25 +306,27 @@ inline void pair_values_block(int D, const uint16_t* pb, const uint32_t* vp, flo
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + static_cast<int64_t>(r + rr) * D + d0 + 16 * c, acc[rr][c]);
 }
 
-// o[r] += sum over slots of p[r][slot] * V[slot] for every row: p [R][BS] holds bf16 values
-// (round_to_bf16), 0 where a row may not look; vp from pair_transpose_values; pb [R][BS] is
-// scratch. 4 rows x 64 dims of o stay in registers while the slot pairs stream past. D is a
-// multiple of 16.
-template <int BS>
-inline void pair_tile_values(int R, int D, const float* p, const uint32_t* vp, float* o, uint16_t* pb) {
-  for (int i = 0; i < R * BS; i += 16) {
-    const __mmask16 m = R * BS - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (R * BS - i)) - 1);
-    _mm256_mask_storeu_epi16(pb + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, p + i)));
-  }
+// o[r] += sum over the first 2 * pairs slots of p[r][slot] * V[slot] for every row: p [R][ps]
+// holds bf16 values (round_to_bf16), 0 where a row may not look; vp [pairs][D] the V tiles'
+// slot pairs (pair_transpose_values, one tile after the other); pb [R][ps] is scratch. 4 rows x
+// 64 dims of o stay in registers while the pairs stream past. D is a multiple of 16.
+inline void pair_tile_values(int R, int D, const float* p, int ps, int pairs, const uint32_t* vp, float* o,
+                             uint16_t* pb) {
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 2 * pairs; i += 16) {
+      const __mmask16 m = 2 * pairs - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (2 * pairs - i)) - 1);
+      const int64_t at = static_cast<int64_t>(r) * ps + i;
+      _mm256_mask_storeu_epi16(pb + at, m, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, p + at)));
+    }
   constexpr int RB = 4, NC = 4;
   const int r_end = R - R % RB, d_end = D - D % (16 * NC);
   for (int r = 0; r < r_end; r += RB) {
-    for (int d0 = 0; d0 < d_end; d0 += 16 * NC) pair_values_block<BS, RB, NC>(D, pb, vp, o, r, d0);
-    for (int d0 = d_end; d0 < D; d0 += 16) pair_values_block<BS, RB, 1>(D, pb, vp, o, r, d0);
+    for (int d0 = 0; d0 < d_end; d0 += 16 * NC) pair_values_block<RB, NC>(D, pb, ps, pairs, vp, o, r, d0);
+    for (int d0 = d_end; d0 < D; d0 += 16) pair_values_block<RB, 1>(D, pb, ps, pairs, vp, o, r, d0);
   }
   for (int r = r_end; r < R; ++r) {
-    for (int d0 = 0; d0 < d_end; d0 += 16 * NC) pair_values_block<BS, 1, NC>(D, pb, vp, o, r, d0);
-    for (int d0 = d_end; d0 < D; d0 += 16) pair_values_block<BS, 1, 1>(D, pb, vp, o, r, d0);
+    for (int d0 = 0; d0 < d_end; d0 += 16 * NC) pair_values_block<1, NC>(D, pb, ps, pairs, vp, o, r, d0);
+    for (int d0 = d_end; d0 < D; d0 += 16) pair_values_block<1, 1>(D, pb, ps, pairs, vp, o, r, d0);
   }
 }
 #endif  // __AVX512BF16__
@@ -337,8 +341,7 @@ void vec_values_pairs(int rows, int D, const uint16_t* const* v, int nb, int lo,
                       const char* sees, float* acc);
 template <int BS>
 void pair_transpose_values(const uint16_t* v, int D, int lo, int hi, uint32_t* vp);
-template <int BS>
-void pair_tile_values(int R, int D, const float* p, const uint32_t* vp, float* o, uint16_t* pb);
+void pair_tile_values(int R, int D, const float* p, int ps, int pairs, const uint32_t* vp, float* o, uint16_t* pb);
 #endif
 
 #if !defined(__AVX512F__)
