@@ -6,12 +6,11 @@
 // 512-bit load holds 4 consecutive slots of an x-dim chunk; it is multiplied by the query's chunk
 // broadcast 4 times into 16 fp32 lanes (lane 4s + j: slot s's part j): vdpbf16ps adds bf16 pairs,
 // fp32 takes FMAs. Over the D/x chunks each row keeps BS/4 such accumulators; fold4 then sums each
-// slot's 4 lanes and puts the slots in order. Values: a V tile is [D][BS]; each 16-element vector
-// is read as fp32 in registers (bf16 is the top half of an fp32: a zero-extension and a shift),
-// masked slots zeroed by the same instruction (the cache may hold NaN there, and 0 * NaN is NaN),
-// and multiplied by the fp32 weights into sums folded onto E = min(BS, 16) lanes per (row, dim),
-// summed over the lanes by the caller; or, bf16 on AVX512-BF16 (vec_values_pairs), read as is
-// and multiplied two slots at a time by vdpbf16ps into BS / 2 lanes per (row, dim).
+// slot's 4 lanes and puts the slots in order. Values: a V tile is [D][BS]; fp32 ones are read 16
+// elements at a time, masked slots zeroed by the same load (the cache may hold NaN there, and
+// 0 * NaN is NaN), and multiplied by the weights into sums folded onto E = min(BS, 16) lanes per
+// (row, dim), summed over the lanes by the caller; bf16 ones (vec_values_pairs) are multiplied two
+// slots at a time by vdpbf16ps into BS / 2 lanes per (row, dim).
 //
 // Precision: vdpbf16ps treats denormal inputs as 0, flushes denormal results and rounds each pair
 // sum to fp32 (not one fused product per element), so bf16 logits differ from the fp32-converting
@@ -142,26 +141,19 @@ inline uint64_t slot_bits(int lo, int hi) {
   return ((uint64_t{1} << hi) - 1) & ~((uint64_t{1} << lo) - 1);
 }
 
-// 16 elements of a V tile as fp32, those outside `mask` 0 (the cache may hold NaN there, and
-// 0 * NaN is NaN): fp32 read as is (masked lanes not read), bf16 widened in registers.
-inline __m512 load_values(__mmask16 mask, const float* src) { return _mm512_maskz_loadu_ps(mask, src); }
-inline __m512 load_values(__mmask16 mask, const uint16_t* src) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_maskz_cvtepu16_epi32(mask, raw), 16));
-}
-
-// acc[r][d][0..E) += sum over the group's blocks i < nb of V tile v[i]'s row d times the weights
+// acc[r][d][0..E) += sum over the group's blocks i < nb of fp32 V tile v[i]'s row d times the weights
 // p[r * ps + i * BS + 0..BS), folded onto E lanes (slot s on lane s % E), for the rows whose
 // `sees` is set. Slot lo .. hi - 1 of the group (block i holds its slots i * BS ..) are read;
-// the others as 0, and blocks from nb on not at all (their weights must be 0). Rows go RB at a
-// time with their weights held in registers: measured 10-25% faster on SmolLM2's shape than
-// reading a weight with each FMA.
-template <int BS, int NB, typename T>
-inline void vec_values(int rows, int D, const T* const* v, int nb, int lo, int hi, const float* p, int ps,
+// the others as 0 (masked lanes are not read: the cache may hold NaN there, and 0 * NaN is NaN),
+// and blocks from nb on not at all (their weights must be 0). Rows go RB at a time with their
+// weights held in registers: measured 10-25% faster on SmolLM2's shape than reading a weight with
+// each FMA. (bf16 tiles take vec_values_pairs.)
+template <int BS, int NB>
+inline void vec_values(int rows, int D, const float* const* v, int nb, int lo, int hi, const float* p, int ps,
                        const char* sees, float* acc) {
   constexpr int E = tile_lanes<BS>(), H = BS / E;  // H: vectors per V row (1 for BS = 8: 2 rows per vector)
   __mmask16 mask[NB][H];
-  const T* tile[NB];
+  const float* tile[NB];
   for (int i = 0; i < NB; ++i) {
     const uint64_t slots = i < nb ? slot_bits<BS>(lo - i * BS, hi - i * BS) : 0;
     tile[i] = v[i < nb ? i : 0];  // a readable address; its mask is 0
@@ -185,7 +177,7 @@ inline void vec_values(int rows, int D, const T* const* v, int nb, int lo, int h
     for (int j = 0; j < vectors; ++j) {
       __m512 vf[W];
       for (int k = 0; k < W; ++k) {
-        vf[k] = load_values(mask[k / H][k % H], tile[k / H] + (j * H + k % H) * 16);
+        vf[k] = _mm512_maskz_loadu_ps(mask[k / H][k % H], tile[k / H] + (j * H + k % H) * 16);
       }
       for (int rr = 0; rr < RB; ++rr) {
         if (!on[rr]) continue;
@@ -352,8 +344,8 @@ template <int P>
 float max_in(const float* p, int lo, int hi);
 template <int P>
 float sum_of(const float* p);
-template <int BS, int NB, typename T>
-void vec_values(int rows, int D, const T* const* v, int nb, int lo, int hi, const float* p, int ps,
+template <int BS, int NB>
+void vec_values(int rows, int D, const float* const* v, int nb, int lo, int hi, const float* p, int ps,
                 const char* sees, float* acc);
 #endif  // __AVX512F__
 
