@@ -259,7 +259,7 @@ inline void vec_values_pairs(int rows, int D, const uint16_t* const* v, int nb, 
   }
 }
 
-// Prefill's values on pair products (prefill_tile's bf16 path). The V tile ([D][BS] bf16) as
+// Prefill's values on pair products (prefill.h's prefill_tile_grouped). The V tile ([D][BS] bf16) as
 // vp[k][d] = the pair (V[d][2k], V[d][2k + 1]) in one 32-bit word, slots outside [lo, hi) 0 (the
 // cache may hold NaN there): each row's weights then broadcast a pair at a time against 16 dims.
 template <int BS>
