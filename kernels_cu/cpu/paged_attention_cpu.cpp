@@ -30,6 +30,7 @@
 // (as vLLM's kernel does). A v2 partition may then hold nothing a head sees: its max logit stays
 // -inf and its weight 0.
 
+#include "argmax.h"
 #include "attention_mass.h"
 #include "cache_convert.h"
 #include "common.h"
@@ -567,6 +568,15 @@ extern "C" int silu_and_mul_bf16_cpu(uint16_t *out, int64_t out_stride, const ui
   if (num_threads <= 0) return 6;
   if (num_rows < 0 || inter <= 0) return 12;
   paged_cpu::layer::silu_and_mul(out, out_stride, x, x_stride, num_rows, inter, num_threads);
+  return 0;
+}
+
+// out [num_rows] int64: each row's argmax (argmax.h) over `cols` fp32 logits.
+extern "C" int argmax_rows_cpu(int64_t *out, const float *x, int64_t x_stride, int64_t num_rows, int64_t cols,
+                               int num_threads) {
+  if (num_threads <= 0) return 6;
+  if (num_rows < 0 || cols <= 0) return 12;
+  paged_cpu::argmax_rows(out, x, x_stride, num_rows, cols, num_threads);
   return 0;
 }
 

@@ -11,6 +11,7 @@ import torch
 
 from paged.executor.sample_inputs import sample_rows, takes_argmax
 from paged.executor.step_plan import BatchInput
+from paged.kernels.greedy import argmax_rows
 from paged.model.sampler import choose, sample
 from paged.step import ExecutorOutput, SchedulerOutput
 
@@ -35,8 +36,8 @@ def sample_step(model: Any, sched: SchedulerOutput, hidden: torch.Tensor, batch:
     logits = sampled_logits(model, hidden, batch)
     if argmax or takes_argmax(sched):
         if num_rows == len(sched.scheduled):  # every row samples: its one token a list already
-            return ExecutorOutput(logits.argmax(dim=-1, keepdim=True).tolist())  # the step's one device-to-host read
-        drawn = iter(logits.argmax(dim=-1).tolist())
+            return ExecutorOutput(argmax_rows(logits).tolist())  # the step's one device-to-host read
+        drawn = iter(argmax_rows(logits)[:, 0].tolist())
         return ExecutorOutput([[next(drawn)] if it.num_samples else [] for it in sched.scheduled])
     drawn = iter(sample(logits, sample_rows(sched, seed), eos_token_ids))
     per_seq = [next(drawn) if s.num_samples > 0 else None for s in sched.scheduled]

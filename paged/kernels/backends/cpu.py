@@ -111,6 +111,8 @@ _SIGNATURES = {
     # out, out row stride, x, x row stride, rows, intermediate size, exp_lanes, num_threads
     "silu_and_mul_cpu": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                          ctypes.c_int64, ctypes.c_int, ctypes.c_int],
+    # out (int64), logits (fp32), logits row stride, rows, columns, num_threads
+    "argmax_rows_cpu": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int],
     # qk, row stride, positions, cos, sin, rows, table positions, num_heads, head_dim, num_threads
     "rotary_embedding_cpu": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                              ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int],
