@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import torch
 
-from paged.kernels.backends import cpu as _cpu
+from paged.kernels import fused_ops
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """`logits.argmax(dim=-1, keepdim=True)` for 2-d logits `[rows, vocab]`."""
     if (logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or not logits.shape[1]
-            or logits.stride(1) != 1 or _cpu._load_failure() is not None):
+            or logits.stride(1) != 1 or fused_ops.unavailable_reason() is not None):
         return logits.argmax(dim=-1, keepdim=True)
     rows, cols = logits.shape
     out = torch.empty(rows, 1, dtype=torch.int64)
-    _cpu.check_status("argmax_rows_cpu", _cpu.load().argmax_rows_cpu(
-        out.data_ptr(), logits.data_ptr(), logits.stride(0), rows, cols, torch.get_num_threads()))
+    # the layer ops' entry-point lookup, cached, and status check (`argmax_rows_cpu`)
+    fused_ops.run("argmax_rows", torch.float32, out.data_ptr(), logits.data_ptr(), logits.stride(0), rows, cols,
+                  torch.get_num_threads())
     return out

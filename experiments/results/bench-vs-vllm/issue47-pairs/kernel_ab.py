@@ -77,6 +77,9 @@ def main() -> None:
     parser.add_argument("--new", required=True)
     parser.add_argument("--repeats", type=int, default=11)
     args = parser.parse_args()
+    for flag, directory in (("--old", args.old), ("--new", args.new)):
+        if not (Path(directory) / "cpu").is_dir():
+            parser.error(f"{flag} {directory} is not a copy of kernels_cu/ (no cpu/ in it)")
     dtype = getattr(torch, args.dtype)
     libraries = [load(args.old), load(args.new)]
     if args.op == "decode":
