@@ -6,7 +6,9 @@
 // them for G <= 8; larger groups take several head chunks), so every K/V byte of the split is read
 // once for them. The split's keys go through shared memory in tiles of V3_TILE keys, loaded with
 // 16-byte cp.async in a STAGES-deep pipeline (tile i + STAGES - 1 is in flight while tile i is
-// computed); the block-table entries of the next V3_TABLE_CHUNK blocks are prefetched into
+// computed; the host picks STAGES per device and cache, paged/kernels/v3_layout.py: as deep as the
+// shared memory allows without costing an SM a CTA, so fp8 and small heads keep as many bytes in
+// flight as 16-bit head-128 tiles do); the block-table entries of the next V3_TABLE_CHUNK blocks are prefetched into
 // shared memory, so no tile waits on a table read before its loads can start. One pass with an
 // online softmax: each warp owns 8 keys of every tile and keeps a running max, sum and fp32 output
 // per head; the warps are merged at the end.
@@ -56,11 +58,11 @@ constexpr int V3_WARP_KEYS = V3_TILE / V3_WARPS;     // keys of a tile each warp
 constexpr int V3_SLICES = WARP_SIZE / V3_WARP_KEYS;  // lanes sharing one key's head dims
 constexpr int V3_TABLE_CHUNK = 128;                  // block-table entries prefetched at a time
 
-// The shared memory of one CTA (paged/kernels/backends/v3_plans.py computes the same bytes).
-template <typename CACHE_T, int HEAD, int GT>
+// The shared memory of one CTA (paged/kernels/v3_layout.py computes the same bytes).
+template <typename CACHE_T, int HEAD, int GT, int STAGES>
 struct V3Layout {
+  static_assert(STAGES >= 2, "one tile computed while the next loads");
   static constexpr int TILE_BYTES = V3_TILE * HEAD * static_cast<int>(sizeof(CACHE_T));  // K or V
-  static constexpr int STAGES = 2 * TILE_BYTES <= 16384 ? 3 : 2;
   static constexpr int Q_BYTES = GT * HEAD * 4;  // the query: fp32, pre-scaled (T, unscaled, for tensor cores)
   static constexpr int TABLE_BYTES = V3_TABLE_CHUNK * 4;
   static constexpr int P_BYTES = V3_WARPS * GT * V3_WARP_KEYS * 4;  // each warp's probabilities
@@ -88,9 +90,9 @@ PAGED_DEVICE void load_floats8(const C* src, float (&out)[8]) {
 }
 
 // Grid (num_kv_heads * head chunks, num_seqs, splits), V3_THREADS threads, V3Layout::BYTES of
-// dynamic shared memory. lse [num_seqs, num_heads, scratch_splits] and tmp_out [..., HEAD] are
-// written only with more than one split.
-template <typename T, typename CACHE_T, int HEAD, int BLOCK, int GT, bool FEATURES>
+// dynamic shared memory for a STAGES-deep K/V pipeline. lse [num_seqs, num_heads, scratch_splits]
+// and tmp_out [..., HEAD] are written only with more than one split.
+template <typename T, typename CACHE_T, int HEAD, int BLOCK, int GT, int STAGES, bool FEATURES>
 __global__ void paged_attention_v3_kernel(T* __restrict__ out, float* __restrict__ lse, float* __restrict__ tmp_out,
                                           const T* __restrict__ q, const CACHE_T* __restrict__ k_cache,
                                           const CACHE_T* __restrict__ v_cache, int num_heads, int num_kv_heads,
@@ -98,7 +100,7 @@ __global__ void paged_attention_v3_kernel(T* __restrict__ out, float* __restrict
                                           const int* __restrict__ seq_lens, int max_num_blocks_per_seq,
                                           int q_stride, int kv_block_stride, int kv_head_stride, int sliding_window,
                                           int split_blocks, int scratch_splits, FEATURE_PARAMS) {
-  typedef V3Layout<CACHE_T, HEAD, GT> L;
+  typedef V3Layout<CACHE_T, HEAD, GT, STAGES> L;
   // Tensor cores (see the top of the file); the fragments read the cache as T pairs or fp8.
   constexpr bool MMA = PAGED_HAS_MMA && sizeof(T) == 2 && GT >= 4 && GT <= 8 && HEAD % 16 == 0 &&
                        (SameType<T, CACHE_T>::value || sizeof(CACHE_T) == 1);
@@ -187,7 +189,7 @@ __global__ void paged_attention_v3_kernel(T* __restrict__ out, float* __restrict
         if (thread < V3_TABLE_CHUNK) table_s[thread] = block < end_block ? block_table[block] : 0;
         __syncthreads();
       }
-      char* stage = reinterpret_cast<char*>(tiles + (j % L::STAGES) * 2 * V3_TILE * HEAD);
+      char* stage = reinterpret_cast<char*>(tiles + (j % STAGES) * 2 * V3_TILE * HEAD);
 #pragma unroll
       for (int b = 0; b < TILE_BLOCKS; ++b) {
         const int block = start_block + rel + b;
@@ -212,11 +214,11 @@ __global__ void paged_attention_v3_kernel(T* __restrict__ out, float* __restrict
   float* outputs = reinterpret_cast<float*>(tiles);
   // The K/V pipeline around a warp's `compute(j)` of tile j; the tiles' memory is free afterwards.
   auto pipeline = [&](auto&& compute) {
-    for (int j = 0; j < L::STAGES - 1; ++j) issue(j);
+    for (int j = 0; j < STAGES - 1; ++j) issue(j);
     for (int j = 0; j < num_tiles; ++j) {
-      cp_async_wait<L::STAGES - 2>();
+      cp_async_wait<STAGES - 2>();
       __syncthreads();  // tile j is in every thread's view; tile j - 1's stage is free again
-      issue(j + L::STAGES - 1);
+      issue(j + STAGES - 1);
       compute(j);
     }
     cp_async_wait<0>();
@@ -243,7 +245,7 @@ __global__ void paged_attention_v3_kernel(T* __restrict__ out, float* __restrict
       if (block >= end_block || !any_sees(block * BLOCK)) return;
       const int slot = in_tile % BLOCK;  // the warp's first key in its cache block
       const int first_key = block * BLOCK + slot;
-      const CACHE_T* k_tile = tiles + (j % L::STAGES) * 2 * V3_TILE * HEAD + (in_tile / BLOCK) * HEAD * BLOCK;
+      const CACHE_T* k_tile = tiles + (j % STAGES) * 2 * V3_TILE * HEAD + (in_tile / BLOCK) * HEAD * BLOCK;
       const CACHE_T* v_tile = k_tile + V3_TILE * HEAD;
 
       // S = Q·Kᵀ: K's layout [HEAD / X][BLOCK][X] puts head dims 2t, 2t + 1 of key g side by side.
@@ -342,7 +344,7 @@ __global__ void paged_attention_v3_kernel(T* __restrict__ out, float* __restrict
       const int block = start_block + j * TILE_BLOCKS + in_tile / BLOCK;
       if (block >= end_block || !any_sees(block * BLOCK)) return;
       const int first_key = block * BLOCK + in_tile % BLOCK;
-      const CACHE_T* k_tile = tiles + (j % L::STAGES) * 2 * V3_TILE * HEAD + (in_tile / BLOCK) * HEAD * BLOCK;
+      const CACHE_T* k_tile = tiles + (j % STAGES) * 2 * V3_TILE * HEAD + (in_tile / BLOCK) * HEAD * BLOCK;
       const CACHE_T* v_tile = k_tile + V3_TILE * HEAD;
 
       float dot[GT];

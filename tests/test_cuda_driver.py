@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from paged.kernels.backends.v3_plans import DeviceLimits, hardware, v3_shared_memory
 from paged.kernels.split_plan import plan_splits
 from paged.kernels.testing import attention_grid, default_partition_grid
 from paged.kernels.toolchain.specs import group_tile
+from paged.kernels.v3_layout import DeviceLimits, hardware, v3_shared_memory, v3_stages
 from tests import fake_driver
 from tests.fake_driver.scenario import LONG_V3_CASES, PREFILL_CASES, SMEM_CASE, V3_CASES
 
@@ -162,7 +162,7 @@ def test_one_long_sequence_is_split_over_every_sm_of_an_h200_shaped_device(launc
     assert tuple(main["grid"]) == (8, 1, splits) and tuple(merge["grid"]) == (64, 1, 1)
     split_blocks = _decode(main)[16][1]  # after the 16 pointers, sizes and strides up to the window
     assert split_blocks * splits * 16 == case.seq_lens[0]
-    slots = hardware(FAKE_LIMITS, v3_shared_memory(2, 128, 8))
+    slots = hardware(FAKE_LIMITS, v3_shared_memory(2, 128, 8, 3))
     assert (slots.processors, slots.slots) == (132, 4) and 132 * 3 <= 8 * splits <= 132 * 4
 
 
@@ -176,7 +176,7 @@ def _check_v3(case: Any, r: dict[str, Any], calls: list[dict[str, Any]]) -> int:
     ctas = case.num_kv_heads * -(-group // tile)
     window = r["sliding_window"]
     element = 1 if "fp8" in r["kernels"][0] else ELEMENT_SIZE[str(case.dtype).removeprefix("torch.")]
-    smem = v3_shared_memory(element, head, tile)
+    smem = v3_shared_memory(element, head, tile, v3_stages(FAKE_LIMITS, element, head, tile))
     # the plan reads the cache's bytes: its splits' K/V and its tiles' shared memory
     plan = plan_splits(num_seqs, ctas, r["max_seq_len"], block, hardware(FAKE_LIMITS, smem),
                        sliding_window=window or None, kv_bytes_per_token=2 * head * element)

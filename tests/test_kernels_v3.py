@@ -15,14 +15,23 @@ import torch
 from paged import kernels
 from paged.kernels.backends import cpu as cpu_backend
 from paged.kernels.backends.emu import BACKEND as EMU
-from paged.kernels.backends.emu import H100
 from paged.kernels.backends.interface import CacheView
-from paged.kernels.backends.v3_plans import V3Workspace, check_workspace, v3_shared_memory, v3_workspace
+from paged.kernels.backends.v3_plans import V3Workspace, check_workspace, v3_workspace
 from paged.kernels.features import AttentionFeatures, alibi_slopes
 from paged.kernels.ops import narrower_window
 from paged.kernels.split_plan import MAX_SPLITS, MIN_SPLIT_BYTES, Hardware, SplitPlan, plan_splits
 from paged.kernels.testing import tolerance
 from paged.kernels.toolchain import host_compiler
+from paged.kernels.v3_layout import (
+    H100,
+    MAX_STAGES,
+    MIN_STAGES,
+    DeviceLimits,
+    base_stages,
+    hardware,
+    v3_shared_memory,
+    v3_stages,
+)
 from tests.test_prefill_kernel import E4M3, E5M2, SPARSE, SPARSE_PER_KV_HEAD, Setting, feature_inputs, reference64
 
 pytestmark = [
@@ -77,16 +86,17 @@ def test_v3_matches_a_float64_reference(setting: Setting, seq_lens: tuple[int, .
     torch.testing.assert_close(out.double(), _reference(x), **tolerance(setting.dtype))
 
 
-def _run_with_splits(x: dict, num_splits: int | None) -> tuple[torch.Tensor, V3Workspace]:
-    """v3 on the emulator with `num_splits` forced (None: planned for an H100-shaped device at the
-    cache's element size), with the setting's fp8 scales and features."""
+def _run_with_splits(x: dict, num_splits: int | None,
+                     num_stages: int | None = None) -> tuple[torch.Tensor, V3Workspace]:
+    """v3 on the emulator with `num_splits` and `num_stages` forced (None: planned for an H100-shaped
+    device at the cache's element size), with the setting's fp8 scales and features."""
     args, options = _decode(x), x["options"]
     query, key_cache = args["query"], args["key_cache"]
     max_seq_len = int(args["seq_lens"].max())
     window = narrower_window(options["sliding_window"], max_seq_len)
     workspace = v3_workspace(H100, query.shape[0], query.shape[1], key_cache.shape[1], query.shape[2],
                              args["value_cache"].shape[3], max_seq_len, window, query.device, num_splits=num_splits,
-                             cache_element_size=key_cache.element_size())
+                             cache_element_size=key_cache.element_size(), num_stages=num_stages)
     cache = CacheView(key_cache, args["value_cache"], args["block_tables"], args["seq_lens"], options.get("k_scale"),
                       options.get("v_scale"))
     features = AttentionFeatures(options.get("alibi_slopes"), options["blocksparse"])
@@ -232,9 +242,95 @@ def test_an_unsupported_head_size_is_refused_before_launch_and_auto_picks_no_v3_
 
 
 def test_shared_memory_follows_the_layout_of_decode_v3() -> None:
-    """Three 16 KB stages of fp16 K/V at head 128 with the group of 8; fp32 at head 256 drops to two."""
-    assert v3_shared_memory(2, 128, 8) == 8 * 128 * 4 + 512 + 4 * 8 * 8 * 4 + 2 * 4 * 8 * 4 + 3 * 2 * 32 * 128 * 2
-    assert v3_shared_memory(4, 256, 8) == 8 * 256 * 4 + 512 + 1024 + 256 + 2 * 2 * 32 * 256 * 4
+    """The query, a table chunk, the warps' probabilities and states, then the K/V stages."""
+    assert v3_shared_memory(2, 128, 8, 3) == 8 * 128 * 4 + 512 + 4 * 8 * 8 * 4 + 2 * 4 * 8 * 4 + 3 * 2 * 32 * 128 * 2
+    assert v3_shared_memory(4, 256, 8, 2) == 8 * 256 * 4 + 512 + 1024 + 256 + 2 * 2 * 32 * 256 * 4
+    assert v3_shared_memory(1, 64, 4, 8) - v3_shared_memory(1, 64, 4, 2) == 6 * 2 * 32 * 64
+
+
+# (cache element size, head, head tile) -> an H100's depth: 16-bit head-128 stages are 16 KB, so 3
+# fill the 57 KB of each of the 4 CTAs registers allow, as before; fp8 and small heads take as many
+# of their smaller stages (the same bytes in flight; 3 before); fp32 keeps its 2 (a CTA lost at head
+# 256, as before), fp8 at head 256 its 3 (16 KB stages: one more than the 4 CTAs' share).
+H100_DEPTHS = {(2, 128, 8): 3, (2, 128, 1): 3, (1, 128, 8): 6, (2, 64, 4): 6, (2, 96, 8): 4, (1, 256, 8): 3,
+               (4, 128, 8): 2, (4, 256, 8): 2, (1, 64, 1): 8}
+
+
+@pytest.mark.parametrize(("shape", "depth"), H100_DEPTHS.items(), ids=str)
+def test_the_pipeline_is_as_deep_as_the_shared_memory_allows_without_costing_a_cta(shape: tuple[int, int, int],
+                                                                                   depth: int) -> None:
+    """Deeper than the former fixed depth only while every SM keeps the CTAs its registers allow;
+    never shallower than it."""
+    element, head, tile = shape
+    assert v3_stages(H100, element, head, tile) == depth >= base_stages(element, head)
+    by_registers = hardware(H100, 0).slots
+    if depth > base_stages(element, head):
+        assert hardware(H100, v3_shared_memory(element, head, tile, depth)).slots == by_registers
+    if depth < MAX_STAGES:  # one stage more would cost an SM a CTA
+        assert hardware(H100, v3_shared_memory(element, head, tile, depth + 1)).slots < by_registers
+
+
+def test_a_device_with_less_shared_memory_gets_shallower_pipelines() -> None:
+    """An sm_86-like SM (100 KB, 1,536 threads) at the same 4 CTAs has 25 KB each: fp8 head-64
+    stages (4 KB) fit 5 deep, where an H100 takes 6 or 8; 16-bit head 128 keeps the former 3."""
+    ampere = DeviceLimits(multiprocessors=84, shared_memory_per_multiprocessor=100 * 1024,
+                          threads_per_multiprocessor=1536)
+    assert v3_stages(ampere, 2, 128, 8) == 3 and v3_stages(ampere, 4, 128, 8) == MIN_STAGES
+    assert v3_stages(ampere, 1, 64, 4) == 5 < v3_stages(H100, 1, 64, 4)
+    assert v3_stages(ampere, 1, 64, 1) == 5 < v3_stages(H100, 1, 64, 1) == MAX_STAGES
+
+
+def test_the_steps_workspace_carries_the_devices_depth_to_the_kernel() -> None:
+    """The emulator plans for an H100: a 16-bit head-128 cache gets 3 stages, an e4m3 one 6; the
+    depth is the unit's template argument and sets its shared memory."""
+    from paged.kernels.backends.v3_plans import v3_unit
+
+    cpu = torch.device("cpu")
+    for cache_dtype, depth in ((None, 3), (E4M3, 6)):
+        workspace = EMU.decode_workspace(2, 8, 1, 128, 16, "v3", 512, 3000, None, cpu, cache_dtype)
+        assert isinstance(workspace, V3Workspace) and workspace.stages == depth
+    x = feature_inputs(Setting("depth", torch.float16, head=128, group=8, cache=E4M3), seq_lens=(300,), q_lens=(1,))
+    args = _decode(x)
+    cache = CacheView(args["key_cache"], args["value_cache"], args["block_tables"], args["seq_lens"])
+    unit, smem = v3_unit(args["query"], cache, True, 6)
+    assert unit.stages == 6 and ", 8, 6, false>" in unit.kernels[0] and smem == v3_shared_memory(1, 128, 8, 6)
+
+
+# (setting, context lengths, forced splits, depths): tensor cores over a 16-bit cache through every
+# depth, merged from 3 splits; fp8 with a window and ALiBi on tensor cores; fp32 on CUDA cores.
+DEPTHS = (
+    (Setting("fp16-gqa8-h128", torch.float16, head=128, group=8), (1, 700, 2500), 3, range(MIN_STAGES, MAX_STAGES + 1)),
+    (Setting("bf16-gqa4-e4m3-window-alibi-b8", torch.bfloat16, block=8, group=4, cache=E4M3, window=500, alibi=True),
+     (40, 1300), 2, (2, 8)),
+    (Setting("fp32-gqa2-h64", torch.float32, head=64, group=2), (9, 900), 1, (2, 8)),
+)
+
+
+@pytest.mark.parametrize(("setting", "seq_lens", "num_splits", "depths"), DEPTHS, ids=[d[0].name for d in DEPTHS])
+def test_every_pipeline_depth_gives_the_same_attention_to_the_bit(setting: Setting, seq_lens: tuple[int, ...],
+                                                                 num_splits: int, depths: range) -> None:
+    """The depth changes only when a tile's loads are issued, never the arithmetic: each forced
+    depth's output equals the planned depth's bit for bit, and the float64 reference."""
+    x = feature_inputs(setting, seq_lens=seq_lens, q_lens=(1,) * len(seq_lens))
+    planned, workspace = _run_with_splits(x, num_splits)
+    torch.testing.assert_close(planned.double(), _reference(x), **tolerance(setting.dtype))
+    for depth in depths:
+        out, forced = _run_with_splits(x, num_splits, depth)
+        assert forced.stages == depth and forced.plan.num_splits == workspace.plan.num_splits
+        assert torch.equal(out, planned), depth
+
+
+def test_a_depth_the_kernel_is_not_built_for_or_the_device_cannot_hold_is_refused() -> None:
+    cpu = torch.device("cpu")
+    for depth in (1, MAX_STAGES + 1):
+        with pytest.raises(ValueError, match=rf"num_stages={depth} is not a v3 pipeline depth; allowed: 2\.\.8"):
+            EMU.decode_workspace(1, 8, 1, 128, 16, "v3", 512, 300, None, cpu, num_stages=depth)
+    with pytest.raises(ValueError, match=r"num_stages=3 forces a CUDA v3 pipeline.*allowed: None"):
+        cpu_backend.BACKEND.decode_workspace(1, 8, 1, 128, 16, "v3", 512, 300, None, cpu, num_stages=3)
+    # fp32 at head 256, 8 stages: 522 KB of shared memory, past the 227 KB a CTA may have
+    x = feature_inputs(Setting("too-deep", torch.float32, head=256, group=2), seq_lens=(40,), q_lens=(1,))
+    with pytest.raises(ValueError, match=r"shared memory"):
+        _run_with_splits(x, 1, MAX_STAGES)
 
 
 def test_planned_v3_runs_alibi_once_planned_for_the_step() -> None:

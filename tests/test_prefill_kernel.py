@@ -16,14 +16,14 @@ import torch
 from paged import kernels
 from paged.config import KernelConfig, ModelConfig
 from paged.executor.model_executor import ModelExecutor
-from paged.kernels.backends.emu import H100, EmuBackend
+from paged.kernels.backends.emu import EmuBackend
 from paged.kernels.backends.launch import RunnerBackend
 from paged.kernels.backends.prefill_plans import prefill_shared_memory
-from paged.kernels.backends.v3_plans import DeviceLimits
 from paged.kernels.features import FP8_MAX, BlockSparse, alibi_slopes
 from paged.kernels.registry import resolve_backend
 from paged.kernels.testing import AttentionCase, prefill_inputs, tolerance
 from paged.kernels.toolchain import host_compiler
+from paged.kernels.v3_layout import H100, DeviceLimits
 
 pytestmark = [
     pytest.mark.compiles,

@@ -6,7 +6,7 @@ and FlashInfer (kernel_peers.py), all measured in one run.
     python experiments/gpu/kernel_bench.py [--batch 1 4 16 64 256] [--context 512 1024 4096 16384]
         [--shapes 64x4096 256x1024 1x16384] [--dtype float16 bfloat16] [--kv-cache-dtype auto fp8_e4m3]
         [--iters 100] [--repeats 11] [--peers sdpa-flash sdpa-cudnn flex flashinfer]
-        [--flashinfer-src .flashinfer] [--device auto|cuda|cpu] [--v3-splits 1 2 8]
+        [--flashinfer-src .flashinfer] [--device auto|cuda|cpu] [--v3-splits 1 2 8] [--v3-stages 2 4 6]
 
 Shapes: 64 query / 8 KV heads, head 128, block 16 (kernel_inputs.py), every `--batch` x `--context`
 or the `--shapes` given; fp16 and bf16; `--kv-cache-dtype fp8_e4m3` adds rows with a one-byte cache
@@ -21,6 +21,10 @@ the row that first needs them. After the table, the issue's targets where their 
 `--v3-splits N ...` adds a column per N: v3 with its split count forced to N (the planner's choice
 is the `v3` column), to see which count each row wants. Splits hold whole 32-token tiles, so an N
 that does not divide a row's tiles gives the fewest splits of ceil(tiles / N) tiles (33 of 128: 32).
+`--v3-stages N ...` adds a column `v3:sN` per N: v3 with its K/V pipeline forced N stages deep (the
+planner's depth, paged/kernels/v3_layout.py's `v3_stages`, is the `v3` column; its split count is
+the planner's in both), to see whether deeper pipelines pay on this device. A depth whose shared
+memory the device cannot give a CTA is `-` with its note; the cpu backend has no such pipeline.
 
 How it times, and why (kernel_timing.py):
 - CUDA graphs. A small decode call runs for a few µs, less than the Python and launch overhead of
@@ -70,6 +74,7 @@ from paged.kernels.limits import DEFAULT_PARTITION_SIZE  # noqa: E402
 from paged.kernels.split_plan import MAX_SPLITS  # noqa: E402
 from paged.kernels.toolchain import nvrtc, specs  # noqa: E402
 from paged.kernels.toolchain.cache_dir import ENV_VAR  # noqa: E402
+from paged.kernels.v3_layout import MAX_STAGES, MIN_STAGES  # noqa: E402
 
 TORCH_MAX_BYTES = 2 << 30  # the reference gathers K/V into fp32 copies; beyond this it would not fit
 DTYPE_LABELS = {torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -140,9 +145,10 @@ def our_backend(device: torch.device) -> str:
 class Bench:
     """The table: our kernels and the peers per row, the probes once, the results kept for the targets."""
 
-    def __init__(self, timer: Timer, peers: Peers, v3_splits: Sequence[int] = ()) -> None:
+    def __init__(self, timer: Timer, peers: Peers, v3_splits: Sequence[int] = (),
+                 v3_stages: Sequence[int] = ()) -> None:
         self.timer, self.peers, self.notes = timer, peers, Notes()
-        self.v3_splits = tuple(v3_splits)
+        self.v3_splits, self.v3_stages = tuple(v3_splits), tuple(v3_stages)
         self.backend = our_backend(timer.device)
         self.copy = timer.copy_probe()
         self.read, self.read_lines = timer.read_probes()
@@ -159,9 +165,10 @@ class Bench:
                                   seq_lens, SCALE, version=version, backend=backend, max_seq_len=context, **scales)
                 for s in sets]
 
-    def _forced_v3(self, sets: list[Inputs], context: int, splits: int,
-                   scales: dict[str, torch.Tensor]) -> list[Callable[[], torch.Tensor]]:
-        """v3 with `splits` splits, through the backend with a workspace planned for that count."""
+    def _forced_v3(self, sets: list[Inputs], context: int, scales: dict[str, torch.Tensor], splits: int | None = None,
+                   stages: int | None = None) -> list[Callable[[], torch.Tensor]]:
+        """v3 with `splits` splits or a `stages`-deep pipeline (None: the planner's), through the
+        backend with a workspace planned for them."""
         backend = kernels.get_backend(self.backend)
         first = sets[0]
         batch, heads, head = first.query.shape
@@ -169,7 +176,7 @@ class Bench:
         seq_lens = torch.full((batch,), context, dtype=torch.int32, device=self.timer.device)
         workspace = backend.decode_workspace(batch, heads, kv_heads, head, block, "v3", DEFAULT_PARTITION_SIZE,
                                              context, None, self.timer.device, first.key_cache.dtype,
-                                             num_splits=splits)
+                                             num_splits=splits, num_stages=stages)
         return [functools.partial(backend.paged_attention, s.query,
                                   CacheView(s.key_cache, s.value_cache, s.block_tables, seq_lens,
                                             scales.get("k_scale"), scales.get("v_scale")),
@@ -191,11 +198,13 @@ class Bench:
                 cells[version] = Cell(self.timer.graphed(self._calls(sets, context, self.backend, version, scales)))
             except Exception as e:  # v1 past the device's shared memory, a version not built yet
                 cells[version] = Cell(None, reason(e))
-        for splits in self.v3_splits:
+        forced = [(f"v3/{n}", {"splits": n}) for n in self.v3_splits]
+        forced += [(f"v3:s{n}", {"stages": n}) for n in self.v3_stages]
+        for name, force in forced:
             try:
-                cells[f"v3/{splits}"] = Cell(self.timer.graphed(self._forced_v3(sets, context, splits, scales)))
-            except Exception as e:  # more splits than the row has tiles, or than the scratch allows
-                cells[f"v3/{splits}"] = Cell(None, reason(e))
+                cells[name] = Cell(self.timer.graphed(self._forced_v3(sets, context, scales, **force)))
+            except Exception as e:  # more splits than the scratch allows, a depth past the shared memory
+                cells[name] = Cell(None, reason(e))
         bytes_read = kv_bytes(batch, context, kv_dtype)
         cells["torch"] = Cell(None, "its fp32 copies of K/V would not fit")
         if 2 * bytes_read <= TORCH_MAX_BYTES:
@@ -224,7 +233,8 @@ class Bench:
 
     @property
     def columns(self) -> list[str]:
-        return [*VERSIONS, *(f"v3/{n}" for n in self.v3_splits), "torch", *self.peers.names]
+        return [*VERSIONS, *(f"v3/{n}" for n in self.v3_splits), *(f"v3:s{n}" for n in self.v3_stages), "torch",
+                *self.peers.names]
 
     def print_header(self) -> None:
         device = self.timer.device
@@ -276,12 +286,17 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="time every instantiation, not only the defaults")
     parser.add_argument("--v3-splits", type=int, nargs="+", default=[],
                         help="also time v3 with its split count forced to each (a column each)")
+    parser.add_argument("--v3-stages", type=int, nargs="+", default=[],
+                        help="also time v3 with its K/V pipeline forced this many stages deep (a column each)")
     args = parser.parse_args()
     if args.iters < 1 or args.repeats < 3:
         parser.error("--iters must be at least 1 and --repeats at least 3 (for an interquartile range)")
     bad = [n for n in args.v3_splits if not 1 <= n <= MAX_SPLITS]
     if bad:
         parser.error(f"--v3-splits {bad[0]} is not a split count; allowed: 1..{MAX_SPLITS}")
+    bad = [n for n in args.v3_stages if not MIN_STAGES <= n <= MAX_STAGES]
+    if bad:
+        parser.error(f"--v3-stages {bad[0]} is not a v3 pipeline depth; allowed: {MIN_STAGES}..{MAX_STAGES}")
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device")
@@ -295,7 +310,7 @@ def main() -> None:
         major, minor = torch.cuda.get_device_capability()
         compile_times(f"sm_{major}{minor}", args.full)
     timer = Timer(torch.device(device), args.iters, args.repeats)
-    bench = Bench(timer, Peers(timer, args.peers, args.flashinfer_src), args.v3_splits)
+    bench = Bench(timer, Peers(timer, args.peers, args.flashinfer_src), args.v3_splits, args.v3_stages)
     bench.print_header()
     shapes = args.shapes or [(b, c) for b in args.batch for c in args.context]
     for batch, context in shapes:

@@ -1,17 +1,18 @@
 // Sanitizer scenarios of kernels_cu/decode_v3.cuh, included by sanitizer_driver.cpp: GQA groups in
 // one CTA and in head chunks, one split (the output written directly) and several (merged; 130 under ASan), a
-// sliding window with the table entries before each row's window stale, fp8 with the features; and
-// a grid with more splits than the scratch holds (a plan the host refuses), whose extra CTAs must
-// write nothing. Buffers are exactly sized; shared memory follows backends/v3_plans.py's
+// sliding window with the table entries before each row's window stale, fp8 with the features,
+// K/V pipelines 2 to 8 stages deep (8 a tile of table chunks ahead of the last tile); and a grid
+// with more splits than the scratch holds (a plan the host refuses), whose extra CTAs must write
+// nothing. Buffers are exactly sized; shared memory follows paged/kernels/v3_layout.py's
 // `v3_shared_memory`.
 #pragma once
 
 namespace {
 
-template <typename T, typename CACHE_T, int HEAD, int BLOCK, int GT, bool FEATURES = false>
+template <typename T, typename CACHE_T, int HEAD, int BLOCK, int GT, int STAGES, bool FEATURES = false>
 int v3(std::mt19937& rng, const std::vector<int>& seq_lens, int group, int splits, int sliding_window = 0,
        int scratch_splits = 0) {
-  typedef paged::V3Layout<CACHE_T, HEAD, GT> Layout;
+  typedef paged::V3Layout<CACHE_T, HEAD, GT, STAGES> Layout;
   const int num_seqs = int(seq_lens.size()), num_kv_heads = 2, num_heads = num_kv_heads * group;
   const int max_len = seq_lens.back();  // the last row is the longest: its table row ends the buffer
   const int max_blocks = paged::div_up(max_len, BLOCK);
@@ -55,7 +56,7 @@ int v3(std::mt19937& rng, const std::vector<int>& seq_lens, int group, int split
   const unsigned chunks = unsigned(paged::div_up(group, GT));
   LaunchDims dims{{num_kv_heads * chunks, unsigned(num_seqs), unsigned(splits)}, {paged::V3_THREADS, 1, 1},
                   static_cast<unsigned long long>(Layout::BYTES)};
-  int status = run(paged_emu::launch(&paged::paged_attention_v3_kernel<T, CACHE_T, HEAD, BLOCK, GT, FEATURES>,
+  int status = run(paged_emu::launch(&paged::paged_attention_v3_kernel<T, CACHE_T, HEAD, BLOCK, GT, STAGES, FEATURES>,
                                      dims, args), "v3");
   if (partial) {
     void* merge_args[] = {&out_p, &lse_p, &tmp_p, &lens_p, &block, &split_blocks_arg, &capacity, &window};
@@ -67,20 +68,22 @@ int v3(std::mt19937& rng, const std::vector<int>& seq_lens, int group, int split
 
 inline int v3_scenarios(std::mt19937& rng) {
   // Three splits merged; the group of 8 with a window over stale blocks in one split; fp8 with the
-  // features in two splits; six splits launched over a scratch of four.
-  int status = v3<__half, __half, 64, 16, 4>(rng, {5, 40, 300}, 4, 3);
-  status |= v3<float, float, 64, 32, 8>(rng, {1, 90, 200}, 8, 1, 45);
-  status |= v3<__nv_bfloat16, __nv_fp8_e4m3, 80, 8, 2, true>(rng, {33, 150}, 2, 2, 70);
-  status |= v3<__half, __half, 64, 16, 1>(rng, {17, 400}, 1, 6, 0, 4);
+  // features in two splits, 6 stages deep (an H100's depth for them); six splits launched over a
+  // scratch of four; 8 stages over one split longer than a table chunk.
+  int status = v3<__half, __half, 64, 16, 4, 3>(rng, {5, 40, 300}, 4, 3);
+  status |= v3<float, float, 64, 32, 8, 2>(rng, {1, 90, 200}, 8, 1, 45);
+  status |= v3<__nv_bfloat16, __nv_fp8_e4m3, 80, 8, 2, 6, true>(rng, {33, 150}, 2, 2, 70);
+  status |= v3<__half, __half, 64, 16, 1, 3>(rng, {17, 400}, 1, 6, 0, 4);
+  status |= v3<__half, __nv_fp8_e4m3, 64, 8, 4, 8>(rng, {3, 1100}, 4, 1);
 #ifdef PAGED_DRIVER_WIDE_GRID
   // 130 splits of one tile over the 129 of the longer row (the last split empty in both rows, the
   // short row's trailing ones too), merged in parallel over the splits: ASan only, as it would
   // add 70% to TSan's run, and the merge's barriers are the same at 3 splits.
-  status |= v3<__half, __half, 64, 16, 4>(rng, {3, 4100}, 4, 130);
-  status |= v3<__half, __nv_fp8_e5m2, 128, 16, 8, true>(rng, {64, 520}, 8, 4, 300);
-  status |= v3<float, float, 256, 32, 8>(rng, {9, 130}, 16, 2);
-  status |= v3<__nv_bfloat16, __nv_bfloat16, 96, 8, 4>(rng, {2, 257}, 3, 5);
-  status |= v3<__half, __half, 112, 32, 2, true>(rng, {1, 1000}, 2, 7, 100);
+  status |= v3<__half, __half, 64, 16, 4, 3>(rng, {3, 4100}, 4, 130);
+  status |= v3<__half, __nv_fp8_e5m2, 128, 16, 8, 6, true>(rng, {64, 520}, 8, 4, 300);
+  status |= v3<float, float, 256, 32, 8, 2>(rng, {9, 130}, 16, 2);
+  status |= v3<__nv_bfloat16, __nv_bfloat16, 96, 8, 4, 4>(rng, {2, 257}, 3, 5);
+  status |= v3<__half, __half, 112, 32, 2, 5, true>(rng, {1, 1000}, 2, 7, 100);
 #endif
   return status;
 }

@@ -259,11 +259,14 @@ class CpuBackend(TorchBackend):
     def decode_workspace(
         self, num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int, block_size: int, version: str,
         partition_size: int, max_seq_len: int, sliding_window: int | None, device: torch.device,
-        cache_dtype: torch.dtype | None = None, num_splits: int | None = None,
+        cache_dtype: torch.dtype | None = None, num_splits: int | None = None, num_stages: int | None = None,
     ) -> SplitPlan | None:
         """v3's split plan for the step over a `cache_dtype` cache (None: 16-bit; the kernel
         allocates its small merge scratch per call), `num_splits` splits where given; `None` for
-        v1 and v2."""
+        v1 and v2. The native v3 prefetches its tiles itself: it has no pipeline depth to force."""
+        if num_stages is not None:
+            raise ValueError(f"num_stages={num_stages} forces a CUDA v3 pipeline, which backend='cpu' does not run; "
+                             f"allowed: None")
         if version != "v3":
             return None
         element = 2 if cache_dtype is None else cache_dtype.itemsize

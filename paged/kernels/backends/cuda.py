@@ -29,9 +29,9 @@ import torch
 
 from paged.kernels.backends import launch
 from paged.kernels.backends.launch_api import BoundPart
-from paged.kernels.backends.v3_plans import DeviceLimits
 from paged.kernels.toolchain import nvrtc
 from paged.kernels.toolchain.specs import Unit
+from paged.kernels.v3_layout import DeviceLimits
 
 # What a block gets without opting in, static and dynamic shared memory together.
 DEFAULT_SHARED_MEMORY = 48 * 1024

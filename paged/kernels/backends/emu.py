@@ -13,14 +13,12 @@ import torch
 
 from paged.kernels.backends.launch import RunnerBackend
 from paged.kernels.backends.launch_api import BoundPart, Copy, Launch, Ptr, Relaunches
-from paged.kernels.backends.v3_plans import DeviceLimits
 from paged.kernels.toolchain import emulator, host_compiler
 from paged.kernels.toolchain.specs import Unit
+from paged.kernels.v3_layout import H100, DeviceLimits
 
 # Same opt-in limit as an H100, so a launch the GPU would refuse fails here too.
 MAX_SHARED_MEMORY = 227 * 1024
-# An H100 SXM's SMs, shared memory and threads per SM: v3 plans the splits an H100 would run.
-H100 = DeviceLimits(multiprocessors=132, shared_memory_per_multiprocessor=228 * 1024, threads_per_multiprocessor=2048)
 _STATUS = {1: "block size must be 1..1024 threads", 2: "grid dimensions must be positive"}
 _LOCK = threading.Lock()  # the runtime's globals (gridDim, shared memory) hold one launch at a time
 
@@ -81,6 +79,7 @@ class EmuBackend(RunnerBackend):
         return RUNNER
 
     def device_limits(self, device: torch.device) -> DeviceLimits:
+        """An H100's: v3 plans the splits and pipeline an H100 would run."""
         return H100
 
     def unavailable_reason(self) -> str | None:

@@ -166,12 +166,13 @@ class KernelBackend(ABC):
     def decode_workspace(
         self, num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int, block_size: int, version: str,
         partition_size: int, max_seq_len: int, sliding_window: int | None, device: torch.device,
-        cache_dtype: torch.dtype | None = None, num_splits: int | None = None,
+        cache_dtype: torch.dtype | None = None, num_splits: int | None = None, num_stages: int | None = None,
     ) -> object:
         """Scratch that `paged_attention` would otherwise allocate on every call, made once for a
         step's decode rows and passed to each layer's call as `workspace` (v3's split plan reads a
-        `cache_dtype` cache's bytes: None, a 16-bit one; `num_splits` forces its split count, for a
-        benchmark sweeping it); `None` (the default) for a backend that needs none."""
+        `cache_dtype` cache's bytes: None, a 16-bit one; `num_splits` forces its split count and
+        `num_stages` its K/V pipeline's depth, for a benchmark sweeping them); `None` (the default)
+        for a backend that needs none."""
         return None
 
     def plan_prefill(

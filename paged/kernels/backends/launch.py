@@ -25,11 +25,12 @@ from paged.kernels.backends.mass_plan import run_attention_mass, unsupported
 from paged.kernels.backends.prefill_plans import PREFILL_WARPS, prefill_shared_memory, prefill_tiles
 from paged.kernels.backends.swap_plan import copy_plan, require_pinned
 from paged.kernels.backends.torch_ref import TorchBackend
-from paged.kernels.backends.v3_plans import DeviceLimits, V3Workspace, v3_launches, v3_unit, v3_workspace
+from paged.kernels.backends.v3_plans import V3Workspace, v3_launches, v3_unit, v3_workspace
 from paged.kernels.features import NONE, AttentionFeatures
 from paged.kernels.limits import BLOCK_SIZES, NATIVE_HEAD_SIZES, NATIVE_PARTITION_SIZES
 from paged.kernels.toolchain.specs import NUM_THREADS, Unit, attention_unit, cache_unit, prefill_unit
 from paged.kernels.transfer import to_device
+from paged.kernels.v3_layout import DeviceLimits
 
 WARP_SIZE = 32
 MAX_CACHE_THREADS = 512
@@ -150,15 +151,16 @@ class RunnerBackend(FusedLayerOpsMixin, TorchBackend):
     def decode_workspace(
         self, num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int, block_size: int, version: str,
         partition_size: int, max_seq_len: int, sliding_window: int | None, device: torch.device,
-        cache_dtype: torch.dtype | None = None, num_splits: int | None = None,
+        cache_dtype: torch.dtype | None = None, num_splits: int | None = None, num_stages: int | None = None,
     ) -> V2Scratch | V3Workspace | None:
         """v2's per-partition exp sums, max logits and outputs, or v3's split plan (of `num_splits`
-        splits where given) and its scratch, for rows of up to `max_seq_len` over a `cache_dtype`
-        cache (None: 16-bit)."""
+        splits and a `num_stages`-deep pipeline where given) and its scratch, for rows of up to
+        `max_seq_len` over a `cache_dtype` cache (None: 16-bit)."""
         if version == "v3":
             return v3_workspace(self.device_limits(device), num_seqs, num_heads, num_kv_heads, head_size, block_size,
                                 max_seq_len, sliding_window, device, num_splits=num_splits,
-                                cache_element_size=2 if cache_dtype is None else cache_dtype.itemsize)
+                                cache_element_size=2 if cache_dtype is None else cache_dtype.itemsize,
+                                num_stages=num_stages)
         if version != "v2":
             return None
         num_partitions = -(-window_span(max_seq_len, sliding_window, partition_size) // partition_size)
@@ -199,7 +201,7 @@ class RunnerBackend(FusedLayerOpsMixin, TorchBackend):
                                                     partition_size, max_seq_len, sliding_window, query.device,
                                                     key_cache.dtype)
             assert isinstance(v3, V3Workspace)
-            unit, smem = v3_unit(query, cache, features.plain)
+            unit, smem = v3_unit(query, cache, features.plain, v3.stages)
             _check_shared_memory(runner, unit, unit.kernels[0], smem, f"v3 attention with head size {head_size}",
                                  "use kernel.backend=torch, or a 16-bit model dtype")
             rows = CacheView(key_cache, value_cache, block_tables, seq_lens)

@@ -2,7 +2,8 @@
 its scratch, made once per step, and the main and merge launches of each layer's call.
 
 The split count comes from `paged.kernels.split_plan` with the device's SMs and the CTAs one SM
-holds at v3's shared memory and thread count, so it depends on the batch's shape and longest
+holds at v3's shared memory and thread count, and the pipeline's depth from `paged.kernels.v3_layout`
+with the device and the cache's element size, so the plan depends on the batch's shape and longest
 context only: a CUDA graph replays the plan it was captured with.
 """
 
@@ -16,58 +17,20 @@ import torch
 from paged.kernels.backends.interface import CacheView
 from paged.kernels.backends.launch_api import Arg, Launch, Ptr
 from paged.kernels.features import FP8_DTYPES
-from paged.kernels.split_plan import MAX_SPLITS, TILE_TOKENS, Hardware, SplitPlan, attended_blocks, plan_splits
+from paged.kernels.split_plan import MAX_SPLITS, SplitPlan, attended_blocks, plan_splits
 from paged.kernels.toolchain.specs import Unit, attention_unit, group_tile
-
-V3_WARPS = 4
-V3_THREADS = 32 * V3_WARPS
-V3_WARP_KEYS = TILE_TOKENS // V3_WARPS
-V3_TABLE_CHUNK = 128
-# Shared memory the driver keeps per CTA on sm_80 and newer, on top of what the kernel asks for.
-RESERVED_SHARED_MEMORY = 1024
-# Registers per thread of the main kernel as NVRTC allocates them for fp16, head 128, a group of 8
-# on sm_90 (110 on tensor cores; the CUDA-core path of fp32 at head 256 takes 240): the plan is
-# made before the kernel is loaded.
-V3_REGISTERS = 110
-
-
-@dataclass(frozen=True)
-class DeviceLimits:
-    """What an occupancy estimate needs of a device."""
-
-    multiprocessors: int
-    shared_memory_per_multiprocessor: int
-    threads_per_multiprocessor: int
-    registers_per_multiprocessor: int = 65536
-
-
-def v3_shared_memory(cache_element_size: int, head_size: int, tile: int) -> int:
-    """decode_v3.cuh's V3Layout: the pre-scaled query, a table chunk, the warps' probabilities and
-    softmax states, then 3 stages of K/V tiles (2 where a stage passes 16 KB)."""
-    tile_bytes = TILE_TOKENS * head_size * cache_element_size
-    stages = 3 if 2 * tile_bytes <= 16384 else 2
-    fixed = tile * head_size * 4 + V3_TABLE_CHUNK * 4 + V3_WARPS * tile * V3_WARP_KEYS * 4 + 2 * V3_WARPS * tile * 4
-    return fixed + stages * 2 * tile_bytes
-
-
-def hardware(limits: DeviceLimits, shared_memory: int, registers: int = V3_REGISTERS) -> Hardware:
-    """The device's SMs and the v3 CTAs each holds at once: the fewest its threads, shared memory
-    and registers allow (an H100 holds 4 at fp16, head 128, a group of 8: 53 KB of shared memory
-    each)."""
-    by_threads = limits.threads_per_multiprocessor // V3_THREADS
-    by_smem = limits.shared_memory_per_multiprocessor // (shared_memory + RESERVED_SHARED_MEMORY)
-    by_registers = limits.registers_per_multiprocessor // (registers * V3_THREADS)
-    return Hardware(limits.multiprocessors, max(min(by_threads, by_smem, by_registers), 1))
+from paged.kernels.v3_layout import V3_THREADS, DeviceLimits, check_stages, hardware, v3_shared_memory, v3_stages
 
 
 @dataclass(frozen=True)
 class V3Workspace:
-    """A step's split plan and, with more than one split, its fp32 scratch: `lse`
-    `[num_seqs, num_heads, splits]` and the partial outputs `[..., head_size]`."""
+    """A step's split plan, the depth of its K/V pipeline and, with more than one split, its fp32
+    scratch: `lse` `[num_seqs, num_heads, splits]` and the partial outputs `[..., head_size]`."""
 
     plan: SplitPlan
     lse: torch.Tensor | None
     tmp_out: torch.Tensor | None
+    stages: int
 
     @property
     def capacity(self) -> int:
@@ -78,23 +41,27 @@ class V3Workspace:
 def v3_workspace(
     limits: DeviceLimits, num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
     max_seq_len: int, sliding_window: int | None, device: torch.device, num_splits: int | None = None,
-    cache_element_size: int = 2,
+    cache_element_size: int = 2, num_stages: int | None = None,
 ) -> V3Workspace:
     """Plans the splits of rows of up to `max_seq_len` and allocates their scratch. Splits are sized
     by the K/V bytes they read at the cache's `cache_element_size` (an fp8 split holds twice a
-    16-bit one's tokens), and occupancy by the shared memory its tiles take (`v3_unit`'s)."""
+    16-bit one's tokens), and occupancy by the shared memory its tiles take at the pipeline's depth:
+    the device's (`v3_stages`), or `num_stages` forced (a benchmark sweeping it)."""
     group = num_heads // num_kv_heads
     tile = group_tile(group)
     chunks = -(-group // tile)
-    device_hw = hardware(limits, v3_shared_memory(cache_element_size, head_size, tile))
+    if num_stages is None:
+        num_stages = v3_stages(limits, cache_element_size, head_size, tile)
+    check_stages(num_stages)
+    device_hw = hardware(limits, v3_shared_memory(cache_element_size, head_size, tile, num_stages))
     plan = plan_splits(num_seqs, num_kv_heads * chunks, max(max_seq_len, 1), block_size, device_hw,
                        sliding_window=sliding_window, num_splits=num_splits,
                        kv_bytes_per_token=2 * head_size * cache_element_size)
     if plan.num_splits == 1:
-        return V3Workspace(plan, None, None)
+        return V3Workspace(plan, None, None, num_stages)
     lse = torch.empty((num_seqs, num_heads, plan.num_splits), dtype=torch.float32, device=device)
     tmp_out = torch.empty((num_seqs, num_heads, plan.num_splits, head_size), dtype=torch.float32, device=device)
-    return V3Workspace(plan, lse, tmp_out)
+    return V3Workspace(plan, lse, tmp_out, num_stages)
 
 
 def check_workspace(workspace: V3Workspace, max_seq_len: int, sliding_window: int | None, block_size: int) -> None:
@@ -111,14 +78,15 @@ def check_workspace(workspace: V3Workspace, max_seq_len: int, sliding_window: in
                          f"{block_size}: plan the step with its longest context")
 
 
-def v3_unit(query: torch.Tensor, cache: CacheView, plain: bool) -> tuple[Unit, int]:
-    """The unit v3 runs for this query and cache, and the dynamic shared memory of its main kernel."""
+def v3_unit(query: torch.Tensor, cache: CacheView, plain: bool, stages: int) -> tuple[Unit, int]:
+    """The unit v3 runs for this query and cache with a `stages`-deep pipeline, and the dynamic
+    shared memory of its main kernel."""
     num_heads, head_size = query.shape[1], query.shape[2]
     key_cache = cache.key_cache
     unit = attention_unit(query.dtype, head_size, cache.block_size, "v3", 0, key_cache.dtype, not plain,
-                          num_heads // cache.num_kv_heads)
+                          num_heads // cache.num_kv_heads, stages)
     element = 1 if key_cache.dtype in FP8_DTYPES else key_cache.element_size()
-    return unit, v3_shared_memory(element, head_size, unit.group_tile)
+    return unit, v3_shared_memory(element, head_size, unit.group_tile, stages)
 
 
 def v3_launches(

@@ -13,6 +13,7 @@ import torch
 
 from paged.kernels.features import FP8_DTYPES
 from paged.kernels.limits import BLOCK_SIZES, DEFAULT_PARTITION_SIZE, NATIVE_HEAD_SIZES
+from paged.kernels.v3_layout import H100, MAX_STAGES, MIN_STAGES, v3_stages
 
 NUM_THREADS = 128
 CXX_TYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
@@ -33,6 +34,7 @@ class Unit:
     cache: str = ""  # the KV cache's element type when it is not `dtype` (fp8)
     features: bool = False  # ALiBi / block-sparse compiled in (attention only)
     group_tile: int = 0  # v3: query heads per CTA, of GROUP_TILES
+    stages: int = 0  # v3: K/V stages of its pipeline, MIN_STAGES..MAX_STAGES
 
     def __post_init__(self) -> None:
         assert self.op in OPS, self.op
@@ -41,6 +43,7 @@ class Unit:
         assert (self.op == "attention_v2") == (self.partition_size > 0), self
         assert not (self.features and self.op in ("cache", "layer", "mass")), self
         assert (self.op == "attention_v3") == (self.group_tile in GROUP_TILES), self
+        assert (self.op == "attention_v3") == (MIN_STAGES <= self.stages <= MAX_STAGES), self
 
     @functools.cached_property  # read per launch, per layer
     def kernels(self) -> tuple[str, ...]:
@@ -56,7 +59,7 @@ class Unit:
             )
         if self.op == "attention_v3":
             return (
-                f"paged::paged_attention_v3_kernel<{t}, {c}, {h}, {b}, {self.group_tile}, {f}>",
+                f"paged::paged_attention_v3_kernel<{t}, {c}, {h}, {b}, {self.group_tile}, {self.stages}, {f}>",
                 f"paged::paged_attention_v3_merge_kernel<{t}, {h}>",
             )
         if self.op == "prefill":
@@ -75,7 +78,8 @@ class Unit:
             return f"{self.op} {self.dtype}{cache}"
         label = f"{self.op.removeprefix('attention_')} {self.dtype}{cache} h{self.head_size} b{self.block_size}"
         label += f" p{self.partition_size}" if self.partition_size else ""
-        return label + (f" g{self.group_tile}" if self.group_tile else "") + (" +features" * self.features)
+        label += f" g{self.group_tile} s{self.stages}" if self.group_tile else ""
+        return label + " +features" * self.features
 
 
 # The layer kernels that load whole 16-byte vectors where their rows allow it, else one element.
@@ -130,14 +134,19 @@ def group_tile(group: int) -> int:
 @functools.cache  # called per layer's attention: one unit per argument set
 def attention_unit(
     dtype: torch.dtype, head_size: int, block_size: int, version: str, partition_size: int,
-    cache_dtype: torch.dtype | None = None, features: bool = False, group: int = 1,
+    cache_dtype: torch.dtype | None = None, features: bool = False, group: int = 1, stages: int | None = None,
 ) -> Unit:
     """`features`: the kernel with ALiBi and block-sparse compiled in (plain attention runs without);
-    `group`: query heads per KV head, which picks v3's head tile."""
+    `group`: query heads per KV head, which picks v3's head tile; `stages`: v3's pipeline depth
+    (None: an H100's, as `paged.kernels.v3_layout.v3_stages` picks it)."""
     cache = _cache_type(dtype, cache_dtype)
     if version == "v3":
+        tile = group_tile(group)
+        if stages is None:
+            element = 1 if cache_dtype in FP8_DTYPES else dtype.itemsize
+            stages = v3_stages(H100, element, head_size, tile)
         return Unit("attention_v3", CXX_TYPES[dtype], head_size, block_size, cache=cache, features=features,
-                    group_tile=group_tile(group))
+                    group_tile=tile, stages=stages)
     if version == "v1":
         return Unit("attention_v1", CXX_TYPES[dtype], head_size, block_size, cache=cache, features=features)
     return Unit("attention_v2", CXX_TYPES[dtype], head_size, block_size, partition_size, cache, features)
@@ -162,7 +171,8 @@ def cache_unit(dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> Un
 def dispatchable_units(partition_size: int = DEFAULT_PARTITION_SIZE) -> list[Unit]:
     """Every unit the front end can pick with the given v2 partition size: each activation dtype
     with a cache of its own dtype or of either fp8 format, decode and prefill attention plain or with
-    the features, and each dtype's layer ops."""
+    the features, and each dtype's layer ops. v3's pipeline is an H100's depth; another device's
+    depth compiles when first used."""
     caches = (None, *FP8_DTYPES)
     units = [cache_unit(dtype, cache) for dtype in CXX_TYPES for cache in caches]
     units += [mass_unit(dtype, cache) for dtype in CXX_TYPES for cache in caches]
