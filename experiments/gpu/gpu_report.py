@@ -15,8 +15,9 @@ Writes `<out>/<date>-<gpu>.md`: the device, its driver and the versions, then on
    was carried, docs/gpu.md); then prefill attention,
    `experiments/gpu/prefill_bench.py --device cuda --repeats 5` (our paged varlen kernel against torch
    SDPA-flash on contiguous inputs and the torch reference; its lowest cuda / sdpa-flash throughput ratio
-   against the >= 50% target). Each has its share of the step (BENCHES), so a hang in the first leaves
-   the second its time, and a failure of one is reported beside the other's output. Then the host's cost,
+   against issue 44's >= 70% target and 50% floor, the cached-prefix rows against 100%). Each has its
+   share of the step (BENCHES), so a hang in the first leaves the second its time, and a failure of one
+   is reported beside the other's output. Then the host's cost,
    `experiments/host_overhead.py --real-driver`: µs per launch on this GPU's driver, ms per engine step
    without the model on its CPU.
 3. The default job: on CUDA in fp32 with `executor.cuda_graphs=false`, on this machine's CPU in fp32 (the

@@ -66,7 +66,10 @@ CUDA_WORKLOADS: dict[str, Callable[[random.Random], list[tuple[int, int]]]] = {
     "64 seqs, 512 cached + 32 new": lambda r: [(32, 544)] * 64,
 }
 ATOL, RTOL = 2e-3, 2e-2  # fp16/bf16 outputs against the torch path's
-FLASH_TARGET = 0.5  # the issue's: the kernel at >= 50% of SDPA-flash's throughput on the same shape
+# Issue 44's bars on our kernel's throughput as % of SDPA-flash's on the same shape: >= 70% on every row
+# (50% the floor, issue 29's target), and the rows over a cached prefix kept >= 100%.
+FLASH_AIM, FLASH_FLOOR, CACHED_PREFIX_TARGET = 70.0, 50.0, 100.0
+CACHED_PREFIX = "cached"  # in the names of the workloads whose prompts extend a cached prefix
 
 
 def make_batch(lens: list[tuple[int, int]], heads: tuple[int, int, int] = (NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE),
@@ -294,6 +297,26 @@ def _cell(value: float | None, fmt: str, width: int, unit: str = "") -> str:
     return f"{'-' if value is None else format(value, fmt) + unit:>{width}}"
 
 
+def flash_targets(ratios: list[tuple[float, str]]) -> list[str]:
+    """Issue 44's verdicts on (cuda throughput as % of sdpa-flash's, "shape, workload") per row: the
+    lowest against the aim and the floor, the lowest over a cached prefix against 100%."""
+    if not ratios:
+        return []
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    low, where = min(ratios)
+    lines = [f"cuda / sdpa-flash throughput, lowest: {low:.0f}% ({where}); target >= {FLASH_AIM:.0f}%: "
+             f"{verdict(low >= FLASH_AIM)}; floor >= {FLASH_FLOOR:.0f}%: {verdict(low >= FLASH_FLOOR)}"]
+    cached = [ratio for ratio in ratios if CACHED_PREFIX in ratio[1]]
+    if cached:
+        low, where = min(cached)
+        lines.append(f"cuda / sdpa-flash over a cached prefix, lowest: {low:.0f}% ({where}); target >= "
+                     f"{CACHED_PREFIX_TARGET:.0f}%: {verdict(low >= CACHED_PREFIX_TARGET)}")
+    return lines
+
+
 def cuda_tables(dtype: torch.dtype, repeats: int, calls: int) -> int:
     """Per shape, a row per workload, then the lowest ratios; exit status 1 where a path failed or
     its output disagreed."""
@@ -325,11 +348,8 @@ def cuda_tables(dtype: torch.dtype, repeats: int, calls: int) -> int:
                   f"{_cell(cuda and flops / cuda / 1e9, '.1f', 9)} {_cell(percent, '.0f', 10, '%')} "
                   f"{_cell(slower, '.2f', 10, 'x')}", flush=True)
     print()
-    if flash_ratios:
-        low, where = min(flash_ratios)
-        verdict = "met" if low >= 100 * FLASH_TARGET else "NOT met"
-        print(f"cuda / sdpa-flash throughput, lowest: {low:.0f}% ({where}); target >= {100 * FLASH_TARGET:.0f}%: "
-              f"{verdict}")
+    for line in flash_targets(flash_ratios):
+        print(line)
     if torch_ratios:
         low, where = min(torch_ratios)
         print(f"torch / cuda time (eager, host included), lowest: {low:.2f}x ({where})")
