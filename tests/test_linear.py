@@ -105,7 +105,7 @@ def test_bf16_without_cpu_support_falls_back_to_torch_and_onednn_is_refused(monk
 @needs_bf16_loop
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 7, 9, 64, 300])
 def test_a_bf16_layer_on_avx512_bf16_is_the_bf16_gemm(rows: int) -> None:
-    """The packed loop in bf16 (one core up to 4 rows, the threads past them; tiles of 6 rows and their
+    """The packed loop in bf16 (over the threads at every row count; tiles of 6 rows and their
     remainders; 208 outputs: three tiles of 4 blocks and one block): fp32 sums of the bf16 products
     rounded once, as oneDNN's bf16 GEMM gives them (to its last bit at decode sizes in practice; to one
     bf16 ulp here); a 3-d input keeps its shape."""

@@ -6,13 +6,14 @@ small-M matmul does not stream it at the memory's pace: on a 2-core AVX512-BF16 
 120 layer calls of a step took ~20 ms in bf16 (~11 GB/s of weights) and 18-22 ms in fp32 at 1-8 rows.
 This loop keeps 6 rows x 64 outputs of fp32 sums in registers and reads each weight once per 6 rows:
 fp32 11.1 ms a step at 1 and 4 rows, 13.7 at 8 (oneDNN 17.8-22.4), 22.3 at 16 (27.9), 39.7 at 32
-(44.9), 71.7 at 64 (85.6), level at 512 (both compute-bound); bf16 ~11 ms at 1 row on one core.
-Numbers and commands: docs/speed.md#issue-47.
+(44.9), 71.7 at 64 (85.6), level at 512 (both compute-bound); bf16 ~11 ms at 1 row on one core,
+~7.5 on two. Numbers and commands: docs/speed.md#issue-47.
 
-Threads: an fp32 call runs on `torch.get_num_threads()` threads at every row count (two threads
-stream fp32 weights faster than one even where they must be woken: one row 17.4 against 18.6 ms a step
-under `OMP_WAIT_POLICY=PASSIVE`). A bf16 call of up to `ONE_CORE_ROWS` rows runs on the calling thread,
-which streams half the bytes (~11 ms a step at one row, no wake-up), more over the threads. How the
+Threads: every call runs on `torch.get_num_threads()` threads. Under `OMP_WAIT_POLICY=PASSIVE` a bf16
+call of up to 4 rows stayed on the calling thread (a woken worker cost more than it streamed); with
+paged's short spin (`paged.utils.threads`) the worker is mostly awake between a step's calls, and two
+threads stream a one-row bf16 step's weights in ~7.5 ms against ~11 on one: one request's bf16 decode
+went from 45-46 to 51-52 output tok/s (with the loop's prefetch, below it in gemm_packed.h). How the
 threads share a call (output tiles for a decode's rows, rows for a prefill's) is gemm_packed.h's.
 
 `PackedLinear(weight)` packs a `[out, in]` fp32 or bf16 weight once; calling it with `x` `[rows, in]`
@@ -30,9 +31,6 @@ import torch
 
 from paged.kernels.backends import cpu as _cpu
 
-# Up to this many rows a bf16 call beats two woken threads on one core (docs/speed.md: measured 4 against 8
-# end to end, alternating: 4 won at 8 and 32 requests).
-ONE_CORE_ROWS = 4
 # out_features must fill whole blocks of 16 outputs (a layer's last tile of 4 may hold fewer); bf16's
 # in_features whole pairs.
 OUT_MULTIPLE = 16
@@ -42,10 +40,9 @@ class _Kind(NamedTuple):
     code: int  # gemm_packed.h's kind
     in_multiple: int  # inputs per instruction and output
     needs: str  # the instructions the build must have
-    one_core_rows: int  # calls of up to this many rows stay on the calling thread
 
 
-_KINDS = {torch.float32: _Kind(0, 1, "AVX-512", 0), torch.bfloat16: _Kind(1, 2, "AVX512-BF16", ONE_CORE_ROWS)}
+_KINDS = {torch.float32: _Kind(0, 1, "AVX-512"), torch.bfloat16: _Kind(1, 2, "AVX512-BF16")}
 
 
 @cache
@@ -91,7 +88,7 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ weight.T` for `x` `[rows, in]` in the weight's dtype with contiguous columns, as a new
-        `[rows, out]` tensor (bf16: on the calling thread up to `ONE_CORE_ROWS` rows)."""
+        `[rows, out]` tensor."""
         if x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != self.in_features or x.stride(1) != 1:
             raise ValueError(f"x must be {self.dtype} [rows, {self.in_features}] with contiguous columns, got "
                              f"{x.dtype} {tuple(x.shape)} strides {x.stride()}")
@@ -102,8 +99,8 @@ class PackedLinear:
         `Linear`, once per layer call)."""
         rows = x.shape[0]
         y = torch.empty(rows, self.out_features, dtype=self.dtype)
-        threads = 1 if rows <= self._kind.one_core_rows else torch.get_num_threads()
         status = self._linear(self._kind.code, y.data_ptr(), self.out_features, x.data_ptr(), x.stride(0),
-                              self.packed.data_ptr(), rows, self.out_features, self.in_features, threads)
+                              self.packed.data_ptr(), rows, self.out_features, self.in_features,
+                              torch.get_num_threads())
         _cpu.check_status("gemm_packed_cpu", status)
         return y

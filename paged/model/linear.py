@@ -13,8 +13,8 @@ with many rows.
 loop for the layers it tiles, oneDNN for the rest; refused where the CPU lacks the loop's
 instructions) or `auto` (packed where it runs, else onednn for fp32 and for bf16 where the CPU has
 AVX512 bf16, else torch). Where the CPU has AMX, oneDNN's bf16 GEMMs of many rows run on its tiles, so
-a packed bf16 layer there takes only the calls of up to `packed_linear.ONE_CORE_ROWS` rows and keeps
-oneDNN's copy for the rest (unmeasured: no AMX machine yet). The kernels sum in different orders, so
+a packed bf16 layer there takes only the calls of up to `AMX_LOOP_ROWS` rows and keeps oneDNN's copy
+for the rest (unmeasured: no AMX machine yet). The kernels sum in different orders, so
 their logits differ in the last bits; greedy outputs match vLLM's either way (docs/speed.md).
 """
 
@@ -31,6 +31,10 @@ from paged.kernels.packed_linear import PackedLinear
 # layout chosen for 64 also runs prefill's thousands of rows at full speed (measured: 194 GFLOP/s).
 _ROWS_HINT = 64
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+# Where the CPU has AMX (oneDNN's bf16 GEMMs on its tiles), the most rows a packed bf16 layer keeps
+# on the loop: a decode's few rows cost streaming the weight, which the loop does at the memory's
+# pace. 4 is unmeasured (no AMX machine yet).
+AMX_LOOP_ROWS = 4
 
 
 def _has_amx() -> bool:
@@ -39,7 +43,7 @@ def _has_amx() -> bool:
 
 def _packed_rows(dtype: torch.dtype) -> int | None:
     """The row counts a packed layer takes: None for every call, else calls of up to this many rows."""
-    return packed_linear.ONE_CORE_ROWS if dtype == torch.bfloat16 and _has_amx() else None
+    return AMX_LOOP_ROWS if dtype == torch.bfloat16 and _has_amx() else None
 
 
 def describe_gemm(gemm: str, dtype: torch.dtype) -> str:
