@@ -13,8 +13,9 @@ Threads: every call runs on `torch.get_num_threads()` threads. Under `OMP_WAIT_P
 call of up to 4 rows stayed on the calling thread (a woken worker cost more than it streamed); with
 paged's short spin (`paged.utils.threads`) the worker is mostly awake between a step's calls, and two
 threads stream a one-row bf16 step's weights in ~7.5 ms against ~11 on one: one request's bf16 decode
-went from 45-46 to 51-52 output tok/s (with the loop's prefetch, below it in gemm_packed.h). How the
-threads share a call (output tiles for a decode's rows, rows for a prefill's) is gemm_packed.h's.
+went from 45-46 to 51-52 output tok/s, with gemm_packed.h's prefetch of the next panel in the same
+change. How the threads share a call (output tiles for a decode's rows, rows for a prefill's) is
+gemm_packed.h's.
 
 `PackedLinear(weight)` packs a `[out, in]` fp32 or bf16 weight once; calling it with `x` `[rows, in]`
 (contiguous columns, the weight's dtype) returns `x @ weight.T`, the sums in fp32 in the order of the

@@ -32,8 +32,6 @@ V3_REGISTERS = 110
 # K/V stages of the pipeline: two at least (one tile computed while the next loads); eight at most,
 # past which one CTA's loads in flight (7 tiles) exceed what an SM's share of HBM bandwidth needs.
 MIN_STAGES, MAX_STAGES = 2, 8
-# v3's fixed depth before the planner chose one: 3 stages where a stage is at most 16 KB, else 2.
-SHALLOW_STAGES, DEEP_STAGES, SHALLOW_STAGE_BYTES = 2, 3, 16384
 
 
 @dataclass(frozen=True)
@@ -87,8 +85,7 @@ def v3_stages(limits: DeviceLimits, cache_element_size: int, head_size: int, til
 
 def base_stages(cache_element_size: int, head_size: int) -> int:
     """v3's depth before it was planned per device: 3 stages of up to 16 KB, else 2."""
-    stage = v3_stage_bytes(cache_element_size, head_size)
-    return DEEP_STAGES if stage <= SHALLOW_STAGE_BYTES else SHALLOW_STAGES
+    return 3 if v3_stage_bytes(cache_element_size, head_size) <= 16384 else MIN_STAGES
 
 
 def check_stages(stages: int) -> None:
