@@ -143,11 +143,12 @@ def test_an_fp32_layer_on_avx512_is_the_fp32_gemm(rows: int, out_features: int) 
 
 
 @needs_f32_loop
-@pytest.mark.parametrize("rows", [11, 200])
+@pytest.mark.parametrize("rows", [11, 20, 200])
 def test_fp32_results_do_not_depend_on_the_thread_count(rows: int) -> None:
     """Every thread count gives the same result to the bit, whether the threads split the output tiles
     (a decode's rows) or the rows (past 96: 200 rows are two blocks of 96 and one of 8): each output's
-    sum does not depend on who computes it. 576 outputs are 9 tiles, an uneven split."""
+    sum does not depend on who computes it. 576 outputs are 9 tiles of 4 blocks, an uneven split; from
+    13 rows, 2 threads take 12 tiles of 3 blocks instead (20 rows), 3 threads keep the 9."""
     g = torch.Generator().manual_seed(5)
     weight, x = torch.randn(576, 64, generator=g), torch.randn(rows, 64, generator=g)
     loop = packed_linear.PackedLinear(weight)

@@ -152,19 +152,21 @@ inline void blocks_rows(typename T::Elem *y, int64_t y_stride, const typename T:
   }
 }
 
-// Blocks [first, last) for every row, ROW_BLOCK rows at a time: tiles of BLOCKS blocks, then the 1-3 left over.
-template <class T>
+// Blocks [first, last) for every row, ROW_BLOCK rows at a time: tiles of W blocks (BLOCKS, or 3
+// where that splits a layer's blocks more evenly over the threads: linear() below), then the 1 to
+// W-1 left over.
+template <class T, int W = BLOCKS>
 inline void block_range(typename T::Elem *y, int64_t y_stride, const typename T::Elem *x, int64_t x_stride,
                         const typename T::Elem *packed, int64_t num_rows, int64_t steps, int64_t first, int64_t last) {
-  static_assert(BLOCKS == 4, "the block remainders below count down from 4");
+  static_assert(BLOCKS == 4 && (W == 3 || W == 4), "the block remainders below count down from 4");
   for (int64_t m = 0; m < num_rows; m += ROW_BLOCK) {
     const int64_t rows = num_rows - m < ROW_BLOCK ? num_rows - m : ROW_BLOCK;
     typename T::Elem *y_m = y + m * y_stride;
     const typename T::Elem *x_m = x + m * x_stride;
     int64_t block = first;
-    for (; block + BLOCKS <= last; block += BLOCKS) {
-      const int64_t next = last - (block + BLOCKS) < BLOCKS ? last - (block + BLOCKS) : BLOCKS;
-      blocks_rows<T, BLOCKS>(y_m, y_stride, x_m, x_stride, packed, rows, steps, block, next);
+    for (; block + W <= last; block += W) {
+      const int64_t next = last - (block + W) < W ? last - (block + W) : W;
+      blocks_rows<T, W>(y_m, y_stride, x_m, x_stride, packed, rows, steps, block, next);
     }
     switch (last - block) {
       case 3: blocks_rows<T, 3>(y_m, y_stride, x_m, x_stride, packed, rows, steps, block, 0); break;
@@ -175,13 +177,34 @@ inline void block_range(typename T::Elem *y, int64_t y_stride, const typename T:
   }
 }
 
+// The most blocks one of `threads` threads takes when the tiles hold `width` blocks each.
+inline int64_t busiest_blocks(int64_t blocks, int64_t width, int64_t threads) {
+  const int64_t tiles = (blocks + width - 1) / width;
+  return (tiles + threads - 1) / threads * width;
+}
+
+// Thread i's tiles of `width` blocks, as OpenMP's static schedule would split them, as blocks.
+template <class T, int W>
+inline void thread_tiles(typename T::Elem *y, int64_t y_stride, const typename T::Elem *x, int64_t x_stride,
+                         const typename T::Elem *packed, int64_t num_rows, int64_t steps, int64_t blocks,
+                         int64_t i, int64_t threads) {
+  const int64_t tiles = (blocks + W - 1) / W, base = tiles / threads, extra = tiles % threads;
+  const int64_t t0 = i * base + (i < extra ? i : extra), t1 = t0 + base + (i < extra);
+  const int64_t last = t1 * W < blocks ? t1 * W : blocks;
+  if (t0 < t1) block_range<T, W>(y, y_stride, x, x_stride, packed, num_rows, steps, t0 * W, last);
+}
+
 // The layer over `num_threads` threads (1: on the calling thread). Up to ROW_BLOCK rows (decode)
 // the threads split the output tiles, so each weight comes from memory once; past it (prefill,
 // compute-bound) each thread takes an even share of the rows through every output. Splitting
 // decode's 16-output blocks evenly instead (SmolLM2's 576 outputs are 9 tiles: 5 against 4) left
 // half-width tiles at the seams and measured slower end to end in bf16 (decode's layer matmuls
-// 4.32-4.50 against 4.90-4.96 s). Splitting prefill's rows in ROW_BLOCKs left the last block short
-// (512 rows: 288 against 224, 10-15% behind oneDNN); even shares run level with it at 200-2,900 rows.
+// 4.32-4.50 against 4.90-4.96 s); tiles of 3 whole blocks where they split more evenly (576 outputs:
+// 12 tiles, 6 each, where 4-block tiles gave 5 against 4; 6 x 3 sums run at the 6 x 4 tile's speed
+// from L2) measured faster from 13 rows on: 5-8% at 16-32 rows in bf16 and fp32, 3-6% over a
+// draining batch; at 4-12 rows, where the loop streams from memory, 6-13% slower, so not there.
+// Splitting prefill's rows in ROW_BLOCKs left the last block short (512 rows: 288 against 224,
+// 10-15% behind oneDNN); even shares run level with it at 200-2,900 rows.
 template <class T>
 inline void linear(typename T::Elem *y, int64_t y_stride, const typename T::Elem *x, int64_t x_stride,
                    const typename T::Elem *packed, int64_t num_rows, int64_t out_features, int64_t in_features,
@@ -190,14 +213,14 @@ inline void linear(typename T::Elem *y, int64_t y_stride, const typename T::Elem
   if (num_threads == 1) {
     block_range<T>(y, y_stride, x, x_stride, packed, num_rows, steps, 0, blocks);
   } else if (num_rows <= ROW_BLOCK) {
-    const int64_t tiles = (blocks + BLOCKS - 1) / BLOCKS;
+    const bool narrow = num_rows > 2 * TILE_ROWS &&
+                        busiest_blocks(blocks, 3, num_threads) < busiest_blocks(blocks, BLOCKS, num_threads);
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t i = 0; i < num_threads; ++i) {
-      // omp's static split of the tiles as one range per thread, so each panel knows the next one
-      const int64_t base = tiles / num_threads, extra = tiles % num_threads;
-      const int64_t t0 = i * base + (i < extra ? i : extra), t1 = t0 + base + (i < extra);
-      const int64_t last = t1 * BLOCKS < blocks ? t1 * BLOCKS : blocks;
-      if (t0 < t1) block_range<T>(y, y_stride, x, x_stride, packed, num_rows, steps, t0 * BLOCKS, last);
+      if (narrow)
+        thread_tiles<T, 3>(y, y_stride, x, x_stride, packed, num_rows, steps, blocks, i, num_threads);
+      else
+        thread_tiles<T, BLOCKS>(y, y_stride, x, x_stride, packed, num_rows, steps, blocks, i, num_threads);
     }
   } else {
     // each thread an even share of the rows, in whole tiles of rows, through every output
