@@ -16,7 +16,7 @@ from paged import kernels
 from paged.kernels.backends import cpu as cpu_backend
 from paged.kernels.backends.emu import BACKEND as EMU
 from paged.kernels.backends.interface import CacheView
-from paged.kernels.backends.v3_plans import V3Workspace, check_workspace, v3_workspace
+from paged.kernels.backends.v3_plans import V3Workspace, check_workspace, v3_unit, v3_workspace
 from paged.kernels.features import AttentionFeatures, alibi_slopes
 from paged.kernels.ops import narrower_window
 from paged.kernels.split_plan import MAX_SPLITS, MIN_SPLIT_BYTES, Hardware, SplitPlan, plan_splits
@@ -283,8 +283,6 @@ def test_a_device_with_less_shared_memory_gets_shallower_pipelines() -> None:
 def test_the_steps_workspace_carries_the_devices_depth_to_the_kernel() -> None:
     """The emulator plans for an H100: a 16-bit head-128 cache gets 3 stages, an e4m3 one 6; the
     depth is the unit's template argument and sets its shared memory."""
-    from paged.kernels.backends.v3_plans import v3_unit
-
     cpu = torch.device("cpu")
     for cache_dtype, depth in ((None, 3), (E4M3, 6)):
         workspace = EMU.decode_workspace(2, 8, 1, 128, 16, "v3", 512, 3000, None, cpu, cache_dtype)

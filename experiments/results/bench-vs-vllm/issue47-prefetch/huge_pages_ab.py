@@ -16,9 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # linear_ab.py, which also sets up paged's thread wait
 # isort: off
-import paged  # noqa: E402,F401  (first: its short OpenMP spin must be set before torch loads libgomp)
+from linear_ab import LAYERS, SHAPES, step  # noqa: E402
 import torch  # noqa: E402
 # isort: on
 
@@ -27,7 +27,6 @@ from paged.kernels.backends import cpu as cpu_backend  # noqa: E402
 
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
-SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
 
 
@@ -49,20 +48,12 @@ class HugePageLinear(packed_linear.PackedLinear):
         self.packed = packed
 
 
-def step(layers: list[list[packed_linear.PackedLinear]], x: torch.Tensor, h: torch.Tensor) -> None:
-    for qkv, o, gate_up, down in layers:
-        qkv.run(x)
-        o.run(x)
-        gate_up.run(x)
-        down.run(h)
-
-
 def main() -> None:
     dtype = getattr(torch, sys.argv[1])
     rows_list = [int(r) for r in sys.argv[2:]] or [1, 8, 16, 32]
     cpu_backend.load()
     torch.manual_seed(0)
-    weights = [[torch.randn(o, i, dtype=dtype) * 0.02 for o, i in SHAPES] for _ in range(30)]
+    weights = [[torch.randn(o, i, dtype=dtype) * 0.02 for o, i in SHAPES] for _ in range(LAYERS)]
     spare = [[packed_linear.PackedLinear(w) for w in layer] for layer in weights]
     kinds = (packed_linear.PackedLinear, HugePageLinear, HugePageLinear, packed_linear.PackedLinear)
     builds = [[[kind(w) for w in layer] for layer in weights] for kind in kinds]
