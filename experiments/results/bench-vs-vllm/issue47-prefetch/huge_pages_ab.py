@@ -49,6 +49,8 @@ class HugePageLinear(packed_linear.PackedLinear):
 
 
 def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] not in ("bfloat16", "float32") or not all(r.isdigit() for r in sys.argv[2:]):
+        sys.exit(f"usage: {Path(__file__).name} bfloat16|float32 [rows ...], got {' '.join(sys.argv[1:]) or 'nothing'}")
     dtype = getattr(torch, sys.argv[1])
     rows_list = [int(r) for r in sys.argv[2:]] or [1, 8, 16, 32]
     cpu_backend.load()
