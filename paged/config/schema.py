@@ -140,6 +140,9 @@ class ModelConfig:
     # The linear layers' kernel (paged.model.linear): auto, torch (F.linear), onednn (prepacked) or packed
     # (paged's AVX-512 loop, oneDNN for the layers it cannot tile)
     gemm: str = "auto"
+    # a CPU decode step's layers in one native call where every call of the step is one it makes
+    # (paged.model.decode_layers); false: the Python forward always (the same results, to the bit)
+    native_decode: bool = True
     # source=gguf: reuse the dequantized weights cached on disk (keyed by the file's SHA-256); false: dequantize
     weight_cache: bool = True
     # CPU threads for torch and the native kernels; None: the cores this process may use (paged.utils.threads)

@@ -27,7 +27,13 @@ from paged.executor.kv_scales import KVScales
 from paged.executor.step_plan import BatchInput
 from paged.kernels.backends.interface import CacheView
 from paged.kernels.planned import AttentionSettings, CacheWrite, DecodeAttention, PrefillAttention, WriteThenAttend
+from paged.kernels.registry import get_backend
+from paged.kernels.split_plan import SplitPlan
+from paged.kernels.stack_attention import StackAttention
 from paged.kv_layout import KVLayout
+
+# the activations' dtypes the native layer stack runs (paged.model.decode_layers), whose caches hold them as they are
+_STACK_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,32 @@ class PagedAttention:
         # per layer: its ops and its KV tensor
         self.layers = [(ops[r.group, r.kind], r.slot) for r in routes]
         self.groups = [r.group for r in routes]
+
+    def stack_attention(self) -> StackAttention | None:
+        """This step's attention as one native call of every layer runs it (`paged.kernels.stack_attention`):
+        decode rows only, one KV group and attention type whose layer l writes KV tensor l, the cpu
+        backend's v3 with no feature, fp8 scale or score; None for any other step."""
+        ops = self.layers[0][0] if self.layers else None
+        if ops is None or ops.decode is None or ops.prefill is not None or self.scores is not None:
+            return None
+        decode, settings = ops.decode, ops.decode.settings
+        backend, plan, key_cache = get_backend(settings.backend), decode.workspace, self.key_caches[0]
+        if (backend.name != "cpu" or decode.version != "v3" or not isinstance(plan, SplitPlan) or decode.window
+                or self.kv_scales is not None or settings.alibi_slopes is not None or settings.blocksparse is not None
+                or settings.soft_cap is not None or key_cache.dtype not in _STACK_DTYPES
+                or len(self.layers) != len(self.key_caches)
+                or any(other is not ops or slot != i for i, (other, slot) in enumerate(self.layers))
+                or any(c.dtype != key_cache.dtype or not c.is_contiguous() for c in (*self.key_caches,
+                                                                                  *self.value_caches))):
+            return None
+        num_blocks, _, head_size, block_size = self.value_caches[0].shape
+        if backend.unsupported_reason(key_cache.device, key_cache.dtype, head_size, block_size, None,
+                                      key_cache.dtype) is not None:
+            return None
+        rows = decode.rows
+        return StackAttention(self.key_caches, self.value_caches, ops.write.slot_mapping, num_blocks * block_size,
+                              rows.block_tables, rows.seq_lens, settings.scale, plan.num_splits, plan.split_blocks,
+                              rows.max_seq_len)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:

@@ -114,6 +114,8 @@ class ModelExecutor(TieredHostPool, LaunchAhead, Executor):
         if rank == 0:
             check_dtypes(self.dtype, kernel_cfg, self.device)
         self.gemm = resolve_gemm(model_cfg.gemm, self.dtype, self.device)
+        # whether a decode step may run the model's layers in one native call (paged.model.decode_layers)
+        self.native_decode = model_cfg.native_decode
         workers = None
         if size > 1 and rank == 0:  # they load their shards while this process loads its own
             workers = WorkerGroup(size, self.device.type, type(self).rank_shard, (model_cfg, kernel_cfg, seed, size))
@@ -329,9 +331,10 @@ class ModelExecutor(TieredHostPool, LaunchAhead, Executor):
             # async scheduling: id -(1 + r) is a placeholder for the token that sampling row r of the step
             # before drew, which the host has not read yet (`Scheduler.commit_scheduled`)
             input_ids = torch.where(input_ids < 0, self.sampled_ids[(-1 - input_ids).clamp_(min=0)], input_ids)
-        with forward_context(PagedAttention(batch, self.key_caches, self.value_caches, self.attention,
-                                            decode_version=version, num_heads=self.shard.num_heads,
-                                            kv_scales=self.kv_scales, routes=self.routes, scores=self.step_scores)):
+        attention = PagedAttention(batch, self.key_caches, self.value_caches, self.attention, decode_version=version,
+                                   num_heads=self.shard.num_heads, kv_scales=self.kv_scales, routes=self.routes,
+                                   scores=self.step_scores)
+        with forward_context(attention, attention.stack_attention() if self.native_decode else None):
             return self.model.forward(input_ids, batch.positions)
 
     def _run(self, host: HostBatch, version: str | None) -> tuple[torch.Tensor, BatchInput]:

@@ -5,7 +5,8 @@ graph holds nothing of one step; the step's planned attention (its rows, caches 
 `paged.executor.attention.PagedAttention`) is what the executor sets here around the model's
 forward, and the op looks it up on every call. Each thread has its own, so two executors in one
 process (tensor-parallel ranks on threads, a test's reference beside an engine) never see each
-other's step.
+other's step. Where the step's attention is one that a model may run for all its layers in one
+native call (`paged.kernels.stack_attention`), the executor sets that form of it here too.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from contextlib import contextmanager
 
 import torch
 
+from paged.kernels.stack_attention import StackAttention
+
 LayerAttention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], object]
 """(layer, q [T, heads, D], k [T, kv_heads, D], v [T, kv_heads, D], out [T, heads, D]): writes the
 layer's attention output into `out`"""
@@ -23,21 +26,28 @@ layer's attention output into `out`"""
 
 class _Current(threading.local):
     attention: LayerAttention | None = None
+    stack: StackAttention | None = None
 
 
 _CURRENT = _Current()
 
 
 @contextmanager
-def forward_context(attention: LayerAttention) -> Iterator[None]:
-    """`attention` serves every `torch.ops.paged.attention` call this thread makes in the block;
-    whatever served them before serves them again after it."""
-    previous = _CURRENT.attention
-    _CURRENT.attention = attention
+def forward_context(attention: LayerAttention, stack: StackAttention | None = None) -> Iterator[None]:
+    """`attention` serves every `torch.ops.paged.attention` call this thread makes in the block,
+    and `stack` (the same attention, where a native call of every layer can run it) is what
+    `current_stack` returns there; whatever served them before serves them again after it."""
+    previous = _CURRENT.attention, _CURRENT.stack
+    _CURRENT.attention, _CURRENT.stack = attention, stack
     try:
         yield
     finally:
-        _CURRENT.attention = previous
+        _CURRENT.attention, _CURRENT.stack = previous
+
+
+def current_stack() -> StackAttention | None:
+    """The innermost `forward_context`'s attention as a native call of every layer runs it, or None."""
+    return _CURRENT.stack
 
 
 def current_attention() -> LayerAttention:

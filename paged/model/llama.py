@@ -18,8 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from paged.kernels.forward_context import current_stack
 from paged.kernels.torch_ops import layer_attention
 from paged.model.arch import LlamaArch
+from paged.model.decode_layers import DecodeLayers
 from paged.model.layer_ops import TORCH_OPS, TorchLayerOps
 from paged.model.linear import Linear
 
@@ -102,6 +104,8 @@ class LlamaModel:
         self.cos, self.sin = cos.to(self.device, dtype), sin.to(self.device, dtype)
         # RMSNorm / RoPE / SwiGLU; the executor switches to the native CPU kernels where they run
         self.ops: TorchLayerOps = TORCH_OPS
+        # the layers as one native call takes them (`DecodeLayers.of`), for the ops they were made with
+        self._decode_layers: tuple[TorchLayerOps, DecodeLayers | None] | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn = layer_attention
@@ -112,8 +116,13 @@ class LlamaModel:
         n_q, n_kv, d = a.num_heads, a.num_kv_heads, a.head_dim
         num_tokens = input_ids.shape[0]
         residual = self.embed[input_ids]
-        rotation = ops.rotation(positions, self.cos, self.sin)
         x = ops.rms_norm(residual, self.layers[0].attn_norm, eps)
+        stack = current_stack() if attn is layer_attention else None
+        layers = None if stack is None else self.decode_layers()
+        if layers is not None and layers.serves(num_tokens):
+            layers.run(x, residual, positions, self.cos, self.sin, stack, eps)
+            return x
+        rotation = ops.rotation(positions, self.cos, self.sin)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(x)
             q, k = ops.rope(qkv, rotation, n_q + n_kv, d).split((n_q, n_kv), dim=1)
@@ -125,6 +134,13 @@ class LlamaModel:
             following = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.final_norm
             x = ops.add_rms_norm(x, residual, following, eps)
         return x
+
+    def decode_layers(self) -> DecodeLayers | None:
+        """The layers as `decode_layers_cpu` runs a decode step of them, or None where it cannot
+        (`DecodeLayers.of`); made once per layer ops the executor sets."""
+        if self._decode_layers is None or self._decode_layers[0] is not self.ops:
+            self._decode_layers = self.ops, DecodeLayers.of(self)
+        return self._decode_layers[1]
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.all_reduce is None else self.all_reduce(x)

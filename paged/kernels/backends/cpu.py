@@ -135,6 +135,16 @@ _SIGNATURES = {
     "reshape_and_cache_cpu": [ctypes.c_int, ctypes.c_void_p, _Int64s, ctypes.c_void_p, _Int64s, ctypes.c_void_p,
                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
                               ctypes.c_int, ctypes.c_int, ctypes.c_int],
+    # A Llama decode step's layers (paged/model/decode_layers.py): kind, num_layers, rows, hidden, num_heads,
+    # num_kv_heads, head_dim, intermediate size; x, residual, the qkv / attention / gate_up / activation scratch;
+    # per-layer addresses of the qkv, o, gate_up and down packed weights, the mlp and next norms, the key and value
+    # caches; eps, positions, cos, sin, table positions; slot_mapping, num_slots, block_size, block_tables, their
+    # stride, seq_lens, scale, num_splits, split_blocks, max_seq_len, exp_lanes, num_threads
+    "decode_layers_cpu": [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_int64, *[ctypes.c_void_p] * 6, *[ctypes.c_void_p] * 8, ctypes.c_float,
+                          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                          ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                          ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int],
 }
 
 _CACHE = ArtifactCache("cpu", ".so")
