@@ -6,7 +6,9 @@ synchronous, so a call's wall time is its cost): matmuls (the layers' linears, a
 apart), attention (prefill and decode calls apart), the KV cache write, norms/RoPE/SwiGLU (torch
 formulas or the native fused ops), sampling, and input preparation. What no component claims is
 Python and framework overhead between the calls, also shown per layer call. Prefill steps (any
-prompt token) and decode-only steps are reported apart.
+prompt token) and decode-only steps are reported apart. A decode step whose layers run in one native
+call (`model.native_decode`, paged.model.decode_layers) is one component, "decode layers (one native
+call)": `--overrides model.native_decode=false` splits it into the others.
 
     python experiments/cpu/profile_step.py [--num-requests 64] [--overrides model.gemm=torch ...]
 """
@@ -31,6 +33,7 @@ import paged.executor.step_sampling as step_sampling
 import paged.kernels.planned as planned
 from paged import LLM, SamplingParams
 from paged.executor.step_plan import InputBuffers
+from paged.model.decode_layers import DecodeLayers
 from paged.model.layer_ops import NATIVE_CPU_OPS, TORCH_OPS, RunnerLayerOps, TorchLayerOps
 from paged.model.linear import Linear
 from paged.model.llama import LlamaModel
@@ -40,7 +43,8 @@ from bench_throughput import make_requests  # noqa: E402  (sibling script, not a
 
 CATEGORIES = [
     "matmul (layers)", "matmul (lm_head)", "attention (prefill)", "attention (decode)", "KV cache write",
-    "norms / RoPE / SwiGLU", "sampling", "input preparation", "Python and framework overhead",
+    "norms / RoPE / SwiGLU", "decode layers (one native call)", "sampling", "input preparation",
+    "Python and framework overhead",
 ]
 
 
@@ -78,6 +82,7 @@ def instrument(timer: StepTimer) -> None:
     model_executor.plan_batch = timer.wrap("input preparation", model_executor.plan_batch)
     InputBuffers.upload = timer.wrap("input preparation", InputBuffers.upload)
     Linear.__call__ = timer.wrap("matmul (layers)", Linear.__call__)
+    DecodeLayers.run = timer.wrap("decode layers (one native call)", DecodeLayers.run)
     LlamaModel.compute_logits = timer.wrap("matmul (lm_head)", LlamaModel.compute_logits)
     for cls in {type(ops) for ops in (NATIVE_CPU_OPS, TORCH_OPS)} | {TorchLayerOps, RunnerLayerOps}:
         for method in ("rms_norm", "add_rms_norm", "silu_and_mul", "rotation", "rope"):

@@ -28,6 +28,9 @@ class Described(Protocol):
     kernel_description: str | None
     prefill_path: str | None
     gemm: str
+    native_decode: bool
+    version: str
+    backend: Any
     graphs: Any
     async_scheduling: bool
     threads: Any
@@ -41,6 +44,9 @@ def describe(ex: Described) -> str:
     # BLOOM keeps F.linear and its own norms: only a Llama model has these choices
     layers = (f"; gemm {describe_gemm(ex.gemm, ex.dtype)}, {ex.model.ops.name} norms/RoPE/SwiGLU"
               if isinstance(ex.model, LlamaModel) else "")
+    if (isinstance(ex.model, LlamaModel) and ex.native_decode and ex.backend.name == "cpu"
+            and ex.version in ("auto", "v3") and ex.cache_dtype == ex.dtype and ex.model.decode_layers() is not None):
+        layers += ", decode steps' layers in one native call (those without a window or feature)"
     graphs = "; steps from CUDA graphs" if ex.graphs is not None else ""
     graphs += "; async scheduling" if ex.async_scheduling else ""
     cpu = f"; {ex.threads.count}" + " per rank" * (ex.num_devices > 1) if ex.device.type == "cpu" else ""
