@@ -118,23 +118,24 @@ def test_greedy_outputs_equal_those_of_the_python_forward(dtype: torch.dtype, mo
 
 
 @pytest.mark.parametrize(
-    "overrides",
+    ("dtype", "overrides"),
     [
-        ["kernel.version=v2"],  # only v3's calls are made natively
-        ["kernel.kv_cache_dtype=fp8_e4m3"],  # scales, and a cache in another dtype
+        (torch.float32, ["kernel.version=v2"]),  # only v3's calls are made natively
+        (torch.float32, ["kernel.kv_cache_dtype=fp8_e4m3"]),  # scales, and a cache in another dtype
+        (torch.bfloat16, ["kernel.kv_cache_dtype=float32"]),  # converted on its write
         # a window narrower than every decode step's longest context (one wider than all of a step's
         # contexts is no window: that step runs natively, as the Python forward runs it without one)
-        ["model.sliding_window=4"],
-        ["kernel.backend=torch"],  # torch attention and layer ops
-        ["model.gemm=onednn"],  # linears the loop does not run
+        (torch.float32, ["model.sliding_window=4"]),
+        (torch.float32, ["kernel.backend=torch"]),  # torch attention and layer ops
+        (torch.float32, ["model.gemm=onednn"]),  # linears the loop does not run
     ],
-    ids=["v2", "fp8", "window", "torch-backend", "onednn"],
+    ids=["v2", "fp8", "bf16-over-fp32-cache", "window", "torch-backend", "onednn"],
 )
-def test_steps_it_cannot_run_take_the_python_forward(overrides: list[str], monkeypatch) -> None:
-    _needs_loop(torch.float32)
+def test_steps_it_cannot_run_take_the_python_forward(dtype: torch.dtype, overrides: list[str], monkeypatch) -> None:
+    _needs_loop(dtype)
     runs = _Runs(monkeypatch)
-    llm = _llm(torch.float32, *overrides)
-    reference = _generate(_llm(torch.float32, *overrides, "model.native_decode=false"))
+    llm = _llm(dtype, *overrides)
+    reference = _generate(_llm(dtype, *overrides, "model.native_decode=false"))
     assert _generate(llm) == reference
     assert runs.calls == 0
     # a model with a window still runs natively a step whose contexts all fit in it: the line says so
@@ -146,7 +147,7 @@ def test_decode_layers_of_a_model_it_cannot_run_is_none() -> None:
     _needs_loop(torch.float32)
     model = _llm(torch.float32).engine.executor.model
     layers = model.decode_layers()
-    assert layers is not None and layers.serves(256)
+    assert layers is not None
     model.ops = TORCH_OPS  # the torch formulas are not the native ops' calls
     assert model.decode_layers() is None
     assert DecodeLayers.of(model) is None

@@ -114,8 +114,7 @@ class ModelExecutor(TieredHostPool, LaunchAhead, Executor):
         if rank == 0:
             check_dtypes(self.dtype, kernel_cfg, self.device)
         self.gemm = resolve_gemm(model_cfg.gemm, self.dtype, self.device)
-        # whether a decode step may run the model's layers in one native call (paged.model.decode_layers)
-        self.native_decode = model_cfg.native_decode
+        self.native_decode = model_cfg.native_decode  # a decode step's layers in one call (paged.model.decode_layers)
         workers = None
         if size > 1 and rank == 0:  # they load their shards while this process loads its own
             workers = WorkerGroup(size, self.device.type, type(self).rank_shard, (model_cfg, kernel_cfg, seed, size))

@@ -20,7 +20,8 @@ class StackAttention:
     """Every layer's cache write (`slot_mapping`, int64, into `num_slots` slots) and v3 decode
     attention (`block_tables` int32 `[rows, blocks]`, `seq_lens` int32 `[rows]`, `scale`, the split
     plan's `num_splits` of `split_blocks` blocks, `max_seq_len`), layer l over `key_caches[l]` and
-    `value_caches[l]` (contiguous, in the activations' dtype)."""
+    `value_caches[l]` (contiguous, all of one dtype: a model runs them natively only where it is its
+    activations', since a cache of another dtype is converted on its write)."""
 
     key_caches: Sequence[torch.Tensor]
     value_caches: Sequence[torch.Tensor]

@@ -16,23 +16,34 @@ Everything else runs the Python forward; `model.native_decode=false` runs it alw
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from paged.kernels import fused_ops
 from paged.kernels.backends import cpu as _cpu
 from paged.kernels.stack_attention import StackAttention
-from paged.model.layer_ops import NativeCpuLayerOps
-
-if TYPE_CHECKING:
-    from paged.model.llama import LlamaModel
+from paged.model.arch import LlamaArch
+from paged.model.layer_ops import NativeCpuLayerOps, TorchLayerOps
 
 # the packed loop's kind codes (kernels_cu/cpu/paged_attention_cpu.cpp: gemm_packed_cpu)
 _KINDS = {torch.float32: 0, torch.bfloat16: 1}
 # decode_layers_cpu's calls, in order, as its status names them
 _CALLS = ("qkv", "rope", "cache write", "attention", "o", "mlp norm", "gate_up", "silu_and_mul", "down", "next norm")
+
+
+class Llama(Protocol):
+    """What `DecodeLayers` reads of a model (`paged.model.llama.LlamaModel`, which imports this module):
+    its layers (`LlamaLayer`: norms and four `Linear`s), final norm, dtype, device, ops and all-reduce."""
+
+    arch: LlamaArch
+    layers: Sequence[Any]
+    final_norm: torch.Tensor
+    dtype: torch.dtype
+    device: torch.device
+    ops: TorchLayerOps
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None
 
 
 def _addresses(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -43,9 +54,9 @@ class DecodeLayers:
     """A Llama model's layers as `decode_layers_cpu` takes them: each weight's address, per layer.
     The weights never move, so the addresses are made once (`of`); the caches' once per list of them."""
 
-    def __init__(self, model: LlamaModel) -> None:
+    def __init__(self, model: Llama) -> None:
         a, layers = model.arch, model.layers
-        self.kind = _KINDS[model.dtype]
+        self.dtype, self.kind = model.dtype, _KINDS[model.dtype]
         self.dims = (len(layers), a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim)
         self.inter = layers[0].gate_up.out_features // 2
         # fp32 SiLU's vector width (`fused_ops.silu_lanes`); bf16's takes none
@@ -61,7 +72,7 @@ class DecodeLayers:
         self._caches: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
-    def of(cls, model: LlamaModel) -> DecodeLayers | None:
+    def of(cls, model: Llama) -> DecodeLayers | None:
         """The model's layers, or None where a call of its forward is not one `decode_layers_cpu` makes."""
         linears = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         if (not isinstance(model.ops, NativeCpuLayerOps) or model.all_reduce is not None
@@ -71,9 +82,11 @@ class DecodeLayers:
             return None
         return cls(model)
 
-    def serves(self, num_tokens: int) -> bool:
-        """Whether a step of `num_tokens` rows runs every linear on the packed loop."""
-        return self.max_rows is None or num_tokens <= self.max_rows
+    def serves(self, num_tokens: int, attention: StackAttention) -> bool:
+        """Whether a step of `num_tokens` rows runs every linear on the packed loop, over caches in the
+        activations' dtype (a cache of another dtype is converted on its write: the Python forward's)."""
+        return ((self.max_rows is None or num_tokens <= self.max_rows)
+                and attention.key_caches[0].dtype == self.dtype)
 
     def run(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor, attention: StackAttention, eps: float) -> None:

@@ -119,7 +119,7 @@ class LlamaModel:
         x = ops.rms_norm(residual, self.layers[0].attn_norm, eps)
         stack = current_stack() if attn is layer_attention else None
         layers = None if stack is None else self.decode_layers()
-        if layers is not None and layers.serves(num_tokens):
+        if layers is not None and layers.serves(num_tokens, stack):
             layers.run(x, residual, positions, self.cos, self.sin, stack, eps)
             return x
         rotation = ops.rotation(positions, self.cos, self.sin)
