@@ -111,7 +111,9 @@ class LlamaModel:
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn = layer_attention
     ) -> torch.Tensor:
         """Hidden states `[T, hidden]` after the final norm, for a flat batch of T tokens; `attn`
-        replaces the torch op (a reference attention, the memory profile's zeros)."""
+        replaces the torch op (a reference attention, the memory profile's zeros). A CPU decode step
+        whose attention the executor offers in one native call's form (`current_stack`) runs its layers
+        in that call (`paged.model.decode_layers`): the same kernel calls, the same bits."""
         a, ops, eps = self.arch, self.ops, self.arch.rms_norm_eps
         n_q, n_kv, d = a.num_heads, a.num_kv_heads, a.head_dim
         num_tokens = input_ids.shape[0]
