@@ -175,6 +175,10 @@ def test_a_refused_call_names_its_layer_and_call(monkeypatch) -> None:
     with pytest.raises(ValueError, match=r"decode_layers_cpu \(layer 0, rope\) refused its arguments: positions "
                                          r"holds a position outside the cos/sin tables"):
         layers.run(x, residual, beyond, ex.model.cos, ex.model.sin, stack, 1e-5)
+    # its own sizes: no layer ran
+    layers.dims = (layers.dims[0], 0, *layers.dims[2:])
+    with pytest.raises(ValueError, match=r"^cpu decode_layers_cpu refused its arguments: sizes must be positive"):
+        layers.run(x, residual, beyond, ex.model.cos, ex.model.sin, stack, 1e-5)
 
 
 def test_native_decode_takes_a_bool() -> None:

@@ -112,8 +112,10 @@ class DecodeLayers:
             attention.split_blocks, attention.max_seq_len, self.exp_lanes, torch.get_num_threads(),
         )
         if status:
+            # below 256: the call's own sizes; above: the layer and call that refused, and its status
             layer, call = divmod(status // 256, 16)
-            _cpu.check_status(f"decode_layers_cpu (layer {layer}, {_CALLS[call - 1]})", status % 256)
+            where = f" (layer {layer}, {_CALLS[call - 1]})" if call else ""
+            _cpu.check_status(f"decode_layers_cpu{where}", status % 256)
 
     def _cache_addresses(self, attention: StackAttention) -> tuple[torch.Tensor, torch.Tensor]:
         """The caches' addresses, made again only when the executor's lists of them change."""
