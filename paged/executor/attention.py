@@ -111,8 +111,9 @@ class PagedAttention:
                 prefill = None if rows.prefill is None else PrefillAttention(
                     rows.prefill, s, num_kv_heads, head_size, num_blocks, block_size)
                 ops[route.group, route.kind] = _StepOps(writes[route.group], decode, prefill)
-        # per layer: its ops and its KV tensor
+        # per layer: its ops and its KV tensor; one set of ops: one KV group and attention type
         self.layers = [(ops[r.group, r.kind], r.slot) for r in routes]
+        self._one_op = len(ops) == 1
         self.groups = [r.group for r in routes]
 
     def stack_attention(self) -> StackAttention | None:
@@ -124,18 +125,15 @@ class PagedAttention:
             return None
         decode, settings = ops.decode, ops.decode.settings
         backend, plan, key_cache = get_backend(settings.backend), decode.workspace, self.key_caches[0]
+        # The executor allocates its caches alike (`allocate_kv`: contiguous, one dtype), so the first
+        # stands for all, and resolved the backend for their dtype, head and block size (`init_kv_cache`).
         if (backend.name != "cpu" or decode.version != "v3" or not isinstance(plan, SplitPlan) or decode.window
                 or self.kv_scales is not None or settings.alibi_slopes is not None or settings.blocksparse is not None
                 or settings.soft_cap is not None or key_cache.dtype not in _STACK_DTYPES
-                or len(self.layers) != len(self.key_caches)
-                or any(other is not ops or slot != i for i, (other, slot) in enumerate(self.layers))
-                or any(c.dtype != key_cache.dtype or not c.is_contiguous() for c in (*self.key_caches,
-                                                                                  *self.value_caches))):
+                or not key_cache.is_contiguous() or not self._one_op or len(self.layers) != len(self.key_caches)
+                or any(slot != i for i, (_, slot) in enumerate(self.layers))):
             return None
-        num_blocks, _, head_size, block_size = self.value_caches[0].shape
-        if backend.unsupported_reason(key_cache.device, key_cache.dtype, head_size, block_size, None,
-                                      key_cache.dtype) is not None:
-            return None
+        num_blocks, block_size = self.value_caches[0].shape[0], self.value_caches[0].shape[-1]
         rows = decode.rows
         return StackAttention(self.key_caches, self.value_caches, ops.write.slot_mapping, num_blocks * block_size,
                               rows.block_tables, rows.seq_lens, settings.scale, plan.num_splits, plan.split_blocks,
